@@ -1,0 +1,230 @@
+"""The NTK's top eigenpair: dense, or matrix-free by Lanczos.
+
+Dense: ``scipy.linalg.eigh`` on a materialised kernel, asking only for the two
+largest eigenpairs. Matrix-free: ``scipy.sparse.linalg.eigsh`` (ARPACK's
+implicitly restarted Lanczos) on a ``LinearOperator`` whose matvec is
+``v -> J (J^T v)``: ``J^T v`` is one weighted backward pass (a VJP of
+``sum_i v_i f(x_i)``) and ``J w`` one forward-mode pass (a JVP), both chunked
+over the batch, so memory is O(P + n) and never holds J. ``ncv=4`` and the
+all-ones start vector were measured to need 5-7 matvecs where scipy's default
+``ncv=20`` spends 21 (DESIGN.md §6).
+
+Conventions (DESIGN.md §1): ``u`` has unit norm and ``sum(u) > 0`` (if the sum
+is 0, the first non-zero entry is positive). ``eigengap = lambda_2 / lambda_1``;
+above 0.99 a warning says ``u`` is ill-defined.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.linalg
+import torch
+from scipy.sparse.linalg import LinearOperator, eigsh
+
+from ntkscope._checks import check_choice, check_positive_int, fail, format_bytes
+from ntkscope.grads import (
+    FunctionalModel,
+    default_chunk_size,
+    functional_model,
+    jvp_rows,
+    resolve_budget,
+    vjp_rows,
+)
+from ntkscope.ntk import PROJECTIONS, _exact, _projected, exact_memory
+from ntkscope.objectives import batch_size
+
+log = logging.getLogger(__name__)
+
+EIGENGAP_WARNING = 0.99
+_DENSE_BELOW = 6  # Lanczos needs ncv < n; a handful of matvecs materialise such small kernels exactly
+
+
+class IllDefinedEigenvectorWarning(UserWarning):
+    """lambda_2 / lambda_1 > 0.99: the top eigenvector is not well defined."""
+
+
+@dataclass(frozen=True)
+class EigenResult:
+    """Top eigenpair of an NTK.
+
+    Attributes
+    ----------
+    eigenvalue : float
+        lambda_1.
+    eigenvector : ndarray of shape (n,)
+        u_max, unit norm, ``sum(u) > 0``.
+    second_eigenvalue : float
+        lambda_2 (0 for n = 1).
+    eigengap : float
+        lambda_2 / lambda_1 (DESIGN.md's definition: near 1 means u_max is ill-defined).
+    method : {"dense", "matrix-free"}
+    matvecs : int
+        Kernel-vector products spent (0 for dense).
+    """
+
+    eigenvalue: float
+    eigenvector: np.ndarray
+    second_eigenvalue: float
+    eigengap: float
+    method: str
+    matvecs: int = 0
+
+
+def orient(u: np.ndarray) -> np.ndarray:
+    """Unit-normalise and flip so that ``sum(u) > 0`` (first non-zero entry > 0 if the sum is 0)."""
+    u = np.asarray(u, dtype=np.float64)
+    u = u / np.linalg.norm(u)
+    total = u.sum()
+    tol = 64 * np.finfo(np.float64).eps * np.sqrt(u.size)
+    if abs(total) > tol:
+        return u if total > 0 else -u
+    nonzero = np.flatnonzero(np.abs(u) > tol)
+    return u if nonzero.size == 0 or u[nonzero[0]] > 0 else -u
+
+
+def _result(func, lam1, lam2, u, method, matvecs) -> EigenResult:
+    if lam1 <= 0:
+        raise fail(func, "batch", "has an NTK with no positive eigenvalue (all gradients are zero); "
+                   "lambda_max", float(lam1))
+    gap = float(max(lam2, 0.0) / lam1)
+    if gap > EIGENGAP_WARNING:
+        warnings.warn(f"{func}: eigengap lambda_2/lambda_1 = {gap:.4f} > {EIGENGAP_WARNING}: the top eigenvector "
+                      "is ill-defined (two near-equal directions)", IllDefinedEigenvectorWarning, stacklevel=3)
+    return EigenResult(float(lam1), orient(u), float(lam2), gap, method, matvecs)
+
+
+def top_eigenpair(matrix) -> EigenResult:
+    """Top eigenpair of a symmetric PSD kernel of shape (n, n), densely.
+
+    Parameters
+    ----------
+    matrix : Tensor or ndarray of shape (n, n)
+
+    Returns
+    -------
+    EigenResult
+    """
+    return dense_top_eigenpair("top_eigenpair", matrix)
+
+
+def dense_top_eigenpair(func: str, matrix) -> EigenResult:
+    A = matrix.detach().cpu().numpy() if torch.is_tensor(matrix) else np.asarray(matrix)
+    if A.ndim != 2 or A.shape[0] != A.shape[1] or A.shape[0] == 0:
+        raise fail(func, "matrix", "must be a non-empty square matrix of shape (n, n)", A.shape)
+    if not np.isfinite(A).all():
+        raise fail(func, "matrix", "must be finite", "NaN/inf entries")
+    A = A.astype(np.float64, copy=False)
+    n = A.shape[0]
+    vals, vecs = scipy.linalg.eigh(A, subset_by_index=[max(0, n - 2), n - 1])
+    lam2 = vals[0] if n > 1 else 0.0
+    return _result(func, vals[-1], lam2, vecs[:, -1], "dense", 0)
+
+
+class NTKOperator(LinearOperator):
+    """``v -> Theta v = J (J^T v)`` without forming J or Theta; counts its matvecs."""
+
+    def __init__(self, fm: FunctionalModel, data: dict, n: int, chunk_size: int):
+        super().__init__(dtype=np.float64, shape=(n, n))
+        self.fm, self.data, self.n, self.chunk = fm, data, n, chunk_size
+        self.matvecs = 0
+
+    def _matvec(self, v):
+        self.matvecs += 1
+        fm = self.fm
+        v = torch.as_tensor(np.asarray(v).reshape(-1), dtype=fm.dtype, device=fm.device)
+        jt_v = vjp_rows(fm, self.data, v, self.chunk)  # (P,) = J^T v
+        out = jvp_rows(fm, self.data, jt_v, self.chunk, self.n)  # (n,) = J J^T v
+        return out.detach().cpu().double().numpy()
+
+    def _rmatvec(self, v):  # symmetric
+        return self._matvec(v)
+
+
+def lanczos_top_eigenpair(func: str, op: NTKOperator, *, tol: float = 1e-6, ncv: int = 4) -> EigenResult:
+    """Top two eigenpairs of ``op`` by ARPACK Lanczos, started from the all-ones vector."""
+    n = op.shape[0]
+    if n < _DENSE_BELOW:
+        cols = np.stack([op.matvec(e) for e in np.eye(n)], axis=1)
+        res = dense_top_eigenpair(func, 0.5 * (cols + cols.T))
+        return _result(func, res.eigenvalue, res.second_eigenvalue, res.eigenvector, "matrix-free", op.matvecs)
+    v0 = np.ones(n) / np.sqrt(n)
+    vals, vecs = eigsh(op, k=2, which="LA", ncv=min(n, max(ncv, 3) + 1), tol=tol, v0=v0)
+    order = np.argsort(vals)
+    return _result(func, vals[order[-1]], vals[order[0]], vecs[:, order[-1]], "matrix-free", op.matvecs)
+
+
+EIGEN_METHODS = ("auto", "exact", "matrix-free", "projected")
+
+
+def solve_top(func: str, fm: FunctionalModel, data: dict, n: int, method: str, chunk: int, budget: int, *,
+              projection: str = "gaussian", projection_dim: int = 1024, seed: int = 0,
+              tol: float = 1e-6, ncv: int = 4):
+    """Top eigenpair of the NTK of prepared ``data``; returns (EigenResult, kernel (n, n) or None, method).
+
+    ``"auto"``: exact if all of J fits in ``budget`` bytes, else matrix-free (exact up to
+    Lanczos' tolerance, memory O(P + n)).
+    """
+    if method == "auto":
+        need = exact_memory(fm, n, n, chunk)
+        method = "exact" if need <= budget else "matrix-free"
+        log.info("%s: method=%r (exact needs %s of %s allowed)", func, method, format_bytes(need), format_bytes(budget))
+    if method == "matrix-free":
+        return lanczos_top_eigenpair(func, NTKOperator(fm, data, n, chunk), tol=tol, ncv=ncv), None, method
+    if method == "exact":
+        kernels, _ = _exact(fm, data, None, n, n, chunk, budget, "trace")
+    else:
+        kernels = _projected(fm, data, None, n, n, chunk, "trace", projection_dim, projection, seed)
+    kernel = sum(kernels.values())
+    return dense_top_eigenpair(func, kernel), kernel, method
+
+
+def check_eigen_args(func: str, method, chunk_size, projection, projection_dim) -> None:
+    check_choice(func, "method", method, set(EIGEN_METHODS))
+    check_positive_int(func, "chunk_size", chunk_size, allow_none=True)
+    check_choice(func, "projection", projection, set(PROJECTIONS))
+    check_positive_int(func, "projection_dim", projection_dim)
+
+
+def require_scalar(func: str, fm: FunctionalModel) -> None:
+    if not fm.scalar:
+        raise fail(func, "output", "must be a scalar output ('loss', an LMLoss or a callable returning (n,)) "
+                   "for an eigenvector over samples", fm.objective.name)
+
+
+def ntk_top_eigenpair(model, batch, *, output="loss", params=None, method="auto", dtype=None, chunk_size=None,
+                      max_memory=None, projection="gaussian", projection_dim=1024, seed=0, tol=1e-6,
+                      ncv=4) -> EigenResult:
+    """Top eigenpair (lambda_max, u_max) of the NTK of ``batch`` for a scalar output.
+
+    Parameters
+    ----------
+    model, batch, output, params, dtype, chunk_size, max_memory
+        As for :func:`ntkscope.empirical_ntk`.
+    method : {"auto", "exact", "matrix-free", "projected"}
+        ``"auto"``: exact (dense ``eigh`` of the streamed kernel) when J fits in
+        memory, else matrix-free Lanczos, memory O(P + n).
+    tol, ncv : float, int
+        ARPACK's tolerance and Lanczos basis size for the matrix-free method.
+
+    Returns
+    -------
+    EigenResult
+        ``eigenvector`` has shape (n,).
+    """
+    func = "ntk_top_eigenpair"
+    check_eigen_args(func, method, chunk_size, projection, projection_dim)
+    with functional_model(func, model, output=output, params=params, dtype=dtype) as fm:
+        require_scalar(func, fm)
+        n = batch_size(func, batch)
+        if n < 1:
+            raise fail(func, "batch", "must hold at least one sample", n)
+        data = fm.prepare(batch)
+        budget = resolve_budget(func, max_memory, fm.device)
+        chunk = chunk_size or default_chunk_size(n, fm, budget)
+        result, _, _ = solve_top(func, fm, data, n, method, chunk, budget, projection=projection,
+                                 projection_dim=projection_dim, seed=seed, tol=tol, ncv=ncv)
+        return result
