@@ -285,7 +285,9 @@ def _choose(fm, method, n1, n2, chunk, budget, k, symmetric):
     K, P, isz = fm.n_outputs, fm.selection.n_params, fm.itemsize
     row = K * P * isz
     exact_bytes = exact_memory(fm, n1, n2, chunk)
-    proj_bytes = P * k * isz + 3 * chunk * row + (n1 + (0 if symmetric else n2)) * K * k * len(fm.selection.blocks) * isz
+    kernels = (len(fm.selection.blocks) + 1) * K * n1 * n2 * isz
+    sketches = (n1 + (0 if symmetric else n2)) * K * k * len(fm.selection.blocks) * isz
+    proj_bytes = P * k * isz + 3 * chunk * row + sketches + kernels
     if 4 * chunk * row > budget and method != "projected":
         raise fail("empirical_ntk", "max_memory", f"is too small for even one chunk of per-sample gradients "
                    f"({format_bytes(4 * chunk * row)} for chunk_size={chunk}, P={P}, K={K}); "

@@ -1,0 +1,157 @@
+"""Empirical NTK: exact and projected against J @ J.T, known answers, HF models."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ntkscope as ns
+from ntkscope.objectives import LMLoss, resolve_output
+from tests.reference import causal_jacobian, jacobian_loop
+
+
+def test_exact_equals_explicit_gram(gpt, lm_batch):
+    J = causal_jacobian(gpt, lm_batch)
+    res = ns.empirical_ntk(gpt, lm_batch, method="exact", chunk_size=3)
+    assert res.method == "exact" and res.gradient_passes == 1
+    torch.testing.assert_close(res.matrix, J @ J.T, rtol=1e-10, atol=1e-12)
+    assert torch.equal(res.matrix, res.matrix.T)
+
+
+def test_cross_ntk_equals_j1_j2t(gpt, lm_batch):
+    b1 = {k: v[:5] for k, v in lm_batch.items()}
+    b2 = {k: v[5:] for k, v in lm_batch.items()}
+    J = causal_jacobian(gpt, lm_batch)
+    res = ns.empirical_ntk(gpt, b1, b2, method="exact", chunk_size=2)
+    assert res.matrix.shape == (5, 3)
+    torch.testing.assert_close(res.matrix, J[:5] @ J[5:].T, rtol=1e-10, atol=1e-12)
+
+
+def test_blocks_sum_to_the_whole_and_match_their_columns(gpt, lm_batch):
+    res = ns.empirical_ntk(gpt, lm_batch, blocks="layer", method="exact")
+    torch.testing.assert_close(sum(res.blocks.values()), res.matrix, rtol=1e-12, atol=1e-12)
+    names = [n for n, _ in gpt.named_parameters() if n.startswith("transformer.h.0.")]
+    J0 = causal_jacobian(gpt, lm_batch, names)
+    torch.testing.assert_close(res.blocks["transformer.h.0"], J0 @ J0.T, rtol=1e-10, atol=1e-12)
+
+
+def test_panels_when_j_does_not_fit_give_the_same_kernel(gpt, lm_batch):
+    full = ns.empirical_ntk(gpt, lm_batch, method="exact", chunk_size=2)
+    P = full.n_params
+    row = P * 8
+    # room for a 3-row panel beside a 2-sample chunk's working set: forces panels, never all of J
+    small = ns.empirical_ntk(gpt, lm_batch, method="exact", chunk_size=2, max_memory=(3 + 3 * 2) * row + 1000)
+    assert small.gradient_passes > 1
+    torch.testing.assert_close(small.matrix, full.matrix, rtol=1e-12, atol=1e-12)
+    cross = ns.empirical_ntk(gpt, lm_batch, {k: v[:3] for k, v in lm_batch.items()}, method="exact",
+                             chunk_size=2, max_memory=(3 + 3 * 2) * row + 1000)
+    torch.testing.assert_close(cross.matrix, full.matrix[:, :3], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("projection", ["gaussian", "rademacher"])
+def test_projected_within_its_stated_bound(gpt, lm_batch, projection):
+    exact = ns.empirical_ntk(gpt, lm_batch, method="exact", blocks="layer")
+    proj = ns.empirical_ntk(gpt, lm_batch, method="projected", blocks="layer", projection=projection,
+                            projection_dim=4000, seed=3)
+    assert proj.method == "projected" and 0 < proj.error_bound < 1
+    for name, block in exact.blocks.items():
+        d = torch.sqrt(torch.outer(block.diag(), block.diag()))
+        err = (proj.blocks[name] - block).abs()
+        assert bool((err <= proj.error_bound * d + 1e-12).all()), name
+    d = torch.sqrt(torch.outer(exact.matrix.diag(), exact.matrix.diag()))
+    assert bool(((proj.matrix - exact.matrix).abs() <= proj.error_bound * d).all())
+    # the same seed gives the same kernel; another seed another one
+    again = ns.empirical_ntk(gpt, lm_batch, method="projected", blocks="layer", projection=projection,
+                             projection_dim=4000, seed=3)
+    assert torch.equal(again.matrix, proj.matrix)
+
+
+def test_jl_bound_shrinks_with_k_and_is_infinite_for_tiny_k():
+    assert ns.jl_error_bound(10_000, 100) < ns.jl_error_bound(1000, 100) < 1
+    assert ns.jl_error_bound(4, 10**6) == float("inf")
+
+
+def test_linear_model_has_the_analytic_ntk():
+    torch.manual_seed(0)
+    X = torch.randn(7, 4)
+    model = nn.Linear(4, 1)  # f(x) = w.x + b: grad = (x, 1), Theta = X X^T + 1
+    res = ns.empirical_ntk(model, X, output="logits")
+    torch.testing.assert_close(res.matrix, X @ X.T + 1)
+    # K outputs: each output's kernel is X X^T + 1 (block-diagonal Jacobian); trace is K times that
+    model3 = nn.Linear(4, 3)
+    diag = ns.empirical_ntk(model3, X, output="logits", reduction="diagonal")
+    assert diag.matrix.shape == (3, 7, 7)
+    for k in range(3):
+        torch.testing.assert_close(diag.matrix[k], X @ X.T + 1)
+    trace = ns.empirical_ntk(model3, X, output="logits", reduction="trace")
+    torch.testing.assert_close(trace.matrix, 3 * (X @ X.T + 1))
+
+
+def test_auto_picks_exact_when_j_fits_and_projected_when_not(gpt, lm_batch):
+    assert ns.empirical_ntk(gpt, lm_batch).method == "exact"
+    # n = 100 samples of a P = 2001 model: J is 1.6 MB, k = 16 projections 0.26 MB
+    torch.manual_seed(0)
+    X = torch.randn(100, 2000)
+    model = nn.Linear(2000, 1)
+    res = ns.empirical_ntk(model, X, output="logits", projection_dim=16, chunk_size=4, max_memory=1_000_000)
+    assert res.method == "projected" and "J needs" in res.reason
+    tiny = ns.empirical_ntk(model, X, output="logits", projection_dim=64, chunk_size=4, max_memory=400_000)
+    assert tiny.method == "exact" and tiny.gradient_passes > 1 and "panels" in tiny.reason
+    torch.testing.assert_close(tiny.matrix, X @ X.T + 1)
+
+
+def test_hf_gpt2_ntk_with_tied_weights(hf_gpt2, lm_batch):
+    J = causal_jacobian(hf_gpt2, lm_batch)
+    res = ns.empirical_ntk(hf_gpt2, lm_batch, method="exact")
+    torch.testing.assert_close(res.matrix, J @ J.T, rtol=1e-9, atol=1e-12)
+
+
+def test_hf_bert_masked_lm_ntk(hf_bert, lm_batch):
+    output = ns.LMLoss(objective="masked", mask_token_id=1, mask_prob=0.3, seed=7)
+    res = ns.empirical_ntk(hf_bert, lm_batch, output=output, method="exact")
+    # reference: HF's own 2-D attention mask, one sample at a time, the same deterministic mask
+    objective = resolve_output("test", output, hf_bert)
+    ids, mask = lm_batch["input_ids"], lm_batch["attention_mask"]
+
+    def loss(i):
+        prepared = objective.prepare("test", hf_bert, {"input_ids": ids[i : i + 1], "attention_mask": mask[i : i + 1]})
+        logits = hf_bert(input_ids=prepared["inputs"]["input_ids"], attention_mask=mask[i : i + 1]).logits[0]
+        chosen = prepared["aux"]["mask"][0]
+        return F.cross_entropy(logits[chosen], ids[i][chosen])
+
+    J = jacobian_loop(hf_bert, 8, loss)
+    torch.testing.assert_close(res.matrix, J @ J.T, rtol=1e-9, atol=1e-12)
+
+
+def test_masked_lm_mask_is_a_function_of_the_sample(hf_bert, lm_batch):
+    objective = resolve_output("test", ns.LMLoss(objective="masked", mask_token_id=1), hf_bert)
+    a = objective.prepare("test", hf_bert, lm_batch)["aux"]["mask"]
+    flipped = {k: v.flip(0) for k, v in lm_batch.items()}
+    b = objective.prepare("test", hf_bert, flipped)["aux"]["mask"]
+    assert torch.equal(a, b.flip(0))
+    assert bool((a.sum(1) >= 1).all()) and not bool((a & ~lm_batch["attention_mask"].bool()).any())
+
+
+def test_loss_objective_is_detected(gpt, hf_bert):
+    assert resolve_output("t", "loss", gpt).__class__.__name__ == "CausalLMLoss"
+    with pytest.raises(ValueError, match="mask_token_id"):
+        resolve_output("t", "loss", hf_bert)
+
+
+def test_hidden_mean_of_an_encoder_without_head(lm_batch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2,
+                                                          intermediate_size=16, vocab_size=50,
+                                                          max_position_embeddings=16), add_pooling_layer=False).eval()
+    b = {k: v[:4] for k, v in lm_batch.items()}
+    res = ns.empirical_ntk(bert, b, output="hidden-mean", reduction="trace")
+
+    def pooled(i, k):
+        n = int(b["attention_mask"][i].sum())
+        return bert(input_ids=b["input_ids"][i : i + 1, :n]).last_hidden_state[0].mean(0)[k]
+
+    ref = sum((lambda J: J @ J.T)(jacobian_loop(bert, 4, lambda i: pooled(i, k))) for k in range(8))
+    torch.testing.assert_close(res.matrix, ref, rtol=1e-9, atol=1e-12)
+    assert np.allclose(res.numpy(), ref.detach().numpy())
