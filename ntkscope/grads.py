@@ -41,7 +41,7 @@ from ntkscope.params import ParameterSelection, select_parameters
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_MAX_DEFAULT_CHUNK = 16
+_MAX_DEFAULT_CHUNK = 8
 
 
 def resolve_dtype(func: str, dtype) -> torch.dtype | None:
@@ -153,7 +153,7 @@ def functional_model(func, model, *, output="loss", params=None, blocks=None, dt
 
 
 def default_chunk_size(n: int, fm: FunctionalModel, budget: int) -> int:
-    """Samples per vmap chunk: 16 at most (larger chunks were slower, DESIGN.md §6), fewer if memory is short."""
+    """Samples per vmap chunk: 8 at most (4-8 measured fastest on CPU, benchmarks/README.md), fewer if memory is short."""
     per_row = 4 * fm.n_outputs * fm.selection.n_params * fm.itemsize
     return int(max(1, min(n, _MAX_DEFAULT_CHUNK, budget // max(per_row, 1))))
 
@@ -266,7 +266,7 @@ def per_sample_grads(model, batch, *, output="loss", params=None, dtype=None, ch
     dtype : torch.dtype or str, optional
         Compute in this dtype (a cast copy; the user's model is unchanged).
     chunk_size : int, optional
-        Samples per vmap call; default up to 16, fewer when memory is short.
+        Samples per vmap call; default up to 8, fewer when memory is short.
     max_memory : int, optional
         Bytes the result may use; default half the available memory.
     train : bool

@@ -168,11 +168,12 @@ def _projections(fm: FunctionalModel, k: int, kind: str, seed: int) -> dict:
     mats = {}
     for (name, (s, e)), ss in zip(fm.selection.blocks.items(), seeds):
         gen = torch.Generator(device=fm.device).manual_seed(int(ss.generate_state(1)[0]))
+        R = torch.empty(e - s, k, device=fm.device, dtype=fm.dtype)  # filled in place: no second copy
         if kind == "gaussian":
-            R = torch.randn(e - s, k, generator=gen, device=fm.device, dtype=fm.dtype)
+            R.normal_(0.0, 1.0 / math.sqrt(k), generator=gen)
         else:
-            R = torch.randint(0, 2, (e - s, k), generator=gen, device=fm.device).to(fm.dtype) * 2 - 1
-        mats[name] = R / math.sqrt(k)
+            R.bernoulli_(0.5, generator=gen).mul_(2.0 / math.sqrt(k)).sub_(1.0 / math.sqrt(k))
+        mats[name] = R
     return mats
 
 
@@ -219,7 +220,7 @@ def empirical_ntk(model, batch, batch2=None, *, output="loss", reduction="trace"
     dtype : torch.dtype or str, optional
         Compute in this dtype on a cast copy of the model ("float64" for reference runs).
     chunk_size : int, optional
-        Samples per vmap call (default up to 16).
+        Samples per vmap call (default up to 8).
     max_memory : int, optional
         Bytes the computation may hold (default: half the free memory of the model's device).
     projection, projection_dim, seed, confidence
