@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from ntkscope._checks import fail
-from ntkscope.eigen import EigenResult, check_eigen_args, dense_top_eigenpair, require_scalar, solve_top
-from ntkscope.grads import default_chunk_size, functional_model, resolve_budget, vjp_rows
+from ntkscope.eigen import EigenResult, check_eigen_args, dense_top_eigenpair, prepare_scalar, solve_top
+from ntkscope.grads import functional_model, vjp_rows
 from ntkscope.objectives import batch_size, take
 
 
@@ -174,11 +174,7 @@ def principal_direction(model, batch, *, output="loss", params=None, method="aut
     func = "principal_direction"
     check_eigen_args(func, method, chunk_size, projection, projection_dim)
     with functional_model(func, model, output=output, params=params, dtype=dtype) as fm:
-        require_scalar(func, fm)
-        n = batch_size(func, batch)
-        data = fm.prepare(batch)
-        budget = resolve_budget(func, max_memory, fm.device)
-        chunk = chunk_size or default_chunk_size(n, fm, budget)
+        data, n, chunk, budget = prepare_scalar(func, fm, batch, chunk_size, max_memory)
         eig, _, used = solve_top(func, fm, data, n, method, chunk, budget, projection=projection,
                                  projection_dim=projection_dim, seed=seed)
         u = torch.as_tensor(eig.eigenvector, dtype=fm.dtype, device=fm.device)
@@ -190,11 +186,7 @@ def _gc_many(func, model, batch, subsets: Sequence, names: Sequence, *, output, 
              max_memory, projection, projection_dim, seed) -> list:
     """GC of each index array in ``subsets`` against the whole batch; the whole set is solved once."""
     with functional_model(func, model, output=output, params=params, dtype=dtype) as fm:
-        require_scalar(func, fm)
-        n = batch_size(func, batch)
-        data = fm.prepare(batch)
-        budget = resolve_budget(func, max_memory, fm.device)
-        chunk = chunk_size or default_chunk_size(n, fm, budget)
+        data, n, chunk, budget = prepare_scalar(func, fm, batch, chunk_size, max_memory)
         whole, kernel, used = solve_top(func, fm, data, n, method, chunk, budget, projection=projection,
                                         projection_dim=projection_dim, seed=seed)
         common = dict(eigenvalue=whole.eigenvalue, eigengap=whole.eigengap, n=n, method=used, dtype=fm.dtype,

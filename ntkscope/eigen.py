@@ -203,10 +203,15 @@ def check_eigen_args(func: str, method, chunk_size, projection, projection_dim) 
     check_positive_int(func, "projection_dim", projection_dim)
 
 
-def require_scalar(func: str, fm: FunctionalModel) -> None:
+def prepare_scalar(func: str, fm: FunctionalModel, batch, chunk_size, max_memory):
+    """Check the output is scalar and prepare ``batch``: returns (data, n, chunk, budget)."""
     if not fm.scalar:
         raise fail(func, "output", "must be a scalar output ('loss', an LMLoss or a callable returning (n,)) "
                    "for an eigenvector over samples", fm.objective.name)
+    n = batch_size(func, batch)
+    data = fm.prepare(batch)
+    budget = resolve_budget(func, max_memory, fm.device)
+    return data, n, chunk_size or default_chunk_size(n, fm, budget), budget
 
 
 def ntk_top_eigenpair(model, batch, *, output="loss", params=None, method="auto", dtype=None, chunk_size=None,
@@ -232,13 +237,7 @@ def ntk_top_eigenpair(model, batch, *, output="loss", params=None, method="auto"
     func = "ntk_top_eigenpair"
     check_eigen_args(func, method, chunk_size, projection, projection_dim)
     with functional_model(func, model, output=output, params=params, dtype=dtype) as fm:
-        require_scalar(func, fm)
-        n = batch_size(func, batch)
-        if n < 1:
-            raise fail(func, "batch", "must hold at least one sample", n)
-        data = fm.prepare(batch)
-        budget = resolve_budget(func, max_memory, fm.device)
-        chunk = chunk_size or default_chunk_size(n, fm, budget)
+        data, n, chunk, budget = prepare_scalar(func, fm, batch, chunk_size, max_memory)
         result, _, _ = solve_top(func, fm, data, n, method, chunk, budget, projection=projection,
                                  projection_dim=projection_dim, seed=seed, tol=tol, ncv=ncv)
         return result

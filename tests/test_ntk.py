@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ntkscope as ns
-from ntkscope.objectives import LMLoss, resolve_output
+from ntkscope.objectives import resolve_output
 from tests.reference import causal_jacobian, jacobian_loop
 
 
