@@ -200,16 +200,16 @@ def main(argv=None):
             mf, t, m = measure(lambda: ns.ntk_top_eigenpair(model, batch, method="matrix-free"))
             cos = abs(float(np.dot(mf.eigenvector, dense.eigenvector)))
             results["matrix-free"] = (t, m, f"{mf.matvecs} matvecs, lambda1/lambda2 {1 / dense.eigengap:.2f}, "
-                                            f"|cos| {cos:.8f}")
+                                            f"abs(cos) {cos:.8f}")
             j_bytes = n * P * 4
             if j_bytes <= args.skip_anchors_above * ram:
                 K, t, m = measure(lambda: loop_and_gram(model, batch))
-                results["loop+gram"] = (t, m, f"max |diff| {float((K - ref).abs().max() / ref.abs().max()):.1e}")
+                results["loop+gram"] = (t, m, f"max abs diff {float((K - ref).abs().max() / ref.abs().max()):.1e}")
             else:
                 results["loop+gram"] = (float("nan"), float("nan"), "skipped: J too large")
             if 2 * j_bytes <= args.skip_anchors_above * ram:
                 K, t, m = measure(lambda: jacrev_tutorial(model, batch))
-                results["jacrev"] = (t, m, f"max |diff| {float((K - ref).abs().max() / ref.abs().max()):.1e}")
+                results["jacrev"] = (t, m, f"max abs diff {float((K - ref).abs().max() / ref.abs().max()):.1e}")
             else:
                 results["jacrev"] = (float("nan"), float("nan"), "skipped: 2 J too large")
             exact_t = results["exact"][0]
