@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+    except (ValueError, FileNotFoundError) as err:  # user errors; anything else is a bug: keep its traceback
         print(f"ntkscope {args.command}: error: {err}", file=sys.stderr)
         return 1
 

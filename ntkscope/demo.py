@@ -84,7 +84,7 @@ def demo_corpus(legal_share: float = 0.08, max_sentences: int = 4000, seed: int 
     general = list(dict.fromkeys(stdlib_docstring_sentences()))
     legal = list(dict.fromkeys(s for s in licence_sentences() if s not in set(general)))
     if len(legal) < 10 or len(general) < 100:
-        raise RuntimeError(f"demo_corpus: found {len(general)} docstring and {len(legal)} licence sentences; "
+        raise FileNotFoundError(f"demo_corpus: found {len(general)} docstring and {len(legal)} licence sentences; "
                            "the Python installation looks incomplete")
     rng = np.random.default_rng(seed)
     n_legal = min(len(legal), int(round(legal_share * max_sentences)))
