@@ -14,3 +14,7 @@ extras=${1:-}
 target="."
 [ -n "$extras" ] && target=".[$extras]"
 "$PY" -m pip install --quiet --disable-pip-version-check -e "$target"
+# The test suite also checks GPT-2's BPE (tiktoken) and a real HF checkpoint's tokenizer.
+if [[ ",$extras," == *",dev,"* ]]; then
+  PYTHON="$PY" scripts/fetch_sources.sh gpt2 minilm
+fi

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pandas as pd
+import pytest
 
 
 def _run(*args):
@@ -31,3 +32,33 @@ def test_user_error_is_one_line_and_exit_code_1():
 def test_usage_error_is_exit_code_2():
     assert _run("frobnicate").returncode == 2
     assert _run("demo", "--method", "fast").returncode == 2
+
+
+def test_corpus_info_on_the_default_pack_writes_its_tables(tmp_path):
+    proc = _run("--quiet", "corpus", "info", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "the 20 largest categories" in proc.stdout and "percentage of sentences per score bin" in proc.stdout
+    domains = pd.read_csv(tmp_path / "domain_table.csv")
+    assert domains["percent"].sum() == pytest.approx(100)
+    hist = pd.read_csv(tmp_path / "score_histogram.csv")
+    assert hist["percent"].sum() == pytest.approx(100)
+    scores = pd.read_parquet(tmp_path / "sentence_scores.parquet")
+    assert set(scores["domain"]) == {"general", "legal", "biomedical"}
+
+
+def test_corpus_build_from_real_excerpts_and_its_errors(tmp_path):
+    from pathlib import Path
+
+    excerpts = Path(__file__).parent / "data" / "sources"
+    args = ["--root", str(excerpts / "root"), "--data-dir", str(excerpts / "data")]
+    proc = _run("--quiet", "corpus", "build", str(tmp_path / "p"), "--vocab-size", "400", "--share", "0.1", *args)
+    assert proc.returncode == 0, proc.stderr
+    assert "long-tail share: asked 10.00%" in proc.stdout
+    again = _run("--quiet", "corpus", "build", str(tmp_path / "p"), *args)
+    assert again.returncode == 1 and "exists; pass overwrite=True (--force)" in again.stderr
+    bad = _run("--quiet", "corpus", "build", str(tmp_path / "q"), "--share", "1.2", *args)
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == ("ntkscope corpus: error: build_pack: share must be a number strictly "
+                                  "between 0 and 1 (got 1.2)")
+    listing = _run("corpus", "sources", "--root", str(tmp_path), "--data-dir", str(tmp_path))
+    assert listing.returncode == 0 and "missing: apt-get update && apt-get install -y dict-gcide" in listing.stdout

@@ -177,7 +177,11 @@ def write_atomic_dir(out: Path, files: dict[str, bytes], *, overwrite: bool) -> 
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
-            os.replace(tmp, out)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old, out)
+                raise
             shutil.rmtree(old)
         else:
             os.replace(tmp, out)

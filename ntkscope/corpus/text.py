@@ -123,19 +123,23 @@ def read_text(path: Path, data: bytes | None = None, *, func: str = "load_source
         raise ValueError(f"{func}: {path} is empty")
     pieces: list[str] = []
     start = repairs = 0
+    first: tuple[int, int] | None = None  # (offset, byte) of the first invalid byte
     while True:
         try:
             pieces.append(data[start:].decode("utf-8"))
             break
         except UnicodeDecodeError as err:
             pos = start + err.start
-            byte = data[pos]
-            if repairs >= max_repairs or err.end - err.start != 1:
-                raise ValueError(f"{func}: {path} is not valid UTF-8 (byte {byte:#04x} at offset {pos})") from None
-            try:
-                fixed = bytes([byte]).decode("cp1252")
-            except UnicodeDecodeError:
-                raise ValueError(f"{func}: {path} is not valid UTF-8 (byte {byte:#04x} at offset {pos})") from None
+            first = first or (pos, data[pos])
+            fixed = None
+            if repairs < max_repairs and err.end - err.start == 1:
+                try:
+                    fixed = bytes([data[pos]]).decode("cp1252")
+                except UnicodeDecodeError:
+                    pass
+            if fixed is None:
+                raise ValueError(f"{func}: {path} is not valid UTF-8 (byte {first[1]:#04x} at offset {first[0]}; "
+                                 f"at most {max_repairs} stray bytes are repaired)") from None
             pieces.append(data[start:pos].decode("utf-8"))
             pieces.append(fixed)
             repairs += 1
