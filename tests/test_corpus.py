@@ -2,7 +2,6 @@
 and the pack builder: shares, deterministic splits, held-out probes, atomic writes."""
 
 import gzip
-import json
 import re
 import shutil
 import zipfile

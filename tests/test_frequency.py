@@ -10,7 +10,6 @@ import pytest
 
 from ntkscope.corpus.pack import load_pack
 from ntkscope.corpus.sources import default_data_dir
-from ntkscope.corpus.text import Record
 from ntkscope.frequency import (
     TokenCounts,
     bin_indices,
@@ -22,7 +21,7 @@ from ntkscope.frequency import (
     sentence_table,
     token_frequency,
 )
-from ntkscope.tokenization import TextTokenizer, _from_hf, load_tokenizer, train_bpe
+from ntkscope.tokenization import _from_hf, load_tokenizer, train_bpe
 
 
 @pytest.fixture(scope="module")

@@ -349,9 +349,11 @@ class CorpusPack:
 
     def tokenizer(self):
         """The byte-level BPE trained on this pack's train split."""
+        import dataclasses
+
         from ntkscope.tokenization import load_tokenizer
 
-        return load_tokenizer(self.path / "tokenizer.json")
+        return dataclasses.replace(load_tokenizer(self.path / "tokenizer.json"), name=f"BPE of pack {self.path.name}")
 
 
 def load_pack(path: str | Path | None = None, *, verify: bool = True) -> CorpusPack:
