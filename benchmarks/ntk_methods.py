@@ -23,6 +23,10 @@ Run: python benchmarks/ntk_methods.py [--quick] [--out benchmarks/results.csv]
 from __future__ import annotations
 
 import argparse
+import ast
+import re
+import sysconfig
+from pathlib import Path
 import gc
 import os
 import platform
@@ -36,7 +40,6 @@ from torch.func import functional_call, jacrev, vmap
 
 import ntkscope as ns
 from cse_models import GPT, GPTConfig
-from ntkscope.demo import stdlib_docstring_sentences
 
 
 class PeakRSS:
@@ -69,6 +72,23 @@ class PeakRSS:
         self._thread.join()
         self.bytes = self.peak - self.base
 
+
+
+def stdlib_docstring_sentences(min_chars: int = 40, max_chars: int = 200) -> list:
+    """Sentences of the docstrings in the Python standard library's top-level modules."""
+    found = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                for part in re.split(r"(?<=[.!?;])\s+", " ".join((ast.get_docstring(node) or "").split())):
+                    if min_chars <= len(part) <= max_chars and part.isascii() and \
+                            sum(c.isalpha() for c in part) > 0.6 * len(part):
+                        found.append(part)
+    return found
 
 def tokenizer_and_batches(n_max, seq_len, vocab):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

@@ -17,8 +17,9 @@ def _demo(args) -> int:
 
     result = run_demo(steps=args.steps, n=args.n, seed=args.seed, method=args.method)
     final = sum(result.losses[-20:]) / min(20, len(result.losses))
-    print(f"trained a 2-layer GPT on {result.n_sentences} real sentences for {len(result.losses)} steps: "
-          f"loss {result.losses[0]:.2f} -> {final:.2f} (perplexity {perplexity(final):.1f} per byte)")
+    print(f"trained a 2-layer GPT on {result.n_sentences} sentences of the default corpus pack for "
+          f"{len(result.losses)} steps: loss {result.losses[0]:.2f} -> {final:.2f} "
+          f"(perplexity {perplexity(final):.1f} per BPE token)")
     cols = ["by", "label", "n_subset", "mean_frequency_score", "score", "eigengap_subset", "method"]
     print("\ngradient consistency of each group against the whole analysis batch (n=%d):\n" % args.n)
     print(result.table[cols].rename(columns={"score": "GC", "n_subset": "n"}).to_string(
@@ -129,10 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="train a small GPT on real text (stdlib docstrings + licence texts) and print GC per group",
-        description="Example: ntkscope demo --steps 400 --n 128",
+        help="train a small GPT on the default corpus pack and print GC per domain and frequency bin",
+        description="Example: ntkscope demo --steps 800 --n 128",
     )
-    demo.add_argument("--steps", type=int, default=400, help="training steps before the analysis (default 400)")
+    demo.add_argument("--steps", type=int, default=800, help="training steps before the analysis (default 800)")
     demo.add_argument("--n", type=int, default=128, help="sentences in the analysis batch (default 128)")
     demo.add_argument("--seed", type=int, default=0, help="seed for data sampling, init and training")
     demo.add_argument("--method", default="auto", choices=["auto", "exact", "matrix-free", "projected"],
