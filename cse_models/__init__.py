@@ -1,5 +1,9 @@
-"""cse_models: small GPT / BERT language models with Cluster-guided Sparse Expert layers."""
+"""cse_models: small GPT / BERT language models with Cluster-guided Sparse Expert layers,
+the baselines (dense, Switch, domain-finetuned, DEMix), training and evaluation."""
 
-from cse_models.gpt import GPT, GPTConfig
+from cse_models.config import BERTConfig, GPTConfig, SparseConfig
+from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
+from cse_models.model import BERT, GPT, TransformerLM, load_model
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["BERT", "BERTConfig", "CSELayer", "DEMixLayer", "GPT", "GPTConfig", "SparseConfig", "SwitchFFN",
+           "TransformerLM", "load_model"]

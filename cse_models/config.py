@@ -1,0 +1,136 @@
+"""Model configuration: a dataclass saved as ``config.json`` beside ``model.safetensors``.
+
+``GPTConfig`` (causal) and ``BERTConfig`` (masked) share every field; ``model_type``
+tells them apart in a checkpoint. ``sparse`` describes the sparse layers (CSE, Switch
+or DEMix) and, once a CSE layer has been built from clusters, how many experts each
+chosen layer has — so a checkpoint can be rebuilt from its config alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SPARSE_KINDS = ("cse", "switch", "demix")
+SPARSE_MODULES = ("ffn", "attn")
+
+
+@dataclass
+class SparseConfig:
+    """Which layers are sparse, and how.
+
+    kind : ``"cse"`` (cluster-guided, sequence-level, no router parameters), ``"switch"``
+        (learned top-1 token routing) or ``"demix"`` (one expert per domain label).
+    module : ``"ffn"`` (MoF) or ``"attn"`` (MoA; CSE and DEMix only).
+    layers : block indices whose module is sparse.
+    n_experts : experts per sparse layer, in ``layers`` order. For CSE, 0 until the
+        clusters are found (the layer is dense during warm-up).
+    proj_dim : CSE: dimension d' of the random projection M (d' x d).
+    alpha : CSE: EMA factor of the centre update ``c <- alpha c + (1 - alpha) v'``.
+    capacity_factor, aux_weight : Switch: expert capacity and load-balancing loss weight.
+    domains : DEMix: the domain label of each expert, in expert order.
+    """
+
+    kind: str = "cse"
+    module: str = "ffn"
+    layers: list = field(default_factory=list)
+    n_experts: list = field(default_factory=list)
+    proj_dim: int = 32
+    alpha: float = 0.99
+    capacity_factor: float = 1.25
+    aux_weight: float = 0.01
+    domains: list = field(default_factory=list)
+
+    def check(self, n_layer: int) -> None:
+        where = "SparseConfig"
+        if self.kind not in SPARSE_KINDS:
+            raise ValueError(f"{where}: kind must be one of {list(SPARSE_KINDS)} (got {self.kind!r})")
+        if self.module not in SPARSE_MODULES:
+            raise ValueError(f"{where}: module must be one of {list(SPARSE_MODULES)} (got {self.module!r})")
+        if self.kind == "switch" and self.module != "ffn":
+            raise ValueError(f"{where}: a Switch layer routes tokens through FFN experts; module must be 'ffn' "
+                             f"(got {self.module!r})")
+        if not self.layers or len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"{where}: layers must list distinct block indices (got {self.layers!r})")
+        bad = [i for i in self.layers if not isinstance(i, int) or not 0 <= i < n_layer]
+        if bad:
+            raise ValueError(f"{where}: layers must be block indices in [0, {n_layer}) for a {n_layer}-layer model "
+                             f"(got {bad})")
+        if self.kind == "demix":
+            if len(self.domains) < 1 or len(set(self.domains)) != len(self.domains):
+                raise ValueError(f"{where}: a DEMix model needs distinct domain labels, one per expert "
+                                 f"(got {self.domains!r})")
+            self.n_experts = [len(self.domains)] * len(self.layers)
+        if len(self.n_experts) != len(self.layers):
+            raise ValueError(f"{where}: n_experts must give one count per layer in layers "
+                             f"(got {self.n_experts!r} for layers {self.layers!r})")
+        minimum = 0 if self.kind == "cse" else 1
+        if any(not isinstance(c, int) or c < minimum for c in self.n_experts):
+            raise ValueError(f"{where}: n_experts must be integers >= {minimum} (got {self.n_experts!r})")
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"{where}: alpha must be in [0, 1) (got {self.alpha!r})")
+        if self.proj_dim < 1 or self.capacity_factor <= 0 or self.aux_weight < 0:
+            raise ValueError(f"{where}: proj_dim must be >= 1, capacity_factor > 0 and aux_weight >= 0 "
+                             f"(got {self.proj_dim}, {self.capacity_factor}, {self.aux_weight})")
+
+    def experts_at(self, layer: int) -> int:
+        return self.n_experts[self.layers.index(layer)] if layer in self.layers else 0
+
+
+@dataclass
+class GPTConfig:
+    """Architecture of a :class:`~cse_models.GPT` (or, with ``model_type="bert"``, a BERT).
+
+    The defaults are a CPU-sized toy; ``n_layer=12, n_head=12, n_embd=768,
+    vocab_size=50257, block_size=1024`` is GPT-2 small (the CSE paper's size).
+    """
+
+    vocab_size: int = 8192
+    block_size: int = 128
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+    model_type: str = "gpt"
+    mask_token_id: int | None = None
+    sparse: SparseConfig | None = None
+
+    def __post_init__(self):
+        name = type(self).__name__
+        if isinstance(self.sparse, dict):
+            self.sparse = SparseConfig(**self.sparse)
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: {key} must be a positive integer (got {value!r})")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"{name}: n_embd must be divisible by n_head (got n_embd={self.n_embd}, n_head={self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{name}: dropout must be in [0, 1) (got {self.dropout!r})")
+        if self.model_type not in ("gpt", "bert"):
+            raise ValueError(f"{name}: model_type must be 'gpt' or 'bert' (got {self.model_type!r})")
+        if self.model_type == "bert" and (self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size):
+            raise ValueError(f"{name}: a BERT needs mask_token_id in [0, vocab_size) (got {self.mask_token_id!r})")
+        if self.sparse is not None:
+            self.sparse.check(self.n_layer)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GPTConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}.from_dict: unknown keys {unknown} (known: {sorted(known)})")
+        return cls(**data)
+
+
+@dataclass
+class BERTConfig(GPTConfig):
+    """A bidirectional encoder trained by masked language modelling."""
+
+    model_type: str = "bert"
+    mask_token_id: int | None = 2  # the pack BPE's <mask>

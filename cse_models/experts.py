@@ -1,0 +1,150 @@
+"""Sparse layers: CSE (cluster-guided, sequence-level), Switch (learned top-1 token
+routing) and DEMix (one expert per domain label).
+
+Each wraps a list of experts, copies of a dense module, and takes ``(x, key_mask)`` like
+the module it replaces. State updates (CSE centres) never happen inside ``forward``: a
+training loop calls :meth:`CSELayer.update_centres` after the step, so ``forward`` stays
+a pure function that ``torch.func`` transforms can differentiate (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def sequence_embedding(x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over real tokens: x (B, T, d), key_mask (B, T) bool -> (B, d)."""
+    if key_mask is None:
+        return x.mean(dim=1)
+    w = key_mask.to(x.dtype).unsqueeze(-1)
+    return (x * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
+
+
+def _dispatch(experts: nn.ModuleList, x: torch.Tensor, key_mask, assign: torch.Tensor) -> torch.Tensor:
+    """Run each sequence through its expert: x (B, T, d), assign (B,) -> (B, T, d)."""
+    if len(experts) == 1:
+        return experts[0](x, key_mask)
+    out = x.new_zeros(x.shape)
+    for j, expert in enumerate(experts):
+        idx = (assign == j).nonzero().squeeze(1)
+        if idx.numel():
+            out = out.index_copy(0, idx, expert(x[idx], None if key_mask is None else key_mask[idx]))
+    return out
+
+
+class CSELayer(nn.Module):
+    """Cluster-guided Sparse Expert layer (DESIGN §4, Algorithm 1 of the CSE paper).
+
+    Buffers (saved in the checkpoint): ``projection`` M (d', d), ``centres`` (C, d'),
+    ``radii`` (C,). A sequence with embedding v (the mean of the module's input over its
+    real tokens) goes to ``argmin_j ||M v - c_j|| / r_j``. No router parameters.
+    ``load`` counts the sequences sent to each expert since the last :meth:`reset_load`.
+    """
+
+    def __init__(self, experts: list[nn.Module], projection: torch.Tensor, centres: torch.Tensor,
+                 radii: torch.Tensor, alpha: float = 0.99):
+        super().__init__()
+        self.experts = nn.ModuleList(experts)
+        self.alpha = float(alpha)
+        self.register_buffer("projection", projection.clone())
+        self.register_buffer("centres", centres.clone())
+        self.register_buffer("radii", radii.clone())
+        self.register_buffer("load", torch.zeros(len(experts), dtype=torch.long), persistent=False)
+        self._pending: tuple | None = None
+
+    def route(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected sequence embeddings (B, d') and the chosen expert of each sequence (B,)."""
+        z = sequence_embedding(x, key_mask) @ self.projection.to(x.dtype).T
+        scaled = torch.cdist(z, self.centres.to(z.dtype)) / self.radii.to(z.dtype)
+        return z, scaled.argmin(dim=1)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        z, assign = self.route(x, key_mask)
+        if self.training:
+            self._pending = (z.detach(), assign.detach())
+        with torch.no_grad():
+            self.load += torch.bincount(assign.detach(), minlength=len(self.experts)).to(self.load.device)
+        return _dispatch(self.experts, x, key_mask, assign)
+
+    @torch.no_grad()
+    def update_centres(self) -> None:
+        """After a training step: each routed sequence moves its centre, ``c <- a c + (1 - a) z``, in batch order."""
+        if self._pending is None:
+            return
+        z, assign = self._pending
+        self._pending = None
+        for zi, j in zip(z.to(self.centres.dtype), assign.tolist()):
+            self.centres[j].mul_(self.alpha).add_(zi, alpha=1.0 - self.alpha)
+
+    def reset_load(self) -> None:
+        self.load.zero_()
+
+
+class SwitchFFN(nn.Module):
+    """Switch Transformer FFN: each real token goes to its top-1 expert (``softmax(W x)``),
+    scaled by the gate; at most ``ceil(capacity_factor * tokens / C)`` tokens per expert,
+    the overflow skips the layer (its residual passes through); ``load`` counts the tokens
+    each expert processed. ``aux_loss`` after a
+    forward is the load-balancing loss ``C * sum_j f_j P_j`` (Fedus et al., 2021)."""
+
+    def __init__(self, experts: list[nn.Module], n_embd: int, capacity_factor: float = 1.25):
+        super().__init__()
+        self.experts = nn.ModuleList(experts)
+        self.router = nn.Linear(n_embd, len(experts), bias=False)
+        nn.init.normal_(self.router.weight, std=0.02)
+        self.capacity_factor = capacity_factor
+        self.register_buffer("load", torch.zeros(len(experts), dtype=torch.long), persistent=False)
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, d = x.shape
+        flat = x.reshape(B * T, d)
+        real = torch.ones(B * T, dtype=torch.bool, device=x.device) if key_mask is None else key_mask.reshape(-1)
+        tokens = real.nonzero().squeeze(1)
+        h = flat[tokens]
+        logits = self.router(h)
+        probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # (N, C)
+        gate, choice = probs.max(dim=-1)
+        C = len(self.experts)
+        capacity = max(1, math.ceil(self.capacity_factor * tokens.numel() / C))
+        out = flat.new_zeros(flat.shape)
+        processed = torch.zeros(C, dtype=torch.long)
+        for j, expert in enumerate(self.experts):
+            idx = (choice == j).nonzero().squeeze(1)[:capacity]  # first come, first served
+            processed[j] = idx.numel()
+            if idx.numel():
+                y = expert(h[idx].unsqueeze(0)).squeeze(0) * gate[idx].unsqueeze(1).to(h.dtype)
+                out = out.index_copy(0, tokens[idx], y)
+        fraction = torch.bincount(choice, minlength=C).to(probs.dtype) / max(1, choice.numel())
+        self.aux_loss = C * (fraction * probs.mean(dim=0)).sum()
+        self.load += processed.to(self.load.device)  # tokens each expert processed (overflow excluded)
+        return out.view(B, T, d)
+
+    def reset_load(self) -> None:
+        self.load.zero_()
+
+
+class DEMixLayer(nn.Module):
+    """DEMix layer (Gururangan et al., 2022): one expert per domain; each sequence goes to the
+    expert of its domain label. The inference-time mixture over domains lives in
+    :mod:`cse_models.demix`, which runs the model once per expert."""
+
+    def __init__(self, experts: list[nn.Module]):
+        super().__init__()
+        self.experts = nn.ModuleList(experts)
+        self.register_buffer("load", torch.zeros(len(experts), dtype=torch.long), persistent=False)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, domains: torch.Tensor | None = None):
+        if domains is None:
+            raise ValueError("DEMixLayer.forward: domains must be given (one expert index per sequence); "
+                             "for inference without labels use cse_models.demix.mixture_log_probs")
+        with torch.no_grad():
+            self.load += torch.bincount(domains.detach(), minlength=len(self.experts)).to(self.load.device)
+        return _dispatch(self.experts, x, key_mask, domains)
+
+    def reset_load(self) -> None:
+        self.load.zero_()

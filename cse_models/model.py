@@ -1,0 +1,229 @@
+"""GPT (causal) and BERT (masked) language models whose chosen layers may be sparse.
+
+The layout follows nanoGPT, with GPT-2's parameter names (``transformer.wte``,
+``transformer.h.{i}.attn.c_attn``, ...). A sparse layer replaces ``block.mlp`` (MoF)
+or ``block.attn`` (MoA); its experts are ``...mlp.experts.{j}``. Checkpoints are a
+directory with ``config.json`` and ``model.safetensors`` (tied weights stored once);
+loading never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from cse_models.config import BERTConfig, GPTConfig
+from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
+from cse_models.layers import MLP, Block, SelfAttention
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+SPARSE_TYPES = (CSELayer, SwitchFFN, DEMixLayer)
+
+
+def _sparse_module(config, dense: nn.Module, n_experts: int) -> nn.Module:
+    """The sparse layer that config.sparse asks for, its experts copies of ``dense``."""
+    sparse = config.sparse
+    experts = [copy.deepcopy(dense) for _ in range(n_experts)]
+    if sparse.kind == "switch":
+        return SwitchFFN(experts, config.n_embd, sparse.capacity_factor)
+    if sparse.kind == "demix":
+        return DEMixLayer(experts)
+    d = config.n_embd
+    return CSELayer(experts, torch.zeros(sparse.proj_dim, d), torch.zeros(n_experts, sparse.proj_dim),
+                    torch.ones(n_experts), sparse.alpha)
+
+
+class TransformerLM(nn.Module):
+    """The shared stack. ``forward(input_ids (B, T), attention_mask (B, T) | None,
+    domains (B,) | None) -> logits (B, T, V)``; ``domains`` is needed by DEMix layers only."""
+
+    config_class = GPTConfig
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        expected = self.config_class.model_type
+        if type(self) is not TransformerLM and config.model_type != expected:
+            raise ValueError(f"{type(self).__name__}: config.model_type must be {expected!r} "
+                             f"(got {config.model_type!r}; use {config.model_type.upper()})")
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.sparse is not None:
+            for i in config.sparse.layers:
+                c = config.sparse.experts_at(i)
+                if c > 0:
+                    self._replace(i, _sparse_module(config, self._module(i), c))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    # ---- the sparse layers ----------------------------------------------------------------
+
+    def _attr(self) -> str:
+        return "attn" if self.config.sparse is not None and self.config.sparse.module == "attn" else "mlp"
+
+    def _module(self, layer: int) -> nn.Module:
+        return getattr(self.transformer.h[layer], self._attr())
+
+    def _replace(self, layer: int, module: nn.Module) -> None:
+        setattr(self.transformer.h[layer], self._attr(), module)
+
+    def sparse_layers(self) -> dict[str, nn.Module]:
+        """{qualified name: layer} of the CSE / Switch / DEMix layers, in depth order."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, SPARSE_TYPES)}
+
+    def aux_loss(self) -> torch.Tensor:
+        """Switch load-balancing losses of the last forward, weighted by ``aux_weight``; else 0."""
+        losses = [m.aux_loss for m in self.sparse_layers().values() if isinstance(m, SwitchFFN)]
+        if not losses:
+            return torch.zeros((), device=self.transformer.wte.weight.device)
+        return self.config.sparse.aux_weight * torch.stack(losses).sum()
+
+    def update_routers(self) -> None:
+        """After an optimiser step: the CSE centres' EMA update."""
+        for m in self.sparse_layers().values():
+            if isinstance(m, CSELayer):
+                m.update_centres()
+
+    def routing_load(self, reset: bool = True) -> dict[str, list[int]]:
+        """Sequences (CSE, DEMix) or tokens (Switch) sent to each expert since the last reset."""
+        out = {name: m.load.tolist() for name, m in self.sparse_layers().items()}
+        if reset:
+            for m in self.sparse_layers().values():
+                m.reset_load()
+        return out
+
+    @torch.no_grad()
+    def module_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers,
+                      module: str = "ffn") -> dict[int, torch.Tensor]:
+        """Sequence embeddings (B, d) at the input of ``module`` ("ffn" or "attn") of each layer:
+        the mean over real tokens of ``ln_2(x)`` (FFN) or ``ln_1(x)`` (attention)."""
+        from cse_models.experts import sequence_embedding
+
+        captured: dict[int, torch.Tensor] = {}
+        key_mask = None if attention_mask is None else attention_mask.bool()
+        hooks = []
+        for i in layers:
+            norm = self.transformer.h[i].ln_2 if module == "ffn" else self.transformer.h[i].ln_1
+
+            def hook(_m, _inp, out, i=i):
+                captured[i] = sequence_embedding(out, key_mask)
+
+            hooks.append(norm.register_forward_hook(hook))
+        try:
+            domains = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+            self(input_ids, attention_mask, domains=domains)
+        finally:
+            for h in hooks:
+                h.remove()
+        return captured
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      domains: torch.Tensor | None = None) -> torch.Tensor:
+        """The final normalised hidden states (B, T, d)."""
+        B, T = input_ids.size()
+        if T > self.config.block_size:
+            raise ValueError(f"{type(self).__name__}.forward: input_ids has {T} positions, "
+                             f"more than block_size={self.config.block_size}")
+        pos = torch.arange(T, device=input_ids.device)
+        x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))
+        key_mask = None if attention_mask is None else attention_mask.bool()
+        for block in self.transformer.h:
+            x = block(x, key_mask, domains)
+        return self.transformer.ln_f(x)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                domains: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, attention_mask, domains))  # (B, T, V)
+
+    # ---- checkpoints: config.json + model.safetensors ------------------------------------------
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (tied weights stored once), each atomically."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if self.config.tie_weights:
+            state.pop("lm_head.weight")
+        tmp_weights = directory / (WEIGHTS_NAME + ".tmp")
+        save_file(state, str(tmp_weights), metadata={"format": "pt"})
+        tmp_config = directory / (CONFIG_NAME + ".tmp")
+        tmp_config.write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        os.replace(tmp_weights, directory / WEIGHTS_NAME)
+        os.replace(tmp_config, directory / CONFIG_NAME)
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> "TransformerLM":
+        """Rebuild a model from ``config.json`` and load ``model.safetensors`` (no pickle)."""
+        func = f"{cls.__name__}.from_pretrained"
+        directory = Path(directory)
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"{func}: {directory} has no {name}")
+        data = json.loads((directory / CONFIG_NAME).read_text())
+        kind = data.get("model_type")
+        classes = {"gpt": GPT, "bert": BERT}
+        if kind not in classes:
+            raise ValueError(f"{func}: {directory} holds a {kind!r} checkpoint, not one of cse_models' "
+                             f"architectures {sorted(classes)}")
+        target = classes[kind]
+        if cls is not TransformerLM and target is not cls:
+            raise ValueError(f"{func}: {directory} holds a {kind!r} model; load it with {target.__name__}.from_pretrained")
+        model = target(target.config_class.from_dict(data))
+        state = load_file(str(directory / WEIGHTS_NAME))
+        if model.config.tie_weights and "transformer.wte.weight" in state:
+            state["lm_head.weight"] = state["transformer.wte.weight"]
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as err:  # shape mismatches
+            raise ValueError(f"{func}: weights in {directory} do not match its config: {err}") from None
+        if missing or unexpected:
+            raise ValueError(f"{func}: weights in {directory} do not match its config "
+                             f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+        return model
+
+
+class GPT(TransformerLM):
+    """Decoder-only causal LM."""
+
+    config_class = GPTConfig
+
+
+class BERT(TransformerLM):
+    """Bidirectional encoder with a tied masked-LM head; ``config.mask_token_id`` marks masked inputs."""
+
+    config_class = BERTConfig
+
+
+def load_model(directory: str | os.PathLike) -> TransformerLM:
+    """A GPT or BERT checkpoint, whichever ``config.json`` says."""
+    return TransformerLM.from_pretrained(directory)

@@ -1,0 +1,393 @@
+"""Training: dense warm-up, CSE conversion, baselines, checkpoints, exact resume, DDP.
+
+Run from a config file (JSON or YAML)::
+
+    cse-train run.json                      # or: python -m cse_models.train run.json
+    torchrun --nproc_per_node 2 -m cse_models.train run.json   # data-parallel (gloo on CPU, NCCL on GPU)
+
+AdamW with linear warm-up and cosine decay, gradient clipping, bf16 autocast on GPU.
+Batches depend only on (seed, step), so a run resumed from its last checkpoint, and a
+data-parallel run on the same global batch, follow the uninterrupted single-process
+run. A checkpoint (every ``checkpoint_every`` steps, all kept for later analysis) is a
+directory ``checkpoints/step-NNNNNN`` with ``config.json`` + ``model.safetensors``,
+``optimizer.safetensors`` and ``trainer_state.json`` (step, scheduler, RNG state):
+nothing is pickled. Metrics go to ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from cse_models.config import GPTConfig
+from cse_models.data import Blocks, global_batch, mask_tokens, pack_blocks, step_generator, text_file_blocks
+from cse_models.model import BERT, GPT, load_model
+
+log = logging.getLogger("cse_models.train")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs. ``model`` holds :class:`GPTConfig` fields (``sparse`` included);
+    ``vocab_size`` defaults to the tokenizer's."""
+
+    out_dir: str = "runs/run"
+    model: dict = field(default_factory=dict)
+    data: dict = field(default_factory=dict)   # pack, split, domains, seq_len, tokenizer, text_files
+    cse: dict = field(default_factory=dict)    # warmup_steps, n_samples, eps, min_samples, max_experts, on_no_cluster
+    init_from: str | None = None               # a checkpoint to continue from (domain finetuning)
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 100
+    log_every: int = 10
+    device: str = "auto"
+    bf16: bool = True
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"TrainConfig.load: {path} does not exist")
+        text = path.read_text(encoding="utf-8")
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown keys {unknown} (known: {sorted(known)})")
+        cfg = cls(**data)
+        for key in ("steps", "batch_size", "checkpoint_every", "log_every"):
+            value = getattr(cfg, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig: {key} must be a positive integer (got {value!r})")
+        if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1 or cfg.warmup_steps < 0 or cfg.grad_clip < 0:
+            raise ValueError(f"TrainConfig: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, grad_clip >= 0 "
+                             f"(got {cfg.lr}, {cfg.min_lr_ratio}, {cfg.warmup_steps}, {cfg.grad_clip})")
+        return cfg
+
+
+# ---- pieces -----------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to 1, then cosine decay to ``min_lr_ratio`` at ``steps``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on biases, norms)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def _param_names(model) -> dict:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def carry_optimizer_state(old_state: dict, new_model, new_opt) -> None:
+    """Copy AdamW state by parameter name into ``new_opt``; a CSE expert ``...experts.j.X`` takes
+    the state of the dense module's ``...X`` it was copied from."""
+    import re
+
+    for group in new_opt.param_groups:
+        for p in group["params"]:
+            name = _param_names(new_model)[id(p)]
+            source = old_state.get(name) or old_state.get(re.sub(r"\.experts\.\d+\.", ".", name))
+            if source is not None:
+                new_opt.state[p] = {k: v.clone() for k, v in source.items()}
+
+
+def lm_loss(model, ids: torch.Tensor, domains: torch.Tensor, step: int, cfg: TrainConfig,
+            special_ids=()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token loss and the number of predicted tokens: next token (GPT) or masked tokens (BERT)."""
+    config = model.module.config if hasattr(model, "module") else model.config
+    if config.model_type == "bert":
+        inputs, labels = mask_tokens(ids.cpu(), mask_token_id=config.mask_token_id, vocab_size=config.vocab_size,
+                                     generator=step_generator(cfg.seed, step, "mask"), special_ids=special_ids)
+        inputs, labels = inputs.to(ids.device), labels.to(ids.device)
+        logits = model(inputs, None, domains)
+        keep = labels != -100
+        return F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum"), keep.sum()
+    logits = model(ids, None, domains)
+    targets = ids[:, 1:]
+    return (F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum"),
+            torch.tensor(targets.numel(), device=ids.device))
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+
+
+def save_checkpoint(directory: Path, model, opt, sched, step: int, cfg: TrainConfig) -> Path:
+    """Everything to resume exactly, written under a temporary name and renamed."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    names = _param_names(model)
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    tensors = {}
+    for p, state in opt.state.items():
+        for key, value in state.items():
+            tensors[f"{names[id(p)]}::{key}"] = value.detach().cpu().contiguous()
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+              for g in opt.param_groups]
+    state = {"step": step, "param_order": order, "param_groups": groups, "scheduler": sched.state_dict(),
+             "rng_cpu": torch.get_rng_state().tolist(),
+             "rng_cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+             "train_config": asdict(cfg)}
+    (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    return directory
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    found = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file()
+                   and not p.name.endswith(".tmp"))
+    return found[-1] if found else None
+
+
+def load_optimizer_state(directory: Path, model, opt, sched) -> int:
+    state = json.loads((directory / "trainer_state.json").read_text())
+    tensors = load_file(str(directory / "optimizer.safetensors"))
+    params = dict(model.named_parameters())
+    for key, value in tensors.items():
+        name, slot = key.split("::")
+        opt.state[params[name]][slot] = value.to(params[name].device)
+    for group, saved in zip(opt.param_groups, state["param_groups"]):
+        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(torch.tensor(state["rng_cpu"], dtype=torch.uint8))
+    if state["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["rng_cuda"]])
+    return int(state["step"])
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+def load_data(cfg: TrainConfig, split: str | None = None):
+    """(blocks, tokenizer) from ``cfg.data``: a corpus pack (default: the shipped one) or text files."""
+    from ntkscope.corpus.pack import load_pack
+    from ntkscope.tokenization import load_tokenizer
+
+    data = dict(cfg.data)
+    known = {"pack", "split", "domains", "seq_len", "tokenizer", "text_files"}
+    if set(data) - known:
+        raise ValueError(f"TrainConfig: data has unknown keys {sorted(set(data) - known)} (known: {sorted(known)})")
+    seq_len = data.get("seq_len", 64)
+    if data.get("text_files"):
+        if not data.get("tokenizer"):
+            raise ValueError("TrainConfig: data.text_files needs data.tokenizer (a tokenizer.json or HF directory)")
+        tokenizer = load_tokenizer(data["tokenizer"])
+        return text_file_blocks(data["text_files"], tokenizer, seq_len), tokenizer
+    pack = load_pack(data.get("pack"))
+    tokenizer = load_tokenizer(data["tokenizer"]) if data.get("tokenizer") else pack.tokenizer()
+    return pack_blocks(pack, tokenizer, split or data.get("split", "train"), seq_len, data.get("domains")), tokenizer
+
+
+def _device(cfg: TrainConfig, rank: int) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(cfg.device)
+
+
+def _build_model(cfg: TrainConfig, vocab_size: int):
+    if cfg.init_from:
+        model = load_model(cfg.init_from)
+        log.info("continuing from %s (domain finetuning)", cfg.init_from)
+        return model
+    spec = dict(cfg.model)
+    spec.setdefault("vocab_size", vocab_size)
+    spec.setdefault("block_size", cfg.data.get("seq_len", 64))
+    config = GPTConfig.from_dict(spec)
+    return (BERT if config.model_type == "bert" else GPT)(config)
+
+
+def _convert(model, blocks: Blocks, cfg: TrainConfig, device) -> None:
+    from cse_models.cse import convert_to_cse
+
+    opts = {"n_samples": 512, "eps": None, "min_samples": 5, "max_experts": 8, "on_no_cluster": "single",
+            **{k: v for k, v in cfg.cse.items() if k != "warmup_steps"}}
+    n = min(opts.pop("n_samples"), len(blocks))
+    idx = torch.randperm(len(blocks), generator=step_generator(cfg.seed, 0, "cse"))[:n]
+    convert_to_cse(model, blocks.input_ids[idx].to(device), None, seed=cfg.seed, **opts)
+
+
+def train(cfg: TrainConfig, *, callbacks=()) -> Path:
+    """Run (or resume) the training that ``cfg`` describes; returns the last checkpoint's directory.
+
+    ``callbacks``: functions ``(step, metrics)`` called after each step (step = steps done).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    distributed = world > 1
+    if distributed and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
+    if cfg.batch_size % world:
+        raise ValueError(f"train: batch_size must divide among the {world} processes (got {cfg.batch_size})")
+    device = _device(cfg, rank)
+    out_dir = Path(cfg.out_dir)
+    blocks, tokenizer = load_data(cfg)
+    if len(blocks) < cfg.batch_size:
+        raise ValueError(f"train: the corpus is too small for the batch: {len(blocks)} blocks of "
+                         f"{cfg.data.get('seq_len', 64)} tokens, batch_size={cfg.batch_size}")
+    torch.manual_seed(cfg.seed)
+    resume = latest_checkpoint(out_dir)
+    model = load_model(resume) if resume else _build_model(cfg, tokenizer.vocab_size)
+    model.to(device).train()
+    if model.config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"train: the model's vocab_size {model.config.vocab_size} is below the tokenizer's "
+                         f"{tokenizer.vocab_size}")
+    opt = make_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    start = load_optimizer_state(resume, model, opt, sched) if resume else 0
+    if resume:
+        log.info("resuming from %s (step %d)", resume, start)
+    sparse = model.config.sparse
+    cse_at = cfg.cse.get("warmup_steps") if sparse is not None and sparse.kind == "cse" else None
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        _truncate_metrics(out_dir / "metrics.jsonl", start)
+
+    def wrap(m):
+        if not distributed:
+            return m
+        return torch.nn.parallel.DistributedDataParallel(
+            m, device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=m.config.sparse is not None)
+
+    net = wrap(model)
+    per_rank = cfg.batch_size // world
+    special = tuple(tokenizer.special_ids)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.bf16)
+    t0, last = time.perf_counter(), None
+    for step in range(start, cfg.steps):
+        if cse_at is not None and step == cse_at and sparse.experts_at(sparse.layers[0]) == 0:
+            old = {_param_names(model)[id(p)]: s for p, s in opt.state.items()}
+            _convert(model, blocks, cfg, device)
+            model.to(device)
+            new_opt = make_optimizer(model, cfg)
+            carry_optimizer_state(old, model, new_opt)
+            new_opt.load_state_dict({"state": new_opt.state_dict()["state"], "param_groups": [
+                {**g, "lr": og["lr"], "initial_lr": og.get("initial_lr", cfg.lr)}
+                for g, og in zip(new_opt.state_dict()["param_groups"], opt.param_groups)]})
+            sched_state = sched.state_dict()
+            opt = new_opt
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+            sched.load_state_dict(sched_state)
+            net = wrap(model)
+        idx = global_batch(blocks, step, cfg.batch_size, cfg.seed)[rank * per_rank:(rank + 1) * per_rank]
+        ids, doms = blocks.input_ids[idx].to(device), blocks.domains[idx].to(device)
+        with autocast:
+            loss_sum, count = lm_loss(net, ids, doms, step, cfg, special)
+        total = count.to(torch.float64)
+        if distributed:
+            dist.all_reduce(total)
+        aux = model.aux_loss()
+        objective = loss_sum * (world / total.to(loss_sum.dtype)) + aux
+        opt.zero_grad(set_to_none=True)
+        objective.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
+        opt.step()
+        sched.step()
+        model.update_routers()
+        loss_all = loss_sum.detach().to(torch.float64)
+        if distributed:
+            dist.all_reduce(loss_all)
+        loss = float(loss_all / total)
+        metrics = {"step": step + 1, "loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": opt.param_groups[0]["lr"],
+                   "aux": float(aux), "grad_norm": None if norm is None else float(norm)}
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            metrics["load"] = model.routing_load()
+            rate = (done - start) / (time.perf_counter() - t0)
+            if rank == 0:
+                eta = (cfg.steps - done) / max(rate, 1e-9)
+                log.info("step %d/%d loss %.4f ppl %.1f lr %.2e | %.1f steps/s, ETA %dm%02ds%s", done, cfg.steps,
+                         loss, metrics["ppl"], metrics["lr"], rate, eta // 60, eta % 60,
+                         f" | load {metrics['load']}" if metrics["load"] else "")
+        if rank == 0:
+            with open(out_dir / "metrics.jsonl", "a") as fh:
+                fh.write(json.dumps(metrics) + "\n")
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                last = save_checkpoint(out_dir / "checkpoints" / f"step-{done:06d}", model, opt, sched, done, cfg)
+        for callback in callbacks:
+            callback(done, metrics)
+    if distributed:
+        dist.barrier()
+    return last if last is not None else latest_checkpoint(out_dir)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop logged steps after the checkpoint a run resumes from (they will be redone)."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="cse-train", description="Train a GPT/BERT (dense, CSE, Switch or DEMix) "
+                                     "from a config file; resumes from the last checkpoint in out_dir.")
+    parser.add_argument("config", help="JSON or YAML TrainConfig")
+    parser.add_argument("--out-dir", help="override out_dir")
+    parser.add_argument("--steps", type=int, help="override steps")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = TrainConfig.load(args.config)
+        if args.out_dir:
+            cfg.out_dir = args.out_dir
+        if args.steps:
+            cfg.steps = args.steps
+        last = train(cfg)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"cse-train: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"last checkpoint: {last}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Training: exact resume after a kill, data-parallel equality, CSE conversion mid-run,
+domain finetuning, the command, and its errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cse_models import load_model
+from cse_models.train import TrainConfig, lr_factor, train
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def config(tmp_path, name="run", **overrides):
+    base = {
+        "out_dir": str(tmp_path / name),
+        "model": {"n_layer": 2, "n_embd": 32, "n_head": 2,
+                  "sparse": {"kind": "cse", "layers": [1], "n_experts": [0], "proj_dim": 8}},
+        "data": {"seq_len": 32, "split": "validation"},
+        "cse": {"warmup_steps": 6, "n_samples": 128, "min_samples": 3, "eps": 0.11},  # 3 experts at step 6
+        "steps": 14, "batch_size": 8, "checkpoint_every": 4, "log_every": 2, "warmup_steps": 3, "lr": 3e-3,
+    }
+    base.update(overrides)
+    return TrainConfig.from_dict(base)
+
+
+def weights(checkpoint):
+    return load_file(str(Path(checkpoint) / "model.safetensors"))
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+class Killed(Exception):
+    pass
+
+
+def test_killed_run_resumes_to_the_same_weights(tmp_path):
+    torch.set_default_dtype(torch.float32)
+    full = train(config(tmp_path, "full"))
+
+    def kill_at(step, _metrics):
+        if step == 10:  # two steps after the checkpoint at 8: their work is lost
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(config(tmp_path, "killed"), callbacks=[kill_at])
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
+    resumed = train(config(tmp_path, "killed"))
+    a, b = weights(full), weights(resumed)
+    assert a.keys() == b.keys() and any(".experts.1." in k for k in a)  # CSE conversion happened (step 6)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert losses(tmp_path / "full") == losses(tmp_path / "killed")  # the log was rewound, not duplicated
+    state = json.loads((Path(resumed) / "trainer_state.json").read_text())
+    assert state["step"] == 14 and load_model(resumed).config.sparse.n_experts[0] >= 1
+
+
+def test_two_process_gloo_matches_one_process(tmp_path):
+    torch.set_default_dtype(torch.float32)
+    dense = {"model": {"n_layer": 2, "n_embd": 32, "n_head": 2}, "steps": 6, "checkpoint_every": 6}
+    single = config(tmp_path, "single", **dense)
+    train(single)
+    cfg_path = tmp_path / "ddp.json"
+    ddp = config(tmp_path, "ddp", **dense)
+    cfg_path.write_text(json.dumps(ddp.__dict__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29517", "-m", "cse_models.train", str(cfg_path)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "ddp")), torch.tensor(losses(tmp_path / "single")),
+                               rtol=1e-5, atol=1e-6)
+    a, b = weights(tmp_path / "single/checkpoints/step-000006"), weights(tmp_path / "ddp/checkpoints/step-000006")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+
+def test_switch_and_demix_baselines_train_and_domain_finetuning_continues(tmp_path):
+    torch.set_default_dtype(torch.float32)
+    switch = train(config(tmp_path, "switch", model={"n_layer": 2, "n_embd": 32, "n_head": 2, "sparse": {
+        "kind": "switch", "layers": [1], "n_experts": [3]}}, steps=4))
+    log = [json.loads(x) for x in (tmp_path / "switch" / "metrics.jsonl").read_text().splitlines()]
+    assert log[-1]["aux"] > 0 and sum(log[-1]["load"]["transformer.h.1.mlp"]) > 0
+    demix = train(config(tmp_path, "demix", model={"n_layer": 2, "n_embd": 32, "n_head": 2, "sparse": {
+        "kind": "demix", "layers": [0, 1], "domains": ["biomedical", "general", "legal"]}}, steps=4))
+    assert load_model(demix).config.sparse.domains == ["biomedical", "general", "legal"]
+    legal = train(config(tmp_path, "legal", init_from=str(switch), model={}, steps=2,
+                         data={"seq_len": 32, "split": "validation", "domains": ["legal"]}))
+    assert load_model(legal).config.sparse.kind == "switch"
+
+
+def test_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match=r"train: the corpus is too small for the batch: \d+ blocks of 32 tokens, batch_size=100000"):
+        train(config(tmp_path, batch_size=100000))
+    with pytest.raises(ValueError, match=r"SparseConfig: layers must be block indices in \[0, 2\)"):
+        train(config(tmp_path, model={"n_layer": 2, "sparse": {"kind": "cse", "layers": [7], "n_experts": [0]}}))
+    with pytest.raises(ValueError, match=r"TrainConfig: unknown keys \['stepz'\]"):
+        TrainConfig.from_dict({"stepz": 3})
+    with pytest.raises(ValueError, match=r"pack_blocks: domains \['medieval'\] have no records"):
+        train(config(tmp_path, data={"seq_len": 32, "domains": ["medieval"]}))
+
+
+def test_schedule_warms_up_then_decays():
+    cfg = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(0, cfg) == pytest.approx(0.1) and lr_factor(9, cfg) == pytest.approx(1.0)
+    assert lr_factor(10, cfg) == pytest.approx(1.0) and lr_factor(100, cfg) == pytest.approx(0.1)
+    assert lr_factor(55, cfg) == pytest.approx(0.55)
+
+
+def test_cse_train_command(tmp_path):
+    cfg = config(tmp_path, "cmd", steps=2, checkpoint_every=2)
+    path = tmp_path / "run.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(cfg.__dict__))))
+    proc = subprocess.run([sys.executable, "-m", "cse_models.train", str(path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "ETA" in proc.stderr and "last checkpoint:" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "cse_models.train", str(tmp_path / "missing.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("cse-train: error: TrainConfig.load:")
