@@ -117,13 +117,14 @@ def fit_router(embeddings, *, proj_dim: int = 32, eps: float | None = None, min_
 
 
 def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                   eps: float | None = None, min_samples: int = 5, max_experts: int | None = 8, seed: int = 0,
+                   eps: float | dict | None = None, min_samples: int = 5, max_experts: int | None = 8, seed: int = 0,
                    on_no_cluster: str = "single") -> dict[int, RouterFit]:
     """Turn each chosen dense module of a warmed-up model into a CSE layer, in place.
 
     ``input_ids``/``attention_mask`` (N, T): the sampled sequences. The model's
     ``config.sparse`` (kind ``"cse"``) names the layers and module; its ``n_experts``
-    is filled in. Returns {layer: RouterFit}.
+    is filled in. ``eps``: one value, ``{layer: eps}`` (layers' scales differ), or None
+    (automatic). Returns {layer: RouterFit}.
     """
     sparse = model.config.sparse
     if sparse is None or sparse.kind != "cse":
@@ -137,7 +138,8 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     model.train(was_training)
     fits = {}
     for n, i in enumerate(sparse.layers):
-        fit = fit_router(embeddings[i].float().cpu().numpy(), proj_dim=sparse.proj_dim, eps=eps,
+        eps_i = eps.get(i) if isinstance(eps, dict) else eps
+        fit = fit_router(embeddings[i].float().cpu().numpy(), proj_dim=sparse.proj_dim, eps=eps_i,
                          min_samples=min_samples, max_experts=max_experts, seed=seed + i, on_no_cluster=on_no_cluster)
         dense = model._module(i)
         device = next(dense.parameters()).device

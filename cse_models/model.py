@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from cse_models.config import BERTConfig, GPTConfig
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
-from cse_models.layers import MLP, Block, SelfAttention
+from cse_models.layers import Block
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
