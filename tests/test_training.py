@@ -128,3 +128,15 @@ def test_cse_train_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "cse_models.train", str(tmp_path / "missing.json")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("cse-train: error: TrainConfig.load:")
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    from cse_models import GPTConfig
+
+    cfg = TrainConfig.load(path)
+    if cfg.model:
+        config = GPTConfig.from_dict({"vocab_size": 8192, "block_size": cfg.data["seq_len"], **cfg.model})
+        assert config.n_embd % config.n_head == 0
+    else:
+        assert cfg.init_from  # a finetuning run continues a checkpoint
