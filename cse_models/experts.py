@@ -3,8 +3,9 @@ routing) and DEMix (one expert per domain label).
 
 Each wraps a list of experts, copies of a dense module, and takes ``(x, key_mask)`` like
 the module it replaces. State updates (CSE centres) never happen inside ``forward``: a
-training loop calls :meth:`CSELayer.update_centres` after the step, so ``forward`` stays
-a pure function that ``torch.func`` transforms can differentiate (DESIGN §6).
+training loop calls :meth:`CSELayer.update_centres` after the step. Bookkeeping (the load
+per expert, Switch's auxiliary loss) happens in training mode only, so in eval mode
+``forward`` is a pure function that ``torch.func`` transforms can differentiate (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ class CSELayer(nn.Module):
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         z, assign = self.route(x, key_mask)
-        if self.training:
+        if self.training:  # bookkeeping only in training: analyses (eval mode) see a pure function
             self._pending = (z.detach(), assign.detach())
-        with torch.no_grad():
-            self.load += torch.bincount(assign.detach(), minlength=len(self.experts)).to(self.load.device)
+            with torch.no_grad():
+                self.load += torch.bincount(assign.detach(), minlength=len(self.experts)).to(self.load.device)
         return _dispatch(self.experts, x, key_mask, assign)
 
     @torch.no_grad()
@@ -119,9 +120,10 @@ class SwitchFFN(nn.Module):
             if idx.numel():
                 y = expert(h[idx].unsqueeze(0)).squeeze(0) * gate[idx].unsqueeze(1).to(h.dtype)
                 out = out.index_copy(0, tokens[idx], y)
-        fraction = torch.bincount(choice, minlength=C).to(probs.dtype) / max(1, choice.numel())
-        self.aux_loss = C * (fraction * probs.mean(dim=0)).sum()
-        self.load += processed.to(self.load.device)  # tokens each expert processed (overflow excluded)
+        if self.training:  # bookkeeping only in training: analyses (eval mode) see a pure function
+            fraction = torch.bincount(choice, minlength=C).to(probs.dtype) / max(1, choice.numel())
+            self.aux_loss = C * (fraction * probs.mean(dim=0)).sum()
+            self.load += processed.to(self.load.device)  # tokens each expert processed (overflow excluded)
         return out.view(B, T, d)
 
     def reset_load(self) -> None:
@@ -142,8 +144,9 @@ class DEMixLayer(nn.Module):
         if domains is None:
             raise ValueError("DEMixLayer.forward: domains must be given (one expert index per sequence); "
                              "for inference without labels use cse_models.demix.mixture_log_probs")
-        with torch.no_grad():
-            self.load += torch.bincount(domains.detach(), minlength=len(self.experts)).to(self.load.device)
+        if self.training:
+            with torch.no_grad():
+                self.load += torch.bincount(domains.detach(), minlength=len(self.experts)).to(self.load.device)
         return _dispatch(self.experts, x, key_mask, domains)
 
     def reset_load(self) -> None:

@@ -303,13 +303,12 @@ def train(cfg: TrainConfig, *, callbacks=()) -> Path:
             model.to(device)
             new_opt = make_optimizer(model, cfg)
             carry_optimizer_state(old, model, new_opt)
-            new_opt.load_state_dict({"state": new_opt.state_dict()["state"], "param_groups": [
-                {**g, "lr": og["lr"], "initial_lr": og.get("initial_lr", cfg.lr)}
-                for g, og in zip(new_opt.state_dict()["param_groups"], opt.param_groups)]})
             sched_state = sched.state_dict()
             opt = new_opt
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
             sched.load_state_dict(sched_state)
+            for group, lr in zip(opt.param_groups, sched.get_last_lr()):
+                group["lr"] = lr
             net = wrap(model)
         idx = global_batch(blocks, step, cfg.batch_size, cfg.seed)[rank * per_rank:(rank + 1) * per_rank]
         ids, doms = blocks.input_ids[idx].to(device), blocks.domains[idx].to(device)
@@ -323,6 +322,7 @@ def train(cfg: TrainConfig, *, callbacks=()) -> Path:
         opt.zero_grad(set_to_none=True)
         objective.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
+        lr = opt.param_groups[0]["lr"]  # the rate this step used
         opt.step()
         sched.step()
         model.update_routers()
@@ -330,7 +330,7 @@ def train(cfg: TrainConfig, *, callbacks=()) -> Path:
         if distributed:
             dist.all_reduce(loss_all)
         loss = float(loss_all / total)
-        metrics = {"step": step + 1, "loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": opt.param_groups[0]["lr"],
+        metrics = {"step": step + 1, "loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": lr,
                    "aux": float(aux), "grad_norm": None if norm is None else float(norm)}
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:

@@ -186,9 +186,10 @@ def jacobian_rows(fm: FunctionalModel, data: dict, out: torch.Tensor, first_row:
     try:
         grads, values = vmap(transform, in_dims=(None, 0), randomness=fm.randomness)(fm.params, data)
     except RuntimeError as err:
-        if "data-dependent" not in str(err) and ".item()" not in str(err):
+        if not any(s in str(err) for s in ("data-dependent", ".item()", "dynamic shape")):
             raise
-        log.warning("%s: the model has data-dependent control flow that vmap cannot trace; "
+        # e.g. HF masks branching on values, or sequence-level expert dispatch (CSE, DEMix)
+        log.warning("%s: the model has data-dependent control flow or shapes that vmap cannot trace; "
                     "computing per-sample gradients one sample at a time (slower)", fm.func)
         rows = [transform(fm.params, take(data, i)) for i in range(out.shape[0])]
         grads = {k: torch.stack([r[0][k] for r in rows]) for k in fm.params}

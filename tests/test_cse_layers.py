@@ -268,3 +268,29 @@ def test_attention_is_bidirectional_for_bert_only():
     torch.testing.assert_close(gpt(ids)[:, :-1], gpt(changed)[:, :-1])
     assert not torch.allclose(bert(ids)[:, :-1], bert(changed)[:, :-1])
     assert isinstance(gpt.transformer.h[0].attn, SelfAttention) and gpt.transformer.h[0].attn.is_causal
+
+
+def test_ntkscope_analyses_a_cse_model_per_expert(lm_batch):
+    """The analysis library sees a CSE model as a pure function in eval mode: per-sample
+    gradients equal the autograd loop, and the per-expert NTK blocks add up."""
+    import ntkscope as ns
+    from reference import causal_jacobian
+
+    model = tiny(sparse=SparseConfig(kind="cse", layers=[1], n_experts=[2], proj_dim=4))
+    model.config.vocab_size = 40
+    layer = model.transformer.h[1].mlp
+    ids = lm_batch["input_ids"] % 40
+    batch = {"input_ids": ids, "attention_mask": lm_batch["attention_mask"]}
+    model.eval()
+    layer.projection.normal_()
+    z = model.module_inputs(ids, batch["attention_mask"], [1])[1] @ layer.projection.T
+    layer.centres.copy_(z[[0, 3]])  # two sequences seed two experts: both get traffic
+    J = ns.per_sample_grads(model, batch).flatten()
+    torch.testing.assert_close(J, causal_jacobian(model, batch), rtol=1e-9, atol=1e-12)
+    ntk = ns.empirical_ntk(model, batch, blocks="expert", method="exact")
+    torch.testing.assert_close(sum(ntk.blocks.values()), J @ J.T, rtol=1e-9, atol=1e-12)
+    assert {k for k in ntk.blocks if ".experts." in k} == {"transformer.h.1.mlp.experts.0", "transformer.h.1.mlp.experts.1"}
+    assert layer.load.sum() == 0  # eval mode: no bookkeeping
+    model.train()
+    model(ids, batch["attention_mask"])
+    assert (layer.load > 0).all()  # both experts were used in the analysis above

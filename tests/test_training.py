@@ -59,6 +59,10 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert losses(tmp_path / "full") == losses(tmp_path / "killed")  # the log was rewound, not duplicated
+    cfg = config(tmp_path, "full")
+    for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines():  # the schedule survives the conversion
+        m = json.loads(line)
+        assert m["lr"] == pytest.approx(cfg.lr * lr_factor(m["step"] - 1, cfg), rel=1e-12)
     state = json.loads((Path(resumed) / "trainer_state.json").read_text())
     assert state["step"] == 14 and load_model(resumed).config.sparse.n_experts[0] >= 1
 
