@@ -2,6 +2,7 @@
 domain finetuning, the command, and its errors."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -144,3 +145,12 @@ def test_shipped_configs_are_valid(path):
         assert config.n_embd % config.n_head == 0
     else:
         assert cfg.init_from  # a finetuning run continues a checkpoint
+
+
+@pytest.mark.gpu
+def test_bf16_autocast_training_on_gpu(tmp_path):
+    torch.set_default_dtype(torch.float32)
+    last = train(config(tmp_path, "gpu", device="cuda", bf16=True, steps=8))
+    log = losses(tmp_path / "gpu")
+    assert len(log) == 8 and all(math.isfinite(x) for x in log) and log[-1] < log[0]
+    assert load_model(last).config.sparse.n_experts[0] >= 1
