@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from sklearn.cluster import DBSCAN
-from sklearn.neighbors import NearestNeighbors
 from sklearn.random_projection import GaussianRandomProjection
 
 from cse_models.experts import CSELayer
+from ntkscope.clusters import auto_eps
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +57,6 @@ class RouterFit:
     @property
     def n_clusters(self) -> int:
         return len(self.centres)
-
-
-def auto_eps(points: np.ndarray, min_samples: int) -> float:
-    """The knee of the sorted k-distance curve (k = min_samples), or its 90th percentile when
-    kneedle finds no knee."""
-    from kneed import KneeLocator
-
-    k = min(min_samples, len(points) - 1)
-    dist, _ = NearestNeighbors(n_neighbors=k + 1).fit(points).kneighbors(points)
-    curve = np.sort(dist[:, -1])
-    knee = KneeLocator(np.arange(len(curve)), curve, curve="convex", direction="increasing").knee_y
-    if knee is None or not np.isfinite(knee) or knee <= 0:
-        return float(np.percentile(curve, 90))
-    return float(knee)
 
 
 def fit_router(embeddings, *, proj_dim: int = 32, eps: float | None = None, min_samples: int = 5,

@@ -191,6 +191,9 @@ class TransformerLM(nn.Module):
                 raise FileNotFoundError(f"{func}: {directory} has no {name}")
         data = json.loads((directory / CONFIG_NAME).read_text())
         kind = data.get("model_type")
+        if "architectures" in data:
+            raise ValueError(f"{func}: {directory} is an HF transformers checkpoint ({data['architectures']}), "
+                             "not a cse_models one; load it with transformers (ntkscope.checkpoints.load_checkpoint)")
         classes = {"gpt": GPT, "bert": BERT}
         if kind not in classes:
             raise ValueError(f"{func}: {directory} holds a {kind!r} checkpoint, not one of cse_models' "

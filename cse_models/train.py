@@ -49,6 +49,7 @@ class TrainConfig:
     data: dict = field(default_factory=dict)   # pack, split, domains, seq_len, tokenizer, text_files
     cse: dict = field(default_factory=dict)    # warmup_steps, n_samples, eps, min_samples, max_experts, on_no_cluster
     init_from: str | None = None               # a checkpoint to continue from (domain finetuning)
+    plan: str | None = None                    # an ntkscope plan: sparse.layers / cse.warmup_steps "auto"
     steps: int = 1000
     batch_size: int = 32
     lr: float = 3e-3
@@ -92,6 +93,39 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, grad_clip >= 0 "
                              f"(got {cfg.lr}, {cfg.min_lr_ratio}, {cfg.warmup_steps}, {cfg.grad_clip})")
         return cfg
+
+
+def apply_plan(cfg: TrainConfig) -> TrainConfig:
+    """Resolve ``sparse.layers: auto``, ``sparse.module: auto`` and ``cse.warmup_steps: auto``
+    from the plan file (written by ``ntkscope plan``)."""
+    import copy
+
+    sparse = (cfg.model or {}).get("sparse") or {}
+    wants = [k for k in ("layers", "module") if sparse.get(k) == "auto"] + \
+        (["warmup_steps"] if cfg.cse.get("warmup_steps") == "auto" else [])
+    if not wants:
+        return cfg
+    if not cfg.plan:
+        raise ValueError(f"TrainConfig: {wants} are 'auto' but no plan file is given (plan: PLAN.json, "
+                         "from: ntkscope plan RUN_DIR --out PLAN.json)")
+    from ntkscope.plan import Plan
+
+    plan = Plan.load(cfg.plan)
+    cfg = copy.deepcopy(cfg)
+    sparse = cfg.model["sparse"]
+    if sparse.get("layers") == "auto":
+        sparse["layers"] = list(plan.layers)
+        sparse["n_experts"] = [0] * len(plan.layers)
+    if sparse.get("module") == "auto":
+        sparse["module"] = plan.module
+    if cfg.cse.get("warmup_steps") == "auto":
+        if plan.warmup_steps is None:
+            raise ValueError(f"TrainConfig: cse.warmup_steps is 'auto' but plan {cfg.plan} has no warm-up "
+                             "(it was made without a GC series)")
+        cfg.cse["warmup_steps"] = int(plan.warmup_steps)
+    log.info("plan %s: CSE layers %s (%s), warm-up %s steps", cfg.plan, sparse["layers"], plan.chosen_by,
+             cfg.cse.get("warmup_steps"))
+    return cfg
 
 
 # ---- pieces -----------------------------------------------------------------------------------
@@ -252,6 +286,7 @@ def train(cfg: TrainConfig, *, callbacks=()) -> Path:
 
     ``callbacks``: functions ``(step, metrics)`` called after each step (step = steps done).
     """
+    cfg = apply_plan(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     distributed = world > 1

