@@ -2,7 +2,8 @@
 
 The public API, in pipeline order: real text (corpus packs, tokenizers, frequency
 scores) -> which parameters -> per-sample gradients -> empirical NTK -> top eigenpair
--> primary gradient direction -> gradient consistency.
+-> primary gradient direction -> gradient consistency -> representations and clusters
+over checkpoints -> the CSE plan.
 """
 
 from ntkscope.consistency import (
@@ -13,6 +14,8 @@ from ntkscope.consistency import (
     gradient_consistency_groups,
     principal_direction,
 )
+from ntkscope.checkpoints import list_checkpoints, load_checkpoint
+from ntkscope.clusters import AutoDBSCAN, ClusterGeometry, ElbowKMeans, cluster_geometry, jl_guidance, random_projection
 from ntkscope.corpus import CorpusPack, Record, SourceMissingError, build_pack, load_pack, load_source
 from ntkscope.eigen import (
     EigenResult,
@@ -20,6 +23,14 @@ from ntkscope.eigen import (
     NTKOperator,
     ntk_top_eigenpair,
     top_eigenpair,
+)
+from ntkscope.dynamics import (
+    analysis_batch,
+    cluster_dynamics,
+    cluster_snapshots,
+    gc_series,
+    layer_separation,
+    long_tail_subset,
 )
 from ntkscope.frequency import (
     TokenCounts,
@@ -36,11 +47,34 @@ from ntkscope.grads import PerSampleGrads, per_sample_grads
 from ntkscope.ntk import NTKResult, empirical_ntk, jl_error_bound
 from ntkscope.objectives import LMLoss
 from ntkscope.params import ParameterSelection, select_parameters
+from ntkscope.plan import Plan, choose_layers, make_plan, warmup_at_gc_peak
+from ntkscope.representations import LayerEmbeddings, encode_texts, layer_embeddings
 from ntkscope.tokenization import TextTokenizer, gpt2_tokenizer, load_tokenizer, train_bpe
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoDBSCAN",
+    "ClusterGeometry",
+    "ElbowKMeans",
+    "LayerEmbeddings",
+    "Plan",
+    "analysis_batch",
+    "choose_layers",
+    "cluster_dynamics",
+    "cluster_geometry",
+    "cluster_snapshots",
+    "encode_texts",
+    "gc_series",
+    "jl_guidance",
+    "layer_embeddings",
+    "layer_separation",
+    "list_checkpoints",
+    "load_checkpoint",
+    "long_tail_subset",
+    "make_plan",
+    "random_projection",
+    "warmup_at_gc_peak",
     "CorpusPack",
     "Record",
     "SourceMissingError",

@@ -140,10 +140,10 @@ def _plan(args) -> int:
     from ntkscope.plan import make_plan
 
     batch, labels = _analysis_data(args, None)
-    table = cluster_dynamics(args.run, batch, point=args.point, k_max=args.k_max,
+    table = cluster_dynamics(args.run_dir, batch, point=args.point, k_max=args.k_max,
                              projection_dim=args.projection_dim, seed=args.seed)
     tail = long_tail_subset(labels["score"], args.tail_fraction)
-    gc = gc_series(args.run, batch, tail, method=args.method)
+    gc = gc_series(args.run_dir, batch, tail, method=args.method)
     _print_table("separation per checkpoint and layer:", table.pivot(index="step", columns="layer",
                                                                        values="separation").reset_index())
     _print_table(f"GC of the long tail (lowest {args.tail_fraction:.0%} frequency scores, n={len(tail)}):", gc)
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     clusters.set_defaults(run=_clusters)
     plan = sub.add_parser("plan", help="choose CSE layers and the warm-up length from a run's checkpoints",
                           description="Example: ntkscope plan runs/toy-dense --out plan.json")
-    plan.add_argument("run", help="a training run directory (checkpoints/step-NNNNNN)")
+    plan.add_argument("run_dir", metavar="RUN", help="a training run directory (checkpoints/step-NNNNNN)")
     _add_analysis_args(plan)
     plan.add_argument("--module", default="ffn", choices=["ffn", "attn"])
     plan.add_argument("--tail-fraction", type=float, default=1 / 3, help="long tail: lowest-score share (default 1/3)")
