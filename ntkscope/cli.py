@@ -166,6 +166,103 @@ def _add_analysis_args(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def _gc(args) -> int:
+    import json
+
+    from ntkscope.checkpoints import is_run_dir
+    from ntkscope.commands import gc_command, gc_run_command
+
+    if is_run_dir(args.target):
+        result = gc_run_command(args.target, args.data, n=args.n, method=args.method, seq_len=args.seq_len,
+                                seed=args.seed, tokenizer=args.tokenizer, out=args.out)
+        _print_table(f"GC of the long tail (n_tail={result['n_tail']} of {result['n']}) at each checkpoint:",
+                     __import__("pandas").DataFrame(result["series"]))
+        print(f"\npeak at step {result['peak_step']}")
+    else:
+        result = gc_command(args.target, args.data, by=args.by, bins=args.bins, n=args.n, min_count=args.min_count,
+                            params=args.params, output=args.output, method=args.method, dtype=args.dtype,
+                            seq_len=args.seq_len, seed=args.seed, tokenizer=args.tokenizer, out=args.out)
+        import pandas as pd
+
+        table = pd.DataFrame(result["groups"])
+        cols = [c for c in ("label", "left", "right", "n_subset", "mean_frequency_score", "gc", "eigengap_subset",
+                            "method") if c in table]
+        _print_table(f"GC of each {'frequency bin' if args.by == 'frequency-bins' else 'label'} against the whole "
+                     f"set (n={result['n']}, {result['data']}):", table[cols])
+        if result["skipped"]:
+            print(f"\nskipped (fewer than --min-count {args.min_count} sentences): {json.dumps(result['skipped'])}")
+    if args.out:
+        print(f"\nwrote {args.out}/")
+    return 0
+
+
+def _ntk(args) -> int:
+    from ntkscope.commands import ntk_command
+
+    result = ntk_command(args.target, args.data, n=args.n, blocks=args.blocks, params=args.params,
+                         output=args.output, method=args.method, dtype=args.dtype, seq_len=args.seq_len,
+                         seed=args.seed, tokenizer=args.tokenizer, out=args.out)
+    print(f"NTK of {result['n']} sentences by {result['method']} ({result['reason']}); trace {result['trace']:.4g}; "
+          f"blocks: {len(result['blocks'])}")
+    if args.out:
+        print(f"wrote {args.out}/ (ntk.npy, ntk.png{', blocks.npz' if result['blocks'] else ''})")
+    return 0
+
+
+def _freq(args) -> int:
+    from ntkscope.analysis_data import _file_rows
+    from ntkscope.corpus.pack import load_pack
+    from ntkscope.frequency import count_tokens, save_table, score_histogram, sentence_table
+    from ntkscope.tokenization import load_tokenizer
+    from pathlib import Path
+
+    from ntkscope.corpus.text import Record
+
+    if args.data in (None, "default") or Path(args.data).is_dir():
+        pack = load_pack(None if args.data in (None, "default") else args.data)
+        records, reference = pack.records("all"), pack.records("train")
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else pack.tokenizer()
+    else:
+        if not Path(args.data).exists():
+            raise FileNotFoundError(f"freq: {args.data} does not exist")
+        records = [Record(t, "file", label, label, f"file:{i}") for i, (t, label) in enumerate(_file_rows(Path(args.data)))]
+        reference = records
+        if not args.tokenizer:
+            raise ValueError("freq: a text file needs --tokenizer (a tokenizer.json, an HF directory, or 'gpt2')")
+        tokenizer = load_tokenizer(args.tokenizer)
+    counts = count_tokens(reference, tokenizer)
+    table = sentence_table(records, tokenizer, counts=counts, normalisation=args.normalisation)
+    hist = score_histogram(table["score"], bins=args.bins)
+    _print_table(f"sentence frequency score by domain ({args.normalisation}, {tokenizer.name}):",
+                 table.groupby("domain")["score"].describe()[["count", "25%", "50%", "75%"]].reset_index())
+    _print_table("percentage of sentences per bin:", hist)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        save_table(table, out / "sentence_scores.parquet")
+        save_table(hist, out / "histogram.csv")
+        save_table(counts.to_frame(tokenizer), out / "token_counts.parquet")
+        print(f"\nwrote {out}/")
+    return 0
+
+
+def _add_model_args(parser, n_default: int) -> None:
+    parser.add_argument("target", metavar="CHECKPOINT", help="a cse_models checkpoint, an HF model directory, or "
+                        "(gc only) a training run directory")
+    parser.add_argument("--data", default="default", help="a corpus pack directory, 'default' (the shipped pack), "
+                        "or a UTF-8 text file (.tsv: label<TAB>text)")
+    parser.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, or its run's pack")
+    parser.add_argument("--n", type=int, default=n_default, help=f"sentences to analyse (default {n_default})")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sentence at most (default 64)")
+    parser.add_argument("--params", nargs="+", help="parameter name globs, e.g. 'transformer.h.1.*' (default: all)")
+    parser.add_argument("--output", default="loss", choices=["loss", "logits", "hidden-mean"],
+                        help="f(x): the sequence's mean token loss (default), or a vector output (trace reduction)")
+    parser.add_argument("--method", default="auto", choices=["auto", "exact", "matrix-free", "projected"])
+    parser.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: the model's)")
+    parser.add_argument("--seed", type=int, default=0, help="sentence sampling (and projection) seed")
+    parser.add_argument("--out", help="directory for the results (written atomically)")
+
+
 def _add_source_args(parser) -> None:
     parser.add_argument("--root", default="/", help="file-system root of the system packages (default /)")
     parser.add_argument("--data-dir", help="downloaded sources (default $NTKSCOPE_SOURCES or ~/.cache/ntkscope/sources)")
@@ -216,6 +313,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", help="also write the GC table to this CSV file")
     demo.set_defaults(run=_demo)
     _add_corpus(sub)
+    gc = sub.add_parser("gc", help="gradient consistency of frequency bins or labels against the whole set",
+                        description="Examples: ntkscope gc runs/toy-dense/checkpoints/step-001000 --out gc/  |  "
+                        "ntkscope gc runs/toy-dense --out gc-over-steps/ (every checkpoint of a run)")
+    _add_model_args(gc, 256)
+    gc.add_argument("--by", default="frequency-bins", choices=["frequency-bins", "label"],
+                    help="subsets: equal-width frequency-score bins (default) or the data's labels")
+    gc.add_argument("--bins", type=int, default=6, help="frequency bins (default 6)")
+    gc.add_argument("--min-count", type=int, default=4, help="smallest subset analysed (default 4)")
+    gc.set_defaults(run=_gc)
+    ntk = sub.add_parser("ntk", help="the empirical NTK of a set of sentences, as .npy and a heatmap",
+                         description="Example: ntkscope ntk runs/toy-dense/checkpoints/step-001000 --n 64 "
+                         "--blocks layer --out ntk/")
+    _add_model_args(ntk, 64)
+    ntk.add_argument("--blocks", choices=["layer", "expert", "param"], help="also keep one kernel per block")
+    ntk.set_defaults(run=_ntk)
+    freq = sub.add_parser("freq", help="token counts and sentence frequency scores of a pack or text file",
+                          description="Example: ntkscope freq --tokenizer gpt2 --out freq/")
+    freq.add_argument("data", nargs="?", default="default", help="a pack directory, 'default', or a text file")
+    freq.add_argument("--tokenizer", help="default: the pack's BPE")
+    freq.add_argument("--normalisation", default="max", choices=["max", "log", "prob", "rank"])
+    freq.add_argument("--bins", type=int, default=10)
+    freq.add_argument("--out", help="directory for the tables")
+    freq.set_defaults(run=_freq)
     clusters = sub.add_parser("clusters", help="how one model's sequence embeddings cluster, layer by layer",
                               description="Example: ntkscope clusters runs/toy-dense/checkpoints/step-001000")
     clusters.add_argument("model", help="a cse_models checkpoint or an HF model directory")
