@@ -207,8 +207,10 @@ class TransformerLM(nn.Module):
             state["lm_head.weight"] = state["transformer.wte.weight"]
         try:
             missing, unexpected = model.load_state_dict(state, strict=False)
-        except RuntimeError as err:  # shape mismatches
-            raise ValueError(f"{func}: weights in {directory} do not match its config: {err}") from None
+        except RuntimeError as err:  # shape mismatches: name the first
+            lines = [x.strip() for x in str(err).splitlines() if "size mismatch" in x] or [str(err).splitlines()[0]]
+            raise ValueError(f"{func}: weights in {directory} do not match its config ({len(lines)} tensors; "
+                             f"first: {lines[0]})") from None
         if missing or unexpected:
             raise ValueError(f"{func}: weights in {directory} do not match its config "
                              f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")

@@ -14,6 +14,7 @@ import json
 import logging
 import pickle
 import re
+import warnings
 from pathlib import Path
 
 from ntkscope._checks import fail
@@ -56,11 +57,14 @@ def load_state_dict(path: str | Path) -> dict:
 
         return load_file(str(path))
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about the refused global; the error below says it
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"load_checkpoint: {path} is a pickle that would run code, refused (torch.load with "
-                         f"weights_only=True: {first[:160]}); save the weights as safetensors") from None
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        first = f"it imports {found.group(1)}" if found else (str(err).splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"load_checkpoint: {path} is a pickle that would run code, refused, never executed "
+                         f"({first[:160]}); save the weights as safetensors") from None
     except (EOFError, RuntimeError) as err:
         raise ValueError(f"load_checkpoint: {path} is not a readable PyTorch state dict ({str(err)[:160]})") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):

@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:  # user errors; anything else is a bug: keep its traceback
-        print(f"ntkscope {args.command}: error: {err}", file=sys.stderr)
+        print(f"ntkscope {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return 1
 
 

