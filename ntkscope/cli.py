@@ -116,11 +116,21 @@ def _print_table(title, frame):
 
 
 def _clusters(args) -> int:
-    from ntkscope.checkpoints import load_checkpoint
-    from ntkscope.dynamics import layer_separation
+    from ntkscope.checkpoints import is_run_dir, load_checkpoint
+    from ntkscope.dynamics import cluster_dynamics, layer_separation
     from ntkscope.plan import make_plan
     from ntkscope.representations import layer_embeddings
 
+    if is_run_dir(args.model):
+        batch, _ = _analysis_data(args, None)
+        table = cluster_dynamics(args.model, batch, point=args.point, k_max=args.k_max,
+                                 projection_dim=args.projection_dim, seed=args.seed)
+        _print_table(f"clusters per checkpoint and layer ({args.point}, n={args.n}):", table)
+        if args.out:
+            from ntkscope.frequency import save_table
+
+            save_table(table, args.out)
+        return 0
     batch, _ = _analysis_data(args, args.model)
     emb = layer_embeddings(load_checkpoint(args.model), batch, point=args.point)
     table = layer_separation(emb, k_max=args.k_max, projection_dim=args.projection_dim, seed=args.seed)
@@ -338,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     freq.set_defaults(run=_freq)
     clusters = sub.add_parser("clusters", help="how one model's sequence embeddings cluster, layer by layer",
                               description="Example: ntkscope clusters runs/toy-dense/checkpoints/step-001000")
-    clusters.add_argument("model", help="a cse_models checkpoint or an HF model directory")
+    clusters.add_argument("model", help="a cse_models checkpoint, an HF model directory, or a training run "
+                          "directory (then: elbow K and separation per checkpoint and layer)")
     _add_analysis_args(clusters)
     clusters.add_argument("--out", help="write the table (.csv or .parquet)")
     clusters.set_defaults(run=_clusters)

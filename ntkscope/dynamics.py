@@ -55,6 +55,22 @@ def layer_separation(embeddings, *, k_max: int = 10, projection_dim: int | None 
     return frame
 
 
+class _Progress:
+    """Logs 'what i/n, ETA' over a loop of checkpoints (cached ones count as instant)."""
+
+    def __init__(self, what: str, total: int):
+        import time
+
+        self.what, self.total, self.start, self.clock, self.done = what, total, time.perf_counter(), time.perf_counter, 0
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        elapsed = self.clock() - self.start
+        eta = elapsed / self.done * (self.total - self.done)
+        log.info("%s: %d/%d (%s), %.0f s elapsed, ETA %dm%02ds", self.what, self.done, self.total, label, elapsed,
+                 eta // 60, eta % 60)
+
+
 def _key(options: dict, batch: dict) -> str:
     h = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
     for name in sorted(batch):
@@ -93,14 +109,15 @@ def cluster_dynamics(run_dir, batch: dict, *, point: str = "block", layers=None,
                "projection_dim": projection_dim, "seed": seed}
     key = _key(options, batch)
     frames = []
-    for i, (step, path) in enumerate(checkpoints):
+    progress = _Progress("cluster_dynamics", len(checkpoints))
+    for step, path in checkpoints:
         def compute(path=path, step=step):
-            log.info("cluster_dynamics: checkpoint %d/%d (step %d)", i + 1, len(checkpoints), step)
             emb = layer_embeddings(load_checkpoint(path), batch, point=point, layers=layers)
             table = layer_separation(emb, k_max=k_max, projection_dim=projection_dim, seed=seed)
             table.insert(0, "step", step)
             return table.to_dict("records")
         frames.append(pd.DataFrame(_cached(cache_dir, step, key, compute)))
+        progress.step(f"step {step}")
     return pd.concat(frames, ignore_index=True)[COLUMNS]
 
 
@@ -118,12 +135,13 @@ def gc_series(run_dir, batch: dict, subset, *, method: str = "auto", steps=None,
     subset = [int(i) for i in subset]
     key = _key({"what": "gc", "subset": subset, "method": method}, batch)
     rows = []
+    progress = _Progress("gc_series", len(checkpoints))
     for step, path in checkpoints:
         def compute(path=path, step=step):
-            log.info("gc_series: step %d", step)
             res = gradient_consistency(load_checkpoint(path), batch, subset, method=method)
             return [{"step": step, "gc": res.score, "eigengap": res.eigengap, "eigengap_subset": res.eigengap_subset}]
         rows.extend(_cached(cache_dir, step, key, compute))
+        progress.step(f"step {step}")
     return pd.DataFrame(rows, columns=["step", "gc", "eigengap", "eigengap_subset"])
 
 
