@@ -41,6 +41,23 @@ def _sparse_module(config, dense: nn.Module, n_experts: int) -> nn.Module:
                     torch.ones(n_experts), sparse.alpha)
 
 
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+def _initialise(module: nn.Module, n_layer: int) -> None:
+    """GPT-2's init: N(0, 0.02), zero biases, residual projections scaled by 1/sqrt(2 n_layer)."""
+    module.apply(_init_weights)
+    for name, p in module.named_parameters():
+        if name.endswith("c_proj.weight"):
+            nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+
 class TransformerLM(nn.Module):
     """The shared stack. ``forward(input_ids (B, T), attention_mask (B, T) | None,
     domains (B,) | None) -> logits (B, T, V)``; ``domains`` is needed by DEMix layers only."""
@@ -64,24 +81,16 @@ class TransformerLM(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        _initialise(self, config.n_layer)
         if config.sparse is not None:
             for i in config.sparse.layers:
                 c = config.sparse.experts_at(i)
                 if c > 0:
-                    self._replace(i, _sparse_module(config, self._module(i), c))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                    layer = _sparse_module(config, self._module(i), c)
+                    if config.sparse.kind != "cse":  # Switch / DEMix experts start independent;
+                        for expert in layer.experts:  # CSE experts are copies of the warmed-up module
+                            _initialise(expert, config.n_layer)
+                    self._replace(i, layer)
 
     # ---- the sparse layers ----------------------------------------------------------------
 
