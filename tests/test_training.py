@@ -154,3 +154,21 @@ def test_bf16_autocast_training_on_gpu(tmp_path):
     log = losses(tmp_path / "gpu")
     assert len(log) == 8 and all(math.isfinite(x) for x in log) and log[-1] < log[0]
     assert load_model(last).config.sparse.n_experts[0] >= 1
+
+
+def test_training_on_plain_text_files(tmp_path):
+    torch.set_default_dtype(torch.float32)
+    from ntkscope.corpus.pack import DEFAULT_PACK, load_pack
+
+    pack = load_pack()
+    for domain in ("legal", "general"):
+        text = "\n\n".join(r.text for r in pack.records("validation") if r.domain == domain)
+        (tmp_path / f"{domain}.txt").write_text(text, encoding="utf-8")
+    cfg = config(tmp_path, "text", model={"n_layer": 1, "n_embd": 16, "n_head": 2},
+                 data={"seq_len": 32, "tokenizer": str(DEFAULT_PACK / "tokenizer.json"),
+                       "text_files": {"legal": [str(tmp_path / "legal.txt")], "general": [str(tmp_path / "general.txt")]}},
+                 steps=3, checkpoint_every=3)
+    last = train(cfg)
+    assert load_model(last).config.vocab_size == 8192 and len(losses(tmp_path / "text")) == 3
+    with pytest.raises(ValueError, match="data.text_files needs data.tokenizer"):
+        train(config(tmp_path, "text2", data={"seq_len": 32, "text_files": {"legal": [str(tmp_path / "legal.txt")]}}))
