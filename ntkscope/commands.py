@@ -45,11 +45,22 @@ def cached_result(out: Path | None, key: str) -> dict | None:
 
 
 class Outputs:
-    """Collects result files in a temporary directory; ``commit`` moves them into ``out``."""
+    """Collects result files in a temporary directory. Used as a context manager: on success
+    the files move into ``out`` (listed in ``written``); on an error they are discarded."""
 
     def __init__(self, out: Path | None):
         self.out = Path(out) if out is not None else None
         self.tmp = Path(tempfile.mkdtemp(prefix="ntkscope-"))
+        self.written: list[str] = []
+
+    def __enter__(self) -> "Outputs":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.written = [str(p) for p in self.commit()]
+        else:
+            self.discard()
 
     def path(self, name: str) -> Path:
         return self.tmp / name
@@ -142,18 +153,14 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
         table = table.sort_values("left").reset_index(drop=True)
     result = {"key": key, "options": options, "data": ad.source, "n": n, "groups": table.to_dict("records"),
               "skipped": {str(k): v for k, v in groups.skipped.items()}}
-    files = Outputs(out)
-    try:
+    with Outputs(out) as files:
         table.to_csv(files.path("gc.csv"), index=False)
         hist.to_csv(files.path("histogram.csv"), index=False)
         if by == "frequency-bins":
             gc_vs_frequency(table, hist, files.path("gc_vs_frequency.png"), title=f"{Path(checkpoint).name}: "
                             f"GC against sentence frequency (n={n})")
         files.path("result.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
-    except BaseException:
-        files.discard()
-        raise
-    result["files"] = [str(p) for p in files.commit()]
+    result["files"] = files.written
     return result
 
 
@@ -173,15 +180,11 @@ def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1
     frame = gc_series(run_dir, ad.batch, tail, method=method)
     result = {"run": str(run_dir), "data": ad.source, "n": n, "n_tail": len(tail),
               "peak_step": int(frame.loc[frame["gc"].idxmax(), "step"]), "series": frame.to_dict("records")}
-    files = Outputs(out)
-    try:
+    with Outputs(out) as files:
         frame.to_csv(files.path("gc_over_steps.csv"), index=False)
         gc_over_steps(frame, files.path("gc_over_steps.png"))
         files.path("result.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
-    except BaseException:
-        files.discard()
-        raise
-    result["files"] = [str(p) for p in files.commit()]
+    result["files"] = files.written
     return result
 
 
@@ -202,16 +205,12 @@ def ntk_command(checkpoint, data=None, *, n: int = 64, blocks=None, params=None,
     result = {"checkpoint": str(checkpoint), "data": ad.source, "n": n, "method": result_ntk.method,
               "reason": result_ntk.reason, "blocks": list(result_ntk.blocks or {}),
               "trace": float(np.trace(matrix))}
-    files = Outputs(out)
-    try:
+    with Outputs(out) as files:
         np.save(files.path("ntk.npy"), matrix)
         if result_ntk.blocks:
             np.savez(files.path("blocks.npz"), **{k: v.detach().cpu().numpy() for k, v in result_ntk.blocks.items()})
         ad.labels.to_csv(files.path("labels.csv"), index=False)
         ntk_heatmap(matrix, ad.labels["label"], files.path("ntk.png"), title=f"NTK of {Path(checkpoint).name} (n={n})")
         files.path("result.json").write_text(json.dumps(result, indent=2) + "\n")
-    except BaseException:
-        files.discard()
-        raise
-    result["files"] = [str(p) for p in files.commit()]
+    result["files"] = files.written
     return result
