@@ -123,7 +123,7 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
     """
     from ntkscope.analysis_data import load_analysis_data
     from ntkscope.consistency import gradient_consistency_groups
-    from ntkscope.plots import gc_vs_frequency
+    from ntkscope.plotting import gc_vs_frequency, save_figure
 
     if by not in ("frequency-bins", "label"):
         raise fail("gc", "by", "must be 'frequency-bins' or 'label'", by)
@@ -157,8 +157,8 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
         table.to_csv(files.path("gc.csv"), index=False)
         hist.to_csv(files.path("histogram.csv"), index=False)
         if by == "frequency-bins":
-            gc_vs_frequency(table, hist, files.path("gc_vs_frequency.png"), title=f"{Path(checkpoint).name}: "
-                            f"GC against sentence frequency (n={n})")
+            save_figure(gc_vs_frequency(table, hist, title=f"{Path(checkpoint).name}: GC against sentence "
+                                        f"frequency (n={n})"), files.path("gc_vs_frequency.png"))
         files.path("result.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
     result["files"] = files.written
     return result
@@ -171,7 +171,7 @@ def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1
     from ntkscope.analysis_data import load_analysis_data
     from ntkscope.checkpoints import checkpoint_tokenizer, list_checkpoints
     from ntkscope.dynamics import gc_series, long_tail_subset
-    from ntkscope.plots import gc_over_steps
+    from ntkscope.plotting import gc_over_steps, save_figure
 
     checkpoints = list_checkpoints(run_dir)
     tok = checkpoint_tokenizer(checkpoints[-1][1], tokenizer)
@@ -182,7 +182,7 @@ def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1
               "peak_step": int(frame.loc[frame["gc"].idxmax(), "step"]), "series": frame.to_dict("records")}
     with Outputs(out) as files:
         frame.to_csv(files.path("gc_over_steps.csv"), index=False)
-        gc_over_steps(frame, files.path("gc_over_steps.png"))
+        save_figure(gc_over_steps(frame), files.path("gc_over_steps.png"))
         files.path("result.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
     result["files"] = files.written
     return result
@@ -194,7 +194,7 @@ def ntk_command(checkpoint, data=None, *, n: int = 64, blocks=None, params=None,
     block), ``labels.csv`` and ``ntk.png`` (samples ordered by label)."""
     from ntkscope.analysis_data import load_analysis_data
     from ntkscope.ntk import empirical_ntk
-    from ntkscope.plots import ntk_heatmap
+    from ntkscope.plotting import ntk_heatmap, save_figure
 
     model, tok = _load(checkpoint, tokenizer)
     ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
@@ -210,7 +210,8 @@ def ntk_command(checkpoint, data=None, *, n: int = 64, blocks=None, params=None,
         if result_ntk.blocks:
             np.savez(files.path("blocks.npz"), **{k: v.detach().cpu().numpy() for k, v in result_ntk.blocks.items()})
         ad.labels.to_csv(files.path("labels.csv"), index=False)
-        ntk_heatmap(matrix, ad.labels["label"], files.path("ntk.png"), title=f"NTK of {Path(checkpoint).name} (n={n})")
+        save_figure(ntk_heatmap(matrix, ad.labels["label"], title=f"NTK of {Path(checkpoint).name} (n={n})"),
+                    files.path("ntk.png"))
         files.path("result.json").write_text(json.dumps(result, indent=2) + "\n")
     result["files"] = files.written
     return result
