@@ -91,23 +91,18 @@ def embed_texts(model, tokenizer, texts, *, batch_size: int = 64) -> np.ndarray:
     """Mean-pooled final hidden states of each text (truncated to the block size): (n, d)."""
     from cse_models.experts import sequence_embedding
 
+    from ntkscope.representations import encode_texts
+
     model.eval()
     device = next(model.parameters()).device
-    T = model.config.block_size
-    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    texts = list(texts)
     out = []
-    encoded = tokenizer.encode(list(texts))
-    for start in range(0, len(encoded), batch_size):
-        rows = [e[:T] or [pad] for e in encoded[start:start + batch_size]]
-        length = max(map(len, rows))
-        ids = torch.full((len(rows), length), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-            mask[i, :len(r)] = 1
-        doms = torch.zeros(len(rows), dtype=torch.long, device=device) if _is_demix(model) else None
-        h = model.hidden_states(ids.to(device), mask.to(device), doms)
-        out.append(sequence_embedding(h, mask.to(device).bool()).float().cpu())
+    for start in range(0, len(texts), batch_size):
+        batch = encode_texts(tokenizer, texts[start:start + batch_size], model.config.block_size)
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        doms = torch.zeros(len(ids), dtype=torch.long, device=device) if _is_demix(model) else None
+        h = model.hidden_states(ids, mask, doms)
+        out.append(sequence_embedding(h, mask.bool()).float().cpu())
     return torch.cat(out).numpy()
 
 

@@ -14,6 +14,7 @@ from ntkscope.consistency import (
     gradient_consistency_groups,
     principal_direction,
 )
+from ntkscope.analysis_data import AnalysisData, load_analysis_data
 from ntkscope.checkpoints import list_checkpoints, load_checkpoint
 from ntkscope.clusters import AutoDBSCAN, ClusterGeometry, ElbowKMeans, cluster_geometry, jl_guidance, random_projection
 from ntkscope.corpus import CorpusPack, Record, SourceMissingError, build_pack, load_pack, load_source
@@ -25,7 +26,6 @@ from ntkscope.eigen import (
     top_eigenpair,
 )
 from ntkscope.dynamics import (
-    analysis_batch,
     cluster_dynamics,
     cluster_snapshots,
     gc_series,
@@ -54,12 +54,13 @@ from ntkscope.tokenization import TextTokenizer, gpt2_tokenizer, load_tokenizer,
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnalysisData",
     "AutoDBSCAN",
     "ClusterGeometry",
     "ElbowKMeans",
     "LayerEmbeddings",
     "Plan",
-    "analysis_batch",
+    "load_analysis_data",
     "choose_layers",
     "cluster_dynamics",
     "cluster_geometry",

@@ -96,18 +96,18 @@ def _analysis_data(args, model_dir):
     model directory's tokenizer.json, or the pack's BPE."""
     from pathlib import Path
 
+    from ntkscope.analysis_data import load_analysis_data
     from ntkscope.corpus.pack import load_pack
-    from ntkscope.dynamics import analysis_batch
     from ntkscope.tokenization import load_tokenizer
 
-    pack = load_pack(args.pack)
     if args.tokenizer:
         tokenizer = load_tokenizer(args.tokenizer)
     elif model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(model_dir)
     else:
-        tokenizer = pack.tokenizer()
-    return analysis_batch(pack, tokenizer, n=args.n, seq_len=args.seq_len, seed=args.seed)
+        tokenizer = load_pack(args.pack).tokenizer()
+    data = load_analysis_data(args.pack or "default", tokenizer, n=args.n, seq_len=args.seq_len, seed=args.seed)
+    return data.batch, data.labels
 
 
 def _print_table(title, frame):

@@ -27,19 +27,9 @@ from ntkscope.consistency import gradient_consistency_groups
 from ntkscope.corpus.pack import load_pack
 from ntkscope.corpus.text import split_sentences
 from ntkscope.frequency import count_tokens, sentence_scores, token_frequency
+from ntkscope.representations import encode_texts
 
 log = logging.getLogger(__name__)
-
-
-def encode(tokenizer, texts, length: int) -> dict:
-    """input_ids and attention_mask, (n, length) each: truncated, right-padded with the pad id."""
-    ids = torch.full((len(texts), length), tokenizer.pad_id, dtype=torch.long)
-    mask = torch.zeros(len(texts), length, dtype=torch.long)
-    for i, row in enumerate(tokenizer.encode(list(texts))):
-        row = row[:length]
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[i, : len(row)] = 1
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 def _sentences(records, min_words: int = 6) -> pd.DataFrame:
@@ -83,7 +73,7 @@ def run_demo(*, steps: int = 800, n: int = 128, n_tail: int = 12, seq_len: int =
     train_records = pack.records("train")
     train = _sentences(train_records)
     probe = analysis_batch(_sentences(pack.records("validation")), n, n_tail, seed)
-    data = encode(tokenizer, train.text, seq_len)
+    data = encode_texts(tokenizer, train.text, seq_len)
     model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=seq_len, n_layer=2, n_head=2, n_embd=64))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     gen = torch.Generator().manual_seed(seed)
@@ -103,7 +93,7 @@ def run_demo(*, steps: int = 800, n: int = 128, n_tail: int = 12, seq_len: int =
             log.info("demo: step %d/%d, loss %.3f", step + 1, steps, loss.item())
     model.eval()
 
-    batch = encode(tokenizer, probe.text, seq_len)
+    batch = encode_texts(tokenizer, probe.text, seq_len)
     phi = token_frequency(count_tokens(train_records, tokenizer))
     scores, _ = sentence_scores(list(probe.text), tokenizer, phi)
     edges = np.quantile(scores, [0, 1 / 3, 2 / 3, 1])

@@ -194,25 +194,5 @@ def long_tail_subset(scores, fraction: float = 1 / 3) -> np.ndarray:
     return np.sort(np.argsort(scores, kind="stable")[:k])
 
 
-def analysis_batch(pack, tokenizer, *, n: int = 256, seq_len: int = 64, split: str = "validation",
-                   seed: int = 0, counts=None) -> tuple[dict, pd.DataFrame]:
-    """A seeded sample of ``n`` sentences of a pack's split, tokenized: (batch, labels) where
-    labels has text, domain, category and the sentence frequency score (counts over train)."""
-    from ntkscope.corpus.text import split_sentences
-    from ntkscope.frequency import count_tokens, sentence_scores, token_frequency
-    from ntkscope.representations import encode_texts
-
-    rows = [(s, r.domain, r.category) for r in pack.records(split) for s in split_sentences(r.text)
-            if len(s.split()) >= 6]
-    if len(rows) < n:
-        raise fail("analysis_batch", "n", f"must be at most the {len(rows)} sentences of split {split!r}", n)
-    rng = np.random.default_rng(seed)
-    pick = np.sort(rng.choice(len(rows), n, replace=False))
-    labels = pd.DataFrame([rows[i] for i in pick], columns=["text", "domain", "category"])
-    counts = counts if counts is not None else count_tokens(pack.records("train"), tokenizer)
-    labels["score"], _ = sentence_scores(labels["text"].tolist(), tokenizer, token_frequency(counts))
-    return encode_texts(tokenizer, labels["text"], seq_len), labels
-
-
-__all__ = ["analysis_batch", "cluster_dynamics", "cluster_snapshots", "gc_series", "layer_separation",
+__all__ = ["cluster_dynamics", "cluster_snapshots", "gc_series", "layer_separation",
            "long_tail_subset"]

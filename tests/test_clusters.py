@@ -113,11 +113,11 @@ def tiny_run(tmp_path_factory):
         "out_dir": str(out), "model": {"n_layer": 3, "n_embd": 32, "n_head": 2},
         "data": {"seq_len": 24, "split": "validation"}, "steps": 8, "batch_size": 8,
         "checkpoint_every": 2, "log_every": 4, "warmup_steps": 2}))
+    from ntkscope.analysis_data import load_analysis_data
     from ntkscope.corpus.pack import load_pack
 
-    pack = load_pack()
-    batch, labels = dynamics.analysis_batch(pack, pack.tokenizer(), n=48, seq_len=24, seed=0)
-    return out, batch, labels
+    data = load_analysis_data("default", load_pack().tokenizer(), n=48, seq_len=24, seed=0)
+    return out, data.batch, data.labels.rename(columns={"label": "domain"})
 
 
 def test_dynamics_table_has_no_gaps_and_resumes_from_its_cache(tiny_run, monkeypatch, tmp_path):

@@ -17,7 +17,7 @@ import ntkscope as ns
 from ntkscope.analysis_data import load_analysis_data
 from ntkscope.checkpoints import load_checkpoint
 from ntkscope.commands import frequency_bins
-from ntkscope.corpus.pack import DEFAULT_PACK, load_pack
+from ntkscope.corpus.pack import DEFAULT_PACK
 
 PACK_TOKENIZER = str(DEFAULT_PACK / "tokenizer.json")
 
