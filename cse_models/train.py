@@ -214,6 +214,32 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def branch_from(checkpoint: str | Path, out_dir: str | Path, *, sparse: dict | None) -> Path:
+    """Start run ``out_dir`` from another run's checkpoint (model, optimizer, schedule, RNG),
+    with ``sparse`` as its model's sparse spec: a CSE run that shares a dense run's warm-up
+    exactly (``sparse`` kind "cse" with 0 experts per layer, converted at that step by
+    :func:`train`). Does nothing when ``out_dir`` has checkpoints already; returns the copy."""
+    src, out_dir = Path(checkpoint), Path(out_dir)
+    if not (src / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"branch_from: {src} is not a training checkpoint (no trainer_state.json)")
+    if latest_checkpoint(out_dir) is not None:
+        return latest_checkpoint(out_dir)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("sparse") is not None:
+        raise ValueError(f"branch_from: {src} is a sparse model already ({config['sparse']['kind']}); "
+                         "branch from a dense checkpoint")
+    config["sparse"] = sparse
+    GPTConfig.from_dict(config)  # validates the spec against the model
+    target = out_dir / "checkpoints" / src.name
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, target)
+    log.info("run %s starts from %s (step %s)", out_dir, src, src.name)
+    return target
+
+
 def load_optimizer_state(directory: Path, model, opt, sched) -> int:
     state = json.loads((directory / "trainer_state.json").read_text())
     tensors = load_file(str(directory / "optimizer.safetensors"))
@@ -366,7 +392,7 @@ def train(cfg: TrainConfig, *, callbacks=()) -> Path:
             dist.all_reduce(loss_all)
         loss = float(loss_all / total)
         metrics = {"step": step + 1, "loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": lr,
-                   "aux": float(aux), "grad_norm": None if norm is None else float(norm)}
+                   "aux": float(aux.detach()), "grad_norm": None if norm is None else float(norm)}
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:
             metrics["load"] = model.routing_load()

@@ -3,7 +3,8 @@
 The public API, in pipeline order: real text (corpus packs, tokenizers, frequency
 scores) -> which parameters -> per-sample gradients -> empirical NTK -> top eigenpair
 -> primary gradient direction -> gradient consistency -> representations and clusters
-over checkpoints -> the CSE plan.
+over checkpoints -> the CSE plan -> the paper's figures (:class:`Reproduction`; drawing in
+:mod:`ntkscope.plotting`).
 """
 
 from ntkscope.consistency import (
@@ -44,10 +45,11 @@ from ntkscope.frequency import (
     token_frequency,
 )
 from ntkscope.grads import PerSampleGrads, per_sample_grads
-from ntkscope.ntk import NTKResult, empirical_ntk, jl_error_bound
-from ntkscope.objectives import LMLoss
+from ntkscope.ntk import NTKResult, cosine_kernel, empirical_ntk, jl_error_bound
+from ntkscope.objectives import LMLoss, sample_outputs
 from ntkscope.params import ParameterSelection, select_parameters
 from ntkscope.plan import Plan, choose_layers, make_plan, warmup_at_gc_peak
+from ntkscope.reproduce import ReproduceSettings, Reproduction, reproduce, settings_for
 from ntkscope.representations import LayerEmbeddings, encode_texts, layer_embeddings
 from ntkscope.tokenization import TextTokenizer, gpt2_tokenizer, load_tokenizer, train_bpe
 
@@ -74,6 +76,10 @@ __all__ = [
     "load_checkpoint",
     "long_tail_subset",
     "make_plan",
+    "ReproduceSettings",
+    "Reproduction",
+    "reproduce",
+    "settings_for",
     "random_projection",
     "warmup_at_gc_peak",
     "CorpusPack",
@@ -105,12 +111,14 @@ __all__ = [
     "NTKResult",
     "ParameterSelection",
     "PerSampleGrads",
+    "cosine_kernel",
     "empirical_ntk",
     "gradient_consistency",
     "gradient_consistency_groups",
     "jl_error_bound",
     "ntk_top_eigenpair",
     "per_sample_grads",
+    "sample_outputs",
     "principal_direction",
     "select_parameters",
     "top_eigenpair",

@@ -305,6 +305,25 @@ def _add_corpus(sub) -> None:
     info.set_defaults(run=_corpus_info)
 
 
+def _reproduce(args) -> int:
+    from pathlib import Path
+
+    from ntkscope.reproduce import reproduce
+
+    out = args.out or f"runs/reproduce-{args.mode}"
+    manifest = reproduce(out, args.mode, pack=args.pack)
+    plan = manifest["plan"]
+    print(f"reproduced Figures 1-5 and Tables 1-2 ({manifest['mode']} mode) in {out}: "
+          f"{manifest['seconds_total'] / 60:.1f} min of work in all, {manifest['seconds_this_call'] / 60:.1f} min "
+          f"this call, on {manifest['environment']['machine']}")
+    print(f"plan from the dense run: CSE layers {plan['layers']}, warm-up {plan['warmup_steps']} steps")
+    print(f"\nTables 1-2 analogue ({out}/tables/results.md):\n")
+    print((Path(out) / "tables" / "results.md").read_text())
+    print("figures:", ", ".join(sorted({Path(f).stem for f in manifest["files"] if f.startswith("figures/")})))
+    print(f"manifest: {out}/manifest.json")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ntkscope", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"ntkscope {__version__}")
@@ -362,6 +381,21 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--method", default="auto", choices=["auto", "exact", "matrix-free", "projected"])
     plan.add_argument("--out", default="plan.json", help="the plan file (default plan.json)")
     plan.set_defaults(run=_plan)
+    rep = sub.add_parser("reproduce", help="the CSE paper's Figures 1-5 and Tables 1-2, from nothing",
+                         description="Trains dense, Switch, CSE and domain-finetuned GPTs on a corpus pack, runs "
+                         "every analysis and writes RUN/figures (PNG + PDF), RUN/tables (CSV + Markdown) and "
+                         "RUN/manifest.json. Resumes from what RUN holds. Example: ntkscope reproduce --quick")
+    size = rep.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="2 CPU cores, about 12 minutes (the default)")
+    size.add_argument("--full", dest="mode", action="store_const", const="full",
+                      help="sized for one GPU (GPT-2 small shape, 20k steps; hours)")
+    size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
+                      help="every stage at toy size, about a minute: checks the pipeline, the figures mean nothing")
+    rep.set_defaults(mode="quick")
+    rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
+    rep.add_argument("--pack", help="a corpus pack directory (default: the shipped one)")
+    rep.set_defaults(run=_reproduce)
     return parser
 
 

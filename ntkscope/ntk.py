@@ -315,3 +315,12 @@ def _choose(fm, method, n1, n2, chunk, budget, k, symmetric):
         chosen, estimate = "exact", budget
     log.info("empirical_ntk: method=%r (%s)", chosen, reason)
     return chosen, reason, estimate
+
+
+def cosine_kernel(matrix) -> np.ndarray:
+    """``Θ_ij / sqrt(Θ_ii Θ_jj)``: the cosine of the per-sample gradients, in [-1, 1] (n, n)."""
+    k = np.asarray(matrix.detach().cpu() if torch.is_tensor(matrix) else matrix, dtype=np.float64)
+    if k.ndim != 2 or k.shape[0] != k.shape[1]:
+        raise fail("cosine_kernel", "matrix", "must be a square (n, n) kernel", k.shape)
+    d = np.sqrt(np.clip(np.diag(k), np.finfo(np.float64).tiny, None))
+    return k / d[:, None] / d[None, :]

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ntkscope._checks import check_choice, check_fraction, fail
+from ntkscope._checks import check_choice, check_fraction, check_positive_int, fail
 
 _NON_MODEL_KEYS = ("labels", "label")
 VECTOR_OUTPUTS = ("logits", "hidden-mean")
@@ -341,3 +341,22 @@ def to_device_dtype(tree, device, dtype):
     if isinstance(tree, Mapping):
         return {k: to_device_dtype(v, device, dtype) for k, v in tree.items()}
     return tree
+
+
+@torch.no_grad()
+def sample_outputs(model: nn.Module, batch, *, output="loss", chunk_size: int = 64) -> torch.Tensor:
+    """``f`` of every sample, evaluated without gradients (the loss GC differentiates, e.g. for
+    per-sentence perplexity ``exp(f)``): (n,) for scalar outputs, (n, K) otherwise."""
+    func = "sample_outputs"
+    check_positive_int(func, "chunk_size", chunk_size)
+    n = batch_size(func, batch)
+    objective = resolve_output(func, output, model)
+    was_training = model.training
+    model.eval()
+    try:
+        data = objective.prepare(func, model, batch)
+        parts = [objective.evaluate(lambda inputs: call_model(model, inputs), take(data, slice(i, i + chunk_size)))
+                 for i in range(0, n, chunk_size)]
+    finally:
+        model.train(was_training)
+    return torch.cat(parts)

@@ -7,7 +7,10 @@ writes it (PNG, and PDF on request) under a temporary name and renames it.
 - :func:`gc_over_steps` — Figure 3(a): GC of the long tail over training.
 - :func:`layer_dynamics` — Figure 3(b, c): elbow K and inter-cluster distance per layer over steps.
 - :func:`cluster_view` — Figures 2(b), 4(b), 5(a): a 2-D view coloured by cluster or expert.
-- :func:`ntk_heatmap` — Figure 5(b, c): a kernel with its samples ordered by label.
+- :func:`ntk_heatmap` — a kernel with its samples ordered by label.
+- :func:`perplexity_vs_frequency` — Figure 1(b): perplexity of each sentence against its score.
+- :func:`cse_schematic` — Figure 4(a): the CSE layer, drawn.
+- :func:`expert_kernels` — Figure 5(b, c): each CSE expert's NTK beside the dense baseline's.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def save_figure(fig, path, *, formats=("png",), close: bool = True) -> list[Path
     for fmt in formats:
         target = path.with_suffix(f".{fmt}")
         tmp = target.with_name(f".{target.stem}.tmp-{os.getpid()}.{fmt}")
-        fig.savefig(tmp, dpi=130, bbox_inches="tight")
+        metadata = {"CreationDate": None} if fmt == "pdf" else None  # the same figure gives the same bytes
+        fig.savefig(tmp, dpi=130, bbox_inches="tight", metadata=metadata)
         os.replace(tmp, target)
         out.append(target)
     if close:
@@ -151,4 +155,104 @@ def ntk_heatmap(matrix, labels, *, title: str = ""):
     ax.set_xlabel("samples, ordered by label")
     ax.set_ylabel("samples (same order)")
     ax.set_title(title or "empirical NTK")
+    return fig
+
+
+def perplexity_vs_frequency(sentences, by_bin, *, title: str = ""):
+    """Figure 1(b). ``sentences``: per sentence (domain, score, perplexity); ``by_bin``: left,
+    right, n, median_perplexity. Points per sentence (log scale), the binned median as a line."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for domain, rows in sentences.groupby("domain"):
+        ax.scatter(rows["score"], rows["perplexity"], s=4, alpha=0.35, color=DOMAIN_COLOURS.get(domain, "#95a5a6"),
+                   label=f"{domain} (n={len(rows)})")
+    centres = (by_bin["left"] + by_bin["right"]) / 2
+    ax.plot(centres, by_bin["median_perplexity"], "o-", color="black", label="median per frequency bin")
+    ax.set_yscale("log")
+    ax.set_xlabel("sentence frequency score (mean count/max count of its tokens)")
+    ax.set_ylabel("perplexity per BPE token (log scale)")
+    ax.set_title(title or "Perplexity of held-out sentences against their frequency score")
+    ax.legend(fontsize=7, markerscale=2)
+    return fig
+
+
+def cse_schematic():
+    """Figure 4(a): the CSE layer (DESIGN §4), drawn: sequence embedding, projection M,
+    nearest scaled cluster centre, the chosen expert (a copy of the warmed-up FFN)."""
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    ax.set_xlim(0, 10)
+    ax.set_ylim(0, 4.4)
+    ax.axis("off")
+
+    def box(x, y, w, h, text, colour="#ecf0f1"):
+        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.05", fc=colour, ec="#2c3e50", lw=1))
+        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8)
+
+    def arrow(a, b, **kw):
+        ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=10, color="#2c3e50", lw=1, **kw))
+
+    box(0.1, 1.7, 1.5, 1.0, "token states\nx (B, T, d)\n(after LN)")
+    box(2.1, 2.7, 1.7, 0.9, "sequence embedding\nv = mean over\nreal tokens")
+    box(4.3, 2.7, 1.6, 0.9, "v' = M v\nM: d' x d random\nprojection")
+    box(6.4, 2.7, 1.8, 0.9, "expert j = argmin\n||v' - c_j|| / r_j\n(DBSCAN centres)")
+    arrow((1.6, 2.45), (2.1, 3.1))
+    arrow((3.8, 3.15), (4.3, 3.15))
+    arrow((5.9, 3.15), (6.4, 3.15))
+    colours = ["#c9d6ea", "#f5cba7", "#d5f5e3"]
+    for j, y in enumerate((0.2, 0.95, 1.7)):
+        box(6.6, y, 1.4, 0.55, f"FFN expert {j}", colours[j])
+    ax.text(7.3, 2.45, "...", ha="center", fontsize=10)
+    arrow((1.6, 1.9), (6.6, 0.48), connectionstyle="arc3,rad=0.1")
+    arrow((7.3, 2.7), (7.3, 2.25))
+    box(8.6, 0.9, 1.3, 0.9, "output\n(B, T, d)")
+    for y in (0.48, 1.22, 1.97):
+        arrow((8.0, y), (8.6, 1.35))
+    ax.text(5.0, 0.2, "after each step: c_j <- a c_j + (1 - a) v'  (no router parameters)", ha="center",
+            fontsize=7.5, style="italic")
+    ax.set_title("The CSE layer: each sequence goes to the expert of its nearest cluster", fontsize=10)
+    return fig
+
+
+def expert_kernels(kernels: dict, summary, *, normalise: bool = True):
+    """Figure 5(b, c). ``kernels``: {"expert E": (n_E, n_E), "index E": rows of the batch,
+    "dense": (n, n)}; ``summary``: expert, n, cse_expert_cosine, dense_cosine. Left: each
+    expert's kernel on its own sentences; right: the dense model's kernel on the whole
+    batch, ordered by expert. ``normalise``: plot Θ_ij / sqrt(Θ_ii Θ_jj) (cosine)."""
+    from ntkscope.ntk import cosine_kernel
+
+    plt = _plt()
+
+    def prep(k):
+        return cosine_kernel(k) if normalise else np.asarray(k, dtype=np.float64)
+
+    experts = sorted(int(name.split()[1]) for name in kernels if name.startswith("expert "))
+    fig = plt.figure(figsize=(10, 4.2))
+    grid = fig.add_gridspec(len(experts), 2, width_ratios=[1, 2.2])
+    vmin, vmax = (-1, 1) if normalise else (None, None)
+    stats = summary.set_index(summary["expert"].astype(str))
+    for row, e in enumerate(experts):
+        ax = fig.add_subplot(grid[row, 0])
+        ax.imshow(prep(kernels[f"expert {e}"]), cmap="RdBu_r", vmin=vmin, vmax=vmax)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_ylabel(f"expert {e}\nn={len(kernels[f'index {e}'])}", fontsize=7)
+        if row == 0:
+            ax.set_title("(b) each CSE expert's NTK\non its own sentences", fontsize=8)
+    order = np.concatenate([np.asarray(kernels[f"index {e}"]) for e in experts])
+    ax = fig.add_subplot(grid[:, 1])
+    image = ax.imshow(prep(kernels["dense"])[np.ix_(order, order)], cmap="RdBu_r", vmin=vmin, vmax=vmax)
+    edges = np.cumsum([len(kernels[f"index {e}"]) for e in experts])[:-1]
+    for x in edges:
+        ax.axhline(x - 0.5, color="black", lw=0.6)
+        ax.axvline(x - 0.5, color="black", lw=0.6)
+    ax.set_xlabel("sentences, ordered by CSE expert")
+    ax.set_yticks([])
+    within = ", ".join(f"e{e}: {stats.loc[str(e), 'cse_expert_cosine']:.2f} vs {stats.loc[str(e), 'dense_cosine']:.2f}"
+                       for e in experts if str(e) in stats.index)
+    ax.set_title(f"(c) dense baseline's NTK (same layer's FFN)\nmean cosine within expert, CSE vs dense: {within}",
+                 fontsize=8)
+    fig.colorbar(image, ax=ax, shrink=0.8, label="Θ_ij / sqrt(Θ_ii Θ_jj)" if normalise else "Θ(x_i, x_j)")
     return fig

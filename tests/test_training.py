@@ -172,3 +172,31 @@ def test_training_on_plain_text_files(tmp_path):
     assert load_model(last).config.vocab_size == 8192 and len(losses(tmp_path / "text")) == 3
     with pytest.raises(ValueError, match="data.text_files needs data.tokenizer"):
         train(config(tmp_path, "text2", data={"seq_len": 32, "text_files": {"legal": [str(tmp_path / "legal.txt")]}}))
+
+
+def test_cse_branched_from_a_dense_run_shares_its_warm_up_exactly(tmp_path):
+    """Known answer: a CSE run branched from a dense run at step 4 whose DBSCAN finds one
+    cluster (eps huge) has one expert, a copy of the dense FFN, so it must follow the dense
+    run to the same weights; with real clusters it must differ."""
+    from cse_models.train import branch_from
+
+    dense_model = {"n_layer": 2, "n_embd": 32, "n_head": 2}
+    dense = train(config(tmp_path, "dense", model=dense_model, steps=10))
+    sparse = {"kind": "cse", "layers": [1], "n_experts": [0], "proj_dim": 8}
+    for name, eps in (("one", 1e9), ("three", 0.11)):
+        branch_from(tmp_path / "dense" / "checkpoints" / "step-000004", tmp_path / name, sparse=sparse)
+        last = train(config(tmp_path, name, steps=10, cse={"warmup_steps": 4, "n_samples": 128, "min_samples": 3,
+                                                           "eps": eps}))
+        got = {k.replace(".experts.0.", "."): v for k, v in weights(last).items()}
+        if name == "one":
+            assert load_model(last).config.sparse.n_experts == [1]
+            assert got.keys() == weights(dense).keys()
+            for key, value in weights(dense).items():
+                torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+        else:
+            assert load_model(last).config.sparse.n_experts[0] > 1
+            assert not torch.equal(got["transformer.h.1.mlp.c_fc.weight"], weights(dense)["transformer.h.1.mlp.c_fc.weight"])
+    with pytest.raises(ValueError, match="branch_from: .* is a sparse model already"):
+        branch_from(tmp_path / "three" / "checkpoints" / "step-000010", tmp_path / "again", sparse=sparse)
+    with pytest.raises(FileNotFoundError, match="branch_from: .* is not a training checkpoint"):
+        branch_from(tmp_path / "nowhere", tmp_path / "again", sparse=sparse)

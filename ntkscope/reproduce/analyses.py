@@ -1,0 +1,154 @@
+"""The measurements behind each figure, as named tables (DataFrames; kernels as arrays).
+
+Every function takes trained checkpoints and analysis sentences
+(:class:`~ntkscope.AnalysisData`) and calls the library's public functions; nothing here is
+specific to a figure's look (that is :mod:`ntkscope.plotting`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ntkscope.reproduce.settings import ReproduceSettings
+
+log = logging.getLogger(__name__)
+
+
+def _labels(data) -> pd.DataFrame:
+    """The analysis sentences' domain and frequency score, in batch order."""
+    return data.labels.rename(columns={"label": "domain"})[["domain", "score"]]
+
+
+def long_tail(pack, dense_last: Path, data, settings: ReproduceSettings) -> dict:
+    """Figure 1. domain_sizes: the 20 largest categories; perplexity: per sentence (domain,
+    score, n_tokens, loss, perplexity); perplexity_by_bin: per frequency bin (bin, left,
+    right, n, median_perplexity, mean_loss)."""
+    from ntkscope.checkpoints import load_checkpoint
+    from ntkscope.frequency import bin_indices, domain_table, score_histogram
+    from ntkscope.objectives import sample_outputs
+
+    sizes = domain_table(pack.records("all"), top=20)
+    model = load_checkpoint(dense_last)
+    loss = sample_outputs(model, data.batch).double().numpy()
+    sentences = data.labels.rename(columns={"label": "domain"}).drop(columns="text")
+    sentences["loss"], sentences["perplexity"] = loss, np.exp(loss)
+    hist = score_histogram(sentences["score"], bins=2 * settings.bins)
+    rows = []
+    for b, idx in bin_indices(sentences["score"], bins=2 * settings.bins, min_count=settings.min_count,
+                              cap=None).items():
+        rows.append((b, hist.left[b], hist.right[b], len(idx), float(np.median(sentences["perplexity"].iloc[idx])),
+                     float(sentences["loss"].iloc[idx].mean())))
+    by_bin = pd.DataFrame(rows, columns=["bin", "left", "right", "n", "median_perplexity", "mean_loss"])
+    return {"domain_sizes": sizes, "perplexity": sentences, "perplexity_by_bin": by_bin}
+
+
+def gc_by_frequency(dense_last: Path, pack_path: str, settings: ReproduceSettings, cache: Path) -> dict:
+    """Figure 2(a): gc_by_bin (label, left, right, n_subset, gc, ...) and histogram, through
+    :func:`ntkscope.commands.gc_command` (its own analysis sample of ``n`` sentences)."""
+    from ntkscope.commands import gc_command
+
+    gc_command(dense_last, pack_path, bins=settings.bins, n=settings.n, min_count=settings.min_count,
+               seq_len=settings.seq_len, seed=settings.seed, out=cache)
+    return {"gc_by_bin": pd.read_csv(cache / "gc.csv"), "histogram": pd.read_csv(cache / "histogram.csv")}
+
+
+def training_dynamics(dense_dir: Path, data, settings: ReproduceSettings) -> dict:
+    """Figure 3: gc_over_steps (step, gc, eigengap, eigengap_subset) of the long tail (the
+    lowest ``tail_fraction`` of frequency scores) and dynamics (step, layer, k,
+    inter_distance, ...) over every dense checkpoint. Cached per checkpoint in the run."""
+    from ntkscope.dynamics import cluster_dynamics, gc_series, long_tail_subset
+
+    tail = long_tail_subset(data.labels["score"], settings.tail_fraction)
+    gc = gc_series(dense_dir, data.batch, tail)
+    dynamics = cluster_dynamics(dense_dir, data.batch, point="ffn_input", k_max=settings.k_max,
+                                projection_dim=settings.projection_dim, seed=settings.seed)
+    return {"gc_over_steps": gc, "dynamics": dynamics}
+
+
+def snapshots(dense_dir: Path, data, layer: int, settings: ReproduceSettings) -> dict:
+    """Figure 4(b): snapshot_points (step, x, y, cluster, domain, score) and snapshot_clusters
+    of ``layer``'s FFN input at ``settings.snapshots`` evenly spaced checkpoints."""
+    from ntkscope.checkpoints import list_checkpoints
+    from ntkscope.dynamics import cluster_snapshots
+
+    steps = [s for s, _ in list_checkpoints(dense_dir)]
+    chosen = sorted({steps[int(round(i))] for i in np.linspace(0, len(steps) - 1, settings.snapshots)})
+    points, clusters = cluster_snapshots(dense_dir, data.batch, layer, chosen, labels=_labels(data),
+                                         point="ffn_input", k_max=settings.k_max,
+                                         projection_dim=settings.projection_dim, seed=settings.seed)
+    return {"snapshot_points": points, "snapshot_clusters": clusters}
+
+
+def routing(cse_last: Path, data, layer: int, settings: ReproduceSettings) -> dict:
+    """Figures 2(b) and 5(a): the analysis sentences at CSE ``layer``'s input, in the router's
+    projected space (PCA to 2-D): routing (x, y, expert, cluster, domain, score), where
+    expert is where the router sends each sentence and cluster is DBSCAN (automatic eps) on
+    the same projected points; routing_summary (expert, n, share of each domain)."""
+    from sklearn.decomposition import PCA
+
+    from ntkscope.checkpoints import load_checkpoint
+    from ntkscope.clusters import AutoDBSCAN
+
+    model = load_checkpoint(cse_last).eval()
+    with torch.no_grad():
+        v = model.module_inputs(data.batch["input_ids"], data.batch["attention_mask"], [layer])[layer]
+        cse = model._module(layer)
+        z = (v @ cse.projection.T).double()
+        expert = (torch.cdist(z, cse.centres.double()) / cse.radii.double()).argmin(1).numpy()
+    z = z.numpy()
+    clusters = AutoDBSCAN(min_samples=settings.min_samples).fit(z)
+    xy = PCA(2, random_state=settings.seed).fit_transform(z)
+    frame = pd.DataFrame({"x": xy[:, 0], "y": xy[:, 1], "expert": expert, "cluster": clusters.labels_})
+    frame = pd.concat([frame, _labels(data)], axis=1)
+    summary = pd.crosstab(frame["expert"], frame["domain"]).add_prefix("n ")
+    summary.insert(0, "n", summary.sum(axis=1))
+    summary = summary.reset_index()
+    summary.attrs["eps"] = clusters.eps_
+    return {"routing": frame, "routing_summary": summary}
+
+
+def _mean_off_diagonal(matrix: np.ndarray) -> float:
+    n = len(matrix)
+    return float((matrix.sum() - np.trace(matrix)) / (n * (n - 1))) if n > 1 else float("nan")
+
+
+def expert_kernels(cse_last: Path, dense_last: Path, data, routing_frame: pd.DataFrame, layer: int) -> dict:
+    """Figure 5(b, c): the empirical NTK (loss output, exact) of each CSE expert of ``layer``
+    over its parameters, on the sentences routed to it; and of the dense model over its FFN
+    at the same layer, on the whole batch. kernels: {"expert E": (n_E, n_E), "dense": (n, n)};
+    expert_ntk: per expert, n and the mean off-diagonal cosine (Θ_ij / sqrt(Θ_ii Θ_jj)) of
+    the expert's kernel and of the dense kernel on the same sentences."""
+    from ntkscope.checkpoints import load_checkpoint
+    from ntkscope.ntk import cosine_kernel, empirical_ntk
+    from ntkscope.objectives import take
+
+    dense = load_checkpoint(dense_last).eval()
+    full = empirical_ntk(dense, data.batch, params=f"transformer.h.{layer}.mlp.*", method="exact")
+    dense_k = full.matrix.double().numpy()
+    cse = load_checkpoint(cse_last).eval()
+    kernels, rows = {"dense": dense_k}, []
+    for e in sorted(routing_frame["expert"].unique()):
+        idx = np.flatnonzero(routing_frame["expert"].to_numpy() == e)
+        if len(idx) < 2:
+            continue
+        sub = take(data.batch, torch.as_tensor(idx))
+        k = empirical_ntk(cse, sub, params=f"transformer.h.{layer}.mlp.experts.{e}.*", method="exact")
+        kernels[f"expert {e}"] = k.matrix.double().numpy()
+        kernels[f"index {e}"] = idx
+        rows.append((int(e), len(idx), _mean_off_diagonal(cosine_kernel(kernels[f"expert {e}"])),
+                     _mean_off_diagonal(cosine_kernel(dense_k[np.ix_(idx, idx)]))))
+    summary = pd.DataFrame(rows, columns=["expert", "n", "cse_expert_cosine", "dense_cosine"])
+    summary.loc[len(summary)] = ("all", len(dense_k), np.nan, _mean_off_diagonal(cosine_kernel(dense_k)))
+    return {"expert_ntk": summary, "kernels": kernels}
+
+
+def results(runs: dict, pack, settings: ReproduceSettings) -> dict:
+    """Tables 1-2: :func:`cse_models.evaluate.results_table` over ``runs`` {name: checkpoint}."""
+    from cse_models.evaluate import results_table
+
+    return {"results": results_table(runs, pack, seq_len=settings.seq_len, seeds=tuple(range(settings.probe_seeds)))}

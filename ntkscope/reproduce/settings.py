@@ -1,0 +1,91 @@
+"""The sizes of a reproduction: ``smoke`` (every stage runs, in about a minute; the figures
+mean nothing), ``quick`` (2 CPU cores, under 15 minutes: the README's main job) and
+``full`` (one GPU; the paper's setting scaled to the shipped corpus pack)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ntkscope._checks import fail
+
+
+@dataclass(frozen=True)
+class ReproduceSettings:
+    """Every number a reproduction uses. Models are GPTs (``model``: GPTConfig fields).
+
+    Training: the dense model runs ``steps`` steps with a checkpoint every
+    ``checkpoint_every``; the CSE model branches from the dense run at the planned warm-up
+    (the long tail's GC peak, at most ``max_warmup_fraction`` of ``steps``) and runs to
+    ``steps``; Switch trains from scratch with ``switch_experts`` experts at the same
+    layers; each domain-finetuned baseline continues the dense model for ``finetune_steps``
+    on one long-tail domain only.
+    Analyses: ``n`` validation sentences for GC, clusters and NTKs; ``n_perplexity``
+    sentences for Figure 1(b); ``bins`` frequency bins; the lowest-score ``tail_fraction``
+    is the long tail; ``k_max`` for the elbow; ``projection_dim`` for random projections;
+    ``snapshots`` checkpoints in Figure 4(b).
+    """
+
+    mode: str
+    model: dict
+    seq_len: int
+    steps: int
+    checkpoint_every: int
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    finetune_steps: int = 60
+    finetune_lr: float = 1e-3
+    finetune_domains: tuple = ("legal", "biomedical")
+    switch_experts: int = 4
+    sparse_layers: int = 2
+    proj_dim: int = 32
+    min_samples: int = 5
+    max_experts: int = 8
+    cse_samples: int = 512
+    max_warmup_fraction: float = 0.5
+    n: int = 192
+    n_perplexity: int = 1500
+    bins: int = 6
+    min_count: int = 4
+    tail_fraction: float = 1 / 3
+    k_max: int = 8
+    projection_dim: int = 64
+    snapshots: int = 4
+    probe_seeds: int = 5
+    seed: int = 0
+    device: str = "auto"
+    expected_minutes: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "ReproduceSettings":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS = {
+    "smoke": ReproduceSettings(
+        mode="smoke", model={"n_layer": 2, "n_head": 2, "n_embd": 32}, seq_len=32, steps=40, checkpoint_every=10,
+        batch_size=16, warmup_steps=5, finetune_steps=5, switch_experts=2, cse_samples=128, n=40, n_perplexity=120,
+        bins=3, min_count=3, k_max=4, projection_dim=16, proj_dim=8, snapshots=2, probe_seeds=2,
+        expected_minutes="about 1 on 2 CPU cores"),
+    "quick": ReproduceSettings(
+        mode="quick", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=600, checkpoint_every=50,
+        expected_minutes="about 12 on 2 CPU cores"),
+    "full": ReproduceSettings(
+        mode="full", model={"n_layer": 12, "n_head": 12, "n_embd": 768}, seq_len=128, steps=20000,
+        checkpoint_every=1000, batch_size=64, lr=6e-4, warmup_steps=1000, finetune_steps=1000, finetune_lr=1e-4,
+        switch_experts=8, sparse_layers=4, cse_samples=4096, n=512, n_perplexity=20000, bins=8, k_max=12,
+        projection_dim=128, expected_minutes="an estimate, not measured: 3-4 hours on one H100"),
+}
+
+
+def settings_for(mode: str, **changes) -> ReproduceSettings:
+    """The preset ``mode`` ("smoke", "quick" or "full") with ``changes`` applied."""
+    if mode not in PRESETS:
+        raise fail("settings_for", "mode", f"must be one of {sorted(PRESETS)}", mode)
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(ReproduceSettings)})
+    if unknown:
+        raise fail("settings_for", "changes", "must name fields of ReproduceSettings", unknown)
+    return PRESETS[mode].replace(**changes)

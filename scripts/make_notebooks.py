@@ -1,0 +1,122 @@
+"""Write the notebooks in notebooks/ (one per figure of the CSE paper, one for Tables 1-2)
+and, with --execute, run them in place against RUN_DIR (default: the committed run).
+
+    python scripts/make_notebooks.py [--execute]
+
+Each notebook has a cell tagged "parameters" (RUN_DIR, MODE), uses only the public API
+(``ntkscope``, ``ntkscope.plotting``) and writes its figures into RUN_DIR/figures.
+Figures are shown from the written PNG, so what the notebook shows is what was saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+ROOT = Path(__file__).resolve().parent.parent
+PARAMETERS = 'RUN_DIR = "../figures/quick"  # a reproduction run directory (created and filled if empty)\n' \
+             'MODE = "quick"  # "smoke", "quick" (2 CPU cores) or "full" (GPU)'
+SETUP = ("import ntkscope\n"
+         "from IPython.display import Image, Markdown\n"
+         "from ntkscope import plotting\n\n"
+         "rep = ntkscope.Reproduction(RUN_DIR, MODE)  # trains and measures only what RUN_DIR lacks\n"
+         "rep.settings")
+
+
+def save(panel: str, call: str) -> str:
+    return (f"fig = {call}\n"
+            f"paths = plotting.save_figure(fig, rep.figure_path({panel!r}), formats=(\"png\", \"pdf\"))\n"
+            "Image(filename=str(paths[0]))")
+
+
+NOTEBOOKS = {
+    "fig1_long_tail": [
+        "# Figure 1: the long tail, and what it costs\n\n(a) The corpus's largest categories: a few general "
+        "sources hold most of the text; legal and biomedical text is a long tail. (b) The dense GPT's perplexity "
+        "on held-out sentences against their sentence frequency score (DESIGN §2): the rarer a sentence's tokens, "
+        "the higher its perplexity.",
+        PARAMETERS, SETUP,
+        't = rep.tables("fig1")\nt["domain_sizes"]',
+        save("fig1a", 'plotting.domain_sizes(t["domain_sizes"])'),
+        't["perplexity_by_bin"]',
+        save("fig1b", 'plotting.perplexity_vs_frequency(t["perplexity"], t["perplexity_by_bin"])'),
+    ],
+    "fig2_gradient_consistency": [
+        "# Figure 2: gradient consistency and frequency; a CSE layer's clusters\n\n(a) GC of each frequency bin "
+        "against the whole analysis set, on the dense GPT's last checkpoint, over the histogram of sentences per "
+        "bin. (b) The analysis sentences at the first CSE layer's input, in the router's projected space (2-D PCA), "
+        "coloured by DBSCAN cluster, with each cluster's domain make-up.",
+        PARAMETERS, SETUP,
+        't = rep.tables("fig2")\nt["gc_by_bin"]',
+        save("fig2a", 'plotting.gc_vs_frequency(t["gc_by_bin"], t["histogram"])'),
+        save("fig2b", 'plotting.cluster_view(t["routing"], colour_by="cluster", title="CSE layer: DBSCAN clusters")'),
+    ],
+    "fig3_training_dynamics": [
+        "# Figure 3: over training\n\n(a) GC of the long-tail subset (the third of the analysis sentences with the "
+        "lowest frequency scores) at every dense checkpoint; its peak sets the CSE warm-up. (b) The elbow K of each "
+        "layer's FFN-input embeddings; (c) the mean distance between cluster centres.",
+        PARAMETERS, SETUP,
+        't = rep.tables("fig3")\nt["gc_over_steps"]',
+        save("fig3a", 'plotting.gc_over_steps(t["gc_over_steps"])'),
+        save("fig3bc", 'plotting.layer_dynamics(t["dynamics"])'),
+        "rep.plan()",
+    ],
+    "fig4_cse_layer": [
+        "# Figure 4: the CSE layer; cluster snapshots\n\n(a) The layer, drawn. (b) One planned layer's FFN-input "
+        "embeddings at evenly spaced dense checkpoints, coloured by elbow-K-Means cluster.",
+        PARAMETERS, SETUP,
+        save("fig4a", "plotting.cse_schematic()"),
+        't = rep.tables("fig4")\nt["snapshot_clusters"]',
+        save("fig4b", 'plotting.cluster_view(t["snapshot_points"], colour_by="cluster")'),
+    ],
+    "fig5_experts": [
+        "# Figure 5: where CSE sends each sentence, and each expert's NTK\n\n(a) The analysis sentences coloured by "
+        "the expert the trained CSE model routes them to. (b) Each expert's empirical NTK (over its own FFN "
+        "parameters) on the sentences routed to it; (c) the dense baseline's NTK (same layer's FFN) on the same "
+        "sentences, ordered by expert. Kernels are shown as cosines Θ_ij / sqrt(Θ_ii Θ_jj).",
+        PARAMETERS, SETUP,
+        't = rep.tables("fig5")\nt["routing_summary"]',
+        save("fig5a", 'plotting.cluster_view(t["routing"], colour_by="expert", title="CSE layer: routed expert")'),
+        't["expert_ntk"]',
+        save("fig5bc", 'plotting.expert_kernels(t["kernels"], t["expert_ntk"])'),
+    ],
+    "tables_results": [
+        "# Tables 1-2: the models compared\n\nTest perplexity (all text and per domain) and linear-probe accuracy "
+        "on frozen embeddings for the pack's probe tasks (stand-ins for the paper's downstream tasks), for the "
+        "dense GPT, its domain-finetuned copies, Switch and CSE (MoF).",
+        PARAMETERS, SETUP,
+        'paths = rep.write_tables()\nMarkdown(paths[1].read_text())',
+    ],
+}
+
+
+def build(name: str, cells: list) -> nbformat.NotebookNode:
+    nb = new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    for i, source in enumerate(cells):
+        cell = new_markdown_cell(source) if i == 0 else new_code_cell(source)
+        if source is PARAMETERS:
+            cell.metadata["tags"] = ["parameters"]
+        nb.cells.append(cell)
+    return nb
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--execute", action="store_true", help="run each notebook in place (needs nbclient)")
+    args = parser.parse_args()
+    for name, cells in NOTEBOOKS.items():
+        path = ROOT / "notebooks" / f"{name}.ipynb"
+        nb = build(name, cells)
+        if args.execute:
+            from nbclient import NotebookClient
+
+            NotebookClient(nb, timeout=1800, resources={"metadata": {"path": str(path.parent)}}).execute()
+        nbformat.write(nb, path)
+        print(f"wrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""`ntkscope reproduce`: every stage at smoke size from nothing, its files and manifest, caching
+and resume, wrong settings; per-sentence losses against a loop; the cosine kernel."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import ntkscope
+from ntkscope import Reproduction, cosine_kernel, reproduce, sample_outputs
+from ntkscope.reproduce import PANELS
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    run = tmp_path_factory.mktemp("reproduce") / "smoke"
+    return run, reproduce(run, "smoke")
+
+
+def test_smoke_run_writes_every_figure_table_and_the_manifest(smoke):
+    run, manifest = smoke
+    for panels in PANELS.values():
+        for panel in panels:
+            for fmt in ("png", "pdf"):
+                path = run / "figures" / f"{panel}.{fmt}"
+                assert path.stat().st_size > 1000, path
+                assert manifest["files"][f"figures/{panel}.{fmt}"] == ntkscope.reproduce.pipeline._sha256(path)
+    results = pd.read_csv(run / "tables" / "results.csv")
+    assert list(results["model"]) == ["GPT dense", "GPT/legal", "GPT/biomedical", "Switch", "CSE/MoF"]
+    assert np.isfinite(results["perplexity"]).all() and (results["perplexity"] > 1).all()
+    assert (run / "tables" / "results.md").read_text().startswith("| model")
+    plan = manifest["plan"]
+    s = manifest["settings"]
+    assert 0 < plan["warmup_steps"] <= s["max_warmup_fraction"] * s["steps"]
+    assert len(plan["layers"]) == s["sparse_layers"]
+    assert set(manifest["seconds_per_stage"]) >= {"train gpt-dense", "train gpt-cse", "train gpt-switch", "fig3",
+                                                  "tables"}
+    assert "CPU cores" in manifest["environment"]["machine"]
+    cse = ntkscope.load_checkpoint(run / "models" / "gpt-cse" / "checkpoints" / f"step-{s['steps']:06d}")
+    assert cse.config.sparse.kind == "cse" and cse.config.sparse.layers == plan["layers"]
+
+
+def test_tables_hold_the_measurements(smoke):
+    run, manifest = smoke
+    rep = Reproduction(run, "smoke")
+    gc = rep.tables("fig3")["gc_over_steps"]
+    steps = [int(p.name.split("-")[1]) for p in sorted((run / "models" / "gpt-dense" / "checkpoints").iterdir())]
+    assert list(gc["step"]) == steps and gc["gc"].between(-1, 1).all()
+    routing = rep.tables("fig5")
+    n = manifest["settings"]["n"]
+    assert len(routing["routing"]) == n and routing["routing_summary"]["n"].sum() == n
+    kernels = routing["kernels"]
+    assert kernels["dense"].shape == (n, n)
+    np.testing.assert_allclose(kernels["dense"], kernels["dense"].T, rtol=1e-5, atol=1e-8)
+    for e in routing["expert_ntk"]["expert"]:
+        if e != "all":
+            idx = kernels[f"index {e}"]
+            assert kernels[f"expert {e}"].shape == (len(idx), len(idx))
+    by_bin = rep.tables("fig1")["perplexity_by_bin"]
+    assert (by_bin["n"] >= manifest["settings"]["min_count"]).all()
+
+
+def test_a_second_call_reuses_everything_and_a_deleted_table_is_remade(smoke):
+    run, manifest = smoke
+    (run / "tables" / "gc_by_bin.csv").unlink()
+    before = json.loads((run / "timings.json").read_text())
+    again = reproduce(run, "smoke")
+    after = json.loads((run / "timings.json").read_text())
+    assert again["files"] == manifest["files"]  # same numbers, same figures
+    assert {k for k in after if after[k] != before[k]} == {"fig2a"}
+    assert after["train gpt-dense"] == before["train gpt-dense"]
+
+
+def test_a_run_directory_refuses_other_settings(smoke):
+    run, _ = smoke
+    with pytest.raises(ValueError, match=r"Reproduction: run_dir holds a reproduction with other settings"):
+        Reproduction(run, "quick")
+    rep = Reproduction(run, "smoke")
+    with pytest.raises(ValueError, match=r"Reproduction.tables: figure must be one of .* \(got 'fig9'\)"):
+        rep.tables("fig9")
+    with pytest.raises(ValueError, match=r"Reproduction.figure: panel must be one of"):
+        rep.figure("fig1c")
+    with pytest.raises(ValueError, match=r"settings_for: mode must be one of"):
+        ntkscope.settings_for("huge")
+
+
+def test_notebooks_run_on_the_committed_quick_run(tmp_path):
+    """CI runs every notebook in quick mode against a copy of the committed run (figures/quick):
+    each reads the cached tables and must write its figures."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    root = Path(__file__).resolve().parent.parent
+    run = tmp_path / "quick"
+    shutil.copytree(root / "figures" / "quick", run)
+    shutil.rmtree(run / "figures")
+    notebooks = sorted((root / "notebooks").glob("*.ipynb"))
+    assert {p.stem for p in notebooks} >= {"fig1_long_tail", "fig5_experts", "tables_results"}
+    for path in notebooks:
+        nb = nbformat.read(path, as_version=4)
+        params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(params) == 1, path
+        params[0].source = f"RUN_DIR = {str(run)!r}\nMODE = 'quick'"
+        NotebookClient(nb, timeout=600, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    for panels in PANELS.values():
+        for panel in panels:
+            for fmt in ("png", "pdf"):
+                assert (run / "figures" / f"{panel}.{fmt}").stat().st_size > 1000, (panel, fmt)
+    assert (run / "tables" / "results.md").stat().st_size > 100
+
+
+def test_sample_outputs_match_a_loop_in_float64():
+    from cse_models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, block_size=12, n_layer=1, n_head=2, n_embd=16)).double()
+    ids = torch.randint(0, 50, (5, 12))
+    mask = torch.ones(5, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    mask[3, 4:] = 0
+    got = sample_outputs(model, {"input_ids": ids, "attention_mask": mask}, chunk_size=2)
+    for i in range(5):
+        n = int(mask[i].sum())
+        logits = model(ids[i:i + 1, :n])[0]
+        want = torch.nn.functional.cross_entropy(logits[:-1], ids[i, 1:n])
+        torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="sample_outputs: chunk_size must be a positive integer"):
+        sample_outputs(model, ids, chunk_size=0)
+
+
+def test_cosine_kernel_known_answer():
+    g = np.array([[1.0, 0.0], [2.0, 0.0], [1.0, 1.0]])
+    got = cosine_kernel(g @ g.T)
+    want = np.array([[1, 1, 1 / math.sqrt(2)], [1, 1, 1 / math.sqrt(2)], [1 / math.sqrt(2), 1 / math.sqrt(2), 1]])
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    with pytest.raises(ValueError, match=r"cosine_kernel: matrix must be a square \(n, n\) kernel"):
+        cosine_kernel(np.ones((2, 3)))
