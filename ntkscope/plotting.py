@@ -87,12 +87,13 @@ def gc_over_steps(frame, *, title: str = ""):
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.4))
     ax.plot(frame["step"], frame["gc"], "o-", color="#2c3e50", label="GC of the long tail")
+    ax.plot(frame["step"], frame["gc"].abs(), ":", color="#7f8c8d", label="|GC| (the sign follows Σu > 0)")
     peak = frame.loc[frame["gc"].idxmax()]
     ax.axvline(peak["step"], color="#c0392b", ls="--", lw=1, label=f"peak at step {int(peak['step'])}")
     ax.set_xlabel("training step")
     ax.set_ylabel("gradient consistency")
     ax.set_title(title or "GC of the long-tail subset over training")
-    ax.legend()
+    ax.legend(fontsize=8)
     return fig
 
 
@@ -115,22 +116,30 @@ def layer_dynamics(table):
 
 def cluster_view(points, *, colour_by: str = "cluster", title: str = ""):
     """Figures 2(b), 4(b), 5(a): a 2-D view (``points``: x, y, and ``colour_by``; one panel per
-    ``step`` when there is a step column), each group annotated with its domain make-up."""
+    ``step`` when there is a step column, two per row), each group annotated with its domain
+    make-up. Label -1 (DBSCAN's noise) is drawn grey as "noise"."""
     plt = _plt()
     steps = sorted(points["step"].unique()) if "step" in points else [None]
-    fig, axes = plt.subplots(1, len(steps), figsize=(4.2 * len(steps), 3.8), squeeze=False)
-    for ax, step in zip(axes[0], steps):
+    cols = min(2, len(steps))
+    rows_n = -(-len(steps) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5.2 * cols, 4.4 * rows_n), squeeze=False)
+    for ax in axes.flat[len(steps):]:
+        ax.axis("off")
+    for ax, step in zip(axes.flat, steps):
         rows = points if step is None else points[points["step"] == step]
         for group, g in rows.groupby(colour_by):
-            label = f"{colour_by} {group} (n={len(g)})"
+            name = "noise" if group == -1 else f"{colour_by} {group}"
+            label = f"{name} (n={len(g)})"
             if "domain" in g:
                 shares = g["domain"].value_counts(normalize=True)
                 label += ": " + ", ".join(f"{d[:3]} {p:.0%}" for d, p in shares.items())
-            ax.scatter(g["x"], g["y"], s=8, alpha=0.7, label=label)
-        ax.set_xlabel("component 1")
-        ax.set_ylabel("component 2")
-        ax.set_title(title or (f"step {step}" if step is not None else "embedding space"))
-        ax.legend(fontsize=6, loc="best")
+            ax.scatter(g["x"], g["y"], s=9, alpha=0.7, label=label, **({"color": "#bdc3c7"} if group == -1 else {}))
+        ax.set_xlabel("principal component 1")
+        ax.set_ylabel("principal component 2")
+        ax.set_title(f"step {step}" if step is not None else title or "embedding space")
+        ax.legend(fontsize=7, loc="best")
+    if title and steps != [None]:
+        fig.suptitle(title)
     fig.tight_layout()
     return fig
 

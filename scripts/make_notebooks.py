@@ -5,7 +5,9 @@ and, with --execute, run them in place against RUN_DIR (default: the committed r
 
 Each notebook has a cell tagged "parameters" (RUN_DIR, MODE), uses only the public API
 (``ntkscope``, ``ntkscope.plotting``) and writes its figures into RUN_DIR/figures.
-Figures are shown from the written PNG, so what the notebook shows is what was saved.
+Each panel is drawn by ``Reproduction.figure`` (the ``ntkscope.plotting`` call behind it is
+in the cell's comment, to copy and change), so the notebooks and ``ntkscope reproduce`` write
+the same files; a figure is shown from the written PNG.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ SETUP = ("import ntkscope\n"
 
 
 def save(panel: str, call: str) -> str:
-    return (f"fig = {call}\n"
+    """Draw ``panel`` as ``ntkscope reproduce`` does (``call`` is the plotting call behind it)."""
+    return (f"fig = rep.figure({panel!r})  # draws {call}\n"
             f"paths = plotting.save_figure(fig, rep.figure_path({panel!r}), formats=(\"png\", \"pdf\"))\n"
             "Image(filename=str(paths[0]))")
 
@@ -51,8 +54,8 @@ NOTEBOOKS = {
         "coloured by DBSCAN cluster, with each cluster's domain make-up.",
         PARAMETERS, SETUP,
         't = rep.tables("fig2")\nt["gc_by_bin"]',
-        save("fig2a", 'plotting.gc_vs_frequency(t["gc_by_bin"], t["histogram"])'),
-        save("fig2b", 'plotting.cluster_view(t["routing"], colour_by="cluster", title="CSE layer: DBSCAN clusters")'),
+        save("fig2a", 'plotting.gc_vs_frequency(t["gc_by_bin"], t["histogram"], title=...)'),
+        save("fig2b", 'plotting.cluster_view(t["routing"], colour_by="cluster", title=...)'),
     ],
     "fig3_training_dynamics": [
         "# Figure 3: over training\n\n(a) GC of the long-tail subset (the third of the analysis sentences with the "
@@ -70,7 +73,7 @@ NOTEBOOKS = {
         PARAMETERS, SETUP,
         save("fig4a", "plotting.cse_schematic()"),
         't = rep.tables("fig4")\nt["snapshot_clusters"]',
-        save("fig4b", 'plotting.cluster_view(t["snapshot_points"], colour_by="cluster")'),
+        save("fig4b", 'plotting.cluster_view(t["snapshot_points"], colour_by="cluster", title=...)'),
     ],
     "fig5_experts": [
         "# Figure 5: where CSE sends each sentence, and each expert's NTK\n\n(a) The analysis sentences coloured by "
@@ -79,7 +82,7 @@ NOTEBOOKS = {
         "sentences, ordered by expert. Kernels are shown as cosines Θ_ij / sqrt(Θ_ii Θ_jj).",
         PARAMETERS, SETUP,
         't = rep.tables("fig5")\nt["routing_summary"]',
-        save("fig5a", 'plotting.cluster_view(t["routing"], colour_by="expert", title="CSE layer: routed expert")'),
+        save("fig5a", 'plotting.cluster_view(t["routing"], colour_by="expert", title=...)'),
         't["expert_ntk"]',
         save("fig5bc", 'plotting.expert_kernels(t["kernels"], t["expert_ntk"])'),
     ],

@@ -233,18 +233,22 @@ class Reproduction:
         if panel == "fig2a":
             return plotting.gc_vs_frequency(t["gc_by_bin"], t["histogram"], title=f"dense GPT ({mode}): GC against "
                                             "sentence frequency")
+        layer = self.plan().layers[0] if figure in ("fig2", "fig4", "fig5") else None
         if panel == "fig2b":
-            return plotting.cluster_view(t["routing"], colour_by="cluster",
-                                         title=f"CSE layer {self.plan().layers[0]}: DBSCAN clusters")
+            k = int((t["routing"]["cluster"].unique() >= 0).sum())
+            return plotting.cluster_view(t["routing"], colour_by="cluster", title=f"CSE layer {layer}'s input: "
+                                         f"DBSCAN (automatic eps) finds {k} cluster{'s' * (k != 1)}")
         if panel == "fig3a":
             return plotting.gc_over_steps(t["gc_over_steps"])
         if panel == "fig3bc":
             return plotting.layer_dynamics(t["dynamics"])
         if panel == "fig4b":
-            return plotting.cluster_view(t["snapshot_points"], colour_by="cluster")
+            return plotting.cluster_view(t["snapshot_points"], colour_by="cluster",
+                                         title=f"dense GPT, layer {layer}'s FFN input: elbow K-Means over training")
         if panel == "fig5a":
-            return plotting.cluster_view(t["routing"], colour_by="expert",
-                                         title=f"CSE layer {self.plan().layers[0]}: routed expert")
+            k = t["routing"]["expert"].nunique()
+            return plotting.cluster_view(t["routing"], colour_by="expert", title=f"CSE layer {layer}: the expert "
+                                         f"each sentence is routed to ({k} expert{'s' * (k != 1)} used)")
         return plotting.expert_kernels(t["kernels"], t["expert_ntk"])
 
     def write_figure(self, panel: str, formats=("png", "pdf")) -> list[Path]:
