@@ -49,7 +49,7 @@ from ntkscope.ntk import NTKResult, cosine_kernel, empirical_ntk, jl_error_bound
 from ntkscope.objectives import LMLoss, sample_outputs
 from ntkscope.params import ParameterSelection, select_parameters
 from ntkscope.plan import Plan, choose_layers, make_plan, warmup_at_gc_peak
-from ntkscope.reproduce import ReproduceSettings, Reproduction, reproduce, settings_for
+from ntkscope.reproduction import ReproduceSettings, Reproduction, reproduce, settings_for
 from ntkscope.representations import LayerEmbeddings, encode_texts, layer_embeddings
 from ntkscope.tokenization import TextTokenizer, gpt2_tokenizer, load_tokenizer, train_bpe
 

@@ -308,7 +308,7 @@ def _add_corpus(sub) -> None:
 def _reproduce(args) -> int:
     from pathlib import Path
 
-    from ntkscope.reproduce import reproduce
+    from ntkscope.reproduction import reproduce
 
     out = args.out or f"runs/reproduce-{args.mode}"
     manifest = reproduce(out, args.mode, pack=args.pack)

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ntkscope.reproduce.settings import ReproduceSettings
+from ntkscope.reproduction.settings import ReproduceSettings
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import numpy as np
 import pandas as pd
 
 from ntkscope._checks import fail
-from ntkscope.reproduce import analyses, training
-from ntkscope.reproduce.settings import ReproduceSettings, settings_for
+from ntkscope.reproduction import analyses, training
+from ntkscope.reproduction.settings import ReproduceSettings, settings_for
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,11 @@ class Reproduction:
         return self._timed("train gpt-dense", lambda: training.train_dense(
             self.settings, self.model_dir("gpt-dense"), self.pack_path))
 
+    def dense_run(self) -> Path:
+        """The dense run's directory, all of its checkpoints trained."""
+        self.dense()
+        return self.model_dir("gpt-dense")
+
     def plan(self):
         """The CSE plan (layers: top separation at the warm-up; warm-up: the long tail's GC peak,
         at most ``max_warmup_fraction`` of the steps), from the dense run's Figure 3 tables."""
@@ -140,10 +145,9 @@ class Reproduction:
         return plan
 
     def cse(self) -> Path:
-        plan = self.plan()
+        plan, dense = self.plan(), self.dense_run()
         return self._timed("train gpt-cse", lambda: training.train_cse(
-            self.settings, self.model_dir("gpt-cse"), self.pack_path, self.model_dir("gpt-dense"), plan.layers,
-            plan.warmup_steps))
+            self.settings, self.model_dir("gpt-cse"), self.pack_path, dense, plan.layers, plan.warmup_steps))
 
     def switch(self) -> Path:
         layers = self.plan().layers
@@ -181,13 +185,12 @@ class Reproduction:
                 self.dense(), self.pack_path, s, self.run_dir / "analysis" / "gc-by-frequency"))
             return {**gc, **self._routing()}
         if figure == "fig3":
-            self.dense()
             return self._cached("fig3", ("gc_over_steps", "dynamics"), lambda: analyses.training_dynamics(
-                self.model_dir("gpt-dense"), self.data(), s))
+                self.dense_run(), self.data(), s))
         if figure == "fig4":
             layer = self.plan().layers[0]
             return self._cached("fig4", ("snapshot_points", "snapshot_clusters"), lambda: analyses.snapshots(
-                self.model_dir("gpt-dense"), self.data(), layer, s))
+                self.dense_run(), self.data(), layer, s))
         if figure == "fig5":
             routing = self._routing()
             layer = self.plan().layers[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ntkscope.reproduce.settings import ReproduceSettings
+from ntkscope.reproduction.settings import ReproduceSettings
 
 log = logging.getLogger(__name__)
 
