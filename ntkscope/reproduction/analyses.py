@@ -140,10 +140,10 @@ def expert_kernels(cse_last: Path, dense_last: Path, data, routing_frame: pd.Dat
         k = empirical_ntk(cse, sub, params=f"transformer.h.{layer}.mlp.experts.{e}.*", method="exact")
         kernels[f"expert {e}"] = k.matrix.double().numpy()
         kernels[f"index {e}"] = idx
-        rows.append((int(e), len(idx), _mean_off_diagonal(cosine_kernel(kernels[f"expert {e}"])),
+        rows.append((str(e), len(idx), _mean_off_diagonal(cosine_kernel(kernels[f"expert {e}"])),
                      _mean_off_diagonal(cosine_kernel(dense_k[np.ix_(idx, idx)]))))
+    rows.append(("all", len(dense_k), np.nan, _mean_off_diagonal(cosine_kernel(dense_k))))
     summary = pd.DataFrame(rows, columns=["expert", "n", "cse_expert_cosine", "dense_cosine"])
-    summary.loc[len(summary)] = ("all", len(dense_k), np.nan, _mean_off_diagonal(cosine_kernel(dense_k)))
     return {"expert_ntk": summary, "kernels": kernels}
 
 
