@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "RUN/manifest.json. Resumes from what RUN holds. Example: ntkscope reproduce --quick")
     size = rep.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="2 CPU cores, about 12 minutes (the default)")
+                      help="2 CPU cores, about 8 minutes (the default)")
     size.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="sized for one GPU (GPT-2 small shape, 20k steps; hours)")
     size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",

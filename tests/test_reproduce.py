@@ -97,6 +97,16 @@ def test_a_run_directory_refuses_other_settings(smoke):
         ntkscope.settings_for("huge")
 
 
+def test_the_command_says_one_line_on_a_wrong_run_directory(smoke, capsys):
+    from ntkscope.cli import main
+
+    run, _ = smoke
+    assert main(["-q", "reproduce", "--quick", "--out", str(run)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("ntkscope reproduce: error: Reproduction: run_dir holds a reproduction with other settings")
+
+
 def test_notebooks_run_on_the_committed_quick_run(tmp_path):
     """CI runs every notebook in quick mode against a copy of the committed run (figures/quick):
     each reads the cached tables and must write its figures."""

@@ -278,7 +278,15 @@ def _environment() -> dict:
 
     import ntkscope
 
-    return {"ntkscope": ntkscope.__version__, "torch": torch.__version__, "python": platform.python_version(),
+    import subprocess
+
+    try:  # the code's commit, when ntkscope runs from a git checkout
+        commit = subprocess.run(["git", "-C", str(Path(ntkscope.__file__).parent), "rev-parse", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"ntkscope": ntkscope.__version__, "commit": commit, "torch": torch.__version__,
+            "python": platform.python_version(),
             "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, threads "
                        f"{torch.get_num_threads()}" + (f", {torch.cuda.get_device_name(0)}"
                                                        if torch.cuda.is_available() else ", no GPU")}

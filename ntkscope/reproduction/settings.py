@@ -1,6 +1,7 @@
-"""The sizes of a reproduction: ``smoke`` (every stage runs, in about a minute; the figures
-mean nothing), ``quick`` (2 CPU cores, under 15 minutes: the README's main job) and
-``full`` (one GPU; the paper's setting scaled to the shipped corpus pack)."""
+"""The sizes of a reproduction: ``smoke`` (every stage runs, in about a minute on 2 CPU
+cores; the figures mean nothing), ``quick`` (8.2 minutes on 2 CPU cores: the README's main
+job) and ``full`` (the GPT-2-small shape for 20k steps, for one GPU; not yet run, an
+estimated 3-4 hours on one H100)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ class ReproduceSettings:
     probe_seeds: int = 5
     seed: int = 0
     device: str = "auto"
-    expected_minutes: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -68,16 +68,14 @@ PRESETS = {
     "smoke": ReproduceSettings(
         mode="smoke", model={"n_layer": 2, "n_head": 2, "n_embd": 32}, seq_len=32, steps=40, checkpoint_every=10,
         batch_size=16, warmup_steps=5, finetune_steps=5, switch_experts=2, cse_samples=128, n=40, n_perplexity=120,
-        bins=3, min_count=3, k_max=4, projection_dim=16, proj_dim=8, snapshots=2, probe_seeds=2,
-        expected_minutes="about 1 on 2 CPU cores"),
+        bins=3, min_count=3, k_max=4, projection_dim=16, proj_dim=8, snapshots=2, probe_seeds=2),
     "quick": ReproduceSettings(
-        mode="quick", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=600, checkpoint_every=50,
-        expected_minutes="about 12 on 2 CPU cores"),
+        mode="quick", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=600, checkpoint_every=50),
     "full": ReproduceSettings(
         mode="full", model={"n_layer": 12, "n_head": 12, "n_embd": 768}, seq_len=128, steps=20000,
         checkpoint_every=1000, batch_size=64, lr=6e-4, warmup_steps=1000, finetune_steps=1000, finetune_lr=1e-4,
-        switch_experts=8, sparse_layers=4, cse_samples=4096, n=512, n_perplexity=20000, bins=8, k_max=12,
-        projection_dim=128, expected_minutes="an estimate, not measured: 3-4 hours on one H100"),
+        switch_experts=8, sparse_layers=4, cse_samples=4096, n=512, n_perplexity=2500, bins=8, k_max=12,
+        projection_dim=128),
 }
 
 
