@@ -95,12 +95,11 @@ def routing(cse_last: Path, data, layer: int, settings: ReproduceSettings) -> di
     from ntkscope.clusters import AutoDBSCAN
 
     model = load_checkpoint(cse_last).eval()
+    router = model.sparse_layers()[f"transformer.h.{layer}.mlp"]
     with torch.no_grad():
-        v = model.module_inputs(data.batch["input_ids"], data.batch["attention_mask"], [layer])[layer]
-        cse = model._module(layer)
-        z = (v @ cse.projection.T).double()
-        expert = (torch.cdist(z, cse.centres.double()) / cse.radii.double()).argmin(1).numpy()
-    z = z.numpy()
+        v = model.module_inputs(data.batch["input_ids"], data.batch["attention_mask"], [layer])[layer]  # (n, d)
+        z, expert = router.route(v[:, None, :])  # a one-token sequence: its embedding is v itself
+    z, expert = z.double().numpy(), expert.numpy()
     clusters = AutoDBSCAN(min_samples=settings.min_samples).fit(z)
     xy = PCA(2, random_state=settings.seed).fit_transform(z)
     frame = pd.DataFrame({"x": xy[:, 0], "y": xy[:, 1], "expert": expert, "cluster": clusters.labels_})
