@@ -25,11 +25,11 @@ from collections import Counter
 import numpy as np
 import pandas as pd
 
-from ntkscope.corpus.pack import load_pack
-from ntkscope.corpus.sources import default_data_dir
-from ntkscope.corpus.text import split_sentences
-from ntkscope.frequency import count_tokens, sentence_table, token_frequency
-from ntkscope.tokenization import load_tokenizer
+from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.corpus.sources import default_data_dir
+from ntkscope.text.corpus.text import split_sentences
+from ntkscope.text.frequency import count_tokens, sentence_table, token_frequency
+from ntkscope.text.tokenization import load_tokenizer
 
 
 def timed(fn):

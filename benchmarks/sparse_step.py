@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from cse_models import GPT, GPTConfig, SparseConfig
 from cse_models.cse import convert_to_cse, fit_router
 from cse_models.data import pack_blocks
-from ntkscope.corpus.pack import load_pack
+from ntkscope.text.corpus.pack import load_pack
 
 
 def step_seconds(model, batches, repeats: int) -> float:

@@ -22,9 +22,19 @@ import sys
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
+from sklearn.linear_model import LogisticRegression
+from sklearn.model_selection import train_test_split
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
 from cse_models.data import Blocks, mask_tokens, pack_blocks, step_generator
+from cse_models.demix import mixture_log_probs
+from cse_models.experts import sequence_embedding
+from cse_models.model import load_model
+from ntkscope.core.files import write_table
+from ntkscope.core.lm import causal_pairs, lm_loss
+from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.sentences import encode_texts
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +54,6 @@ def _is_demix(model) -> bool:
 @torch.no_grad()
 def block_losses(model, blocks: Blocks, *, batch_size: int = 32, seed: int = 0, special_ids=()) -> tuple[np.ndarray, np.ndarray]:
     """Summed token loss and token count of every block: (N,), (N,)."""
-    from cse_models.demix import mixture_log_probs
-
     model.eval()
     device = next(model.parameters()).device
     sums, counts = [], []
@@ -58,16 +66,15 @@ def block_losses(model, blocks: Blocks, *, batch_size: int = 32, seed: int = 0, 
             doms = torch.zeros(len(ids), dtype=torch.long, device=device)
             logits = model(inputs.to(device), None, doms if _is_demix(model) else None)
             keep = labels.to(device) != -100
-            nll = F.cross_entropy(logits.float().transpose(1, 2), labels.to(device), reduction="none", ignore_index=-100)
-            sums.append((nll * keep).sum(1).cpu())
+            sums.append(lm_loss(logits.float(), labels.to(device), reduction="sequence-sum").cpu())
             counts.append(keep.sum(1).cpu())
             continue
         if _is_demix(model):
             logp, _ = mixture_log_probs(model, ids)
             nll = -logp
         else:
-            logits = model(ids)
-            nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+            logits, targets, _ = causal_pairs(model(ids).float(), ids)
+            nll = lm_loss(logits, targets, reduction="none")  # (B, T-1)
         sums.append(nll.sum(1).cpu())
         counts.append(torch.full((len(ids),), nll.shape[1]))
     return torch.cat(sums).double().numpy(), torch.cat(counts).numpy()
@@ -89,10 +96,6 @@ def perplexity_by_domain(model, blocks: Blocks, **kw) -> pd.DataFrame:
 @torch.no_grad()
 def embed_texts(model, tokenizer, texts, *, batch_size: int = 64) -> np.ndarray:
     """Mean-pooled final hidden states of each text (truncated to the block size): (n, d)."""
-    from cse_models.experts import sequence_embedding
-
-    from ntkscope.representations import encode_texts
-
     model.eval()
     device = next(model.parameters()).device
     texts = list(texts)
@@ -108,11 +111,6 @@ def embed_texts(model, tokenizer, texts, *, batch_size: int = 64) -> np.ndarray:
 
 def probe_accuracy(model, tokenizer, probes: pd.DataFrame, *, seeds=(0, 1, 2, 3, 4), test_size: float = 0.4) -> pd.DataFrame:
     """Linear probes per task: columns task, stands_in_for, items, classes, accuracy_mean, accuracy_std."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import train_test_split
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
     rows = []
     for task, items in probes.groupby("task", sort=True):
         counts = items["label"].value_counts()
@@ -132,10 +130,6 @@ def probe_accuracy(model, tokenizer, probes: pd.DataFrame, *, seeds=(0, 1, 2, 3,
 def results_table(runs: dict, pack=None, *, seq_len: int | None = None, seeds=(0, 1, 2, 3, 4)) -> pd.DataFrame:
     """The paper's Tables 1-2: a row per run (``{name: checkpoint dir or model}``); columns the
     test perplexity (all domains and per domain), each probe's accuracy, and their average."""
-    from ntkscope.corpus.pack import load_pack
-
-    from cse_models.model import load_model
-
     pack = pack if pack is not None and not isinstance(pack, str) else load_pack(pack)
     tokenizer = pack.tokenizer()
     probes = pack.probes()
@@ -171,9 +165,7 @@ def main(argv=None) -> int:
         return 1
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     if args.out:
-        from ntkscope.frequency import save_table
-
-        save_table(table, args.out)
+        write_table(table, args.out)
     return 0
 
 

@@ -5,7 +5,7 @@ Each wraps a list of experts, copies of a dense module, and takes ``(x, key_mask
 the module it replaces. State updates (CSE centres) never happen inside ``forward``: a
 training loop calls :meth:`CSELayer.update_centres` after the step. Bookkeeping (the load
 per expert, Switch's auxiliary loss) happens in training mode only, so in eval mode
-``forward`` is a pure function that ``torch.func`` transforms can differentiate (DESIGN §6).
+``forward`` is a pure function that ``torch.func`` transforms can differentiate (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ntkscope.core.lm import masked_mean
+
 
 def sequence_embedding(x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
     """Mean over real tokens: x (B, T, d), key_mask (B, T) bool -> (B, d)."""
-    if key_mask is None:
-        return x.mean(dim=1)
-    w = key_mask.to(x.dtype).unsqueeze(-1)
-    return (x * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
+    return masked_mean(x, key_mask)
 
 
 def _dispatch(experts: nn.ModuleList, x: torch.Tensor, key_mask, assign: torch.Tensor) -> torch.Tensor:
@@ -38,7 +37,7 @@ def _dispatch(experts: nn.ModuleList, x: torch.Tensor, key_mask, assign: torch.T
 
 
 class CSELayer(nn.Module):
-    """Cluster-guided Sparse Expert layer (DESIGN §4, Algorithm 1 of the CSE paper).
+    """Cluster-guided Sparse Expert layer (docs/design.md §4, Algorithm 1 of the CSE paper).
 
     Buffers (saved in the checkpoint): ``projection`` M (d', d), ``centres`` (C, d'),
     ``radii`` (C,). A sequence with embedding v (the mean of the module's input over its

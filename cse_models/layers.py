@@ -3,7 +3,7 @@
 Attention is written out (``softmax(q k^T / sqrt(d)) v``) rather than through
 ``scaled_dot_product_attention``: the explicit form supports forward-mode AD and double
 backward, which ntkscope's matrix-free path needs, and it is faster than the fused CPU
-kernel under ``vmap`` (DESIGN §6). Every module takes ``(x, key_mask)`` so that a sparse
+kernel under ``vmap`` (docs/design.md §6). Every module takes ``(x, key_mask)`` so that a sparse
 layer can stand in for any of them.
 """
 

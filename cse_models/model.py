@@ -20,8 +20,9 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from cse_models.config import BERTConfig, GPTConfig
-from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
+from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN, sequence_embedding
 from cse_models.layers import Block
+from ntkscope.core.files import atomic_path, write_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -133,8 +134,6 @@ class TransformerLM(nn.Module):
                       module: str = "ffn") -> dict[int, torch.Tensor]:
         """Sequence embeddings (B, d) at the input of ``module`` ("ffn" or "attn") of each layer:
         the mean over real tokens of ``ln_2(x)`` (FFN) or ``ln_1(x)`` (attention)."""
-        from cse_models.experts import sequence_embedding
-
         captured: dict[int, torch.Tensor] = {}
         key_mask = None if attention_mask is None else attention_mask.bool()
         hooks = []
@@ -182,12 +181,9 @@ class TransformerLM(nn.Module):
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         if self.config.tie_weights:
             state.pop("lm_head.weight")
-        tmp_weights = directory / (WEIGHTS_NAME + ".tmp")
-        save_file(state, str(tmp_weights), metadata={"format": "pt"})
-        tmp_config = directory / (CONFIG_NAME + ".tmp")
-        tmp_config.write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-        os.replace(tmp_weights, directory / WEIGHTS_NAME)
-        os.replace(tmp_config, directory / CONFIG_NAME)
+        with atomic_path(directory / WEIGHTS_NAME) as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt"})
+        write_json(directory / CONFIG_NAME, self.config.to_dict())
         return directory
 
     @classmethod
@@ -202,7 +198,7 @@ class TransformerLM(nn.Module):
         kind = data.get("model_type")
         if "architectures" in data:
             raise ValueError(f"{func}: {directory} is an HF transformers checkpoint ({data['architectures']}), "
-                             "not a cse_models one; load it with transformers (ntkscope.checkpoints.load_checkpoint)")
+                             "not a cse_models one; load it with transformers (ntkscope.runs.checkpoints.load_checkpoint)")
         classes = {"gpt": GPT, "bert": BERT}
         if kind not in classes:
             raise ValueError(f"{func}: {directory} holds a {kind!r} checkpoint, not one of cse_models' "
@@ -212,6 +208,9 @@ class TransformerLM(nn.Module):
             raise ValueError(f"{func}: {directory} holds a {kind!r} model; load it with {target.__name__}.from_pretrained")
         model = target(target.config_class.from_dict(data))
         state = load_file(str(directory / WEIGHTS_NAME))
+        floats = {v.dtype for v in state.values() if v.is_floating_point()}
+        if len(floats) == 1:  # the saved dtype, whatever torch's default dtype is now
+            model.to(floats.pop())
         if model.config.tie_weights and "transformer.wte.weight" in state:
             state["lm_head.weight"] = state["transformer.wte.weight"]
         try:

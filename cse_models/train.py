@@ -17,10 +17,12 @@ nothing is pickled. Metrics go to ``metrics.jsonl``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -29,12 +31,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+import yaml
 from safetensors.torch import load_file, save_file
 
 from cse_models.config import GPTConfig
+from cse_models.cse import convert_to_cse
 from cse_models.data import Blocks, global_batch, mask_tokens, pack_blocks, step_generator, text_file_blocks
 from cse_models.model import BERT, GPT, load_model
+from ntkscope.core.files import atomic_path, write_json, write_text
+from ntkscope.core.lm import causal_pairs, lm_loss as token_loss
+from ntkscope.representation.plan import Plan
+from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.tokenization import load_tokenizer
 
 log = logging.getLogger("cse_models.train")
 
@@ -71,8 +79,6 @@ class TrainConfig:
             raise FileNotFoundError(f"TrainConfig.load: {path} does not exist")
         text = path.read_text(encoding="utf-8")
         if path.suffix in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
@@ -98,8 +104,6 @@ class TrainConfig:
 def apply_plan(cfg: TrainConfig) -> TrainConfig:
     """Resolve ``sparse.layers: auto``, ``sparse.module: auto`` and ``cse.warmup_steps: auto``
     from the plan file (written by ``ntkscope plan``)."""
-    import copy
-
     sparse = (cfg.model or {}).get("sparse") or {}
     wants = [k for k in ("layers", "module") if sparse.get(k) == "auto"] + \
         (["warmup_steps"] if cfg.cse.get("warmup_steps") == "auto" else [])
@@ -108,8 +112,6 @@ def apply_plan(cfg: TrainConfig) -> TrainConfig:
     if not cfg.plan:
         raise ValueError(f"TrainConfig: {wants} are 'auto' but no plan file is given (plan: PLAN.json, "
                          "from: ntkscope plan RUN_DIR --out PLAN.json)")
-    from ntkscope.plan import Plan
-
     plan = Plan.load(cfg.plan)
     cfg = copy.deepcopy(cfg)
     sparse = cfg.model["sparse"]
@@ -154,8 +156,6 @@ def _param_names(model) -> dict:
 def carry_optimizer_state(old_state: dict, new_model, new_opt) -> None:
     """Copy AdamW state by parameter name into ``new_opt``; a CSE expert ``...experts.j.X`` takes
     the state of the dense module's ``...X`` it was copied from."""
-    import re
-
     for group in new_opt.param_groups:
         for p in group["params"]:
             name = _param_names(new_model)[id(p)]
@@ -174,11 +174,9 @@ def lm_loss(model, ids: torch.Tensor, domains: torch.Tensor, step: int, cfg: Tra
         inputs, labels = inputs.to(ids.device), labels.to(ids.device)
         logits = model(inputs, None, domains)
         keep = labels != -100
-        return F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum"), keep.sum()
-    logits = model(ids, None, domains)
-    targets = ids[:, 1:]
-    return (F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum"),
-            torch.tensor(targets.numel(), device=ids.device))
+        return token_loss(logits.float(), labels, keep, reduction="sum"), keep.sum()
+    logits, targets, _ = causal_pairs(model(ids, None, domains), ids)
+    return token_loss(logits.float(), targets, reduction="sum"), torch.tensor(targets.numel(), device=ids.device)
 
 
 # ---- checkpoints ----------------------------------------------------------------------------
@@ -186,25 +184,22 @@ def lm_loss(model, ids: torch.Tensor, domains: torch.Tensor, step: int, cfg: Tra
 
 def save_checkpoint(directory: Path, model, opt, sched, step: int, cfg: TrainConfig) -> Path:
     """Everything to resume exactly, written under a temporary name and renamed."""
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
     names = _param_names(model)
     order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
     tensors = {}
     for p, state in opt.state.items():
         for key, value in state.items():
             tensors[f"{names[id(p)]}::{key}"] = value.detach().cpu().contiguous()
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
               for g in opt.param_groups]
     state = {"step": step, "param_order": order, "param_groups": groups, "scheduler": sched.state_dict(),
              "rng_cpu": torch.get_rng_state().tolist(),
              "rng_cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
              "train_config": asdict(cfg)}
-    (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
+    with atomic_path(directory) as tmp:
+        model.save_pretrained(tmp)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
     return directory
 
 
@@ -231,11 +226,9 @@ def branch_from(checkpoint: str | Path, out_dir: str | Path, *, sparse: dict | N
     config["sparse"] = sparse
     GPTConfig.from_dict(config)  # validates the spec against the model
     target = out_dir / "checkpoints" / src.name
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, target)
+    with atomic_path(target) as tmp:
+        shutil.copytree(src, tmp)
+        write_json(tmp / "config.json", config)
     log.info("run %s starts from %s (step %s)", out_dir, src, src.name)
     return target
 
@@ -261,9 +254,6 @@ def load_optimizer_state(directory: Path, model, opt, sched) -> int:
 
 def load_data(cfg: TrainConfig, split: str | None = None):
     """(blocks, tokenizer) from ``cfg.data``: a corpus pack (default: the shipped one) or text files."""
-    from ntkscope.corpus.pack import load_pack
-    from ntkscope.tokenization import load_tokenizer
-
     data = dict(cfg.data)
     known = {"pack", "split", "domains", "seq_len", "tokenizer", "text_files"}
     if set(data) - known:
@@ -298,8 +288,6 @@ def _build_model(cfg: TrainConfig, vocab_size: int):
 
 
 def _convert(model, blocks: Blocks, cfg: TrainConfig, device) -> None:
-    from cse_models.cse import convert_to_cse
-
     opts = {"n_samples": 512, "eps": None, "min_samples": 5, "max_experts": 8, "on_no_cluster": "single",
             **{k: v for k, v in cfg.cse.items() if k != "warmup_steps"}}
     n = min(opts.pop("n_samples"), len(blocks))
@@ -419,9 +407,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.is_file():
         return
     lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
+    write_text(path, "".join(line + "\n" for line in lines))
 
 
 def main(argv=None) -> int:

@@ -1,125 +1,121 @@
 """ntkscope: why language models fail to learn long-tail knowledge, measured.
 
-The public API, in pipeline order: real text (corpus packs, tokenizers, frequency
-scores) -> which parameters -> per-sample gradients -> empirical NTK -> top eigenpair
--> primary gradient direction -> gradient consistency -> representations and clusters
-over checkpoints -> the CSE plan -> the paper's figures (:class:`Reproduction`; drawing in
-:mod:`ntkscope.plotting`).
+The public API, in pipeline order (the package tree follows it; docs/architecture.md):
+
+- text (:mod:`ntkscope.text`): corpus packs, tokenizers, token frequency, sentence scores,
+  analysis sentences;
+- kernel (:mod:`ntkscope.kernel`): which parameters -> per-sample gradients -> empirical
+  NTK -> top eigenpair -> primary gradient direction -> gradient consistency, all run by one
+  :class:`KernelOptions` and one method table;
+- representation (:mod:`ntkscope.representation`): clustering estimators, the CSE router's
+  fit, layer separation, the CSE plan;
+- runs (:mod:`ntkscope.runs`): checkpoints, model-family adapters, embeddings at named
+  points, analyses over a run's checkpoints;
+- the paper's figures (:class:`Reproduction`; drawing in :mod:`ntkscope.plotting`).
+
+Names are imported on first use (PEP 562), so ``import ntkscope`` is cheap and the lower
+stages can be imported by ``cse_models`` without the rest.
 """
 
-from ntkscope.consistency import (
-    DirectionResult,
-    GCGroups,
-    GCResult,
-    gradient_consistency,
-    gradient_consistency_groups,
-    principal_direction,
-)
-from ntkscope.analysis_data import AnalysisData, load_analysis_data
-from ntkscope.checkpoints import list_checkpoints, load_checkpoint
-from ntkscope.clusters import AutoDBSCAN, ClusterGeometry, ElbowKMeans, cluster_geometry, jl_guidance, random_projection
-from ntkscope.corpus import CorpusPack, Record, SourceMissingError, build_pack, load_pack, load_source
-from ntkscope.eigen import (
-    EigenResult,
-    IllDefinedEigenvectorWarning,
-    NTKOperator,
-    ntk_top_eigenpair,
-    top_eigenpair,
-)
-from ntkscope.dynamics import (
-    cluster_dynamics,
-    cluster_snapshots,
-    gc_series,
-    layer_separation,
-    long_tail_subset,
-)
-from ntkscope.frequency import (
-    TokenCounts,
-    bin_indices,
-    count_tokens,
-    domain_table,
-    save_table,
-    score_histogram,
-    sentence_scores,
-    sentence_table,
-    token_frequency,
-)
-from ntkscope.grads import PerSampleGrads, per_sample_grads
-from ntkscope.ntk import NTKResult, cosine_kernel, empirical_ntk, jl_error_bound
-from ntkscope.objectives import LMLoss, sample_outputs
-from ntkscope.params import ParameterSelection, select_parameters
-from ntkscope.plan import Plan, choose_layers, make_plan, warmup_at_gc_peak
-from ntkscope.reproduction import ReproduceSettings, Reproduction, reproduce, settings_for
-from ntkscope.representations import LayerEmbeddings, encode_texts, layer_embeddings
-from ntkscope.tokenization import TextTokenizer, gpt2_tokenizer, load_tokenizer, train_bpe
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AnalysisData",
-    "AutoDBSCAN",
-    "ClusterGeometry",
-    "ElbowKMeans",
-    "LayerEmbeddings",
-    "Plan",
-    "load_analysis_data",
-    "choose_layers",
-    "cluster_dynamics",
-    "cluster_geometry",
-    "cluster_snapshots",
-    "encode_texts",
-    "gc_series",
-    "jl_guidance",
-    "layer_embeddings",
-    "layer_separation",
-    "list_checkpoints",
-    "load_checkpoint",
-    "long_tail_subset",
-    "make_plan",
-    "ReproduceSettings",
-    "Reproduction",
-    "reproduce",
-    "settings_for",
-    "random_projection",
-    "warmup_at_gc_peak",
-    "CorpusPack",
-    "Record",
-    "SourceMissingError",
-    "TextTokenizer",
-    "TokenCounts",
-    "bin_indices",
-    "build_pack",
-    "count_tokens",
-    "domain_table",
-    "gpt2_tokenizer",
-    "load_pack",
-    "load_source",
-    "load_tokenizer",
-    "save_table",
-    "score_histogram",
-    "sentence_scores",
-    "sentence_table",
-    "token_frequency",
-    "train_bpe",
-    "DirectionResult",
-    "EigenResult",
-    "GCGroups",
-    "GCResult",
-    "IllDefinedEigenvectorWarning",
-    "LMLoss",
-    "NTKOperator",
-    "NTKResult",
-    "ParameterSelection",
-    "PerSampleGrads",
-    "cosine_kernel",
-    "empirical_ntk",
-    "gradient_consistency",
-    "gradient_consistency_groups",
-    "jl_error_bound",
-    "ntk_top_eigenpair",
-    "per_sample_grads",
-    "sample_outputs",
-    "principal_direction",
-    "select_parameters",
-    "top_eigenpair",
-]
+#: public name -> the module that defines it
+_EXPORTS = {
+    # text
+    "CorpusPack": "ntkscope.text.corpus",
+    "Record": "ntkscope.text.corpus",
+    "SourceMissingError": "ntkscope.text.corpus",
+    "build_pack": "ntkscope.text.corpus",
+    "load_pack": "ntkscope.text.corpus",
+    "load_source": "ntkscope.text.corpus",
+    "TextTokenizer": "ntkscope.text.tokenization",
+    "gpt2_tokenizer": "ntkscope.text.tokenization",
+    "load_tokenizer": "ntkscope.text.tokenization",
+    "train_bpe": "ntkscope.text.tokenization",
+    "TokenCounts": "ntkscope.text.frequency",
+    "bin_indices": "ntkscope.text.frequency",
+    "count_tokens": "ntkscope.text.frequency",
+    "domain_table": "ntkscope.text.frequency",
+    "long_tail_subset": "ntkscope.text.frequency",
+    "save_table": "ntkscope.text.frequency",
+    "score_histogram": "ntkscope.text.frequency",
+    "sentence_scores": "ntkscope.text.frequency",
+    "sentence_table": "ntkscope.text.frequency",
+    "token_frequency": "ntkscope.text.frequency",
+    "AnalysisData": "ntkscope.text.sentences",
+    "encode_texts": "ntkscope.text.sentences",
+    "load_analysis_data": "ntkscope.text.sentences",
+    # kernel
+    "KernelOptions": "ntkscope.kernel.options",
+    "Method": "ntkscope.kernel.options",
+    "ParameterSelection": "ntkscope.kernel.params",
+    "select_parameters": "ntkscope.kernel.params",
+    "LMLoss": "ntkscope.kernel.objectives",
+    "sample_outputs": "ntkscope.kernel.objectives",
+    "PerSampleGrads": "ntkscope.kernel.grads",
+    "per_sample_grads": "ntkscope.kernel.grads",
+    "jl_error_bound": "ntkscope.kernel.kernels",
+    "NTKResult": "ntkscope.kernel.ntk",
+    "cosine_kernel": "ntkscope.kernel.ntk",
+    "empirical_ntk": "ntkscope.kernel.ntk",
+    "ntk_top_eigenpair": "ntkscope.kernel.ntk",
+    "EigenResult": "ntkscope.kernel.eigen",
+    "IllDefinedEigenvectorWarning": "ntkscope.kernel.eigen",
+    "NTKOperator": "ntkscope.kernel.eigen",
+    "top_eigenpair": "ntkscope.kernel.eigen",
+    "DirectionResult": "ntkscope.kernel.consistency",
+    "GCGroups": "ntkscope.kernel.consistency",
+    "GCResult": "ntkscope.kernel.consistency",
+    "gradient_consistency": "ntkscope.kernel.consistency",
+    "gradient_consistency_groups": "ntkscope.kernel.consistency",
+    "principal_direction": "ntkscope.kernel.consistency",
+    # representation
+    "AutoDBSCAN": "ntkscope.representation.clusters",
+    "ClusterGeometry": "ntkscope.representation.clusters",
+    "ElbowKMeans": "ntkscope.representation.clusters",
+    "cluster_geometry": "ntkscope.representation.clusters",
+    "jl_guidance": "ntkscope.representation.clusters",
+    "layer_separation": "ntkscope.representation.clusters",
+    "random_projection": "ntkscope.representation.clusters",
+    "RouterFit": "ntkscope.representation.router",
+    "fit_router": "ntkscope.representation.router",
+    "Plan": "ntkscope.representation.plan",
+    "choose_layers": "ntkscope.representation.plan",
+    "make_plan": "ntkscope.representation.plan",
+    "warmup_at_gc_peak": "ntkscope.representation.plan",
+    # runs
+    "FAMILIES": "ntkscope.runs.families",
+    "family_of": "ntkscope.runs.families",
+    "list_checkpoints": "ntkscope.runs.checkpoints",
+    "load_checkpoint": "ntkscope.runs.checkpoints",
+    "LayerEmbeddings": "ntkscope.runs.embeddings",
+    "layer_embeddings": "ntkscope.runs.embeddings",
+    "cluster_dynamics": "ntkscope.runs.dynamics",
+    "cluster_snapshots": "ntkscope.runs.dynamics",
+    "gc_series": "ntkscope.runs.dynamics",
+    "gc_by_bins": "ntkscope.runs.gc",
+    # the reproduction
+    "ReproduceSettings": "ntkscope.reproduction",
+    "Reproduction": "ntkscope.reproduction",
+    "reproduce": "ntkscope.reproduction",
+    "settings_for": "ntkscope.reproduction",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ntkscope' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

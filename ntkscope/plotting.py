@@ -1,4 +1,4 @@
-"""Figures of the analyses (the CSE paper's Figures 1-5, DESIGN §5). Every function takes
+"""Figures of the analyses (the CSE paper's Figures 1-5, docs/design.md §5). Every function takes
 tables that the library returns and gives back a matplotlib Figure; :func:`save_figure`
 writes it (PNG, and PDF on request) under a temporary name and renames it.
 
@@ -15,21 +15,16 @@ writes it (PNG, and PDF on request) under a temporary name and renames it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+from ntkscope.core.files import atomic_path
+from ntkscope.kernel.ntk import cosine_kernel
 
 DOMAIN_COLOURS = {"general": "#7f8c8d", "legal": "#c0392b", "biomedical": "#2e86c1"}
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def save_figure(fig, path, *, formats=("png",), close: bool = True) -> list[Path]:
@@ -38,19 +33,17 @@ def save_figure(fig, path, *, formats=("png",), close: bool = True) -> list[Path
     out = []
     for fmt in formats:
         target = path.with_suffix(f".{fmt}")
-        tmp = target.with_name(f".{target.stem}.tmp-{os.getpid()}.{fmt}")
         metadata = {"CreationDate": None} if fmt == "pdf" else None  # the same figure gives the same bytes
-        fig.savefig(tmp, dpi=130, bbox_inches="tight", metadata=metadata)
-        os.replace(tmp, target)
+        with atomic_path(target) as tmp:
+            fig.savefig(tmp, dpi=130, bbox_inches="tight", metadata=metadata)
         out.append(target)
     if close:
-        _plt().close(fig)
+        plt.close(fig)
     return out
 
 
 def domain_sizes(table, *, top: int = 20):
     """Figure 1(a). ``table``: :func:`ntkscope.domain_table` (domain, source, category, percent)."""
-    plt = _plt()
     rows = table.head(top).iloc[::-1]
     fig, ax = plt.subplots(figsize=(6.4, 0.28 * len(rows) + 1.2))
     colours = [DOMAIN_COLOURS.get(d, "#95a5a6") for d in rows["domain"]]
@@ -66,7 +59,6 @@ def domain_sizes(table, *, top: int = 20):
 def gc_vs_frequency(table, histogram, *, title: str = ""):
     """Figure 2(a). Bars: % of sentences per frequency bin; line: GC of each bin
     (``table``: left, right, gc; ``histogram``: :func:`ntkscope.score_histogram`)."""
-    plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     centres = (histogram["left"] + histogram["right"]) / 2
     width = float((histogram["right"] - histogram["left"]).iloc[0]) * 0.9
@@ -84,7 +76,6 @@ def gc_vs_frequency(table, histogram, *, title: str = ""):
 
 def gc_over_steps(frame, *, title: str = ""):
     """Figure 3(a). ``frame``: :func:`ntkscope.gc_series` (step, gc)."""
-    plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.4))
     ax.plot(frame["step"], frame["gc"], "o-", color="#2c3e50", label="GC of the long tail")
     ax.plot(frame["step"], frame["gc"].abs(), ":", color="#7f8c8d", label="|GC| (the sign follows Σu > 0)")
@@ -99,7 +90,6 @@ def gc_over_steps(frame, *, title: str = ""):
 
 def layer_dynamics(table):
     """Figure 3(b, c). ``table``: :func:`ntkscope.cluster_dynamics` (step, layer, k, inter_distance)."""
-    plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for layer, rows in table.groupby("layer"):
         axes[0].plot(rows["step"], rows["k"], "o-", ms=3, label=f"layer {layer}")
@@ -118,7 +108,6 @@ def cluster_view(points, *, colour_by: str = "cluster", title: str = ""):
     """Figures 2(b), 4(b), 5(a): a 2-D view (``points``: x, y, and ``colour_by``; one panel per
     ``step`` when there is a step column, two per row), each group annotated with its domain
     make-up. Label -1 (DBSCAN's noise) is drawn grey as "noise"."""
-    plt = _plt()
     steps = sorted(points["step"].unique()) if "step" in points else [None]
     cols = min(2, len(steps))
     rows_n = -(-len(steps) // cols)
@@ -146,7 +135,6 @@ def cluster_view(points, *, colour_by: str = "cluster", title: str = ""):
 
 def ntk_heatmap(matrix, labels, *, title: str = ""):
     """Figure 5(b, c): the kernel with samples ordered by label (stable), boundaries marked."""
-    plt = _plt()
     labels = np.asarray(labels).astype(str)
     order = np.argsort(labels, kind="stable")
     fig, ax = plt.subplots(figsize=(5, 4.4))
@@ -170,7 +158,6 @@ def ntk_heatmap(matrix, labels, *, title: str = ""):
 def perplexity_vs_frequency(sentences, by_bin, *, title: str = ""):
     """Figure 1(b). ``sentences``: per sentence (domain, score, perplexity); ``by_bin``: left,
     right, n, median_perplexity. Points per sentence (log scale), the binned median as a line."""
-    plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for domain, rows in sentences.groupby("domain"):
         ax.scatter(rows["score"], rows["perplexity"], s=4, alpha=0.35, color=DOMAIN_COLOURS.get(domain, "#95a5a6"),
@@ -186,11 +173,8 @@ def perplexity_vs_frequency(sentences, by_bin, *, title: str = ""):
 
 
 def cse_schematic():
-    """Figure 4(a): the CSE layer (DESIGN §4), drawn: sequence embedding, projection M,
+    """Figure 4(a): the CSE layer (docs/design.md §4), drawn: sequence embedding, projection M,
     nearest scaled cluster centre, the chosen expert (a copy of the warmed-up FFN)."""
-    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
-
-    plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 3.4))
     ax.set_xlim(0, 10)
     ax.set_ylim(0, 4.4)
@@ -230,9 +214,6 @@ def expert_kernels(kernels: dict, summary, *, normalise: bool = True):
     "dense": (n, n)}; ``summary``: expert, n, cse_expert_cosine, dense_cosine. Left: each
     expert's kernel on its own sentences; right: the dense model's kernel on the whole
     batch, ordered by expert. ``normalise``: plot Θ_ij / sqrt(Θ_ii Θ_jj) (cosine)."""
-    from ntkscope.ntk import cosine_kernel
-
-    plt = _plt()
 
     def prep(k):
         return cosine_kernel(k) if normalise else np.asarray(k, dtype=np.float64)

@@ -39,7 +39,7 @@ NOTEBOOKS = {
     "fig1_long_tail": [
         "# Figure 1: the long tail, and what it costs\n\n(a) The corpus's largest categories: a few general "
         "sources hold most of the text; legal and biomedical text is a long tail. (b) The dense GPT's perplexity "
-        "on held-out sentences against their sentence frequency score (DESIGN §2): the rarer a sentence's tokens, "
+        "on held-out sentences against their sentence frequency score (docs/design.md §2): the rarer a sentence's tokens, "
         "the higher its perplexity.",
         PARAMETERS, SETUP,
         't = rep.tables("fig1")\nt["domain_sizes"]',

@@ -8,7 +8,7 @@ import pytest
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "ntkscope.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "ntkscope.app.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_demo_runs_and_writes_its_table(tmp_path):

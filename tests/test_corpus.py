@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ntkscope.corpus.pack import PROBE_TASKS, SPLITS, build_pack, load_pack, split_of
-from ntkscope.corpus.sources import SOURCES, SourceMissingError, load_source
-from ntkscope.corpus.text import count_words, split_sentences
+from ntkscope.text.corpus.pack import PROBE_TASKS, SPLITS, build_pack, load_pack, split_of
+from ntkscope.text.corpus.sources import SOURCES, SourceMissingError, load_source
+from ntkscope.text.corpus.text import count_words, split_sentences
 
 EXCERPTS = Path(__file__).parent / "data" / "sources"
 ROOT, DATA = EXCERPTS / "root", EXCERPTS / "data"

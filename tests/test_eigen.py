@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ntkscope as ns
-from ntkscope.eigen import orient
+from ntkscope.kernel.eigen import orient
 
 
 def _psd(n, seed=0):

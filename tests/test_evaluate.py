@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from cse_models import GPT, BERT, BERTConfig, GPTConfig, SparseConfig
 from cse_models.data import pack_blocks
 from cse_models.evaluate import perplexity_by_domain, probe_accuracy, results_table
-from ntkscope.corpus.pack import load_pack
+from ntkscope.text.corpus.pack import load_pack
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ntkscope.corpus.pack import load_pack
-from ntkscope.corpus.sources import default_data_dir
-from ntkscope.frequency import (
+from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.corpus.sources import default_data_dir
+from ntkscope.text.frequency import (
     TokenCounts,
     bin_indices,
     count_tokens,
@@ -21,7 +21,7 @@ from ntkscope.frequency import (
     sentence_table,
     token_frequency,
 )
-from ntkscope.tokenization import _from_hf, load_tokenizer, train_bpe
+from ntkscope.text.tokenization import _from_hf, load_tokenizer, train_bpe
 
 
 @pytest.fixture(scope="module")

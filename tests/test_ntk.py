@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ntkscope as ns
-from ntkscope.objectives import resolve_output
+from ntkscope.kernel.objectives import resolve_output
 from tests.reference import causal_jacobian, jacobian_loop
 
 
@@ -111,11 +111,11 @@ def test_hf_bert_masked_lm_ntk(hf_bert, lm_batch):
     output = ns.LMLoss(objective="masked", mask_token_id=1, mask_prob=0.3, seed=7)
     res = ns.empirical_ntk(hf_bert, lm_batch, output=output, method="exact")
     # reference: HF's own 2-D attention mask, one sample at a time, the same deterministic mask
-    objective = resolve_output("test", output, hf_bert)
+    objective = resolve_output(output, hf_bert)
     ids, mask = lm_batch["input_ids"], lm_batch["attention_mask"]
 
     def loss(i):
-        prepared = objective.prepare("test", hf_bert, {"input_ids": ids[i : i + 1], "attention_mask": mask[i : i + 1]})
+        prepared = objective.prepare(hf_bert, {"input_ids": ids[i : i + 1], "attention_mask": mask[i : i + 1]})
         logits = hf_bert(input_ids=prepared["inputs"]["input_ids"], attention_mask=mask[i : i + 1]).logits[0]
         chosen = prepared["aux"]["mask"][0]
         return F.cross_entropy(logits[chosen], ids[i][chosen])
@@ -125,18 +125,18 @@ def test_hf_bert_masked_lm_ntk(hf_bert, lm_batch):
 
 
 def test_masked_lm_mask_is_a_function_of_the_sample(hf_bert, lm_batch):
-    objective = resolve_output("test", ns.LMLoss(objective="masked", mask_token_id=1), hf_bert)
-    a = objective.prepare("test", hf_bert, lm_batch)["aux"]["mask"]
+    objective = resolve_output(ns.LMLoss(objective="masked", mask_token_id=1), hf_bert)
+    a = objective.prepare(hf_bert, lm_batch)["aux"]["mask"]
     flipped = {k: v.flip(0) for k, v in lm_batch.items()}
-    b = objective.prepare("test", hf_bert, flipped)["aux"]["mask"]
+    b = objective.prepare(hf_bert, flipped)["aux"]["mask"]
     assert torch.equal(a, b.flip(0))
     assert bool((a.sum(1) >= 1).all()) and not bool((a & ~lm_batch["attention_mask"].bool()).any())
 
 
 def test_loss_objective_is_detected(gpt, hf_bert):
-    assert resolve_output("t", "loss", gpt).__class__.__name__ == "CausalLMLoss"
+    assert resolve_output("loss", gpt).__class__.__name__ == "CausalLMLoss"
     with pytest.raises(ValueError, match="mask_token_id"):
-        resolve_output("t", "loss", hf_bert)
+        resolve_output("loss", hf_bert)
 
 
 def test_hidden_mean_of_an_encoder_without_head(lm_batch):

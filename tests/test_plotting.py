@@ -5,8 +5,8 @@ import pandas as pd
 import pytest
 
 from ntkscope import plotting
-from ntkscope.corpus.pack import load_pack
-from ntkscope.frequency import domain_table, score_histogram
+from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.frequency import domain_table, score_histogram
 
 
 def _labelled(fig):

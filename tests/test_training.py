@@ -158,7 +158,7 @@ def test_bf16_autocast_training_on_gpu(tmp_path):
 
 def test_training_on_plain_text_files(tmp_path):
     torch.set_default_dtype(torch.float32)
-    from ntkscope.corpus.pack import DEFAULT_PACK, load_pack
+    from ntkscope.text.corpus.pack import DEFAULT_PACK, load_pack
 
     pack = load_pack()
     for domain in ("legal", "general"):

@@ -13,8 +13,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from sklearn.decomposition import PCA
 
+from cse_models.evaluate import results_table
+from ntkscope.kernel.ntk import cosine_kernel, empirical_ntk
+from ntkscope.kernel.objectives import sample_outputs, take
+from ntkscope.representation.clusters import AutoDBSCAN
 from ntkscope.reproduction.settings import ReproduceSettings
+from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
+from ntkscope.runs.dynamics import cluster_dynamics, cluster_snapshots, gc_series
+from ntkscope.runs.gc import gc_by_bins
+from ntkscope.text.frequency import bin_indices, domain_table, long_tail_subset, score_histogram
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +37,6 @@ def long_tail(pack, dense_last: Path, data, settings: ReproduceSettings) -> dict
     """Figure 1. domain_sizes: the 20 largest categories; perplexity: per sentence (domain,
     score, n_tokens, loss, perplexity); perplexity_by_bin: per frequency bin (bin, left,
     right, n, median_perplexity, mean_loss)."""
-    from ntkscope.checkpoints import load_checkpoint
-    from ntkscope.frequency import bin_indices, domain_table, score_histogram
-    from ntkscope.objectives import sample_outputs
-
     sizes = domain_table(pack.records("all"), top=20)
     model = load_checkpoint(dense_last)
     loss = sample_outputs(model, data.batch).double().numpy()
@@ -47,22 +52,18 @@ def long_tail(pack, dense_last: Path, data, settings: ReproduceSettings) -> dict
     return {"domain_sizes": sizes, "perplexity": sentences, "perplexity_by_bin": by_bin}
 
 
-def gc_by_frequency(dense_last: Path, pack_path: str, settings: ReproduceSettings, cache: Path) -> dict:
-    """Figure 2(a): gc_by_bin (label, left, right, n_subset, gc, ...) and histogram, through
-    :func:`ntkscope.commands.gc_command` (its own analysis sample of ``n`` sentences)."""
-    from ntkscope.commands import gc_command
-
-    gc_command(dense_last, pack_path, bins=settings.bins, n=settings.n, min_count=settings.min_count,
-               seq_len=settings.seq_len, seed=settings.seed, out=cache)
-    return {"gc_by_bin": pd.read_csv(cache / "gc.csv"), "histogram": pd.read_csv(cache / "histogram.csv")}
+def gc_by_frequency(dense_last: Path, data, settings: ReproduceSettings) -> dict:
+    """Figure 2(a): gc_by_bin (label, left, right, n_subset, gc, ...) and histogram, by
+    :func:`ntkscope.runs.gc.gc_by_bins` on the analysis sentences."""
+    table, hist, _ = gc_by_bins(load_checkpoint(dense_last), data, bins=settings.bins, min_count=settings.min_count,
+                                seed=settings.seed)
+    return {"gc_by_bin": table, "histogram": hist}
 
 
 def training_dynamics(dense_dir: Path, data, settings: ReproduceSettings) -> dict:
     """Figure 3: gc_over_steps (step, gc, eigengap, eigengap_subset) of the long tail (the
     lowest ``tail_fraction`` of frequency scores) and dynamics (step, layer, k,
     inter_distance, ...) over every dense checkpoint. Cached per checkpoint in the run."""
-    from ntkscope.dynamics import cluster_dynamics, gc_series, long_tail_subset
-
     tail = long_tail_subset(data.labels["score"], settings.tail_fraction)
     gc = gc_series(dense_dir, data.batch, tail)
     dynamics = cluster_dynamics(dense_dir, data.batch, point="ffn_input", k_max=settings.k_max,
@@ -73,9 +74,6 @@ def training_dynamics(dense_dir: Path, data, settings: ReproduceSettings) -> dic
 def snapshots(dense_dir: Path, data, layer: int, settings: ReproduceSettings) -> dict:
     """Figure 4(b): snapshot_points (step, x, y, cluster, domain, score) and snapshot_clusters
     of ``layer``'s FFN input at ``settings.snapshots`` evenly spaced checkpoints."""
-    from ntkscope.checkpoints import list_checkpoints
-    from ntkscope.dynamics import cluster_snapshots
-
     steps = [s for s, _ in list_checkpoints(dense_dir)]
     chosen = sorted({steps[int(round(i))] for i in np.linspace(0, len(steps) - 1, settings.snapshots)})
     points, clusters = cluster_snapshots(dense_dir, data.batch, layer, chosen, labels=_labels(data),
@@ -89,11 +87,6 @@ def routing(cse_last: Path, data, layer: int, settings: ReproduceSettings) -> di
     projected space (PCA to 2-D): routing (x, y, expert, cluster, domain, score), where
     expert is where the router sends each sentence and cluster is DBSCAN (automatic eps) on
     the same projected points; routing_summary (expert, n, share of each domain)."""
-    from sklearn.decomposition import PCA
-
-    from ntkscope.checkpoints import load_checkpoint
-    from ntkscope.clusters import AutoDBSCAN
-
     model = load_checkpoint(cse_last).eval()
     router = model.sparse_layers()[f"transformer.h.{layer}.mlp"]
     with torch.no_grad():
@@ -122,10 +115,6 @@ def expert_kernels(cse_last: Path, dense_last: Path, data, routing_frame: pd.Dat
     at the same layer, on the whole batch. kernels: {"expert E": (n_E, n_E), "dense": (n, n)};
     expert_ntk: per expert, n and the mean off-diagonal cosine (Θ_ij / sqrt(Θ_ii Θ_jj)) of
     the expert's kernel and of the dense kernel on the same sentences."""
-    from ntkscope.checkpoints import load_checkpoint
-    from ntkscope.ntk import cosine_kernel, empirical_ntk
-    from ntkscope.objectives import take
-
     dense = load_checkpoint(dense_last).eval()
     full = empirical_ntk(dense, data.batch, params=f"transformer.h.{layer}.mlp.*", method="exact")
     dense_k = full.matrix.double().numpy()
@@ -148,6 +137,4 @@ def expert_kernels(cse_last: Path, dense_last: Path, data, routing_frame: pd.Dat
 
 def results(runs: dict, pack, settings: ReproduceSettings) -> dict:
     """Tables 1-2: :func:`cse_models.evaluate.results_table` over ``runs`` {name: checkpoint}."""
-    from cse_models.evaluate import results_table
-
     return {"results": results_table(runs, pack, seq_len=settings.seq_len, seeds=tuple(range(settings.probe_seeds)))}

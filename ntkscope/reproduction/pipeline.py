@@ -12,7 +12,9 @@ checkpoint, analyses per checkpoint)::
     RUN/manifest.json              what made each file: settings, versions, machine, timings
 
 ``tables(figure)`` returns a figure's tables; ``figure(panel)`` draws a panel with
-:mod:`ntkscope.plotting`; :func:`reproduce` does everything and writes the manifest.
+:mod:`ntkscope.plotting`; :func:`reproduce` does everything and writes the manifest. Which
+tables a figure needs and how each panel is drawn are the rows of
+:mod:`ntkscope.reproduction.panels`.
 """
 
 from __future__ import annotations
@@ -22,27 +24,26 @@ import json
 import logging
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 
-from ntkscope._checks import fail
-from ntkscope.reproduction import analyses, training
+import ntkscope
+from ntkscope.core.checks import fail
+from ntkscope.core.files import atomic_path, write_json, write_text
+from ntkscope.plotting import save_figure
+from ntkscope.representation.plan import Plan, make_plan
+from ntkscope.reproduction import training
+from ntkscope.reproduction.panels import FIGURES, PANELS, STAGES
 from ntkscope.reproduction.settings import ReproduceSettings, settings_for
+from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.sentences import load_analysis_data
 
 log = logging.getLogger(__name__)
-
-FIGURES = ("fig1", "fig2", "fig3", "fig4", "fig5", "tables")
-PANELS = {"fig1": ("fig1a", "fig1b"), "fig2": ("fig2a", "fig2b"), "fig3": ("fig3a", "fig3bc"),
-          "fig4": ("fig4a", "fig4b"), "fig5": ("fig5a", "fig5bc"), "tables": ()}
-
-
-def _write_json(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 class Reproduction:
@@ -52,8 +53,6 @@ class Reproduction:
     def __init__(self, run_dir, mode: str = "quick", *, settings: ReproduceSettings | None = None, pack=None):
         self.run_dir = Path(run_dir)
         self.settings = settings if settings is not None else settings_for(mode)
-        from ntkscope.corpus.pack import load_pack
-
         self.pack = load_pack(pack)
         self.pack_path = str(self.pack.path)
         wanted = {"settings": self.settings.to_dict(), "pack": self.pack.manifest.get("version")}
@@ -66,7 +65,7 @@ class Reproduction:
                            str(self.run_dir))
         else:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(saved, wanted)
+            write_json(saved, wanted)
         (self.run_dir / "tables").mkdir(exist_ok=True)
         (self.run_dir / "figures").mkdir(exist_ok=True)
         self._data = {}
@@ -87,29 +86,27 @@ class Reproduction:
         path = self.run_dir / "timings.json"
         timings = json.loads(path.read_text()) if path.is_file() else {}
         timings[stage] = round(timings.get(stage, 0.0) + own, 1)
-        _write_json(path, timings)
+        write_json(path, timings)
         if own > 1:
             log.info("%s: %.0f s", stage, own)
         return out
 
-    def _cached(self, stage: str, names: tuple, compute) -> dict:
-        """Tables ``names`` from ``RUN/tables`` (CSV; ``kernels``: NPZ), computed once; the time
-        spent computing is added to ``RUN/timings.json`` under ``stage``."""
+    def _cached(self, stage: str) -> dict:
+        """The tables of ``stage`` (a row of :data:`~ntkscope.reproduction.panels.STAGES`) from
+        ``RUN/tables`` (CSV; ``kernels``: NPZ), computed once; the time spent computing is added
+        to ``RUN/timings.json`` under the stage's name."""
+        spec = STAGES[stage]
         folder = self.run_dir / "tables"
-        files = {n: folder / (f"{n}.npz" if n == "kernels" else f"{n}.csv") for n in names}
+        files = {n: folder / (f"{n}.npz" if n == "kernels" else f"{n}.csv") for n in spec.names}
         if all(f.is_file() for f in files.values()):
-            out = {}
-            for n, f in files.items():
-                out[n] = dict(np.load(f)) if f.suffix == ".npz" else pd.read_csv(f)
-            return out
-        out = self._timed(stage, compute)
+            return {n: dict(np.load(f)) if f.suffix == ".npz" else pd.read_csv(f) for n, f in files.items()}
+        out = self._timed(spec.timing, lambda: spec.compute(self))
         for n, f in files.items():
-            tmp = f.with_name(f".{f.stem}.tmp-{os.getpid()}{f.suffix}")
-            if f.suffix == ".npz":
-                np.savez_compressed(tmp, **out[n])
-            else:
-                out[n].to_csv(tmp, index=False)
-            os.replace(tmp, f)
+            with atomic_path(f) as tmp:
+                if f.suffix == ".npz":
+                    np.savez_compressed(tmp, **out[n])
+                else:
+                    out[n].to_csv(tmp, index=False)
         return out
 
     # ---- models -------------------------------------------------------------------------------
@@ -130,8 +127,6 @@ class Reproduction:
     def plan(self):
         """The CSE plan (layers: top separation at the warm-up; warm-up: the long tail's GC peak,
         at most ``max_warmup_fraction`` of the steps), from the dense run's Figure 3 tables."""
-        from ntkscope.plan import Plan, make_plan
-
         path = self.run_dir / "plan.json"
         if path.is_file():
             return Plan.load(path)
@@ -164,8 +159,6 @@ class Reproduction:
 
     def data(self, n: int | None = None):
         """``n`` (default ``settings.n``) validation sentences, tokenized and scored."""
-        from ntkscope.analysis_data import load_analysis_data
-
         n = n or self.settings.n
         if n not in self._data:
             self._data[n] = load_analysis_data(self.pack_path, self.pack.tokenizer(), n=n,
@@ -173,36 +166,14 @@ class Reproduction:
         return self._data[n]
 
     def tables(self, figure: str) -> dict:
-        """The tables behind ``figure`` ("fig1" ... "fig5", "tables"), computed on first use."""
-        if figure not in FIGURES:
+        """The tables behind ``figure`` ("fig1" ... "fig5", "tables"; or a stage's name), computed on first use."""
+        stages = FIGURES.get(figure, (figure,) if figure in STAGES else None)
+        if stages is None:
             raise fail("Reproduction.tables", "figure", f"must be one of {list(FIGURES)}", figure)
-        s = self.settings
-        if figure == "fig1":
-            return self._cached("fig1", ("domain_sizes", "perplexity", "perplexity_by_bin"), lambda: analyses.long_tail(
-                self.pack, self.dense(), self.data(s.n_perplexity), s))
-        if figure == "fig2":
-            gc = self._cached("fig2a", ("gc_by_bin", "histogram"), lambda: analyses.gc_by_frequency(
-                self.dense(), self.pack_path, s, self.run_dir / "analysis" / "gc-by-frequency"))
-            return {**gc, **self._routing()}
-        if figure == "fig3":
-            return self._cached("fig3", ("gc_over_steps", "dynamics"), lambda: analyses.training_dynamics(
-                self.dense_run(), self.data(), s))
-        if figure == "fig4":
-            layer = self.plan().layers[0]
-            return self._cached("fig4", ("snapshot_points", "snapshot_clusters"), lambda: analyses.snapshots(
-                self.dense_run(), self.data(), layer, s))
-        if figure == "fig5":
-            routing = self._routing()
-            layer = self.plan().layers[0]
-            kernels = self._cached("fig5bc", ("expert_ntk", "kernels"), lambda: analyses.expert_kernels(
-                self.cse(), self.dense(), self.data(), routing["routing"], layer))
-            return {**routing, **kernels}
-        return self._cached("tables", ("results",), lambda: analyses.results(self.runs(), self.pack, s))
-
-    def _routing(self) -> dict:
-        layer = self.plan().layers[0]
-        return self._cached("routing", ("routing", "routing_summary"), lambda: analyses.routing(
-            self.cse(), self.data(), layer, self.settings))
+        out = {}
+        for stage in stages:
+            out.update(self._cached(stage))
+        return out
 
     def runs(self) -> dict:
         """{row name: last checkpoint} of the models in Tables 1-2, training what is missing."""
@@ -219,53 +190,18 @@ class Reproduction:
 
     def figure(self, panel: str):
         """Panel ``panel`` (e.g. "fig2a", "fig3bc") as a matplotlib Figure."""
-        from ntkscope import plotting
-
-        figure = panel[:4]
-        if figure not in PANELS or panel not in PANELS[figure]:
-            raise fail("Reproduction.figure", "panel", f"must be one of {[p for ps in PANELS.values() for p in ps]}",
-                       panel)
-        if panel == "fig4a":
-            return plotting.cse_schematic()
-        t = self.tables(figure)
-        mode = self.settings.mode
-        if panel == "fig1a":
-            return plotting.domain_sizes(t["domain_sizes"])
-        if panel == "fig1b":
-            return plotting.perplexity_vs_frequency(t["perplexity"], t["perplexity_by_bin"])
-        if panel == "fig2a":
-            return plotting.gc_vs_frequency(t["gc_by_bin"], t["histogram"], title=f"dense GPT ({mode}): GC against "
-                                            "sentence frequency")
-        layer = self.plan().layers[0] if figure in ("fig2", "fig4", "fig5") else None
-        if panel == "fig2b":
-            k = int((t["routing"]["cluster"].unique() >= 0).sum())
-            return plotting.cluster_view(t["routing"], colour_by="cluster", title=f"CSE layer {layer}'s input: "
-                                         f"DBSCAN (automatic eps) finds {k} cluster{'s' * (k != 1)}")
-        if panel == "fig3a":
-            return plotting.gc_over_steps(t["gc_over_steps"])
-        if panel == "fig3bc":
-            return plotting.layer_dynamics(t["dynamics"])
-        if panel == "fig4b":
-            return plotting.cluster_view(t["snapshot_points"], colour_by="cluster",
-                                         title=f"dense GPT, layer {layer}'s FFN input: elbow K-Means over training")
-        if panel == "fig5a":
-            k = t["routing"]["expert"].nunique()
-            return plotting.cluster_view(t["routing"], colour_by="expert", title=f"CSE layer {layer}: the expert "
-                                         f"each sentence is routed to ({k} expert{'s' * (k != 1)} used)")
-        return plotting.expert_kernels(t["kernels"], t["expert_ntk"])
+        spec = PANELS.get(panel)
+        if spec is None:
+            raise fail("Reproduction.figure", "panel", f"must be one of {list(PANELS)}", panel)
+        return spec.draw(self, self.tables(spec.figure) if spec.uses_tables else {})
 
     def write_figure(self, panel: str, formats=("png", "pdf")) -> list[Path]:
-        from ntkscope.plotting import save_figure
-
         return save_figure(self.figure(panel), self.figure_path(panel), formats=formats)
 
     def write_tables(self) -> list[Path]:
         """Tables 1-2 as CSV (already cached) and Markdown."""
         table = self.tables("tables")["results"]
-        md = self.run_dir / "tables" / "results.md"
-        tmp = md.with_name(f".results.md.tmp-{os.getpid()}")
-        tmp.write_text(table.to_markdown(index=False, floatfmt=".3f") + "\n")
-        os.replace(tmp, md)
+        md = write_text(self.run_dir / "tables" / "results.md", table.to_markdown(index=False, floatfmt=".3f") + "\n")
         return [self.run_dir / "tables" / "results.csv", md]
 
 
@@ -274,12 +210,6 @@ def _sha256(path: Path) -> str:
 
 
 def _environment() -> dict:
-    import torch
-
-    import ntkscope
-
-    import subprocess
-
     try:  # the code's commit, when ntkscope runs from a git checkout
         commit = subprocess.run(["git", "-C", str(Path(ntkscope.__file__).parent), "rev-parse", "HEAD"],
                                 capture_output=True, text=True, timeout=10).stdout.strip() or None
@@ -298,10 +228,9 @@ def reproduce(run_dir, mode: str = "quick", *, settings: ReproduceSettings | Non
     start = time.perf_counter()
     rep = Reproduction(run_dir, mode, settings=settings, pack=pack)
     written = []
-    for figure in FIGURES[:-1]:
-        for panel in PANELS[figure]:
-            written += rep.write_figure(panel)
-            log.info("wrote %s", panel)
+    for panel in PANELS:
+        written += rep.write_figure(panel)
+        log.info("wrote %s", panel)
     written += rep.write_tables()
     timings = json.loads((rep.run_dir / "timings.json").read_text())
     manifest = {
@@ -312,5 +241,5 @@ def reproduce(run_dir, mode: str = "quick", *, settings: ReproduceSettings | Non
         "files": {str(p.relative_to(rep.run_dir)): _sha256(p) for p in sorted(written)
                   + sorted((rep.run_dir / "tables").glob("*.csv")) + sorted((rep.run_dir / "tables").glob("*.npz"))},
     }
-    _write_json(rep.run_dir / "manifest.json", manifest)
+    write_json(rep.run_dir / "manifest.json", manifest)
     return manifest

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ntkscope._checks import fail
+from ntkscope.core.checks import fail
 
 
 @dataclass(frozen=True)

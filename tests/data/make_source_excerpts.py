@@ -18,8 +18,8 @@ import sqlite3
 import zipfile
 from pathlib import Path
 
-from ntkscope.corpus.dictd import _B64
-from ntkscope.corpus.sources import SCANCODE_PREFIX, SOURCES
+from ntkscope.text.corpus.dictd import _B64
+from ntkscope.text.corpus.sources import SCANCODE_PREFIX, SOURCES
 
 OUT = Path(__file__).resolve().parent / "sources"
 ROOT, DATA = OUT / "root", OUT / "data"

@@ -1,0 +1,358 @@
+"""The ``ntkscope`` command. The library computes (:mod:`ntkscope.app.commands`); this module
+parses arguments and presents what comes back.
+
+Exit codes: 0 success, 1 a user error (one clear line on stderr), 2 usage (argparse, and
+combinations the method table refuses, such as ``ntk --method matrix-free``).
+The plotting backend is chosen here (Agg: files, no display), never inside the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+
+from ntkscope import __version__
+from ntkscope.app import commands
+from ntkscope.app.demo import perplexity, run_demo
+from ntkscope.kernel.methods import METHODS, method_names, unsupported
+from ntkscope.kernel.objectives import OUTPUTS
+from ntkscope.reproduction import reproduce
+from ntkscope.runs.checkpoints import is_run_dir
+from ntkscope.runs.families import POINTS
+from ntkscope.runs.gc import GROUPINGS
+from ntkscope.text.corpus.pack import build_pack, load_pack
+from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
+from ntkscope.text.frequency import NORMALISATIONS
+
+
+def _print_table(title, frame, digits: int = 3):
+    print(f"\n{title}\n")
+    print(frame.to_string(index=False, float_format=lambda x: f"{x:.{digits}f}"))
+
+
+def _demo(args) -> int:
+    result = run_demo(steps=args.steps, n=args.n, seed=args.seed, method=args.method)
+    final = sum(result.losses[-20:]) / min(20, len(result.losses))
+    print(f"trained a 2-layer GPT on {result.n_sentences} sentences of the default corpus pack for "
+          f"{len(result.losses)} steps: loss {result.losses[0]:.2f} -> {final:.2f} "
+          f"(perplexity {perplexity(final):.1f} per BPE token)")
+    cols = ["by", "label", "n_subset", "mean_frequency_score", "score", "eigengap_subset", "method"]
+    _print_table(f"gradient consistency of each group against the whole analysis batch (n={args.n}):",
+                 result.table[cols].rename(columns={"score": "GC", "n_subset": "n"}))
+    print(f"\ndone in {result.seconds:.0f} s")
+    if args.out:
+        result.table.to_csv(args.out, index=False)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _corpus_sources(args) -> int:
+    for name, source in SOURCES.items():
+        try:
+            where = str(source.locate(args.root, args.data_dir))
+        except SourceMissingError:
+            where = f"missing: {source.install}"
+        print(f"{name:12s} {source.domain:10s} {where}")
+    return 0
+
+
+def _corpus_build(args) -> int:
+    out = build_pack(args.out, sources=args.sources, share=args.share, max_tokens=args.max_tokens, seed=args.seed,
+                     vocab_size=args.vocab_size, root=args.root, data_dir=args.data_dir, overwrite=args.force)
+    m = load_pack(out).manifest
+    print(f"wrote {out} (version {m['version']}): "
+          + ", ".join(f"{s} {v['records']} records / {v['tokens']} tokens" for s, v in m["splits"].items()))
+    print(f"long-tail share: asked {m['share_asked']:.2%}, measured {m['share_measured']:.2%} "
+          f"({m['share_measured_bpe']:.2%} of BPE tokens)")
+    return 0
+
+
+def _corpus_info(args) -> int:
+    r = commands.corpus_info(args.pack, tokenizer=args.tokenizer, normalisation=args.normalisation, bins=args.bins,
+                             top=args.top, out=args.out)
+    m = r["pack"].manifest
+    print(f"pack {r['pack'].path} version {m['version']}, seed {m['seed']}: long-tail share "
+          f"{m['share_measured']:.2%} (asked {m['share_asked']:.2%})")
+    _print_table(f"the {args.top} largest categories (tokens = regex words):", r["domains"], 2)
+    print(f"\nsentence frequency score ({args.normalisation}, tokenizer {r['tokenizer'].name}, counts over train):\n")
+    print(r["sentences"].groupby("domain")["score"].describe()[["count", "25%", "50%", "75%"]]
+          .rename(columns={"50%": "median"}).to_string(float_format=lambda x: f"{x:.3f}"))
+    _print_table("percentage of sentences per score bin:", r["histogram"])
+    if args.out:
+        print(f"\nwrote the tables to {args.out}/")
+    return 0
+
+
+def _freq(args) -> int:
+    r = commands.freq_command(args.data, tokenizer=args.tokenizer, normalisation=args.normalisation, bins=args.bins,
+                              out=args.out)
+    _print_table(f"sentence frequency score by domain ({args.normalisation}, {r['tokenizer'].name}):",
+                 r["sentences"].groupby("domain")["score"].describe()[["count", "25%", "50%", "75%"]].reset_index())
+    _print_table("percentage of sentences per bin:", r["histogram"])
+    if args.out:
+        print(f"\nwrote {args.out}/")
+    return 0
+
+
+def _analysis_options(args) -> dict:
+    return dict(tokenizer=args.tokenizer, n=args.n, seq_len=args.seq_len, point=args.point, k_max=args.k_max,
+                projection_dim=args.projection_dim, top_k=args.top_k, seed=args.seed)
+
+
+def _clusters(args) -> int:
+    r = commands.clusters_command(args.model, args.data, **_analysis_options(args), out=args.out)
+    if r["run"]:
+        _print_table(f"clusters per checkpoint and layer ({args.point}, n={args.n}):", r["table"])
+    else:
+        table = r["table"]
+        _print_table(f"cluster separation per layer ({args.point}, n={args.n}, projected to {args.projection_dim}; "
+                     f"JL dimension for distortion 0.1/0.2/0.3/0.5: {list(table.attrs['jl_guidance'].values())}):",
+                     table)
+        print(f"\nCSE layers by {r['plan'].chosen_by}: {r['plan'].layers}")
+    return 0
+
+
+def _plan(args) -> int:
+    r = commands.plan_command(args.run_dir, args.data, **_analysis_options(args), module=args.module,
+                              tail_fraction=args.tail_fraction, method=args.method, out=args.out)
+    _print_table("separation per checkpoint and layer:", r["separation"].pivot(
+        index="step", columns="layer", values="separation").reset_index())
+    _print_table(f"GC of the long tail (lowest {args.tail_fraction:.0%} frequency scores, n={r['n_tail']}):", r["gc"])
+    plan = r["plan"]
+    print(f"\nplan: CSE layers {plan.layers} ({plan.chosen_by} at step {plan.evidence['scores_at_step']}), "
+          f"warm-up {plan.warmup_steps} steps (the GC peak) -> {args.out}")
+    return 0
+
+
+def _gc(args) -> int:
+    if is_run_dir(args.target):
+        result = commands.gc_run_command(args.target, args.data, n=args.n, method=args.method, seq_len=args.seq_len,
+                                         seed=args.seed, tokenizer=args.tokenizer, out=args.out)
+        _print_table(f"GC of the long tail (n_tail={result['n_tail']} of {result['n']}) at each checkpoint:",
+                     pd.DataFrame(result["series"]))
+        print(f"\npeak at step {result['peak_step']}")
+    else:
+        result = commands.gc_command(args.target, args.data, by=args.by, bins=args.bins, n=args.n,
+                                     min_count=args.min_count, params=args.params, output=args.output,
+                                     method=args.method, dtype=args.dtype, seq_len=args.seq_len, seed=args.seed,
+                                     tokenizer=args.tokenizer, out=args.out)
+        table = pd.DataFrame(result["groups"])
+        cols = [c for c in ("label", "left", "right", "n_subset", "mean_frequency_score", "gc", "eigengap_subset",
+                            "method") if c in table]
+        _print_table(f"GC of each {'frequency bin' if args.by == 'frequency-bins' else 'label'} against the whole "
+                     f"set (n={result['n']}, {result['data']}):", table[cols])
+        if result["skipped"]:
+            print(f"\nskipped (fewer than --min-count {args.min_count} sentences): {json.dumps(result['skipped'])}")
+    if args.out:
+        print(f"\nwrote {args.out}/")
+    return 0
+
+
+def _ntk(args) -> int:
+    result = commands.ntk_command(args.target, args.data, n=args.n, blocks=args.blocks, params=args.params,
+                                  output=args.output, method=args.method, dtype=args.dtype, seq_len=args.seq_len,
+                                  seed=args.seed, tokenizer=args.tokenizer, out=args.out)
+    print(f"NTK of {result['n']} sentences by {result['method']} ({result['reason']}); trace {result['trace']:.4g}; "
+          f"blocks: {len(result['blocks'])}")
+    if args.out:
+        print(f"wrote {args.out}/ (ntk.npy, ntk.png{', blocks.npz' if result['blocks'] else ''})")
+    return 0
+
+
+def _reproduce(args) -> int:
+    out = args.out or f"runs/reproduce-{args.mode}"
+    manifest = reproduce(out, args.mode, pack=args.data)
+    plan = manifest["plan"]
+    print(f"reproduced Figures 1-5 and Tables 1-2 ({manifest['mode']} mode) in {out}: "
+          f"{manifest['seconds_total'] / 60:.1f} min of work in all, {manifest['seconds_this_call'] / 60:.1f} min "
+          f"this call, on {manifest['environment']['machine']}")
+    print(f"plan from the dense run: CSE layers {plan['layers']}, warm-up {plan['warmup_steps']} steps")
+    print(f"\nTables 1-2 analogue ({out}/tables/results.md):\n")
+    print((Path(out) / "tables" / "results.md").read_text())
+    print("figures:", ", ".join(sorted({Path(f).stem for f in manifest["files"] if f.startswith("figures/")})))
+    print(f"manifest: {out}/manifest.json")
+    return 0
+
+
+# ---- arguments: one vocabulary across commands --------------------------------------------------
+
+_DATA_HELP = "a corpus pack directory, 'default' (the shipped pack), or a UTF-8 text file (.tsv: label<TAB>text)"
+
+
+def _add_data_args(parser, n_default: int) -> None:
+    parser.add_argument("--data", "--pack", dest="data", default="default",
+                        help=_DATA_HELP + " (--pack is the old name)")
+    parser.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, its run's pack, else the "
+                        "data pack's BPE (checked against the model's vocabulary)")
+    parser.add_argument("--n", type=int, default=n_default, help=f"sentences to analyse (default {n_default})")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sentence at most (default 64)")
+    parser.add_argument("--seed", type=int, default=0, help="sentence sampling (and projection) seed")
+
+
+def _add_method_arg(parser, task: str) -> None:
+    rows = "; ".join(f"{name}: {spec.summary}" for name, spec in METHODS.items())
+    parser.add_argument("--method", default="auto", choices=method_names("eigen"),
+                        help=f"how the NTK{' eigenvector' if task == 'eigen' else ''} is computed (default auto: "
+                        f"exact when J fits in memory). {rows}")
+
+
+def _add_model_args(parser, n_default: int, task: str) -> None:
+    parser.add_argument("target", metavar="CHECKPOINT", help="a cse_models checkpoint, an HF model directory, or "
+                        "(gc only) a training run directory")
+    _add_data_args(parser, n_default)
+    parser.add_argument("--params", nargs="+", help="parameter name globs, e.g. 'transformer.h.1.*' (default: all)")
+    parser.add_argument("--output", default="loss", choices=list(OUTPUTS),
+                        help="f(x): the sequence's mean token loss (default), or a vector output (trace reduction)")
+    _add_method_arg(parser, task)
+    parser.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: the model's)")
+    parser.add_argument("--out", help="directory for the results (written atomically)")
+    parser.set_defaults(task=task)
+
+
+def _add_analysis_args(parser) -> None:
+    _add_data_args(parser, 256)
+    parser.add_argument("--point", default="block", choices=POINTS)
+    parser.add_argument("--k-max", type=int, default=10, help="largest K of the elbow search (default 10)")
+    parser.add_argument("--projection-dim", type=int, default=64, help="random projection dimension (default 64)")
+    parser.add_argument("--top-k", type=int, default=2, help="CSE layers to choose (default 2)")
+
+
+def _add_source_args(parser) -> None:
+    parser.add_argument("--root", default="/", help="file-system root of the system packages (default /)")
+    parser.add_argument("--data-dir", help="downloaded sources (default $NTKSCOPE_SOURCES or ~/.cache/ntkscope/sources)")
+
+
+def _add_corpus(sub) -> None:
+    corpus = sub.add_parser("corpus", help="list sources, build a corpus pack, show a pack's tables")
+    csub = corpus.add_subparsers(dest="corpus_command", required=True)
+    sources = csub.add_parser("sources", help="which text sources are installed, and how to install the others")
+    _add_source_args(sources)
+    sources.set_defaults(run=_corpus_sources)
+    build = csub.add_parser("build", help="build a pack from the installed sources",
+                            description="Example: ntkscope corpus build packs/full --share 0.07")
+    build.add_argument("out", help="directory to create")
+    build.add_argument("--sources", nargs="+", help="source names (default: all)")
+    build.add_argument("--share", type=float, default=0.07, help="legal + biomedical share of tokens (default 0.07)")
+    build.add_argument("--max-tokens", type=int, help="total tokens (default: as many as the sources allow)")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained on train (default 8192)")
+    build.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    _add_source_args(build)
+    build.set_defaults(run=_corpus_build)
+    info = csub.add_parser("info", help="domain sizes and sentence frequency scores of a pack")
+    info.add_argument("pack", nargs="?", help="pack directory (default: the small pack shipped with ntkscope)")
+    info.add_argument("--tokenizer", help="tokenizer.json, HF directory, .tiktoken file or 'gpt2' (default: the pack's BPE)")
+    info.add_argument("--normalisation", default="max", choices=NORMALISATIONS)
+    info.add_argument("--bins", type=int, default=10)
+    info.add_argument("--top", type=int, default=20, help="rows of the domain table (default 20)")
+    info.add_argument("--out", help="directory for the tables (CSV and parquet)")
+    info.set_defaults(run=_corpus_info)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ntkscope", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"ntkscope {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="train a small GPT on the default corpus pack and print GC per domain and frequency bin",
+        description="Example: ntkscope demo --steps 800 --n 128",
+    )
+    demo.add_argument("--steps", type=int, default=800, help="training steps before the analysis (default 800)")
+    demo.add_argument("--n", type=int, default=128, help="sentences in the analysis batch (default 128)")
+    demo.add_argument("--seed", type=int, default=0, help="seed for data sampling, init and training")
+    _add_method_arg(demo, "eigen")
+    demo.add_argument("--out", help="also write the GC table to this CSV file")
+    demo.set_defaults(run=_demo)
+    _add_corpus(sub)
+    gc = sub.add_parser("gc", help="gradient consistency of frequency bins or labels against the whole set",
+                        description="Examples: ntkscope gc runs/toy-dense/checkpoints/step-001000 --out gc/  |  "
+                        "ntkscope gc runs/toy-dense --out gc-over-steps/ (every checkpoint of a run)")
+    _add_model_args(gc, 256, "eigen")
+    gc.add_argument("--by", default="frequency-bins", choices=GROUPINGS,
+                    help="subsets: equal-width frequency-score bins (default) or the data's labels")
+    gc.add_argument("--bins", type=int, default=6, help="frequency bins (default 6)")
+    gc.add_argument("--min-count", type=int, default=4, help="smallest subset analysed (default 4)")
+    gc.set_defaults(run=_gc)
+    ntk = sub.add_parser("ntk", help="the empirical NTK of a set of sentences, as .npy and a heatmap",
+                         description="Example: ntkscope ntk runs/toy-dense/checkpoints/step-001000 --n 64 "
+                         "--blocks layer --out ntk/")
+    _add_model_args(ntk, 64, "kernel")
+    ntk.add_argument("--blocks", choices=["layer", "expert", "param"], help="also keep one kernel per block")
+    ntk.set_defaults(run=_ntk)
+    freq = sub.add_parser("freq", help="token counts and sentence frequency scores of a pack or text file",
+                          description="Example: ntkscope freq --tokenizer gpt2 --out freq/")
+    freq.add_argument("data", nargs="?", default="default", help=_DATA_HELP)
+    freq.add_argument("--tokenizer", help="default: the pack's BPE")
+    freq.add_argument("--normalisation", default="max", choices=NORMALISATIONS)
+    freq.add_argument("--bins", type=int, default=10)
+    freq.add_argument("--out", help="directory for the tables")
+    freq.set_defaults(run=_freq)
+    clusters = sub.add_parser("clusters", help="how one model's sequence embeddings cluster, layer by layer",
+                              description="Example: ntkscope clusters runs/toy-dense/checkpoints/step-001000")
+    clusters.add_argument("model", help="a cse_models checkpoint, an HF model directory, or a training run "
+                          "directory (then: elbow K and separation per checkpoint and layer)")
+    _add_analysis_args(clusters)
+    clusters.add_argument("--out", help="write the table (.csv or .parquet)")
+    clusters.set_defaults(run=_clusters)
+    plan = sub.add_parser("plan", help="choose CSE layers and the warm-up length from a run's checkpoints",
+                          description="Example: ntkscope plan runs/toy-dense --out plan.json")
+    plan.add_argument("run_dir", metavar="RUN", help="a training run directory (checkpoints/step-NNNNNN)")
+    _add_analysis_args(plan)
+    plan.add_argument("--module", default="ffn", choices=["ffn", "attn"])
+    plan.add_argument("--tail-fraction", type=float, default=1 / 3, help="long tail: lowest-score share (default 1/3)")
+    _add_method_arg(plan, "eigen")
+    plan.add_argument("--out", default="plan.json", help="the plan file (default plan.json)")
+    plan.set_defaults(run=_plan)
+    rep = sub.add_parser("reproduce", help="the CSE paper's Figures 1-5 and Tables 1-2, from nothing",
+                         description="Trains dense, Switch, CSE and domain-finetuned GPTs on a corpus pack, runs "
+                         "every analysis and writes RUN/figures (PNG + PDF), RUN/tables (CSV + Markdown) and "
+                         "RUN/manifest.json. Resumes from what RUN holds. Example: ntkscope reproduce --quick")
+    size = rep.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="2 CPU cores, about 8 minutes (the default)")
+    size.add_argument("--full", dest="mode", action="store_const", const="full",
+                      help="sized for one GPU (GPT-2 small shape, 20k steps; hours)")
+    size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
+                      help="every stage at toy size, about a minute: checks the pipeline, the figures mean nothing")
+    rep.set_defaults(mode="quick")
+    rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
+    rep.add_argument("--data", "--pack", dest="data", help="a corpus pack directory (default: the shipped one; "
+                     "--pack is the old name)")
+    rep.set_defaults(run=_reproduce)
+    return parser
+
+
+def _refuse_unsupported(parser, args) -> None:
+    """Exit 2 with one line when the method table says the asked combination cannot run."""
+    task = getattr(args, "task", None)
+    if task is None:
+        return
+    why = unsupported(task, args.method, scalar=OUTPUTS[args.output])
+    if why:
+        parser.error(f"{args.command} --method {args.method} --output {args.output}: {why}")
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _refuse_unsupported(parser, args)
+    matplotlib.use("Agg")  # the command writes figures to files; no display
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:  # user errors; anything else is a bug: keep its traceback
+        print(f"ntkscope {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""What each ``ntkscope`` command does, as library functions: load, analyse, and write the
+results (JSON + CSV + PNG, .npy, tables) atomically. The command line (:mod:`ntkscope.app.cli`)
+only parses arguments and prints what these return.
+
+Every result file is written into a temporary directory first and moved into ``out``
+only when the whole command succeeded, so a failed command leaves no partial output.
+A re-run with the same options and inputs finds its ``result.json`` and reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from ntkscope.core.files import Staging, digest, write_json, write_table
+from ntkscope.core.memory import available_memory_bytes, format_bytes
+from ntkscope.kernel.ntk import empirical_ntk
+from ntkscope.kernel.params import select_parameters
+from ntkscope.plotting import gc_over_steps, gc_vs_frequency, ntk_heatmap, save_figure
+from ntkscope.representation.clusters import layer_separation
+from ntkscope.representation.plan import make_plan
+from ntkscope.runs.checkpoints import (check_vocab, checkpoint_tokenizer, is_run_dir, list_checkpoints,
+                                       load_checkpoint)
+from ntkscope.runs.dynamics import cluster_dynamics, gc_series
+from ntkscope.runs.embeddings import layer_embeddings
+from ntkscope.runs.gc import gc_by_bins
+from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.corpus.text import Record
+from ntkscope.text.frequency import (count_tokens, domain_table, long_tail_subset, score_histogram,
+                                     sentence_table)
+from ntkscope.text.sentences import file_rows, load_analysis_data
+from ntkscope.text.tokenization import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def cached_result(out: Path | None, key: str) -> dict | None:
+    """The ``result.json`` in ``out`` when it was made with the same options and inputs (``key``)."""
+    if out is None or not (Path(out) / "result.json").is_file():
+        return None
+    result = json.loads((Path(out) / "result.json").read_text())
+    return result if result.get("key") == key else None
+
+
+def load_model_and_tokenizer(checkpoint, tokenizer=None, data=None):
+    """The model of ``checkpoint`` and its tokenizer (the one resolution rule), vocabulary checked."""
+    model = load_checkpoint(checkpoint)
+    tok = checkpoint_tokenizer(checkpoint, tokenizer, data)
+    check_vocab(model, tok, "ntkscope")
+    return model, tok
+
+
+def memory_note(model, n: int, params=None, dtype=None) -> str:
+    """The size of J for this analysis, against the memory available."""
+    P = select_parameters(model, params, None).n_params
+    itemsize = 8 if str(dtype) in ("float64", "torch.float64") else 4
+    need = n * P * itemsize
+    return (f"memory: J is {n} x {P:,} = {format_bytes(need)} ({'float64' if itemsize == 8 else 'float32'}); "
+            f"{format_bytes(available_memory_bytes())} available; 'auto' keeps J whole when it fits in half of "
+            "that, else streams or projects it (and says so)")
+
+
+def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int = 6, n: int = 256,
+               min_count: int = 4, params=None, output: str = "loss", method: str = "auto", dtype=None,
+               seq_len: int = 64, seed: int = 0, tokenizer=None, out=None) -> dict:
+    """GC of each subset (frequency bin or label) against the whole set of ``n`` sentences.
+
+    Writes ``gc.csv``, ``histogram.csv``, ``result.json`` and ``gc_vs_frequency.png`` to ``out``.
+    """
+    options = dict(checkpoint=str(checkpoint), data=str(data), by=by, bins=bins, n=n, min_count=min_count,
+                   params=params, output=output, method=method, dtype=dtype, seq_len=seq_len, seed=seed,
+                   tokenizer=tokenizer)
+    key = digest(options, paths=[checkpoint, *([data] if data not in (None, "default") else [])])
+    cached = cached_result(out, key)
+    if cached:
+        log.info("gc: reusing the result in %s (same options and inputs)", out)
+        return cached
+    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
+    ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
+    log.info("%s", memory_note(model, n, params, dtype))
+    table, hist, skipped = gc_by_bins(model, ad, by=by, bins=bins, min_count=min_count, output=output,
+                                      params=params, method=method, dtype=dtype, seed=seed)
+    result = {"key": key, "options": options, "data": ad.source, "n": n, "groups": table.to_dict("records"),
+              "skipped": skipped}
+    with Staging(out) as files:
+        table.to_csv(files.path("gc.csv"), index=False)
+        hist.to_csv(files.path("histogram.csv"), index=False)
+        if by == "frequency-bins":
+            save_figure(gc_vs_frequency(table, hist, title=f"{Path(checkpoint).name}: GC against sentence "
+                                        f"frequency (n={n})"), files.path("gc_vs_frequency.png"))
+        write_json(files.path("result.json"), result)
+    result["files"] = files.written
+    return result
+
+
+def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1 / 3, method: str = "auto",
+                   seq_len: int = 64, seed: int = 0, tokenizer=None, out=None) -> dict:
+    """GC of the long-tail subset (lowest frequency scores) against the whole set at every
+    checkpoint of a run: ``gc_over_steps.csv``, ``result.json`` and ``gc_over_steps.png``."""
+    checkpoints = list_checkpoints(run_dir)
+    _, tok = load_model_and_tokenizer(checkpoints[-1][1], tokenizer, data)
+    ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
+    tail = long_tail_subset(ad.labels["score"], tail_fraction)
+    frame = gc_series(run_dir, ad.batch, tail, method=method)
+    result = {"run": str(run_dir), "data": ad.source, "n": n, "n_tail": len(tail),
+              "peak_step": int(frame.loc[frame["gc"].idxmax(), "step"]), "series": frame.to_dict("records")}
+    with Staging(out) as files:
+        frame.to_csv(files.path("gc_over_steps.csv"), index=False)
+        save_figure(gc_over_steps(frame), files.path("gc_over_steps.png"))
+        write_json(files.path("result.json"), result)
+    result["files"] = files.written
+    return result
+
+
+def ntk_command(checkpoint, data=None, *, n: int = 64, blocks=None, params=None, output: str = "loss",
+                method: str = "auto", dtype=None, seq_len: int = 64, seed: int = 0, tokenizer=None, out=None) -> dict:
+    """The empirical NTK of ``n`` sentences: ``ntk.npy`` (n, n), ``blocks.npz`` (one kernel per
+    block), ``labels.csv`` and ``ntk.png`` (samples ordered by label)."""
+    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
+    ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
+    log.info("%s", memory_note(model, n, params, dtype))
+    result_ntk = empirical_ntk(model, ad.batch, output=output, params=params, blocks=blocks, method=method,
+                               dtype=dtype, seed=seed)
+    matrix = result_ntk.matrix.detach().cpu().numpy()
+    result = {"checkpoint": str(checkpoint), "data": ad.source, "n": n, "method": result_ntk.method,
+              "reason": result_ntk.reason, "blocks": list(result_ntk.blocks or {}),
+              "trace": float(np.trace(matrix))}
+    with Staging(out) as files:
+        np.save(files.path("ntk.npy"), matrix)
+        if result_ntk.blocks:
+            np.savez(files.path("blocks.npz"), **{k: v.detach().cpu().numpy() for k, v in result_ntk.blocks.items()})
+        ad.labels.to_csv(files.path("labels.csv"), index=False)
+        save_figure(ntk_heatmap(matrix, ad.labels["label"], title=f"NTK of {Path(checkpoint).name} (n={n})"),
+                    files.path("ntk.png"))
+        write_json(files.path("result.json"), result)
+    result["files"] = files.written
+    return result
+
+
+def _write_tables(out, tables: dict) -> list[str]:
+    """Each {file name: DataFrame} into directory ``out``, all or nothing."""
+    if out is None:
+        return []
+    with Staging(out) as files:
+        for name, frame in tables.items():
+            write_table(frame, files.path(name))
+    return files.written
+
+
+def corpus_info(pack=None, *, tokenizer=None, normalisation: str = "max", bins: int = 10, top: int = 20,
+                out=None) -> dict:
+    """A pack's domain sizes, sentence frequency scores and their histogram (``ntkscope corpus info``)."""
+    pack = load_pack(pack)
+    tok = load_tokenizer(tokenizer) if tokenizer else pack.tokenizer()
+    counts = count_tokens(pack.records("train"), tok)
+    sentences = sentence_table(pack.records("all"), tok, counts=counts, normalisation=normalisation)
+    hist = score_histogram(sentences["score"], bins=bins, range=(0.0, float(sentences["score"].max())))
+    written = _write_tables(out, {"domain_table.csv": domain_table(pack.records("all"), top=None),
+                                  "score_histogram.csv": hist, "sentence_scores.parquet": sentences,
+                                  "token_counts.parquet": counts.to_frame(tok)})
+    return {"pack": pack, "tokenizer": tok, "domains": domain_table(pack.records("all"), top=top),
+            "sentences": sentences, "histogram": hist, "files": written}
+
+
+def freq_command(data="default", *, tokenizer=None, normalisation: str = "max", bins: int = 10, out=None) -> dict:
+    """Token counts and sentence frequency scores of a pack or a text file (``ntkscope freq``)."""
+    if data in (None, "default") or Path(data).is_dir():
+        pack = load_pack(None if data in (None, "default") else data)
+        records, reference = pack.records("all"), pack.records("train")
+        tok = load_tokenizer(tokenizer) if tokenizer else pack.tokenizer()
+    else:
+        if not Path(data).exists():
+            raise FileNotFoundError(f"freq: {data} does not exist")
+        records = [Record(t, "file", label, label, f"file:{i}") for i, (t, label) in enumerate(file_rows(Path(data)))]
+        reference = records
+        if not tokenizer:
+            raise ValueError("freq: a text file needs --tokenizer (a tokenizer.json, an HF directory, or 'gpt2')")
+        tok = load_tokenizer(tokenizer)
+    counts = count_tokens(reference, tok)
+    table = sentence_table(records, tok, counts=counts, normalisation=normalisation)
+    hist = score_histogram(table["score"], bins=bins)
+    written = _write_tables(out, {"sentence_scores.parquet": table, "histogram.csv": hist,
+                                  "token_counts.parquet": counts.to_frame(tok)})
+    return {"tokenizer": tok, "sentences": table, "histogram": hist, "files": written}
+
+
+def _analysis_sentences(target, data, tokenizer, n, seq_len, seed, *, run: bool):
+    """AnalysisData tokenized for a checkpoint, or (``run``) for a run's last checkpoint."""
+    checkpoint = list_checkpoints(target)[-1][1] if run else target
+    _, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
+    return load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
+
+
+def clusters_command(target, data="default", *, tokenizer=None, n: int = 256, seq_len: int = 64,
+                     point: str = "block", k_max: int = 10, projection_dim: int = 64, top_k: int = 2, seed: int = 0,
+                     out=None) -> dict:
+    """How a model's (or every checkpoint of a run's) sequence embeddings cluster, layer by layer
+    (``ntkscope clusters``): elbow K and separation, and for one model the CSE layers they choose."""
+    result = {"n": n, "point": point, "run": is_run_dir(target)}
+    ad = _analysis_sentences(target, data, tokenizer, n, seq_len, seed, run=result["run"])
+    if result["run"]:
+        table = cluster_dynamics(target, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed)
+    else:
+        emb = layer_embeddings(load_checkpoint(target), ad.batch, point=point)
+        table = layer_separation(emb, k_max=k_max, projection_dim=projection_dim, seed=seed)
+        result["plan"] = make_plan(table, top_k=top_k)
+    if out is not None:
+        write_table(table, out)
+    return {**result, "table": table}
+
+
+def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_len: int = 64,
+                 point: str = "block", k_max: int = 10, projection_dim: int = 64, top_k: int = 2, seed: int = 0,
+                 module: str = "ffn", tail_fraction: float = 1 / 3, method: str = "auto",
+                 out="plan.json") -> dict:
+    """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``."""
+    ad = _analysis_sentences(run_dir, data, tokenizer, n, seq_len, seed, run=True)
+    table = cluster_dynamics(run_dir, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed)
+    tail = long_tail_subset(ad.labels["score"], tail_fraction)
+    gc = gc_series(run_dir, ad.batch, tail, method=method)
+    plan = make_plan(table, gc, top_k=top_k, module=module)
+    plan.save(out)
+    return {"separation": table, "gc": gc, "n_tail": len(tail), "plan": plan}

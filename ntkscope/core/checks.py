@@ -1,0 +1,83 @@
+"""Input errors and the checks that raise them.
+
+Every message names the function, the argument, the rule and the value, in the style of
+torch.func: ``empirical_ntk: chunk_size must be a positive integer (got 0)``.
+
+Checks run at a public entry point and raise :class:`InputError` without knowing which
+function called them; the entry point is decorated with :func:`entry`, which puts its name
+in front of the message. Private helpers after the entry point assume valid input and never
+carry the caller's name.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Any
+
+_ENTERED = contextvars.ContextVar("ntkscope_entry", default=None)
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown[:197] + "..." if len(shown) > 200 else shown
+
+
+class InputError(ValueError):
+    """A bad argument: ``func: arg rule (got value)``; ``func`` is filled in by :func:`entry`."""
+
+    def __init__(self, arg: str, rule: str, value: Any, func: str | None = None):
+        super().__init__(arg, rule, value)
+        self.arg, self.rule, self.value, self.func = arg, rule, value, func
+
+    def __str__(self) -> str:
+        text = f"{self.arg} {self.rule} (got {_shown(self.value)})"
+        return f"{self.func}: {text}" if self.func else text
+
+
+def fail(func: str, arg: str, rule: str, value: Any) -> InputError:
+    """The InputError for ``func``'s argument ``arg`` that broke ``rule`` (for code that names itself)."""
+    return InputError(arg, rule, value, func)
+
+
+def entry(name: str):
+    """Decorate a public function: an :class:`InputError` raised inside it, by a check or a
+    helper, gets ``name`` as the function its message names. When one public function calls
+    another, the outer one is named: it is the one the user called."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            if _ENTERED.get() is not None:
+                return fn(*args, **kwargs)
+            token = _ENTERED.set(name)
+            try:
+                return fn(*args, **kwargs)
+            except InputError as err:
+                if err.func is None:
+                    err.func = name
+                raise
+            finally:
+                _ENTERED.reset(token)
+
+        return inner
+
+    return wrap
+
+
+def check_positive_int(arg: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(arg, "must be a positive integer" + (" or None" if allow_none else ""), value)
+
+
+def check_choice(arg: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise InputError(arg, f"must be one of {sorted(choices)}", value)
+
+
+def check_fraction(arg: str, value: Any) -> None:
+    """0 < value < 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) < 1.0:
+        raise InputError(arg, "must be a number strictly between 0 and 1", value)

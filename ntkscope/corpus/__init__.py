@@ -1,8 +1,0 @@
-"""Real text for the long-tail story: one loader per source, and corpus packs."""
-
-from ntkscope.corpus.pack import PROBE_TASKS, CorpusPack, ProbeTask, build_pack, load_pack
-from ntkscope.corpus.sources import SOURCES, Source, SourceMissingError, load_source
-from ntkscope.corpus.text import Record, split_sentences
-
-__all__ = ["PROBE_TASKS", "SOURCES", "CorpusPack", "ProbeTask", "Record", "Source", "SourceMissingError",
-           "build_pack", "load_pack", "load_source", "split_sentences"]

@@ -1,0 +1,274 @@
+"""The primary gradient direction and gradient consistency (GC).
+
+``g(X) = u_max^T J(X)`` is computed as one weighted backward pass,
+``g(X) = grad_theta sum_i u_i f(x_i)`` (exact, no J needed). GC of a subset
+``X' of X`` is ``cos(g(X), g(X'))`` where ``g(X')`` uses the top eigenvector of
+the NTK of ``X'`` alone (docs/design.md §1).
+
+When the whole set's kernel Theta is at hand (methods ``"exact"`` and
+``"projected"``), no gradient is needed at all: ``g(X) . g(X') = u^T Theta[:, S] u'``,
+``|g(X)|^2 = lambda`` and ``|g(X')|^2 = lambda'``, so
+
+    GC(X') = u^T Theta[:, S] u' / sqrt(lambda lambda')
+
+and every subset costs only an eigendecomposition of ``Theta[S, S]``. The
+matrix-free method computes the two directions by weighted backward passes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ntkscope.core.checks import InputError, entry
+from ntkscope.kernel.eigen import EigenResult, dense_top_eigenpair
+from ntkscope.kernel.grads import functional_model, vjp_rows
+from ntkscope.kernel.methods import solve_top
+from ntkscope.kernel.ntk import prepare_scalar
+from ntkscope.kernel.objectives import batch_size, take
+from ntkscope.kernel.options import KernelOptions
+
+
+@dataclass(frozen=True)
+class DirectionResult:
+    """The primary gradient direction ``g(X) = u_max^T J(X)``.
+
+    Attributes
+    ----------
+    vector : Tensor of shape (P,)
+        Flat, in the order of ``names`` (use ``unflatten`` for per-parameter views).
+    eigen : EigenResult
+        The eigenpair behind it; ``|vector|^2 = eigen.eigenvalue``.
+    names, shapes : tuples
+        The selected parameters and their shapes.
+    method : str
+    """
+
+    vector: torch.Tensor
+    eigen: EigenResult
+    names: tuple
+    shapes: tuple
+    method: str
+
+    def unflatten(self) -> dict:
+        out, offset = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            out[name] = self.vector[offset : offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        return out
+
+
+@dataclass(frozen=True)
+class GCResult:
+    """Gradient consistency of one subset against the whole set.
+
+    Attributes
+    ----------
+    score : float
+        ``cos(g(X), g(X'))`` in [-1, 1].
+    eigenvalue, eigengap : float
+        lambda_1 and lambda_2 / lambda_1 of the whole set's NTK.
+    eigenvalue_subset, eigengap_subset : float
+        The same for the subset's own NTK.
+    n, n_subset : int
+    method : {"exact", "matrix-free", "projected"}
+    label : object
+        The subset's label when subsets were given by label, else None.
+    """
+
+    score: float
+    eigenvalue: float
+    eigengap: float
+    eigenvalue_subset: float
+    eigengap_subset: float
+    n: int
+    n_subset: int
+    method: str
+    dtype: torch.dtype
+    output: str
+    label: object = None
+    matvecs: int = 0
+
+
+@dataclass(frozen=True)
+class GCGroups:
+    """GC of every group of a labelling against the whole set.
+
+    Attributes
+    ----------
+    results : dict of label to GCResult
+        Groups with at least ``min_count`` samples.
+    skipped : dict of label to int
+        Groups left out for having fewer samples, with their counts.
+    """
+
+    results: dict
+    skipped: dict = field(default_factory=dict)
+
+    def to_frame(self):
+        """A pandas DataFrame, one row per group: label, score, n_subset, eigenvalues, eigengaps, method."""
+        import pandas as pd
+
+        rows = [
+            dict(label=label, score=r.score, n_subset=r.n_subset, n=r.n, eigenvalue=r.eigenvalue,
+                 eigenvalue_subset=r.eigenvalue_subset, eigengap=r.eigengap, eigengap_subset=r.eigengap_subset,
+                 method=r.method)
+            for label, r in self.results.items()
+        ]
+        return pd.DataFrame(rows)
+
+
+def subset_indices(subset, n: int, labels=None) -> np.ndarray:
+    """Sorted unique sample indices of a subset given as indices, a boolean mask, or a label."""
+    if labels is not None:
+        labels = _as_array(labels)
+        if labels.shape != (n,):
+            raise InputError("labels", f"must have one label per sample, shape ({n},)", labels.shape)
+        idx = np.flatnonzero(labels == subset)
+        if idx.size == 0:
+            raise InputError("subset", "must be a label present in labels", subset)
+    else:
+        arr = _as_array(subset)
+        if arr.dtype == bool:
+            if arr.shape != (n,):
+                raise InputError("subset", f"as a boolean mask must have shape ({n},)", arr.shape)
+            idx = np.flatnonzero(arr)
+        elif arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer):
+            if arr.size and (arr.min() < 0 or arr.max() >= n):
+                raise InputError("subset", f"must hold indices in [0, {n})", arr.tolist()[:10])
+            idx = np.unique(arr)
+            if idx.size != arr.size:
+                raise InputError("subset", "must not repeat an index", arr.tolist()[:10])
+        else:
+            raise InputError("subset", "must be a list of indices, a boolean mask, or a label with labels=", subset)
+    if idx.size < 2:
+        raise InputError("subset", "must hold at least 2 samples (an NTK eigenvector needs 2); size", int(idx.size))
+    return idx
+
+
+def _as_array(x) -> np.ndarray:
+    if torch.is_tensor(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.dot(a, b) / (a.norm() * b.norm()))
+
+
+def _clip(x: float) -> float:
+    return float(min(1.0, max(-1.0, x)))
+
+
+@entry("principal_direction")
+def principal_direction(model, batch, *, options: KernelOptions | None = None, **fields) -> DirectionResult:
+    """The primary gradient direction ``g(X) = u_max^T J(X)`` of shape (P,), by one weighted backward.
+
+    ``options`` / ``**fields`` are those of :func:`ntkscope.ntk_top_eigenpair`, which finds ``u_max``.
+
+    Returns
+    -------
+    DirectionResult
+    """
+    opts = KernelOptions.build(options, **fields)
+    with functional_model(model, opts) as fm:
+        data, n, chunk, budget = prepare_scalar(fm, batch, opts)
+        eig, _, used = solve_top(fm, data, n, chunk, budget, opts)
+        u = torch.as_tensor(eig.eigenvector, dtype=fm.dtype, device=fm.device)
+        g = vjp_rows(fm, data, u, chunk)
+        return DirectionResult(g, eig, fm.selection.names, fm.selection.shapes, used)
+
+
+def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptions) -> list:
+    """GC of each index array in ``subsets`` against the whole batch; the whole set is solved once."""
+    with functional_model(model, opts) as fm:
+        data, n, chunk, budget = prepare_scalar(fm, batch, opts)
+        whole, kernel, used = solve_top(fm, data, n, chunk, budget, opts)
+        common = dict(eigenvalue=whole.eigenvalue, eigengap=whole.eigengap, n=n, method=used, dtype=fm.dtype,
+                      output=fm.objective.name)
+        results = []
+        if kernel is not None:
+            K = kernel.detach().double().cpu().numpy()  # (n, n)
+            u = whole.eigenvector
+            for idx, label in zip(subsets, names):
+                sub = dense_top_eigenpair(K[np.ix_(idx, idx)])
+                score = u @ K[:, idx] @ sub.eigenvector / math.sqrt(whole.eigenvalue * sub.eigenvalue)
+                results.append(GCResult(score=_clip(score), eigenvalue_subset=sub.eigenvalue,
+                                        eigengap_subset=sub.eigengap, n_subset=len(idx), label=label, **common))
+            return results
+        u = torch.as_tensor(whole.eigenvector, dtype=fm.dtype, device=fm.device)
+        g = vjp_rows(fm, data, u, chunk)  # (P,)
+        for idx, label in zip(subsets, names):
+            sub_data = take(data, torch.as_tensor(idx, device=fm.device))
+            sub, _, _ = solve_top(fm, sub_data, len(idx), chunk, budget, opts, method="matrix-free")
+            u_s = torch.as_tensor(sub.eigenvector, dtype=fm.dtype, device=fm.device)
+            g_s = vjp_rows(fm, sub_data, u_s, chunk)
+            results.append(GCResult(score=_clip(_cos(g, g_s)), eigenvalue_subset=sub.eigenvalue,
+                                    eigengap_subset=sub.eigengap, n_subset=len(idx), label=label,
+                                    matvecs=whole.matvecs + sub.matvecs, **common))
+        return results
+
+
+@entry("gradient_consistency")
+def gradient_consistency(model, batch, subset, *, labels=None, options: KernelOptions | None = None,
+                         **fields) -> GCResult:
+    """Gradient consistency ``GC(X') = cos(g(X), g(X'))`` of a subset of ``batch``.
+
+    Parameters
+    ----------
+    model, batch
+        As for :func:`ntkscope.empirical_ntk`; the output must be scalar.
+    subset : sequence of int, boolean mask of shape (n,), or a label
+        The subset X' (at least 2 samples). A label needs ``labels``.
+    labels : array-like of shape (n,), optional
+        One label per sample; ``subset`` is then the label of X'.
+    options, **fields
+        :class:`~ntkscope.KernelOptions` or its fields. ``method``: "auto" (exact when J fits
+        in memory, else matrix-free), "exact", "matrix-free" or "projected".
+
+    Returns
+    -------
+    GCResult
+    """
+    opts = KernelOptions.build(options, **fields)
+    n = batch_size(batch)
+    idx = subset_indices(subset, n, labels)
+    (result,) = _gc_many(model, batch, [idx], [subset if labels is not None else None], opts)
+    return result
+
+
+@entry("gradient_consistency_groups")
+def gradient_consistency_groups(model, batch, labels, *, min_count=2, options: KernelOptions | None = None,
+                                **fields) -> GCGroups:
+    """GC of every group of ``labels`` (e.g. frequency bins, domains) against the whole batch.
+
+    The whole set's NTK and eigenvector are computed once. Groups with fewer than
+    ``min_count`` samples (at least 2) are skipped and reported. ``options`` / ``**fields``
+    as for :func:`gradient_consistency`.
+
+    Returns
+    -------
+    GCGroups
+    """
+    opts = KernelOptions.build(options, **fields)
+    n = batch_size(batch)
+    labels = _as_array(labels)
+    if labels.shape != (n,):
+        raise InputError("labels", f"must have one label per sample, shape ({n},)", labels.shape)
+    if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 2:
+        raise InputError("min_count", "must be an integer >= 2", min_count)
+    kept, skipped = [], {}
+    for label in sorted(set(labels.tolist()), key=str):
+        idx = np.flatnonzero(labels == label)
+        if idx.size >= min_count:
+            kept.append((label, idx))
+        else:
+            skipped[label] = int(idx.size)
+    if not kept:
+        raise InputError("labels", f"has no group with at least min_count={min_count} samples; group sizes", skipped)
+    results = _gc_many(model, batch, [i for _, i in kept], [lab for lab, _ in kept], opts)
+    return GCGroups({r.label: r for r in results}, skipped)

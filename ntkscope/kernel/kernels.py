@@ -1,0 +1,158 @@
+"""How the NTK's blocks are computed, method by method (rows of :mod:`ntkscope.kernel.methods`).
+
+``exact_kernels``
+    Per-sample gradients are computed chunk by chunk and written into a panel of J rows
+    held in memory; the Gram matrix is one matmul per block. When all of J fits in the
+    budget this is one gradient pass (the fast case). When it does not, rows are held in
+    panels that fit and the other rows are streamed past each panel in chunks (recomputed,
+    never stored), so memory is one panel plus one chunk, at the cost of extra passes.
+``projected_kernels``
+    A seeded Gaussian or Rademacher matrix ``R_b`` of shape (P_b, k) per block,
+    ``Theta_b ~ (J_b R_b)(J_b R_b)^T``; one gradient pass, memory ``P k`` for the
+    projections plus one chunk, independent of n. :func:`jl_error_bound` states the
+    Johnson-Lindenstrauss bound it implies.
+
+Each takes a :class:`~ntkscope.kernel.grads.FunctionalModel` and prepared data, and returns
+``{block: kernel}`` with kernels of shape (n1, n2), or (K, n1, n2) for ``reduction="diagonal"``.
+The ``*_memory`` functions estimate the bytes each holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from scipy.optimize import brentq
+
+from ntkscope.kernel.grads import FunctionalModel, jacobian_rows
+from ntkscope.kernel.objectives import take
+from ntkscope.kernel.options import KernelOptions
+
+
+def jl_error_bound(k: int, n_vectors: int, confidence: float = 0.95) -> float:
+    """Relative inner-product error that a (P, k) JL projection keeps with probability ``confidence``.
+
+    For a Gaussian ``R`` with N(0, 1/k) entries (Rademacher +-1/sqrt(k) is at least
+    as concentrated, Achlioptas 2003), ``P(| |Rx|^2 - |x|^2 | > eps |x|^2) <=
+    2 exp(-k (eps^2/2 - eps^3/3) / 2)`` (Dasgupta & Gupta 2003). Polarisation,
+    ``<x, y> = (|x+y|^2 - |x-y|^2) / 4``, turns norm errors on x +- y into
+    ``|<Rx, Ry> - <x, y>| <= eps |x| |y|``. A union bound over ``n_vectors`` such
+    vectors gives the eps returned here; ``inf`` if no eps < 1 reaches the confidence.
+    """
+    delta = 1.0 - confidence
+    target = 2.0 * math.log(2.0 * n_vectors / delta) / k  # need eps^2/2 - eps^3/3 >= target
+
+    def gap(eps):
+        return eps * eps / 2 - eps ** 3 / 3 - target
+
+    if gap(1.0) < 0:
+        return math.inf
+    return float(brentq(gap, 1e-12, 1.0))
+
+
+def _gram(A: torch.Tensor, B: torch.Tensor, cols: slice, reduction: str | None) -> torch.Tensor:
+    """Rows of A (a, K, P) against rows of B (b, K, P) over columns ``cols``: (a, b) or (K, a, b)."""
+    if A.shape[1] == 1:
+        return A[:, 0, cols] @ B[:, 0, cols].T  # (a, Pb) @ (Pb, b) -> (a, b)
+    if reduction == "trace":
+        return torch.einsum("akp,bkp->ab", A[:, :, cols], B[:, :, cols])
+    return torch.einsum("akp,bkp->kab", A[:, :, cols], B[:, :, cols])
+
+
+def _place(out: dict, name: str, G: torch.Tensor, r: slice, c: slice, mirror: bool) -> None:
+    out[name][..., r, c] = G
+    if mirror:
+        out[name][..., c, r] = G.transpose(-1, -2)
+
+
+def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, reduction):
+    """Exact NTK blocks, in panels of J rows that fit ``budget`` bytes; returns ({block: kernel}, gradient passes)."""
+    sel, K, P = fm.selection, fm.n_outputs, fm.selection.n_params
+    row_bytes = K * P * fm.itemsize
+    symmetric = data2 is None
+    panel = int(min(n1, max(0, budget - 3 * chunk * row_bytes) // row_bytes))
+    kshape = (K,) if (K > 1 and reduction == "diagonal") else ()
+    out = {b: torch.zeros(*kshape, n1, n2, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
+    chunk_buf = torch.empty(chunk, K, P, dtype=fm.dtype, device=fm.device)
+    passes = np.zeros(n1 + (0 if symmetric else n2), dtype=int)
+    for a0 in range(0, n1, panel):
+        a1 = min(n1, a0 + panel)
+        JA = torch.empty(a1 - a0, K, P, dtype=fm.dtype, device=fm.device)  # (a, K, P) panel of J
+        for c0 in range(a0, a1, chunk):
+            c1 = min(a1, c0 + chunk)
+            jacobian_rows(fm, take(data1, slice(c0, c1)), JA[c0 - a0 : c1 - a0], c0)
+        passes[a0:a1] += 1
+        rows = slice(a0, a1)
+        if symmetric:
+            for name, (s, e) in sel.blocks.items():
+                _place(out, name, _gram(JA, JA, slice(s, e), reduction), rows, rows, False)
+            start, stop, src, offset = a1, n1, data1, 0
+        else:
+            start, stop, src, offset = 0, n2, data2, n1
+        for b0 in range(start, stop, chunk):
+            b1 = min(stop, b0 + chunk)
+            JB = chunk_buf[: b1 - b0]
+            jacobian_rows(fm, take(src, slice(b0, b1)), JB, b0)
+            passes[offset + b0 : offset + b1] += 1
+            for name, (s, e) in sel.blocks.items():
+                _place(out, name, _gram(JA, JB, slice(s, e), reduction), rows, slice(b0, b1), symmetric)
+    return out, int(passes.max())
+
+
+def _projections(fm: FunctionalModel, k: int, kind: str, seed: int) -> dict:
+    """One seeded (P_b, k) matrix per block; entries N(0, 1/k) or +-1/sqrt(k)."""
+    seeds = np.random.SeedSequence(seed).spawn(len(fm.selection.blocks))
+    mats = {}
+    for (name, (s, e)), ss in zip(fm.selection.blocks.items(), seeds):
+        gen = torch.Generator(device=fm.device).manual_seed(int(ss.generate_state(1)[0]))
+        R = torch.empty(e - s, k, device=fm.device, dtype=fm.dtype)  # filled in place: no second copy
+        if kind == "gaussian":
+            R.normal_(0.0, 1.0 / math.sqrt(k), generator=gen)
+        else:
+            R.bernoulli_(0.5, generator=gen).mul_(2.0 / math.sqrt(k)).sub_(1.0 / math.sqrt(k))
+        mats[name] = R
+    return mats
+
+
+def projected_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, reduction, opts: KernelOptions):
+    """Sketched NTK blocks ``(J_b R_b)(J_b R_b)^T`` with ``opts.projection_dim`` columns per block."""
+    k, kind, seed = opts.projection_dim, opts.projection, opts.seed
+    sel, K, P = fm.selection, fm.n_outputs, fm.selection.n_params
+    R = _projections(fm, k, kind, seed)
+    buf = torch.empty(chunk, K, P, dtype=fm.dtype, device=fm.device)
+
+    def sketch(data, n):
+        Z = {b: torch.empty(n, K, k, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            J = buf[: c1 - c0]
+            jacobian_rows(fm, take(data, slice(c0, c1)), J, c0)
+            for name, (s, e) in sel.blocks.items():
+                Z[name][c0:c1] = J[:, :, s:e] @ R[name]  # (c, K, Pb) @ (Pb, k) -> (c, K, k)
+        return Z
+
+    Z1 = sketch(data1, n1)
+    Z2 = Z1 if data2 is None else sketch(data2, n2)
+    full = slice(0, k)
+    return {b: _gram(Z1[b], Z2[b], full, reduction) for b in sel.blocks}
+
+
+def exact_memory(fm: FunctionalModel, n1: int, n2: int, chunk: int) -> int:
+    """Bytes for exact in one pass: all n1 rows of J, a chunk's working set, the kernels."""
+    row = fm.n_outputs * fm.selection.n_params * fm.itemsize
+    kernels = (len(fm.selection.blocks) + 1) * fm.n_outputs * n1 * n2 * fm.itemsize
+    return n1 * row + 3 * chunk * row + kernels
+
+
+def projected_memory(fm: FunctionalModel, n1: int, n2: int, chunk: int, k: int, symmetric: bool) -> int:
+    """Bytes for the projected method: the (P, k) projections, a chunk of J, the sketches, the kernels."""
+    K, P, isz = fm.n_outputs, fm.selection.n_params, fm.itemsize
+    kernels = (len(fm.selection.blocks) + 1) * K * n1 * n2 * isz
+    sketches = (n1 + (0 if symmetric else n2)) * K * k * len(fm.selection.blocks) * isz
+    return P * k * isz + 3 * chunk * K * P * isz + sketches + kernels
+
+
+def matrix_free_memory(fm: FunctionalModel, n: int, chunk: int) -> int:
+    """Bytes for the matrix-free operator: a few parameter-sized vectors and one chunk's graph (O(P + n))."""
+    return 4 * fm.selection.n_params * fm.itemsize + 3 * chunk * fm.selection.n_params * fm.itemsize + 8 * n * 8

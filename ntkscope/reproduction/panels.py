@@ -1,0 +1,100 @@
+"""The reproduction's two tables: which tables each figure needs and how they are measured
+(:data:`STAGES`), and how each panel is drawn from them (:data:`PANELS`).
+
+:class:`~ntkscope.reproduction.pipeline.Reproduction` computes and caches a stage's tables
+and draws a panel through these rows; ``scripts/make_notebooks.py`` writes the notebooks'
+cells from them. Adding a panel: its plotting function in :mod:`ntkscope.plotting`, its
+measurement in :mod:`ntkscope.reproduction.analyses` (a new stage here, if it needs new
+tables), and its row in :data:`PANELS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ntkscope import plotting
+from ntkscope.reproduction import analyses
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Tables measured together: ``names`` (cached as RUN/tables/NAME.csv, ``kernels`` as .npz), and
+    ``compute(rep) -> {name: table}``. ``timing`` names the stage in RUN/timings.json."""
+
+    names: tuple
+    compute: Callable
+    timing: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel: its ``figure`` ("fig1" ... "fig5"), the ``call`` that draws it (as shown in the
+    notebooks), and ``draw(rep, tables) -> matplotlib Figure``; ``uses_tables=False`` for a panel
+    drawn from nothing measured (the schematic)."""
+
+    figure: str
+    call: str
+    draw: Callable
+    uses_tables: bool = True
+
+
+def _routing(rep) -> dict:
+    return analyses.routing(rep.cse(), rep.data(), rep.plan().layers[0], rep.settings)
+
+
+STAGES: dict[str, Stage] = {
+    "fig1": Stage(("domain_sizes", "perplexity", "perplexity_by_bin"), lambda rep: analyses.long_tail(
+        rep.pack, rep.dense(), rep.data(rep.settings.n_perplexity), rep.settings), "fig1"),
+    "fig2a": Stage(("gc_by_bin", "histogram"), lambda rep: analyses.gc_by_frequency(
+        rep.dense(), rep.data(), rep.settings), "fig2a"),
+    "routing": Stage(("routing", "routing_summary"), _routing, "routing"),
+    "fig3": Stage(("gc_over_steps", "dynamics"), lambda rep: analyses.training_dynamics(
+        rep.dense_run(), rep.data(), rep.settings), "fig3"),
+    "fig4": Stage(("snapshot_points", "snapshot_clusters"), lambda rep: analyses.snapshots(
+        rep.dense_run(), rep.data(), rep.plan().layers[0], rep.settings), "fig4"),
+    "fig5bc": Stage(("expert_ntk", "kernels"), lambda rep: analyses.expert_kernels(
+        rep.cse(), rep.dense(), rep.data(), rep.tables("routing")["routing"], rep.plan().layers[0]), "fig5bc"),
+    "tables": Stage(("results",), lambda rep: analyses.results(rep.runs(), rep.pack, rep.settings), "tables"),
+}
+
+#: figure -> the stages whose tables it shows
+FIGURES: dict[str, tuple] = {"fig1": ("fig1",), "fig2": ("fig2a", "routing"), "fig3": ("fig3",),
+                             "fig4": ("fig4",), "fig5": ("routing", "fig5bc"), "tables": ("tables",)}
+
+
+def _n(k: int, word: str) -> str:
+    return f"{k} {word}{'s' * (k != 1)}"
+
+
+PANELS: dict[str, Panel] = {
+    "fig1a": Panel("fig1", 'plotting.domain_sizes(t["domain_sizes"])',
+                   lambda rep, t: plotting.domain_sizes(t["domain_sizes"])),
+    "fig1b": Panel("fig1", 'plotting.perplexity_vs_frequency(t["perplexity"], t["perplexity_by_bin"])',
+                   lambda rep, t: plotting.perplexity_vs_frequency(t["perplexity"], t["perplexity_by_bin"])),
+    "fig2a": Panel("fig2", 'plotting.gc_vs_frequency(t["gc_by_bin"], t["histogram"], title=...)',
+                   lambda rep, t: plotting.gc_vs_frequency(
+                       t["gc_by_bin"], t["histogram"],
+                       title=f"dense GPT ({rep.settings.mode}): GC against sentence frequency")),
+    "fig2b": Panel("fig2", 'plotting.cluster_view(t["routing"], colour_by="cluster", title=...)',
+                   lambda rep, t: plotting.cluster_view(
+                       t["routing"], colour_by="cluster",
+                       title=f"CSE layer {rep.plan().layers[0]}'s input: DBSCAN (automatic eps) finds "
+                             f"{_n(int((t['routing']['cluster'].unique() >= 0).sum()), 'cluster')}")),
+    "fig3a": Panel("fig3", 'plotting.gc_over_steps(t["gc_over_steps"])',
+                   lambda rep, t: plotting.gc_over_steps(t["gc_over_steps"])),
+    "fig3bc": Panel("fig3", 'plotting.layer_dynamics(t["dynamics"])',
+                    lambda rep, t: plotting.layer_dynamics(t["dynamics"])),
+    "fig4a": Panel("fig4", "plotting.cse_schematic()", lambda rep, t: plotting.cse_schematic(), uses_tables=False),
+    "fig4b": Panel("fig4", 'plotting.cluster_view(t["snapshot_points"], colour_by="cluster", title=...)',
+                   lambda rep, t: plotting.cluster_view(
+                       t["snapshot_points"], colour_by="cluster",
+                       title=f"dense GPT, layer {rep.plan().layers[0]}'s FFN input: elbow K-Means over training")),
+    "fig5a": Panel("fig5", 'plotting.cluster_view(t["routing"], colour_by="expert", title=...)',
+                   lambda rep, t: plotting.cluster_view(
+                       t["routing"], colour_by="expert",
+                       title=f"CSE layer {rep.plan().layers[0]}: the expert each sentence is routed to "
+                             f"({_n(t['routing']['expert'].nunique(), 'expert')} used)")),
+    "fig5bc": Panel("fig5", 'plotting.expert_kernels(t["kernels"], t["expert_ntk"])',
+                    lambda rep, t: plotting.expert_kernels(t["kernels"], t["expert_ntk"])),
+}

@@ -1,0 +1,110 @@
+"""Checkpoints behind one function: a training run's directory (``cse_models``' layout,
+``RUN/checkpoints/step-NNNNNN``), a ``cse_models`` checkpoint, an HF model directory, or
+a plain state dict (``*.bin`` / ``*.pt``) beside a ``config.json``.
+
+Safe by default: weights come from safetensors, or from ``torch.load(weights_only=True)``,
+which refuses any pickle that would import or call code; such a file is reported, never
+executed. The tokenizer comes with the checkpoint (``tokenizer.json``; for a
+``cse_models`` run, the corpus pack named in its ``train_config.json``) or is named.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+from ntkscope.runs.families import family_for_config, family_of
+from ntkscope.runs.weights import STATE_DICT_NAMES, weights_file
+from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.tokenization import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def is_run_dir(path: str | Path) -> bool:
+    return (Path(path) / "checkpoints").is_dir()
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """[(step, path)] of a run's complete checkpoints, in step order."""
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
+    found = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = _STEP.match(p.name)
+            if m and (p / "config.json").is_file() and (p / "model.safetensors").is_file():
+                found.append((int(m.group(1)), p))
+    if not found:
+        raise FileNotFoundError(f"list_checkpoints: run_dir {run_dir} has no checkpoints "
+                                "(expected checkpoints/step-NNNNNN directories with config.json and model.safetensors)")
+    return sorted(found)
+
+
+def load_checkpoint(path: str | Path):
+    """The model of a checkpoint directory, in eval mode.
+
+    ``cse_models`` GPT/BERT (``config.json`` with ``model_type`` gpt/bert), or an HF model
+    (``transformers``: GPT-2-style causal LMs, BERT-style MLMs and encoders), with weights
+    from ``model.safetensors`` or a plain state dict (``pytorch_model.bin``, ``model.pt``).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"load_checkpoint: {path} does not exist")
+    config = path / "config.json"
+    if not path.is_dir() or not config.is_file():
+        hint = " (a training run: use its checkpoints/step-NNNNNN)" if is_run_dir(path) else ""
+        raise FileNotFoundError(f"load_checkpoint: {path} is not a checkpoint directory: it has no config.json{hint}")
+    weights = weights_file(path)
+    if weights is None:
+        raise FileNotFoundError(f"load_checkpoint: {path} has no weights (model.safetensors or one of "
+                                f"{list(STATE_DICT_NAMES)})")
+    try:
+        data = json.loads(config.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"load_checkpoint: {config} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"load_checkpoint: {config} must hold a JSON object (got {type(data).__name__})")
+    family = family_for_config(data)
+    if family is None:
+        raise ValueError(f"load_checkpoint: {config} is not a cse_models or HF config (no model_type)")
+    return family.load(path, data, weights)
+
+
+def model_vocab_size(model) -> int:
+    return family_of(model).vocab_size(model)
+
+
+def checkpoint_tokenizer(path: str | Path, tokenizer=None, data=None):
+    """The one tokenizer resolution: ``tokenizer`` when named, else the checkpoint's
+    ``tokenizer.json``, else (a ``cse_models`` run or one of its checkpoints) the tokenizer its
+    ``train_config.json`` used, else the BPE of ``data`` when that is a corpus pack
+    (``"default"``: the shipped one). Check it against the model with :func:`check_vocab`."""
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return load_tokenizer(path)
+    for parent in (path, path.parent, path.parent.parent):
+        cfg = parent / "train_config.json"
+        if cfg.is_file():
+            trained_on = json.loads(cfg.read_text()).get("data", {})
+            if trained_on.get("tokenizer"):
+                return load_tokenizer(trained_on["tokenizer"])
+            return load_pack(trained_on.get("pack")).tokenizer()
+    if data in (None, "default") or Path(data).is_dir():
+        return load_pack(None if data in (None, "default") else data).tokenizer()
+    raise FileNotFoundError(f"checkpoint_tokenizer: {path} has no tokenizer.json and is not part of a cse_models "
+                            "run; name one with --tokenizer (a tokenizer.json, an HF directory, or 'gpt2')")
+
+
+def check_vocab(model, tokenizer, where: str = "load_checkpoint") -> None:
+    """The tokenizer's ids must all be rows of the model's embedding."""
+    rows = model_vocab_size(model)
+    if tokenizer.vocab_size > rows:
+        raise ValueError(f"{where}: tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but the model's "
+                         f"embedding has {rows} rows: the vocabulary does not match the model")

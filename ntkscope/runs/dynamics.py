@@ -1,0 +1,139 @@
+"""Cluster dynamics per layer, over training (docs/design.md §3; the CSE paper's Figures 3(b),
+3(c) and 4(b)), and the gradient consistency of the long-tail subset over checkpoints.
+
+Per layer: project the sequence embeddings (seeded Gaussian random projection), find
+the elbow K of K-Means, and measure the clustering's inter-cluster distance, mean
+radius and separation score. Over a run's checkpoints this gives one tidy table with a
+row per (step, layer). Each checkpoint's result is cached in ``cache_dir`` (under a key
+of the analysis options and the data), so an interrupted analysis resumes where it
+stopped and a repeated one is free.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pandas as pd
+from sklearn.decomposition import PCA
+from sklearn.manifold import TSNE
+
+from ntkscope.core.checks import fail
+from ntkscope.core.files import JsonCache, digest
+from ntkscope.kernel.consistency import gradient_consistency
+from ntkscope.representation.clusters import LAYER_COLUMNS, ElbowKMeans, layer_separation, random_projection
+from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
+from ntkscope.runs.embeddings import layer_embeddings
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ["step", *LAYER_COLUMNS]
+
+
+class _Progress:
+    """Logs 'what i/n, ETA' over a loop of checkpoints (cached ones count as instant)."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.start, self.clock, self.done = what, total, time.perf_counter(), time.perf_counter, 0
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        elapsed = self.clock() - self.start
+        eta = elapsed / self.done * (self.total - self.done)
+        log.info("%s: %d/%d (%s), %.0f s elapsed, ETA %dm%02ds", self.what, self.done, self.total, label, elapsed,
+                 eta // 60, eta % 60)
+
+
+def _cache(run_dir, cache_dir) -> JsonCache:
+    return JsonCache(Path(cache_dir) if cache_dir else Path(run_dir) / "analysis")
+
+
+def cluster_dynamics(run_dir, batch: dict, *, point: str = "block", layers=None, k_max: int = 10,
+                     projection_dim: int | None = 64, seed: int = 0, steps=None, cache_dir=None) -> pd.DataFrame:
+    """Per (step, layer) over a run's checkpoints: columns step, layer, n, k, inter_distance,
+    mean_radius, separation. ``steps`` restricts to some checkpoints; results are cached per
+    checkpoint in ``cache_dir`` (default ``RUN/analysis``)."""
+    checkpoints = list_checkpoints(run_dir)
+    if steps is not None:
+        wanted = set(steps)
+        missing = sorted(wanted - {s for s, _ in checkpoints})
+        if missing:
+            raise fail("cluster_dynamics", "steps", f"must be steps of the run's checkpoints "
+                       f"{[s for s, _ in checkpoints]}", missing)
+        checkpoints = [(s, p) for s, p in checkpoints if s in wanted]
+    cache = _cache(run_dir, cache_dir)
+    options = {"what": "clusters", "point": point, "layers": layers, "k_max": k_max,
+               "projection_dim": projection_dim, "seed": seed}
+    key = digest(options, arrays=batch)
+    frames = []
+    progress = _Progress("cluster_dynamics", len(checkpoints))
+    for step, path in checkpoints:
+        def compute(path=path, step=step):
+            emb = layer_embeddings(load_checkpoint(path), batch, point=point, layers=layers)
+            table = layer_separation(emb, k_max=k_max, projection_dim=projection_dim, seed=seed)
+            table.insert(0, "step", step)
+            return table.to_dict("records")
+        frames.append(pd.DataFrame(cache.get(f"step-{step:06d}", key, compute)))
+        progress.step(f"step {step}")
+    return pd.concat(frames, ignore_index=True)[COLUMNS]
+
+
+def gc_series(run_dir, batch: dict, subset, *, method: str = "auto", steps=None, cache_dir=None) -> pd.DataFrame:
+    """Gradient consistency of ``subset`` (indices into the batch: the long tail) against the
+    whole batch at each checkpoint: columns step, gc, eigengap, eigengap_subset. Cached like
+    :func:`cluster_dynamics`."""
+    checkpoints = list_checkpoints(run_dir)
+    if steps is not None:
+        checkpoints = [(s, p) for s, p in checkpoints if s in set(steps)]
+    cache = _cache(run_dir, cache_dir)
+    subset = [int(i) for i in subset]
+    key = digest({"what": "gc", "subset": subset, "method": method}, arrays=batch)
+    rows = []
+    progress = _Progress("gc_series", len(checkpoints))
+    for step, path in checkpoints:
+        def compute(path=path, step=step):
+            res = gradient_consistency(load_checkpoint(path), batch, subset, method=method)
+            return [{"step": step, "gc": res.score, "eigengap": res.eigengap, "eigengap_subset": res.eigengap_subset}]
+        rows.extend(cache.get(f"step-{step:06d}", key, compute))
+        progress.step(f"step {step}")
+    return pd.DataFrame(rows, columns=["step", "gc", "eigengap", "eigengap_subset"])
+
+
+def cluster_snapshots(run_dir, batch: dict, layer: int, steps, *, labels: pd.DataFrame | None = None,
+                      point: str = "block", k_max: int = 10, projection_dim: int | None = 64, seed: int = 0,
+                      method: str = "pca") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """2-D views of one layer's embeddings at chosen steps, coloured by their elbow clusters.
+
+    ``labels``: per-sequence annotations (e.g. columns domain, score) in batch order.
+    Returns (points: step, x, y, cluster, + the label columns; clusters: step, cluster, size,
+    + the share of each domain and the mean score when those columns are given).
+    ``method``: "pca" (scikit-learn) or "tsne" (scikit-learn's TSNE, seeded).
+    """
+    if method not in ("pca", "tsne"):
+        raise fail("cluster_snapshots", "method", "must be 'pca' or 'tsne'", method)
+    chosen = {s: p for s, p in list_checkpoints(run_dir)}
+    missing = [s for s in steps if s not in chosen]
+    if missing:
+        raise fail("cluster_snapshots", "steps", f"must be checkpoint steps {sorted(chosen)}", missing)
+    points, clusters = [], []
+    for step in steps:
+        X = layer_embeddings(load_checkpoint(chosen[step]), batch, point=point, layers=[layer]).embeddings[layer]
+        Z = random_projection(X, projection_dim, seed=seed) if projection_dim else X
+        fit = ElbowKMeans(k_max, random_state=seed).fit(Z)
+        xy = (PCA(2, random_state=seed) if method == "pca" else
+              TSNE(2, random_state=seed, init="pca", perplexity=min(30, len(Z) - 1))).fit_transform(Z)
+        frame = pd.DataFrame({"step": step, "x": xy[:, 0], "y": xy[:, 1], "cluster": fit.labels_})
+        if labels is not None:
+            frame = pd.concat([frame, labels.reset_index(drop=True)], axis=1)
+        points.append(frame)
+        summary = frame.groupby("cluster").size().rename("size").reset_index()
+        if labels is not None and "domain" in labels:
+            shares = pd.crosstab(frame["cluster"], frame["domain"], normalize="index").add_prefix("share ")
+            summary = summary.merge(shares, left_on="cluster", right_index=True)
+        if labels is not None and "score" in labels:
+            summary = summary.merge(frame.groupby("cluster")["score"].mean().rename("mean score"),
+                                    left_on="cluster", right_index=True)
+        summary.insert(0, "step", step)
+        clusters.append(summary)
+    return pd.concat(points, ignore_index=True), pd.concat(clusters, ignore_index=True)

@@ -1,0 +1,105 @@
+"""Sequence embeddings at named points of each layer (docs/design.md §3).
+
+A sequence's embedding at layer l is the mean over its real (non-pad) tokens of the
+hidden states at a named point of layer l:
+
+- ``"block"`` (default): the block's output;
+- ``"ffn_input"`` / ``"ffn_output"``: the input / output of the feed-forward module
+  (CSE routes on the input of the module it replaces);
+- ``"attn_input"``: the input of the attention module.
+
+Works on the models of ``cse_models`` (GPT, BERT, with or without sparse layers) and on
+HF GPT-2 and BERT models (e.g. the pretrained MiniLM). Forward hooks pool each point as
+it is computed, so no activation is kept beyond the (n, d) means that were asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ntkscope.core.checks import InputError, check_choice, check_positive_int, entry
+from ntkscope.core.lm import masked_mean
+from ntkscope.runs.families import POINTS, layer_points
+
+log = logging.getLogger(__name__)
+
+def _resolve(block: nn.Module, path: str | None) -> nn.Module:
+    return block if path is None else block.get_submodule(path)
+
+
+@dataclass(frozen=True)
+class LayerEmbeddings:
+    """embeddings: {layer index: (n, d) float32}; point; n sequences."""
+
+    embeddings: dict
+    point: str
+    n: int
+
+    @property
+    def layers(self) -> list:
+        return sorted(self.embeddings)
+
+
+@entry("layer_embeddings")
+@torch.no_grad()
+def layer_embeddings(model: nn.Module, batch: dict, *, point: str = "block", layers=None,
+                     batch_size: int = 64) -> LayerEmbeddings:
+    """Mean-pooled embeddings of every sequence at ``point`` of each of ``layers`` (default all).
+
+    Parameters
+    ----------
+    batch : {"input_ids": (n, T), "attention_mask": (n, T)} (the mask may be omitted).
+    point : one of :data:`POINTS`.
+    layers : block indices (default: all blocks).
+    batch_size : sequences per forward pass; progress is logged for long runs.
+    """
+    check_choice("point", point, POINTS)
+    check_positive_int("batch_size", batch_size)
+    if not isinstance(batch, dict) or "input_ids" not in batch:
+        raise InputError("batch", "must be a dict with input_ids (and attention_mask)", type(batch).__name__)
+    blocks, path, use_input = layer_points(model, point)
+    layers = list(range(len(blocks))) if layers is None else list(layers)
+    bad = [i for i in layers if not isinstance(i, int) or not 0 <= i < len(blocks)]
+    if bad:
+        raise InputError("layers", f"must be block indices in [0, {len(blocks)})", bad)
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None else mask
+    n = ids.shape[0]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: dict[int, list] = {i: [] for i in layers}
+    current: dict = {}
+
+    def make_hook(i):
+        def hook(_module, inputs, output):
+            h = inputs[0] if use_input else output
+            h = h[0] if isinstance(h, tuple) else h
+            out[i].append(masked_mean(h.float(), current["mask"]).cpu())
+        return hook
+
+    hooks = [_resolve(blocks[i], path).register_forward_hook(make_hook(i)) for i in layers]
+    start = time.perf_counter()
+    try:
+        for s in range(0, n, batch_size):
+            chunk_ids, chunk_mask = ids[s:s + batch_size].to(device), mask[s:s + batch_size].to(device)
+            current["mask"] = chunk_mask
+            extra = {}
+            sparse = getattr(getattr(model, "config", None), "sparse", None)
+            if getattr(sparse, "kind", None) == "demix":  # DEMix needs a domain: embed through expert 0
+                extra["domains"] = torch.zeros(len(chunk_ids), dtype=torch.long, device=device)
+            model(input_ids=chunk_ids, attention_mask=chunk_mask, **extra)
+            done = min(n, s + batch_size)
+            if n > 4 * batch_size and (done // batch_size) % 10 == 0:
+                log.info("layer_embeddings: %d/%d sequences (%.0f s)", done, n, time.perf_counter() - start)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    return LayerEmbeddings({i: torch.cat(v).numpy() for i, v in out.items()}, point, n)

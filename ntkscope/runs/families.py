@@ -1,0 +1,203 @@
+"""Model families: everything ntkscope knows about a kind of model, one adapter each.
+
+An adapter says how to recognise a family (from a loaded model or from its ``config.json``),
+how to load a checkpoint directory, whether the model is causal or masked, where its layers
+are and the named points inside a layer (for sequence embeddings), and its vocabulary size.
+The kernel stage needs none of this (it works on any ``nn.Module``); checkpoint loading,
+embeddings, the vocabulary check and the commands go through :func:`family_of` and
+:func:`family_for_config`.
+
+Supporting a new Hugging Face family is one :class:`Family` in :data:`FAMILIES` and its tests.
+
+Points (docs/design.md §3): ``"block"`` the block's output; ``"ffn_input"`` / ``"ffn_output"``
+the feed-forward module's input / output; ``"attn_input"`` the attention module's input.
+Each is ``(submodule path in the block or None for the block itself, read the module's input?)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.nn as nn
+
+import cse_models
+from ntkscope.core.checks import InputError
+from ntkscope.runs.weights import load_state_dict
+
+POINTS = ("block", "ffn_input", "ffn_output", "attn_input")
+
+_PRE_LN_POINTS = {"block": (None, False), "ffn_input": ("ln_2", False), "ffn_output": ("mlp", False),
+                  "attn_input": ("ln_1", False)}
+_BERT_POINTS = {"block": (None, False), "ffn_input": ("intermediate", True), "ffn_output": ("output", False),
+                "attn_input": (None, True)}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    Attributes
+    ----------
+    name : str
+    is_model, is_config : callable
+        ``model -> bool`` and ``config dict -> bool``: whether a loaded model / a config.json is of this family.
+    load : callable
+        ``(directory, config dict, weights file) -> nn.Module`` in eval mode.
+    causal : callable
+        ``model -> bool``: next-token (True) or masked (False) language model.
+    blocks : callable or None
+        ``model -> list of block modules``; None when the family has no layer layout here.
+    points : dict
+        Point name -> (submodule path in a block or None, whether the hook reads the input).
+    vocab_size : callable
+        ``model -> rows of the input embedding``.
+    """
+
+    name: str
+    is_model: Callable
+    is_config: Callable
+    load: Callable
+    causal: Callable
+    blocks: Callable | None
+    points: dict
+    vocab_size: Callable
+
+
+def is_huggingface(model: nn.Module) -> bool:
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def _hf_vocab(model) -> int:
+    return model.get_input_embeddings().num_embeddings
+
+
+def _transformers():
+    try:
+        import transformers  # optional: pip install 'ntkscope[hf]'
+    except ImportError:
+        raise InputError("path", "holds an HF model; install transformers (pip install 'ntkscope[hf]') to "
+                         "load it", "transformers missing") from None
+    return transformers
+
+
+def _load_hf(path: Path, data: dict, weights: Path):
+    transformers = _transformers()
+    architectures = str(data.get("architectures"))
+    if data.get("model_type") == "gpt2" or "LMHead" in architectures or "CausalLM" in architectures:
+        auto = transformers.AutoModelForCausalLM
+    elif "MaskedLM" in architectures:
+        auto = transformers.AutoModelForMaskedLM
+    else:
+        auto = transformers.AutoModel
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(f"load_checkpoint: {path}/config.json is not a cse_models or HF config "
+                         f"({str(err)[:160]})") from None
+    if weights.suffix == ".safetensors":
+        try:
+            return auto.from_pretrained(path, local_files_only=True, use_safetensors=True).eval()
+        except (RuntimeError, ValueError, OSError) as err:
+            raise ValueError(f"load_checkpoint: the weights in {path} do not match its config.json "
+                             f"({str(err).splitlines()[0][:200]})") from None
+    model = auto.from_config(hf_config)
+    try:
+        model.load_state_dict(load_state_dict(weights), strict=True)
+    except RuntimeError as err:
+        raise ValueError(f"load_checkpoint: the weights in {weights} do not match its config.json "
+                         f"({str(err).splitlines()[0][:200]})") from None
+    return model.eval()
+
+
+def _load_cse(path: Path, data: dict, weights: Path):
+    if weights.name == "model.safetensors":
+        return cse_models.load_model(path).eval()
+    model_cls = cse_models.BERT if data.get("model_type") == "bert" else cse_models.GPT
+    model = model_cls(model_cls.config_class.from_dict(data))
+    try:
+        missing, unexpected = model.load_state_dict(load_state_dict(weights), strict=False)
+    except RuntimeError as err:
+        lines = str(err).splitlines()
+        raise ValueError(f"load_checkpoint: the weights in {path} do not match its config.json: "
+                         f"{lines[1].strip() if len(lines) > 1 else err}") from None
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
+    if missing or unexpected:
+        raise ValueError(f"load_checkpoint: the weights in {path} do not match its config.json "
+                         f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    return model.eval()
+
+
+def _bert_encoder(model):
+    return getattr(model, "encoder", None) or getattr(getattr(model, "bert", None), "encoder", None)
+
+
+FAMILIES: dict[str, Family] = {
+    "cse_models": Family(
+        "cse_models",
+        is_model=lambda m: isinstance(m, cse_models.TransformerLM),
+        is_config=lambda d: d.get("model_type") in ("gpt", "bert") and "architectures" not in d,
+        load=_load_cse,
+        causal=lambda m: m.config.model_type == "gpt",
+        blocks=lambda m: list(m.transformer.h),
+        points=_PRE_LN_POINTS,
+        vocab_size=lambda m: m.transformer.wte.num_embeddings,
+    ),
+    "gpt2": Family(
+        "gpt2",
+        is_model=lambda m: is_huggingface(m) and hasattr(getattr(m, "transformer", None), "h"),
+        is_config=lambda d: d.get("model_type") == "gpt2",
+        load=_load_hf,
+        causal=lambda m: True,
+        blocks=lambda m: list(m.transformer.h),
+        points=_PRE_LN_POINTS,
+        vocab_size=_hf_vocab,
+    ),
+    "bert": Family(
+        "bert",
+        is_model=lambda m: is_huggingface(m) and hasattr(_bert_encoder(m), "layer"),
+        is_config=lambda d: d.get("model_type") == "bert" and "architectures" in d,
+        load=_load_hf,
+        causal=lambda m: False,
+        blocks=lambda m: list(_bert_encoder(m).layer),
+        points=_BERT_POINTS,
+        vocab_size=_hf_vocab,
+    ),
+    "hf": Family(  # any other transformers model: loads and has a kernel, but no layer layout here
+        "hf",
+        is_model=is_huggingface,
+        is_config=lambda d: "architectures" in d or "model_type" in d,
+        load=_load_hf,
+        causal=lambda m: bool(getattr(m.config, "is_decoder", False) or "CausalLM" in type(m).__name__),
+        blocks=None,
+        points={},
+        vocab_size=_hf_vocab,
+    ),
+}
+
+
+def family_of(model: nn.Module) -> Family:
+    """The family of a loaded model."""
+    for family in FAMILIES.values():
+        if family.is_model(model):
+            return family
+    raise InputError("model", f"must be a model of a known family {sorted(FAMILIES)}", type(model).__name__)
+
+
+def family_for_config(config: dict) -> Family | None:
+    """The family a checkpoint's ``config.json`` (as a dict) names, or None."""
+    for family in FAMILIES.values():
+        if family.is_config(config):
+            return family
+    return None
+
+
+def layer_points(model: nn.Module, point: str) -> tuple[list, str | None, bool]:
+    """(the model's blocks, the point's submodule path, read its input?) for ``point``."""
+    family = family_of(model)
+    if family.blocks is None or point not in family.points:
+        raise InputError("model", "must be a cse_models GPT/BERT or an HF GPT-2/BERT model (a family with a "
+                         "layer layout)", type(model).__name__)
+    path, use_input = family.points[point]
+    return family.blocks(model), path, use_input
