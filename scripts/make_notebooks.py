@@ -18,6 +18,8 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+from ntkscope.reproduction.panels import PANELS
+
 ROOT = Path(__file__).resolve().parent.parent
 PARAMETERS = 'RUN_DIR = "../figures/quick"  # a reproduction run directory (created and filled if empty)\n' \
              'MODE = "quick"  # "smoke", "quick" (2 CPU cores) or "full" (GPU)'
@@ -28,9 +30,10 @@ SETUP = ("import ntkscope\n"
          "rep.settings")
 
 
-def save(panel: str, call: str) -> str:
-    """Draw ``panel`` as ``ntkscope reproduce`` does (``call`` is the plotting call behind it)."""
-    return (f"fig = rep.figure({panel!r})  # draws {call}\n"
+def save(panel: str) -> str:
+    """Draw ``panel`` as ``ntkscope reproduce`` does (the comment shows the plotting call behind it,
+    from the reproduction's panel table)."""
+    return (f"fig = rep.figure({panel!r})  # draws {PANELS[panel].call}\n"
             f"paths = plotting.save_figure(fig, rep.figure_path({panel!r}), formats=(\"png\", \"pdf\"))\n"
             "Image(filename=str(paths[0]))")
 
@@ -43,9 +46,9 @@ NOTEBOOKS = {
         "the higher its perplexity.",
         PARAMETERS, SETUP,
         't = rep.tables("fig1")\nt["domain_sizes"]',
-        save("fig1a", 'plotting.domain_sizes(t["domain_sizes"])'),
+        save("fig1a"),
         't["perplexity_by_bin"]',
-        save("fig1b", 'plotting.perplexity_vs_frequency(t["perplexity"], t["perplexity_by_bin"])'),
+        save("fig1b"),
     ],
     "fig2_gradient_consistency": [
         "# Figure 2: gradient consistency and frequency; a CSE layer's clusters\n\n(a) GC of each frequency bin "
@@ -54,8 +57,8 @@ NOTEBOOKS = {
         "coloured by DBSCAN cluster, with each cluster's domain make-up.",
         PARAMETERS, SETUP,
         't = rep.tables("fig2")\nt["gc_by_bin"]',
-        save("fig2a", 'plotting.gc_vs_frequency(t["gc_by_bin"], t["histogram"], title=...)'),
-        save("fig2b", 'plotting.cluster_view(t["routing"], colour_by="cluster", title=...)'),
+        save("fig2a"),
+        save("fig2b"),
     ],
     "fig3_training_dynamics": [
         "# Figure 3: over training\n\n(a) GC of the long-tail subset (the third of the analysis sentences with the "
@@ -63,17 +66,17 @@ NOTEBOOKS = {
         "layer's FFN-input embeddings; (c) the mean distance between cluster centres.",
         PARAMETERS, SETUP,
         't = rep.tables("fig3")\nt["gc_over_steps"]',
-        save("fig3a", 'plotting.gc_over_steps(t["gc_over_steps"])'),
-        save("fig3bc", 'plotting.layer_dynamics(t["dynamics"])'),
+        save("fig3a"),
+        save("fig3bc"),
         "rep.plan()",
     ],
     "fig4_cse_layer": [
         "# Figure 4: the CSE layer; cluster snapshots\n\n(a) The layer, drawn. (b) One planned layer's FFN-input "
         "embeddings at evenly spaced dense checkpoints, coloured by elbow-K-Means cluster.",
         PARAMETERS, SETUP,
-        save("fig4a", "plotting.cse_schematic()"),
+        save("fig4a"),
         't = rep.tables("fig4")\nt["snapshot_clusters"]',
-        save("fig4b", 'plotting.cluster_view(t["snapshot_points"], colour_by="cluster", title=...)'),
+        save("fig4b"),
     ],
     "fig5_experts": [
         "# Figure 5: where CSE sends each sentence, and each expert's NTK\n\n(a) The analysis sentences coloured by "
@@ -82,9 +85,9 @@ NOTEBOOKS = {
         "sentences, ordered by expert. Kernels are shown as cosines Θ_ij / sqrt(Θ_ii Θ_jj).",
         PARAMETERS, SETUP,
         't = rep.tables("fig5")\nt["routing_summary"]',
-        save("fig5a", 'plotting.cluster_view(t["routing"], colour_by="expert", title=...)'),
+        save("fig5a"),
         't["expert_ntk"]',
-        save("fig5bc", 'plotting.expert_kernels(t["kernels"], t["expert_ntk"])'),
+        save("fig5bc"),
     ],
     "tables_results": [
         "# Tables 1-2: the models compared\n\nTest perplexity (all text and per domain) and linear-probe accuracy "
@@ -123,3 +126,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

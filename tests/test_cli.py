@@ -34,6 +34,33 @@ def test_usage_error_is_exit_code_2():
     assert _run("demo", "--method", "fast").returncode == 2
 
 
+@pytest.mark.parametrize("args, reason", [
+    (["ntk", "CKPT", "--method", "matrix-free"], "--method matrix-free must form the kernel"),
+    (["gc", "CKPT", "--output", "logits"], "--output logits must be a scalar output"),
+    (["gc", "CKPT", "--output", "hidden-mean", "--method", "exact"], "--output hidden-mean must be a scalar output"),
+])
+def test_the_method_table_refuses_what_cannot_run_before_any_work(args, reason):
+    # CKPT does not exist: the refusal comes from the command line, before anything is loaded
+    proc = _run(*args)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert last.startswith(f"ntkscope {args[0]}: error: {reason}")
+
+
+def test_the_command_line_choices_come_from_the_tables():
+    from ntkscope.app.cli import build_parser
+    from ntkscope.kernel.methods import METHODS
+    from ntkscope.kernel.objectives import OUTPUTS
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    for command in ("gc", "ntk"):
+        actions = {a.dest: a for a in sub[command]._actions}
+        assert actions["method"].choices == ["auto", *METHODS]
+        assert actions["output"].choices == list(OUTPUTS)
+
+
 def test_corpus_info_on_the_default_pack_writes_its_tables(tmp_path):
     proc = _run("--quiet", "corpus", "info", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr

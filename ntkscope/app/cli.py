@@ -330,20 +330,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _refuse_unsupported(parser, args) -> None:
+def _refuse_unsupported(args) -> None:
     """Exit 2 with one line when the method table says the asked combination cannot run."""
     task = getattr(args, "task", None)
-    if task is None:
-        return
-    why = unsupported(task, args.method, scalar=OUTPUTS[args.output])
+    why = task and unsupported(task, args.method, scalar=OUTPUTS[args.output])
     if why:
-        parser.error(f"{args.command} --method {args.method} --output {args.output}: {why}")
+        arg, rule = why
+        print(f"ntkscope {args.command}: error: --{arg} {getattr(args, arg)} {rule}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _refuse_unsupported(parser, args)
+    _refuse_unsupported(args)
     matplotlib.use("Agg")  # the command writes figures to files; no display
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")

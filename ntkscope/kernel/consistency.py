@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 import torch
 
 from ntkscope.core.checks import InputError, entry
@@ -111,8 +112,6 @@ class GCGroups:
 
     def to_frame(self):
         """A pandas DataFrame, one row per group: label, score, n_subset, eigenvalues, eigengaps, method."""
-        import pandas as pd
-
         rows = [
             dict(label=label, score=r.score, n_subset=r.n_subset, n=r.n, eigenvalue=r.eigenvalue,
                  eigenvalue_subset=r.eigenvalue_subset, eigengap=r.eigengap, eigengap_subset=r.eigengap_subset,

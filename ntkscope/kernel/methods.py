@@ -127,18 +127,20 @@ def method_names(task: str) -> list[str]:
     return ["auto"] + [name for name, spec in METHODS.items() if task == "eigen" or spec.kernel is not None]
 
 
-def unsupported(task: str, method: str, *, scalar: bool) -> str | None:
-    """Why ``method`` cannot do ``task`` for a scalar or vector output, or None when it can."""
+def unsupported(task: str, method: str, *, scalar: bool) -> tuple[str, str] | None:
+    """Why ``method`` cannot do ``task`` for a scalar or vector output, as (argument, rule it breaks),
+    or None when it can."""
     if task == "eigen" and not scalar:
-        return ("needs a scalar output ('loss' or a callable returning (n,)): an eigenvector over samples "
-                "is defined for one kernel, and a vector output gives one per output")
+        return ("output", "must be a scalar output ('loss', an LMLoss or a callable returning (n,)) for an "
+                          "eigenvector over samples")
     if method == "auto":
         return None
     spec = METHODS[method]
     if task == "kernel" and spec.kernel is None:
-        return f"method {method!r} finds eigenpairs without forming the kernel; use one of {method_names('kernel')}"
+        return ("method", f"must form the kernel, one of {method_names('kernel')} ({method!r} finds eigenpairs "
+                          "without forming it)")
     if not scalar and not spec.vector_outputs:
-        return f"method {method!r} supports scalar outputs only"
+        return ("method", "must support vector outputs (this one takes scalar outputs only)")
     return None
 
 

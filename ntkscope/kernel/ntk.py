@@ -99,7 +99,7 @@ def empirical_ntk(model, batch, batch2=None, *, reduction="trace", blocks=None,
     with functional_model(model, opts, blocks=blocks) as fm:
         why = unsupported("kernel", opts.method, scalar=fm.scalar)
         if why:
-            raise InputError("method", why, opts.method)
+            raise InputError(*why, opts.method if why[0] == "method" else fm.objective.name)
         n1 = batch_size(batch, "batch")
         n2 = n1 if batch2 is None else batch_size(batch2, "batch2")
         data1 = fm.prepare(batch, "batch")
@@ -134,8 +134,7 @@ def prepare_scalar(fm, batch, opts: KernelOptions):
     """Check the output is scalar and prepare ``batch``: returns (data, n, chunk, budget)."""
     why = unsupported("eigen", opts.method, scalar=fm.scalar)
     if why:
-        raise InputError("output", "must be a scalar output ('loss', an LMLoss or a callable returning (n,)) "
-                         "for an eigenvector over samples", fm.objective.name)
+        raise InputError(*why, fm.objective.name)
     n = batch_size(batch)
     data = fm.prepare(batch)
     budget = memory_budget(opts.max_memory, fm.device)

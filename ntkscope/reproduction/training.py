@@ -7,14 +7,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from cse_models.train import TrainConfig, branch_from, latest_checkpoint, train
 from ntkscope.reproduction.settings import ReproduceSettings
 
 log = logging.getLogger(__name__)
 
 
 def _config(settings: ReproduceSettings, out_dir: Path, pack: str | None, **changes):
-    from cse_models.train import TrainConfig
-
     spec = dict(out_dir=str(out_dir), model=dict(settings.model),
                 data={"pack": pack, "seq_len": settings.seq_len}, steps=settings.steps,
                 batch_size=settings.batch_size, lr=settings.lr, warmup_steps=settings.warmup_steps,
@@ -24,15 +23,11 @@ def _config(settings: ReproduceSettings, out_dir: Path, pack: str | None, **chan
 
 
 def _finished(cfg) -> Path | None:
-    from cse_models.train import latest_checkpoint
-
     last = latest_checkpoint(Path(cfg.out_dir))
     return last if last is not None and last.name == f"step-{cfg.steps:06d}" else None
 
 
 def _run(cfg) -> Path:
-    from cse_models.train import train
-
     done = _finished(cfg)
     if done is not None:
         return done
@@ -57,8 +52,6 @@ def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dens
               warmup: int) -> Path:
     """CSE (MoF) at ``layers``: the dense run's checkpoint at ``warmup`` is copied with a CSE
     spec, so the warm-up is shared exactly; clusters are found there and training goes on."""
-    from cse_models.train import branch_from
-
     sparse = {"kind": "cse", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers),
               "proj_dim": settings.proj_dim}
     cse = {"warmup_steps": int(warmup), "n_samples": settings.cse_samples, "eps": None,

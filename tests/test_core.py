@@ -1,0 +1,125 @@
+"""The shared core (one LM loss, the masked mean, atomic writes, errors), the options object
+and the model-family registry."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ntkscope as ns
+from ntkscope.core.checks import InputError, entry
+from ntkscope.core.files import JsonCache, atomic_path, digest
+from ntkscope.core.lm import causal_pairs, lm_loss, masked_mean
+from ntkscope.runs.families import FAMILIES, family_for_config, family_of, layer_points
+
+
+def test_causal_lm_loss_equals_a_token_loop():
+    torch.manual_seed(0)
+    logits, ids = torch.randn(3, 6, 11), torch.randint(0, 11, (3, 6))
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    per_seq = lm_loss(*causal_pairs(logits, ids, mask), reduction="sequence")
+    for i in range(3):
+        pairs = [(t, ids[i, t + 1]) for t in range(5) if mask[i, t] and mask[i, t + 1]]
+        expected = sum(-F.log_softmax(logits[i, t], -1)[y] for t, y in pairs) / len(pairs)
+        torch.testing.assert_close(per_seq[i], expected)
+    total = lm_loss(*causal_pairs(logits, ids, mask), reduction="sum")
+    tokens = lm_loss(*causal_pairs(logits, ids, mask), reduction="none")  # (3, 5), 0 at dropped pairs
+    assert tokens.shape == (3, 5) and tokens[1, 3:].eq(0).all()
+    torch.testing.assert_close(total, tokens.sum())
+    torch.testing.assert_close(lm_loss(*causal_pairs(logits, ids, mask), reduction="mean"),
+                               total / (mask[:, 1:] & mask[:, :-1]).sum())
+
+
+def test_masked_lm_loss_ignores_unmasked_targets():
+    torch.manual_seed(1)
+    logits, ids = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    labels = torch.full_like(ids, -100)
+    labels[0, 1], labels[1, 3], labels[1, 4] = ids[0, 1], ids[1, 3], ids[1, 4]
+    sums = lm_loss(logits, labels, reduction="sequence-sum")
+    torch.testing.assert_close(sums[0], -F.log_softmax(logits[0, 1], -1)[ids[0, 1]])
+    torch.testing.assert_close(lm_loss(logits, labels, reduction="sequence")[1], sums[1] / 2)
+    torch.testing.assert_close(lm_loss(logits, labels, labels != -100, reduction="sum"), sums.sum())
+
+
+def test_masked_mean_over_real_tokens():
+    x = torch.arange(12.0).reshape(2, 3, 2)
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    out = masked_mean(x, mask)
+    torch.testing.assert_close(out[0], x[0, :2].mean(0))
+    assert out[1].eq(0).all()  # no real token: 0, not NaN
+    torch.testing.assert_close(masked_mean(x, None), x.mean(1))
+
+
+def test_the_outermost_entry_names_the_error():
+    @entry("inner")
+    def inner(value):
+        raise InputError("value", "must be good", value)
+
+    @entry("outer")
+    def outer(value):
+        return inner(value)
+
+    with pytest.raises(ValueError, match=r"^outer: value must be good \(got 3\)$"):
+        outer(3)
+    with pytest.raises(ValueError, match=r"^inner: value must be good \(got 4\)$"):
+        inner(4)
+
+
+def test_atomic_path_leaves_nothing_on_failure(tmp_path):
+    target = tmp_path / "table.csv"
+    target.write_text("old\n")
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("disk full")
+    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["table.csv"]
+    with atomic_path(target) as tmp:
+        tmp.write_text("new\n")
+    assert target.read_text() == "new\n" and len(list(tmp_path.iterdir())) == 1
+
+
+def test_json_cache_computes_once(tmp_path):
+    calls = []
+    cache = JsonCache(tmp_path / "cache")
+    key = digest({"a": 1}, arrays={"x": torch.arange(3)})
+    assert key == digest({"a": 1}, arrays={"x": torch.arange(3)}) != digest({"a": 2}, arrays={"x": torch.arange(3)})
+    for _ in range(2):
+        assert cache.get("step-000001", key, lambda: calls.append(1) or [{"v": 1.5}]) == [{"v": 1.5}]
+    assert len(calls) == 1
+
+
+def test_kernel_options_are_one_validated_object(gpt, lm_batch):
+    opts = ns.KernelOptions(method="exact", dtype="float64")
+    assert opts.dtype is torch.float64
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.method = "projected"
+    a = ns.empirical_ntk(gpt, lm_batch, options=opts)
+    b = ns.empirical_ntk(gpt, lm_batch, method="exact", dtype=torch.float64)
+    torch.testing.assert_close(a.matrix, b.matrix, rtol=0, atol=0)
+    assert ns.empirical_ntk(gpt, lm_batch, options=opts, method="projected", projection_dim=8).method == "projected"
+    with pytest.raises(ValueError, match=r"empirical_ntk: options must be fields of KernelOptions .* \(got \['chunk'\]\)"):
+        ns.empirical_ntk(gpt, lm_batch, chunk=4)
+    with pytest.raises(ValueError, match=r"empirical_ntk: method must form the kernel, one of \['auto', 'exact', "
+                                         r"'projected'\] \('matrix-free' finds eigenpairs without forming it\)"):
+        ns.empirical_ntk(gpt, lm_batch, options=ns.KernelOptions(method="matrix-free"))
+    eig = ns.ntk_top_eigenpair(gpt, lm_batch, options=opts)
+    assert eig.method == "dense" and eig.eigenvector.shape == (8,)
+
+
+def test_model_families(gpt, hf_bert):
+    transformers = pytest.importorskip("transformers")
+    hf_gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16,
+                                                                   n_layer=2, n_head=2))
+    assert family_of(gpt).name == "cse_models" and family_of(hf_gpt2).name == "gpt2"
+    assert family_of(hf_bert).name == "bert"
+    assert family_of(gpt).causal(gpt) and not family_of(hf_bert).causal(hf_bert)
+    blocks, path, use_input = layer_points(hf_bert, "ffn_input")
+    assert len(blocks) == 2 and (path, use_input) == ("intermediate", True)
+    assert family_of(hf_gpt2).vocab_size(hf_gpt2) == 50 == family_of(gpt).vocab_size(gpt)
+    assert family_for_config({"model_type": "gpt"}) is FAMILIES["cse_models"]
+    assert family_for_config({"model_type": "bert", "architectures": ["BertForMaskedLM"]}) is FAMILIES["bert"]
+    assert family_for_config({"hidden": 3}) is None
+    with pytest.raises(ValueError, match=r"model must be a model of a known family"):
+        family_of(torch.nn.Linear(2, 2))
