@@ -1,0 +1,1 @@
+"""What a person runs: the command line, its commands as library functions, the demo."""

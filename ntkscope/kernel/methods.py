@@ -37,9 +37,6 @@ from ntkscope.kernel.options import KernelOptions, Method
 
 log = logging.getLogger(__name__)
 
-TASKS = ("kernel", "eigen")
-
-
 @dataclass(frozen=True)
 class Blocks:
     """What a kernel method returns: ``kernels`` {block: (n1, n2) or (K, n1, n2)}, the most

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 import cse_models
 from ntkscope.core.checks import InputError
+from ntkscope.kernel.objectives import is_huggingface
 from ntkscope.runs.weights import load_state_dict
 
 POINTS = ("block", "ffn_input", "ffn_output", "attn_input")
@@ -63,10 +64,6 @@ class Family:
     blocks: Callable | None
     points: dict
     vocab_size: Callable
-
-
-def is_huggingface(model: nn.Module) -> bool:
-    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
 
 
 def _hf_vocab(model) -> int:

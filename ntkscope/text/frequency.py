@@ -176,9 +176,6 @@ def sentence_table(records: Sequence[Record], tokenizer: TextTokenizer, *, count
         ["text", "source", "domain", "category", "doc", "n_tokens", "score"]]
 
 
-BIN_KINDS = ("width", "count")
-
-
 def bin_edges(scores, bins: int, *, range: tuple[float, float] | None = None, kind: str = "width") -> np.ndarray:
     """The ``bins + 1`` edges of the finite scores: equal-width (``np.histogram``'s) or equal-count (quantiles)."""
     finite = np.asarray(scores, dtype=np.float64)
