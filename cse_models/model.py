@@ -10,19 +10,19 @@ loading never unpickles anything.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from cse_models.config import BERTConfig, GPTConfig
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN, sequence_embedding
 from cse_models.layers import Block
-from ntkscope.core.files import atomic_path, write_json
+from ntkscope.core.files import atomic_path, load_safetensors, read_json_object, write_json
+from ntkscope.core.memory import check_fits, parameter_count
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -194,7 +194,7 @@ class TransformerLM(nn.Module):
         for name in (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{func}: {directory} has no {name}")
-        data = json.loads((directory / CONFIG_NAME).read_text())
+        data = read_json_object(directory / CONFIG_NAME, func)
         kind = data.get("model_type")
         if "architectures" in data:
             raise ValueError(f"{func}: {directory} is an HF transformers checkpoint ({data['architectures']}), "
@@ -206,24 +206,9 @@ class TransformerLM(nn.Module):
         target = classes[kind]
         if cls is not TransformerLM and target is not cls:
             raise ValueError(f"{func}: {directory} holds a {kind!r} model; load it with {target.__name__}.from_pretrained")
-        model = target(target.config_class.from_dict(data))
-        state = load_file(str(directory / WEIGHTS_NAME))
-        floats = {v.dtype for v in state.values() if v.is_floating_point()}
-        if len(floats) == 1:  # the saved dtype, whatever torch's default dtype is now
-            model.to(floats.pop())
-        if model.config.tie_weights and "transformer.wte.weight" in state:
-            state["lm_head.weight"] = state["transformer.wte.weight"]
-        try:
-            missing, unexpected = model.load_state_dict(state, strict=False)
-        except RuntimeError as err:  # shape mismatches: name the first
-            lines = [x.strip() for x in str(err).splitlines() if "size mismatch" in x] or [str(err).splitlines()[0]]
-            raise ValueError(f"{func}: weights in {directory} do not match its config ({len(lines)} tensors; "
-                             f"first: {lines[0]})") from None
-        if missing or unexpected:
-            raise ValueError(f"{func}: weights in {directory} do not match its config "
-                             f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
-        return model
-
+        model = build_model(target.config_class.from_dict(data), f"{func}: {directory / CONFIG_NAME}")
+        state = load_safetensors(directory / WEIGHTS_NAME, func)
+        return load_weights(model, state, func, directory)
 
 class GPT(TransformerLM):
     """Decoder-only causal LM."""
@@ -235,6 +220,34 @@ class BERT(TransformerLM):
     """Bidirectional encoder with a tied masked-LM head; ``config.mask_token_id`` marks masked inputs."""
 
     config_class = BERTConfig
+
+
+def load_weights(model: TransformerLM, state: dict, func: str, where) -> TransformerLM:
+    """Put ``state`` into ``model`` in the saved dtype (whatever torch's default dtype is now),
+    tied weights from the embedding; a mismatch with the config is one line naming ``where``."""
+    floats = {v.dtype for v in state.values() if v.is_floating_point()}
+    if len(floats) == 1:
+        model.to(floats.pop())
+    if model.config.tie_weights and "transformer.wte.weight" in state:
+        state = {**state, "lm_head.weight": state["transformer.wte.weight"]}
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shape mismatches: name the first
+        lines = [x.strip() for x in str(err).splitlines() if "size mismatch" in x] or [str(err).splitlines()[0]]
+        raise ValueError(f"{func}: weights in {where} do not match its config ({len(lines)} tensors; "
+                         f"first: {lines[0]})") from None
+    if missing or unexpected:
+        raise ValueError(f"{func}: weights in {where} do not match its config "
+                         f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    return model
+
+
+def build_model(config: GPTConfig, what: str = "build_model") -> TransformerLM:
+    """The GPT or BERT of ``config``, after checking that its parameters fit in free memory
+    (counted on the meta device first, so a config asking for too much is refused, not allocated)."""
+    model_cls = BERT if config.model_type == "bert" else GPT
+    check_fits(parameter_count(lambda: model_cls(config)), 4, what)
+    return model_cls(config)
 
 
 def load_model(directory: str | os.PathLike) -> TransformerLM:

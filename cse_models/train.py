@@ -32,13 +32,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from cse_models.config import GPTConfig
 from cse_models.cse import convert_to_cse
 from cse_models.data import Blocks, global_batch, mask_tokens, pack_blocks, step_generator, text_file_blocks
-from cse_models.model import BERT, GPT, load_model
-from ntkscope.core.files import atomic_path, write_json, write_text
+from cse_models.model import build_model, load_model
+from ntkscope.core.files import (DirectoryLock, atomic_path, load_safetensors, read_json_object, write_json,
+                                 write_text)
 from ntkscope.core.lm import causal_pairs, lm_loss as token_loss
 from ntkscope.representation.plan import Plan
 from ntkscope.text.corpus.pack import load_pack
@@ -78,10 +79,16 @@ class TrainConfig:
         if not path.is_file():
             raise FileNotFoundError(f"TrainConfig.load: {path} does not exist")
         text = path.read_text(encoding="utf-8")
-        if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
+        try:
+            data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        except (yaml.YAMLError, json.JSONDecodeError) as err:
+            where = getattr(err, "problem_mark", None)
+            at = f"line {where.line + 1}, column {where.column + 1}: " if where is not None else ""
+            what = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"TrainConfig.load: {path} is not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'} "
+                             f"({at}{what})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"TrainConfig.load: {path} must hold a mapping of settings (got {type(data).__name__})")
         return cls.from_dict(data)
 
     @classmethod
@@ -203,10 +210,28 @@ def save_checkpoint(directory: Path, model, opt, sched, step: int, cfg: TrainCon
     return directory
 
 
+def checkpoints_of(out_dir: Path) -> list[Path]:
+    """A run's complete checkpoint directories, oldest first."""
+    return sorted(p for p in (Path(out_dir) / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file()
+                  and not p.name.endswith(".tmp"))
+
+
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    found = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file()
-                   and not p.name.endswith(".tmp"))
+    found = checkpoints_of(out_dir)
     return found[-1] if found else None
+
+
+def _resume_point(out_dir: Path):
+    """(checkpoint, model, optimizer tensors, trainer state) of the newest checkpoint that reads
+    whole, or (None, None, None, None); a damaged one is reported and the one before it tried."""
+    for path in reversed(checkpoints_of(out_dir)):
+        try:
+            state = read_json_object(path / "trainer_state.json", "resume")
+            return path, load_model(path), load_safetensors(path / "optimizer.safetensors", "resume"), state
+        except (ValueError, FileNotFoundError) as err:
+            log.warning("checkpoint %s is damaged (%s); falling back to the one before it", path.name,
+                        " ".join(str(err).split()))
+    return None, None, None, None
 
 
 def branch_from(checkpoint: str | Path, out_dir: str | Path, *, sparse: dict | None) -> Path:
@@ -233,9 +258,10 @@ def branch_from(checkpoint: str | Path, out_dir: str | Path, *, sparse: dict | N
     return target
 
 
-def load_optimizer_state(directory: Path, model, opt, sched) -> int:
-    state = json.loads((directory / "trainer_state.json").read_text())
-    tensors = load_file(str(directory / "optimizer.safetensors"))
+def load_optimizer_state(directory: Path, model, opt, sched, tensors=None, state=None) -> int:
+    """Put a checkpoint's optimizer, schedule and RNG state in place; returns its step."""
+    state = state if state is not None else read_json_object(directory / "trainer_state.json", "resume")
+    tensors = tensors if tensors is not None else load_safetensors(directory / "optimizer.safetensors", "resume")
     params = dict(model.named_parameters())
     for key, value in tensors.items():
         name, slot = key.split("::")
@@ -283,8 +309,7 @@ def _build_model(cfg: TrainConfig, vocab_size: int):
     spec = dict(cfg.model)
     spec.setdefault("vocab_size", vocab_size)
     spec.setdefault("block_size", cfg.data.get("seq_len", 64))
-    config = GPTConfig.from_dict(spec)
-    return (BERT if config.model_type == "bert" else GPT)(config)
+    return build_model(GPTConfig.from_dict(spec), "TrainConfig: model")
 
 
 def _convert(model, blocks: Blocks, cfg: TrainConfig, device) -> None:
@@ -299,7 +324,16 @@ def train(cfg: TrainConfig, *, callbacks=()) -> Path:
     """Run (or resume) the training that ``cfg`` describes; returns the last checkpoint's directory.
 
     ``callbacks``: functions ``(step, metrics)`` called after each step (step = steps done).
+    One process writes a run: the first rank holds ``out_dir``'s lock, and a second training
+    into the same directory is refused with the holder's PID.
     """
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _train(cfg, callbacks)
+    with DirectoryLock(cfg.out_dir, "train"):
+        return _train(cfg, callbacks)
+
+
+def _train(cfg: TrainConfig, callbacks) -> Path:
     cfg = apply_plan(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -315,15 +349,15 @@ def train(cfg: TrainConfig, *, callbacks=()) -> Path:
         raise ValueError(f"train: the corpus is too small for the batch: {len(blocks)} blocks of "
                          f"{cfg.data.get('seq_len', 64)} tokens, batch_size={cfg.batch_size}")
     torch.manual_seed(cfg.seed)
-    resume = latest_checkpoint(out_dir)
-    model = load_model(resume) if resume else _build_model(cfg, tokenizer.vocab_size)
+    resume, model, opt_tensors, trainer_state = _resume_point(out_dir)
+    model = model if resume else _build_model(cfg, tokenizer.vocab_size)
     model.to(device).train()
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"train: the model's vocab_size {model.config.vocab_size} is below the tokenizer's "
                          f"{tokenizer.vocab_size}")
     opt = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    start = load_optimizer_state(resume, model, opt, sched) if resume else 0
+    start = load_optimizer_state(resume, model, opt, sched, opt_tensors, trainer_state) if resume else 0
     if resume:
         log.info("resuming from %s (step %d)", resume, start)
     sparse = model.config.sparse
@@ -426,7 +460,7 @@ def main(argv=None) -> int:
             cfg.steps = args.steps
         last = train(cfg)
     except (ValueError, FileNotFoundError) as err:
-        print(f"cse-train: error: {err}", file=sys.stderr)
+        print(f"cse-train: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     finally:
         if dist.is_initialized():

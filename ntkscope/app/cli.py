@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -347,6 +348,10 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")  # the command writes figures to files; no display
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.quiet:  # transformers (imported later, if at all) reads these: no loading bars, errors only
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:  # user errors; anything else is a bug: keep its traceback

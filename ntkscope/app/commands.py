@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ntkscope.core.files import Staging, digest, write_json, write_table
+from ntkscope.core.files import Staging, check_output, digest, write_json, write_table
 from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.params import select_parameters
@@ -70,6 +70,7 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
 
     Writes ``gc.csv``, ``histogram.csv``, ``result.json`` and ``gc_vs_frequency.png`` to ``out``.
     """
+    check_output("gc", out)
     options = dict(checkpoint=str(checkpoint), data=str(data), by=by, bins=bins, n=n, min_count=min_count,
                    params=params, output=output, method=method, dtype=dtype, seq_len=seq_len, seed=seed,
                    tokenizer=tokenizer)
@@ -100,6 +101,7 @@ def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1
                    seq_len: int = 64, seed: int = 0, tokenizer=None, out=None) -> dict:
     """GC of the long-tail subset (lowest frequency scores) against the whole set at every
     checkpoint of a run: ``gc_over_steps.csv``, ``result.json`` and ``gc_over_steps.png``."""
+    check_output("gc", out)
     checkpoints = list_checkpoints(run_dir)
     _, tok = load_model_and_tokenizer(checkpoints[-1][1], tokenizer, data)
     ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
@@ -119,6 +121,7 @@ def ntk_command(checkpoint, data=None, *, n: int = 64, blocks=None, params=None,
                 method: str = "auto", dtype=None, seq_len: int = 64, seed: int = 0, tokenizer=None, out=None) -> dict:
     """The empirical NTK of ``n`` sentences: ``ntk.npy`` (n, n), ``blocks.npz`` (one kernel per
     block), ``labels.csv`` and ``ntk.png`` (samples ordered by label)."""
+    check_output("ntk", out)
     model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
     ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
     log.info("%s", memory_note(model, n, params, dtype))
@@ -153,6 +156,7 @@ def _write_tables(out, tables: dict) -> list[str]:
 def corpus_info(pack=None, *, tokenizer=None, normalisation: str = "max", bins: int = 10, top: int = 20,
                 out=None) -> dict:
     """A pack's domain sizes, sentence frequency scores and their histogram (``ntkscope corpus info``)."""
+    check_output("corpus info", out)
     pack = load_pack(pack)
     tok = load_tokenizer(tokenizer) if tokenizer else pack.tokenizer()
     counts = count_tokens(pack.records("train"), tok)
@@ -167,6 +171,7 @@ def corpus_info(pack=None, *, tokenizer=None, normalisation: str = "max", bins: 
 
 def freq_command(data="default", *, tokenizer=None, normalisation: str = "max", bins: int = 10, out=None) -> dict:
     """Token counts and sentence frequency scores of a pack or a text file (``ntkscope freq``)."""
+    check_output("freq", out)
     if data in (None, "default") or Path(data).is_dir():
         pack = load_pack(None if data in (None, "default") else data)
         records, reference = pack.records("all"), pack.records("train")
@@ -199,6 +204,7 @@ def clusters_command(target, data="default", *, tokenizer=None, n: int = 256, se
                      out=None) -> dict:
     """How a model's (or every checkpoint of a run's) sequence embeddings cluster, layer by layer
     (``ntkscope clusters``): elbow K and separation, and for one model the CSE layers they choose."""
+    check_output("clusters", out, kind="file", suffixes=(".csv", ".parquet"))
     result = {"n": n, "point": point, "run": is_run_dir(target)}
     ad = _analysis_sentences(target, data, tokenizer, n, seq_len, seed, run=result["run"])
     if result["run"]:
@@ -217,6 +223,7 @@ def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_l
                  module: str = "ffn", tail_fraction: float = 1 / 3, method: str = "auto",
                  out="plan.json") -> dict:
     """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``."""
+    check_output("plan", out, kind="file")
     ad = _analysis_sentences(run_dir, data, tokenizer, n, seq_len, seed, run=True)
     table = cluster_dynamics(run_dir, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)

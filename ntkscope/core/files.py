@@ -8,21 +8,31 @@
   into the output directory only when everything succeeded.
 - :class:`JsonCache`: results keyed by the options and inputs that made them, so an
   interrupted analysis resumes and a repeated one is free.
+- :class:`DirectoryLock`: one writer per run directory; a second is refused with the PID
+  of the first. The lock is ``fcntl.flock``'s, so a holder that died leaves nothing held.
+- :func:`check_output`: an output path is checked before any work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import pandas as pd
+import safetensors
+import safetensors.torch
 
 from ntkscope.core.checks import fail
+
+_log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -116,13 +126,19 @@ class Staging:
     def _commit(self) -> list[Path]:
         if self.out is None:
             return []
-        self.out.mkdir(parents=True, exist_ok=True)
         written = []
-        for f in sorted(self.tmp.iterdir()):
-            partial = self.out / f".{f.name}.partial"
-            shutil.move(f, partial)  # may cross file systems; the rename below is atomic
-            os.replace(partial, self.out / f.name)
-            written.append(self.out / f.name)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            for f in sorted(self.tmp.iterdir()):
+                partial = self.out / f".{f.name}.partial"
+                shutil.move(f, partial)  # may cross file systems; the rename below is atomic
+                os.replace(partial, self.out / f.name)
+                written.append(self.out / f.name)
+        except OSError as err:
+            for f in self.out.glob(".*.partial") if self.out.is_dir() else ():
+                f.unlink(missing_ok=True)
+            raise ValueError(f"could not write the results into {self.out} ({err.strerror or err}); "
+                             f"{'the files before it were written: ' + str([p.name for p in written]) if written else 'nothing was written'}") from None
         return written
 
 
@@ -158,3 +174,108 @@ class JsonCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         write_json(path, value, indent=None)
         return value
+
+
+def check_output(func: str, path, *, kind: str = "dir", suffixes=()) -> Path | None:
+    """Check an output path before any work: a directory (``kind="dir"``) must not be an
+    existing file, a file must not be an existing directory and must end in one of
+    ``suffixes``; the nearest existing parent must be a writable directory."""
+    if path is None:
+        return None
+    path = Path(path)
+    if kind == "dir" and path.exists() and not path.is_dir():
+        raise ValueError(f"{func}: --out {path} exists and is not a directory")
+    if kind == "file":
+        if path.is_dir():
+            raise ValueError(f"{func}: --out {path} is a directory; name a file")
+        if suffixes and path.suffix not in suffixes:
+            raise ValueError(f"{func}: --out {path} must end in {' or '.join(suffixes)}")
+    parent = path if kind == "dir" else path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{func}: --out {path} cannot be created: {parent} is not a writable directory")
+    return path
+
+
+class DirectoryLock:
+    """``with DirectoryLock(run_dir, "cse-train"):`` holds ``run_dir/.ntkscope.lock`` for one writer.
+
+    A second process is refused at once with one line naming the holder's PID; reading the
+    directory stays allowed. ``fcntl.flock`` locks die with their process, so a lock left by
+    a process that was killed is taken over (and said so in the log)."""
+
+    NAME = ".ntkscope.lock"
+
+    def __init__(self, directory: str | os.PathLike, what: str):
+        self.directory, self.what = Path(directory), what
+        self._fh = None
+
+    def __enter__(self) -> "DirectoryLock":
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fh = open(self.directory / self.NAME, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown"
+            fh.close()
+            if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise ValueError(f"{self.what}: {self.directory} is in use by another process ({holder}); "
+                                 "wait for it to finish or use another directory") from None
+            raise
+        fh.seek(0)
+        previous = fh.read().strip()
+        if previous:
+            _log.info("%s: taking over the lock on %s left by %s, which is no longer running", self.what,
+                      self.directory, previous)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()}: {self.what}\n")
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        fh, self._fh = self._fh, None
+        fh.seek(0)
+        fh.truncate()  # an empty lock file: nobody holds it
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
+
+
+def read_json_object(path: str | os.PathLike, func: str) -> dict:
+    """A JSON file that must hold an object, or one line saying what is wrong with it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{func}: {path} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{func}: {path} must hold a JSON object (got {type(data).__name__})")
+    return data
+
+
+def check_safetensors(path: str | os.PathLike, func: str) -> dict:
+    """Read only a safetensors file's header (cheap); one line naming the file when it is empty,
+    truncated or not safetensors. Returns {name: (dtype, shape)}."""
+    path = Path(path)
+    if path.stat().st_size == 0:
+        raise ValueError(f"{func}: {path} is empty")
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as fh:
+            return {k: (fh.get_slice(k).get_dtype(), tuple(fh.get_slice(k).get_shape())) for k in fh.keys()}
+    except (safetensors.SafetensorError, OSError, RuntimeError) as err:
+        raise ValueError(f"{func}: {path} is not a readable safetensors file ({str(err).splitlines()[0][:160]})") from None
+
+
+def load_safetensors(path: str | os.PathLike, func: str) -> dict:
+    """A safetensors file as {name: tensor}, or one line naming the file when it is empty,
+    truncated or not safetensors at all."""
+    path = Path(path)
+    if path.stat().st_size == 0:
+        raise ValueError(f"{func}: {path} is empty")
+    try:
+        return safetensors.torch.load_file(str(path))
+    except (safetensors.SafetensorError, OSError, RuntimeError) as err:
+        raise ValueError(f"{func}: {path} is not a readable safetensors file ({str(err).splitlines()[0][:160]})") from None

@@ -34,3 +34,35 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def parameter_count(build) -> float:
+    """Parameters of the module ``build()`` would make, counted on PyTorch's meta device:
+    shapes only, nothing allocated (tied tensors once). ``inf`` when one tensor alone would
+    need more than 2^63 bytes (PyTorch cannot even describe it)."""
+    try:
+        with torch.device("meta"):
+            module = build()
+    except RuntimeError as err:
+        if "overflow" in str(err):
+            return math.inf
+        raise
+    return sum(p.numel() for p in module.parameters())
+
+
+def check_fits(n_params: int, itemsize: int, what: str, *, device=None, share: float = 1.0) -> int:
+    """Refuse a model of ``n_params`` parameters (``itemsize`` bytes each) that would not fit in
+    ``share`` of the memory free on ``device``; returns the bytes it needs.
+
+    ``what`` begins the message, e.g. "load_checkpoint: runs/x/config.json".
+    """
+    need = n_params * itemsize
+    free = available_memory_bytes(device)
+    if need > share * free:
+        if not math.isfinite(need):
+            raise ValueError(f"{what} asks for a tensor of more than 2^63 bytes; this machine has "
+                             f"{format_bytes(free)} free")
+        dtype = {8: "float64", 4: "float32", 2: "16-bit floats"}.get(itemsize, f"{itemsize}-byte numbers")
+        raise ValueError(f"{what} asks for {n_params:.1e} parameters ({format_bytes(need)} in {dtype}); this "
+                         f"machine has {format_bytes(free)} free")
+    return need

@@ -34,7 +34,7 @@ import torch
 
 import ntkscope
 from ntkscope.core.checks import fail
-from ntkscope.core.files import atomic_path, write_json, write_text
+from ntkscope.core.files import DirectoryLock, atomic_path, check_output, write_json, write_text
 from ntkscope.plotting import save_figure
 from ntkscope.representation.plan import Plan, make_plan
 from ntkscope.reproduction import training
@@ -226,7 +226,12 @@ def reproduce(run_dir, mode: str = "quick", *, settings: ReproduceSettings | Non
     """Everything: train, analyse, write Figures 1-5 (PNG + PDF), Tables 1-2 (CSV + MD) and
     ``manifest.json``; returns the manifest. Resumes from whatever ``run_dir`` holds."""
     start = time.perf_counter()
-    rep = Reproduction(run_dir, mode, settings=settings, pack=pack)
+    check_output("reproduce", run_dir)
+    with DirectoryLock(run_dir, "reproduce"):
+        return _reproduce(Reproduction(run_dir, mode, settings=settings, pack=pack), start)
+
+
+def _reproduce(rep: Reproduction, start: float) -> dict:
     written = []
     for panel in PANELS:
         written += rep.write_figure(panel)

@@ -23,7 +23,10 @@ from pathlib import Path
 import torch.nn as nn
 
 import cse_models
+from cse_models.model import build_model, load_weights
 from ntkscope.core.checks import InputError
+from ntkscope.core.files import check_safetensors
+from ntkscope.core.memory import check_fits, parameter_count
 from ntkscope.kernel.objectives import is_huggingface
 from ntkscope.runs.weights import load_state_dict
 
@@ -93,7 +96,9 @@ def _load_hf(path: Path, data: dict, weights: Path):
     except (ValueError, KeyError, OSError) as err:
         raise ValueError(f"load_checkpoint: {path}/config.json is not a cse_models or HF config "
                          f"({str(err)[:160]})") from None
+    check_fits(parameter_count(lambda: auto.from_config(hf_config)), 4, f"load_checkpoint: {path}/config.json")
     if weights.suffix == ".safetensors":
+        check_safetensors(weights, "load_checkpoint")
         try:
             return auto.from_pretrained(path, local_files_only=True, use_safetensors=True).eval()
         except (RuntimeError, ValueError, OSError) as err:
@@ -112,18 +117,8 @@ def _load_cse(path: Path, data: dict, weights: Path):
     if weights.name == "model.safetensors":
         return cse_models.load_model(path).eval()
     model_cls = cse_models.BERT if data.get("model_type") == "bert" else cse_models.GPT
-    model = model_cls(model_cls.config_class.from_dict(data))
-    try:
-        missing, unexpected = model.load_state_dict(load_state_dict(weights), strict=False)
-    except RuntimeError as err:
-        lines = str(err).splitlines()
-        raise ValueError(f"load_checkpoint: the weights in {path} do not match its config.json: "
-                         f"{lines[1].strip() if len(lines) > 1 else err}") from None
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
-    if missing or unexpected:
-        raise ValueError(f"load_checkpoint: the weights in {path} do not match its config.json "
-                         f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
-    return model.eval()
+    model = build_model(model_cls.config_class.from_dict(data), f"load_checkpoint: {path}/config.json")
+    return load_weights(model, load_state_dict(weights), "load_checkpoint", path).eval()
 
 
 def _bert_encoder(model):

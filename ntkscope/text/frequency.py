@@ -211,6 +211,7 @@ def bin_indices(scores: Sequence[float], *, bins: int = 10, range: tuple[float, 
     Bins with fewer than ``min_count`` sentences are left out; larger ones are sub-sampled to
     ``cap`` with ``seed``. Returns {bin: sorted indices}.
     """
+    check_positive_int("bins", bins)
     check_positive_int("min_count", min_count)
     check_positive_int("cap", cap, allow_none=True)
     scores = np.asarray(scores, dtype=np.float64)

@@ -70,6 +70,7 @@ def load_analysis_data(data, tokenizer, *, n: int = 256, seq_len: int = 64, seed
                        split: str = "validation") -> AnalysisData:
     """``n`` sentences of ``data`` (a pack directory, ``"default"``, or a text/TSV file)."""
     check_positive_int("n", n)
+    check_positive_int("seq_len", seq_len)
     path = None if data in (None, "default") else Path(data)
     if path is not None and not path.exists():
         raise FileNotFoundError(f"analysis data: {path} does not exist (a corpus pack directory, 'default', "

@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from ntkscope.core.checks import check_fraction, check_positive_int, entry, fail
-from ntkscope.core.files import atomic_path
+from ntkscope.core.files import atomic_path, read_json_object
 from ntkscope.text.tokenization import load_tokenizer, train_bpe
 from ntkscope.text.corpus.sources import SOURCES, load_source
 from ntkscope.text.corpus.text import Record, count_words, dedupe
@@ -303,8 +303,22 @@ class CorpusPack:
 
     def _rows(self, name: str) -> list[dict]:
         if name not in self._cache:
-            data = gzip.decompress((self.path / name).read_bytes())
-            self._cache[name] = [json.loads(line) for line in data.decode("utf-8").splitlines()]
+            file = self.path / name
+            try:
+                text = gzip.decompress(file.read_bytes()).decode("utf-8")
+            except (OSError, EOFError, UnicodeDecodeError) as err:  # truncated or not gzip
+                raise ValueError(f"CorpusPack: {file} is damaged ({type(err).__name__}: {err})") from None
+            rows = []
+            for i, line in enumerate(text.splitlines(), 1):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"CorpusPack: {file} line {i} is not valid JSON ({err.msg})") from None
+                if not isinstance(row, dict) or (name != "probe.jsonl.gz" and set(Record._fields) - set(row)):
+                    raise ValueError(f"CorpusPack: {file} line {i} is not a record with the fields "
+                                     f"{list(Record._fields)}")
+                rows.append(row)
+            self._cache[name] = rows
         return self._cache[name]
 
     def records(self, split: str = "train") -> list[Record]:
@@ -341,14 +355,17 @@ def load_pack(path: str | Path | None = None, *, verify: bool = True) -> CorpusP
     if not manifest_path.is_file():
         raise FileNotFoundError(f"load_pack: path {path} is not a corpus pack (no manifest.json); "
                                 "build one with: ntkscope corpus build OUT")
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest = read_json_object(manifest_path, "load_pack")
     if manifest.get("format") != PACK_FORMAT:
         raise fail("load_pack", "path", f"must hold a pack of format {PACK_FORMAT}", manifest.get("format"))
+    missing = [k for k in ("files", "splits", "version") if k not in manifest]
+    if missing or not isinstance(manifest["files"], dict):
+        raise ValueError(f"load_pack: {manifest_path} lacks {missing or ['files']}: the pack is damaged")
     if verify:
         for name, info in manifest["files"].items():
             file = path / name
             if not file.is_file():
                 raise FileNotFoundError(f"load_pack: {file} is missing from the pack")
-            if _sha256(file.read_bytes()) != info["sha256"]:
+            if _sha256(file.read_bytes()) != (info.get("sha256") if isinstance(info, dict) else None):
                 raise ValueError(f"load_pack: {file} does not match its sha256 in the manifest: the pack is damaged")
     return CorpusPack(path, manifest)

@@ -1,0 +1,114 @@
+"""Property tests: over the public functions' argument ranges and small random texts, every
+input gives a valid result or the documented ValueError; never another exception, a hang,
+or a NaN in a result (the one documented exception: a text with no tokens has no frequency
+score, NaN beside its token count 0)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ntkscope as ns
+from cse_models import GPT, GPTConfig
+from ntkscope.text.corpus.pack import load_pack
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+scores = st.lists(st.one_of(st.floats(0, 1), st.sampled_from([math.nan, math.inf, -1.0])), min_size=0, max_size=60)
+sizes = st.one_of(st.none(), st.integers(-2, 40), st.sampled_from([True, 2.5, "3"]))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_pack().tokenizer()
+
+
+@SETTINGS
+@given(scores=scores, bins=sizes, min_count=sizes, cap=sizes)
+def test_bin_indices(scores, bins, min_count, cap):
+    try:
+        out = ns.bin_indices(scores, bins=bins, min_count=min_count, cap=cap)
+    except ValueError as err:
+        assert str(err).startswith("bin_indices: "), err
+        return
+    seen = set()
+    for b, idx in out.items():
+        assert 0 <= b < bins and len(idx) >= min_count and (cap is None or len(idx) <= cap)
+        assert np.all(np.diff(idx) > 0) and not seen & set(idx.tolist())
+        assert np.isfinite(np.asarray(scores, dtype=float)[idx]).all()
+        seen |= set(idx.tolist())
+
+
+@SETTINGS
+@given(scores=scores, bins=sizes)
+def test_score_histogram(scores, bins):
+    try:
+        hist = ns.score_histogram(scores, bins=bins)
+    except ValueError as err:
+        assert str(err).startswith("score_histogram: "), err
+        return
+    finite = np.isfinite(np.asarray(scores, dtype=float))
+    assert len(hist) == bins and hist["count"].sum() == finite.sum()
+    assert np.isclose(hist["percent"].sum(), 100.0) and not hist.isna().any().any()
+
+
+@SETTINGS
+@given(texts=st.lists(st.text(max_size=40), min_size=0, max_size=6), normalisation=st.sampled_from(
+    ["max", "log", "prob", "rank", "zipf"]))
+def test_frequency_scores_of_random_text(tokenizer, texts, normalisation):
+    try:
+        counts = ns.count_tokens(texts, tokenizer)
+        phi = ns.token_frequency(counts, normalisation)
+        score, n_tokens = ns.sentence_scores(texts, tokenizer, phi)
+    except ValueError as err:
+        assert str(err).split(":")[0] in ("count_tokens", "token_frequency", "sentence_scores"), err
+        return
+    assert np.isfinite(phi).all() and ((phi >= 0) & (phi <= 1)).all()
+    assert len(score) == len(texts) and (n_tokens >= 0).all()
+    # the one documented missing value: a text with no tokens has no score (NaN), and says so (0 tokens)
+    assert np.isfinite(score[n_tokens > 0]).all() and np.isnan(score[n_tokens == 0]).all()
+
+
+@SETTINGS
+@given(n=st.integers(-1, 8), seq_len=st.integers(-2, 20), seed=st.integers(0, 3))
+def test_load_analysis_data(tokenizer, n, seq_len, seed):
+    try:
+        data = ns.load_analysis_data("default", tokenizer, n=n, seq_len=seq_len, seed=seed)
+    except ValueError as err:
+        assert str(err).startswith("load_analysis_data: "), err
+        return
+    ids = data.batch["input_ids"]
+    assert ids.shape[0] == n and 1 <= ids.shape[1] <= seq_len and np.isfinite(data.labels["score"]).all()
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=40, block_size=12, n_layer=1, n_head=2, n_embd=8)).eval()
+
+
+@SETTINGS
+@given(n=st.integers(0, 6), T=st.integers(1, 6), chunk_size=sizes,
+       dtype=st.sampled_from([None, "float32", "float64", "float8", torch.int64]),
+       method=st.sampled_from(["auto", "exact", "projected", "matrix-free", "fast"]),
+       output=st.sampled_from(["loss", "logits", "perplexity"]), data=st.data())
+def test_empirical_ntk_and_gc(gpt, n, T, chunk_size, dtype, method, output, data):
+    batch = {"input_ids": torch.randint(0, 40, (n, T), generator=torch.Generator().manual_seed(n * 7 + T)),
+             "attention_mask": torch.ones(n, T, dtype=torch.long)}
+    options = dict(chunk_size=chunk_size, dtype=dtype, method=method, output=output, projection_dim=16)
+    try:
+        res = ns.empirical_ntk(gpt, batch, **options)
+    except ValueError as err:
+        assert str(err).startswith("empirical_ntk: "), err
+    else:
+        assert res.matrix.shape == (n, n) and torch.isfinite(res.matrix).all()
+        torch.testing.assert_close(res.matrix, res.matrix.T)
+    subset = data.draw(st.lists(st.integers(-1, max(n, 1)), max_size=4))
+    try:
+        gc = ns.gradient_consistency(gpt, batch, subset, **options)
+    except ValueError as err:
+        assert str(err).startswith("gradient_consistency: "), err
+    else:
+        assert -1 <= gc.score <= 1 and math.isfinite(gc.eigenvalue)
