@@ -219,3 +219,17 @@ def test_sigkilled_training_resumes_to_the_uninterrupted_weights(tmp_path, when)
     a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert _metrics_steps(run) == _metrics_steps(tmp_path / "full")  # the log rewound to the checkpoint
+
+
+def test_quiet_silences_transformers_too(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=16,
+                                                                 n_layer=1, n_head=2))  # bos/eos 50256: it warns
+    model.save_pretrained(tmp_path / "hf")
+    shutil.copy(DEFAULT_PACK / "tokenizer.json", tmp_path / "hf" / "tokenizer.json")
+    quiet = subprocess.run([sys.executable, "-m", "ntkscope", "-q", "ntk", str(tmp_path / "hf"), "--n", "4",
+                            "--seq-len", "16"], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    loud = subprocess.run([sys.executable, "-m", "ntkscope", "ntk", str(tmp_path / "hf"), "--n", "4",
+                           "--seq-len", "16"], capture_output=True, text=True, timeout=300)
+    assert "Loading weights" in loud.stderr and "INFO" in loud.stderr  # what -q took away

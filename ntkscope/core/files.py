@@ -160,11 +160,35 @@ def digest(options: dict, *, arrays: dict | None = None, paths=()) -> str:
     return h.hexdigest()[:16]
 
 
+def remove_stale_temporaries(directory: str | os.PathLike) -> int:
+    """Remove the temporary files and directories (``.NAME.tmp-PID...``) that a process killed
+    mid-write left in ``directory``; those of live processes stay. Returns how many went."""
+    removed = 0
+    for path in Path(directory).glob(".*.tmp-*") if Path(directory).is_dir() else ():
+        pid = path.name.split(".tmp-", 1)[1].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            _remove(path)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class JsonCache:
-    """JSON results in ``directory``, one file per name and key: computed once, then read back."""
+    """JSON results in ``directory``, one file per name and key: computed once, then read back.
+    Temporaries left by a killed writer are cleared when the cache is opened."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
+        remove_stale_temporaries(self.directory)
 
     def get(self, name: str, key: str, compute):
         path = self.directory / f"{name}-{key}.json"
@@ -226,6 +250,7 @@ class DirectoryLock:
             raise
         fh.seek(0)
         previous = fh.read().strip()
+        remove_stale_temporaries(self.directory)
         if previous:
             _log.info("%s: taking over the lock on %s left by %s, which is no longer running", self.what,
                       self.directory, previous)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def available_memory_bytes(device=None) -> int:
@@ -65,4 +68,6 @@ def check_fits(n_params: int, itemsize: int, what: str, *, device=None, share: f
         dtype = {8: "float64", 4: "float32", 2: "16-bit floats"}.get(itemsize, f"{itemsize}-byte numbers")
         raise ValueError(f"{what} asks for {n_params:.1e} parameters ({format_bytes(need)} in {dtype}); this "
                          f"machine has {format_bytes(free)} free")
+    log.info("%s: %s parameters, %s before loading; %s free", what, f"{n_params:,}", format_bytes(need),
+             format_bytes(free))
     return need
