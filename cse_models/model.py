@@ -22,7 +22,7 @@ from cse_models.config import BERTConfig, GPTConfig
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN, sequence_embedding
 from cse_models.layers import Block
 from ntkscope.core.files import atomic_path, load_safetensors, read_json_object, write_json
-from ntkscope.core.memory import check_fits, parameter_count
+from ntkscope.core.memory import check_fits
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -242,12 +242,32 @@ def load_weights(model: TransformerLM, state: dict, func: str, where) -> Transfo
     return model
 
 
+def parameter_count(config: GPTConfig) -> int:
+    """The parameters a model of ``config`` has, from the config alone (tests check it against
+    built models): embeddings, per block two LayerNorms, attention (d x 3d, d x d) and the MLP
+    (d x 4d, 4d x d), the final LayerNorm, the head unless tied; a sparse layer holds one copy of
+    its module per expert, plus Switch's router (d x C)."""
+    d, b = config.n_embd, int(config.bias)
+    norm = d * (1 + b)
+    modules = {"attn": 3 * d * d + 3 * d * b + d * d + d * b, "mlp": 8 * d * d + 4 * d * b + d * b}
+    sparse = config.sparse
+    total = config.vocab_size * d + config.block_size * d + norm
+    total += 0 if config.tie_weights else config.vocab_size * d
+    for layer in range(config.n_layer):
+        block = 2 * norm + modules["attn"] + modules["mlp"]
+        experts = sparse.experts_at(layer) if sparse is not None else 0
+        if experts > 0:
+            module = modules["attn" if sparse.module == "attn" else "mlp"]
+            block += (experts - 1) * module + (d * experts if sparse.kind == "switch" else 0)
+        total += block
+    return int(total)
+
+
 def build_model(config: GPTConfig, what: str = "build_model") -> TransformerLM:
-    """The GPT or BERT of ``config``, after checking that its parameters fit in free memory
-    (counted on the meta device first, so a config asking for too much is refused, not allocated)."""
-    model_cls = BERT if config.model_type == "bert" else GPT
-    check_fits(parameter_count(lambda: model_cls(config)), 4, what)
-    return model_cls(config)
+    """The GPT or BERT of ``config``, after checking from the config alone that its parameters
+    fit in free memory: a config asking for too much is refused, not allocated."""
+    check_fits(parameter_count(config), 4, what)
+    return (BERT if config.model_type == "bert" else GPT)(config)
 
 
 def load_model(directory: str | os.PathLike) -> TransformerLM:

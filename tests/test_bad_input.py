@@ -78,13 +78,13 @@ def test_a_config_that_is_not_an_object_or_too_big_is_one_line(checkpoint, tmp_p
     listed = _variant(checkpoint, tmp_path, "list", config="[1, 2, 3]")
     assert "config.json must hold a JSON object (got list)" in one_line_error(capsys, ntkscope, "ntk", listed)
     config = json.loads((checkpoint / "config.json").read_text())
-    for n_embd, expect in ((10**9, "more than 2^63 bytes"), (65536, "parameters (")):
+    for n_embd, expect in ((10**9, "2.4e+19 parameters (83.3 EiB in float32)"), (65536, "1.0e+11 parameters (386.")):
         huge = _variant(checkpoint, tmp_path, f"huge-{n_embd}", config=json.dumps({**config, "n_embd": n_embd,
                                                                                     "n_head": 1}))
         start = time.perf_counter()
         err = one_line_error(capsys, ntkscope, "-q", "ntk", huge)
         assert "config.json asks for" in err and expect in err and "free" in err, err
-        assert time.perf_counter() - start < 20  # refused from the config, nothing allocated
+        assert time.perf_counter() - start < 5  # refused from the config, nothing allocated
 
 
 def test_the_pickle_refusal_names_the_global(checkpoint, tmp_path, capsys):
@@ -119,7 +119,7 @@ def test_malformed_training_configs_are_one_line(tmp_path, capsys):
     assert "must hold a mapping of settings (got list)" in one_line_error(capsys, cse_train, bad)
     bad.write_text("model: {n_embd: 1000000000, n_head: 1}\nsteps: 2\ndata: {seq_len: 16}\n")
     err = one_line_error(capsys, cse_train, bad, "--out-dir", tmp_path / "never")
-    assert "TrainConfig: model asks for a tensor of more than 2^63 bytes" in err
+    assert "TrainConfig: model asks for 2.4e+19 parameters" in err and "free" in err
 
 
 def _damaged_pack(tmp_path, name, edit):
@@ -229,7 +229,4 @@ def test_quiet_silences_transformers_too(tmp_path):
     shutil.copy(DEFAULT_PACK / "tokenizer.json", tmp_path / "hf" / "tokenizer.json")
     quiet = subprocess.run([sys.executable, "-m", "ntkscope", "-q", "ntk", str(tmp_path / "hf"), "--n", "4",
                             "--seq-len", "16"], capture_output=True, text=True, timeout=300)
-    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
-    loud = subprocess.run([sys.executable, "-m", "ntkscope", "ntk", str(tmp_path / "hf"), "--n", "4",
-                           "--seq-len", "16"], capture_output=True, text=True, timeout=300)
-    assert "Loading weights" in loud.stderr and "INFO" in loud.stderr  # what -q took away
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr  # transformers warns about bos/eos unquieted

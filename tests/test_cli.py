@@ -39,12 +39,16 @@ def test_usage_error_is_exit_code_2():
     (["gc", "CKPT", "--output", "logits"], "--output logits must be a scalar output"),
     (["gc", "CKPT", "--output", "hidden-mean", "--method", "exact"], "--output hidden-mean must be a scalar output"),
 ])
-def test_the_method_table_refuses_what_cannot_run_before_any_work(args, reason):
+def test_the_method_table_refuses_what_cannot_run_before_any_work(args, reason, capsys):
+    from ntkscope.app.cli import main
+
     # CKPT does not exist: the refusal comes from the command line, before anything is loaded
-    proc = _run(*args)
-    assert proc.returncode == 2, proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert len(proc.stderr.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert len(err.strip().splitlines()) == 1
     assert last.startswith(f"ntkscope {args[0]}: error: {reason}")
 
 

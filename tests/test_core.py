@@ -12,6 +12,7 @@ from ntkscope.core.checks import InputError, entry
 from ntkscope.core.files import JsonCache, atomic_path, digest
 from ntkscope.core.lm import causal_pairs, lm_loss, masked_mean
 from ntkscope.runs.families import FAMILIES, family_for_config, family_of, layer_points
+from cse_models import GPT, GPTConfig
 
 
 def test_causal_lm_loss_equals_a_token_loop():
@@ -123,3 +124,23 @@ def test_model_families(gpt, hf_bert):
     assert family_for_config({"hidden": 3}) is None
     with pytest.raises(ValueError, match=r"model must be a model of a known family"):
         family_of(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("spec", [
+    {},
+    {"bias": False, "tie_weights": False},
+    {"sparse": {"kind": "switch", "layers": [1, 2], "n_experts": [3, 2]}},
+    {"sparse": {"kind": "cse", "layers": [1], "n_experts": [4], "module": "attn", "proj_dim": 4}},
+    {"sparse": {"kind": "demix", "layers": [0], "n_experts": [3], "domains": ["a", "b", "c"]}},
+    {"model_type": "bert", "mask_token_id": 3},
+])
+def test_the_size_check_counts_a_models_parameters_from_its_config(spec):
+    from cse_models import BERT, BERTConfig
+    from cse_models.model import parameter_count
+    from ntkscope.core.memory import parameter_count as count_on_meta
+
+    bert = spec.pop("model_type", None) == "bert"
+    config = (BERTConfig if bert else GPTConfig)(vocab_size=100, block_size=16, n_layer=3, n_head=2, n_embd=8, **spec)
+    model = (BERT if bert else GPT)(config)
+    assert parameter_count(config) == sum(p.numel() for p in model.parameters())
+    assert count_on_meta(lambda: (BERT if bert else GPT)(config)) == parameter_count(config)

@@ -71,7 +71,7 @@ def test_frequency_scores_of_random_text(tokenizer, texts, normalisation):
     assert np.isfinite(score[n_tokens > 0]).all() and np.isnan(score[n_tokens == 0]).all()
 
 
-@SETTINGS
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(-1, 8), seq_len=st.integers(-2, 20), seed=st.integers(0, 3))
 def test_load_analysis_data(tokenizer, n, seq_len, seed):
     try:

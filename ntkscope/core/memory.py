@@ -32,11 +32,11 @@ def available_memory_bytes(device=None) -> int:
 def format_bytes(n: float) -> str:
     if not math.isfinite(n):
         return str(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(n) < 1024 or unit == "EiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.1f} EiB"
 
 
 def parameter_count(build) -> float:

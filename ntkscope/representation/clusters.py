@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from kneed import KneeLocator
 from sklearn.base import BaseEstimator, ClusterMixin
 from sklearn.cluster import DBSCAN, KMeans
 from sklearn.neighbors import NearestNeighbors
@@ -61,6 +60,8 @@ def auto_eps(X, min_samples: int) -> float:
     """DBSCAN's eps from the knee (kneedle, ``kneed``) of the sorted distances to each point's
     ``min_samples``-th nearest neighbour; the 90th percentile of those distances when kneedle
     finds no knee."""
+    from kneed import KneeLocator  # imports scipy.signal (0.7 s): only when a knee is asked for
+
     k = min(min_samples, len(X) - 1)
     dist, _ = NearestNeighbors(n_neighbors=k + 1).fit(X).kneighbors(X)
     curve = np.sort(dist[:, -1])
@@ -87,6 +88,8 @@ class ElbowKMeans(ClusterMixin, BaseEstimator):
 
     @entry("ElbowKMeans.fit")
     def fit(self, X, y=None):
+        from kneed import KneeLocator  # imports scipy.signal (0.7 s): only when a knee is asked for
+
         X = check_embeddings(X)
         check_positive_int("k_max", self.k_max)
         if self.k_max > X.shape[0]:

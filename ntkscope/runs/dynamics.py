@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pandas as pd
 from sklearn.decomposition import PCA
-from sklearn.manifold import TSNE
 
 from ntkscope.core.checks import fail
 from ntkscope.core.files import JsonCache, digest
@@ -110,6 +109,8 @@ def cluster_snapshots(run_dir, batch: dict, layer: int, steps, *, labels: pd.Dat
     + the share of each domain and the mean score when those columns are given).
     ``method``: "pca" (scikit-learn) or "tsne" (scikit-learn's TSNE, seeded).
     """
+    from sklearn.manifold import TSNE  # heavy; only for snapshots
+
     if method not in ("pca", "tsne"):
         raise fail("cluster_snapshots", "method", "must be 'pca' or 'tsne'", method)
     chosen = {s: p for s, p in list_checkpoints(run_dir)}
