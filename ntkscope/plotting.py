@@ -17,18 +17,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 from ntkscope.core.files import atomic_path
 from ntkscope.kernel.ntk import cosine_kernel
+
+def _pyplot():
+    """matplotlib.pyplot, imported on first drawing (it costs half a second); the backend is the
+    caller's: the command line chooses Agg, a notebook keeps its own."""
+    import matplotlib.pyplot as plt
+
+    return plt
+
 
 DOMAIN_COLOURS = {"general": "#7f8c8d", "legal": "#c0392b", "biomedical": "#2e86c1"}
 
 
 def save_figure(fig, path, *, formats=("png",), close: bool = True) -> list[Path]:
     """Write ``fig`` as ``path`` with each suffix in ``formats``, atomically; returns the paths."""
+    plt = _pyplot()
     path = Path(path)
     out = []
     for fmt in formats:
@@ -44,6 +51,7 @@ def save_figure(fig, path, *, formats=("png",), close: bool = True) -> list[Path
 
 def domain_sizes(table, *, top: int = 20):
     """Figure 1(a). ``table``: :func:`ntkscope.domain_table` (domain, source, category, percent)."""
+    plt = _pyplot()
     rows = table.head(top).iloc[::-1]
     fig, ax = plt.subplots(figsize=(6.4, 0.28 * len(rows) + 1.2))
     colours = [DOMAIN_COLOURS.get(d, "#95a5a6") for d in rows["domain"]]
@@ -59,6 +67,7 @@ def domain_sizes(table, *, top: int = 20):
 def gc_vs_frequency(table, histogram, *, title: str = ""):
     """Figure 2(a). Bars: % of sentences per frequency bin; line: GC of each bin
     (``table``: left, right, gc; ``histogram``: :func:`ntkscope.score_histogram`)."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     centres = (histogram["left"] + histogram["right"]) / 2
     width = float((histogram["right"] - histogram["left"]).iloc[0]) * 0.9
@@ -76,6 +85,7 @@ def gc_vs_frequency(table, histogram, *, title: str = ""):
 
 def gc_over_steps(frame, *, title: str = ""):
     """Figure 3(a). ``frame``: :func:`ntkscope.gc_series` (step, gc)."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.4))
     ax.plot(frame["step"], frame["gc"], "o-", color="#2c3e50", label="GC of the long tail")
     ax.plot(frame["step"], frame["gc"].abs(), ":", color="#7f8c8d", label="|GC| (the sign follows Σu > 0)")
@@ -90,6 +100,7 @@ def gc_over_steps(frame, *, title: str = ""):
 
 def layer_dynamics(table):
     """Figure 3(b, c). ``table``: :func:`ntkscope.cluster_dynamics` (step, layer, k, inter_distance)."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for layer, rows in table.groupby("layer"):
         axes[0].plot(rows["step"], rows["k"], "o-", ms=3, label=f"layer {layer}")
@@ -108,6 +119,7 @@ def cluster_view(points, *, colour_by: str = "cluster", title: str = ""):
     """Figures 2(b), 4(b), 5(a): a 2-D view (``points``: x, y, and ``colour_by``; one panel per
     ``step`` when there is a step column, two per row), each group annotated with its domain
     make-up. Label -1 (DBSCAN's noise) is drawn grey as "noise"."""
+    plt = _pyplot()
     steps = sorted(points["step"].unique()) if "step" in points else [None]
     cols = min(2, len(steps))
     rows_n = -(-len(steps) // cols)
@@ -135,6 +147,7 @@ def cluster_view(points, *, colour_by: str = "cluster", title: str = ""):
 
 def ntk_heatmap(matrix, labels, *, title: str = ""):
     """Figure 5(b, c): the kernel with samples ordered by label (stable), boundaries marked."""
+    plt = _pyplot()
     labels = np.asarray(labels).astype(str)
     order = np.argsort(labels, kind="stable")
     fig, ax = plt.subplots(figsize=(5, 4.4))
@@ -158,6 +171,7 @@ def ntk_heatmap(matrix, labels, *, title: str = ""):
 def perplexity_vs_frequency(sentences, by_bin, *, title: str = ""):
     """Figure 1(b). ``sentences``: per sentence (domain, score, perplexity); ``by_bin``: left,
     right, n, median_perplexity. Points per sentence (log scale), the binned median as a line."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for domain, rows in sentences.groupby("domain"):
         ax.scatter(rows["score"], rows["perplexity"], s=4, alpha=0.35, color=DOMAIN_COLOURS.get(domain, "#95a5a6"),
@@ -175,6 +189,8 @@ def perplexity_vs_frequency(sentences, by_bin, *, title: str = ""):
 def cse_schematic():
     """Figure 4(a): the CSE layer (docs/design.md §4), drawn: sequence embedding, projection M,
     nearest scaled cluster centre, the chosen expert (a copy of the warmed-up FFN)."""
+    plt = _pyplot()
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
     fig, ax = plt.subplots(figsize=(8, 3.4))
     ax.set_xlim(0, 10)
     ax.set_ylim(0, 4.4)
@@ -214,6 +230,7 @@ def expert_kernels(kernels: dict, summary, *, normalise: bool = True):
     "dense": (n, n)}; ``summary``: expert, n, cse_expert_cosine, dense_cosine. Left: each
     expert's kernel on its own sentences; right: the dense model's kernel on the whole
     batch, ordered by expert. ``normalise``: plot Θ_ij / sqrt(Θ_ii Θ_jj) (cosine)."""
+    plt = _pyplot()
 
     def prep(k):
         return cosine_kernel(k) if normalise else np.asarray(k, dtype=np.float64)
