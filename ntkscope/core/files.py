@@ -137,8 +137,8 @@ class Staging:
         except OSError as err:
             for f in self.out.glob(".*.partial") if self.out.is_dir() else ():
                 f.unlink(missing_ok=True)
-            raise ValueError(f"could not write the results into {self.out} ({err.strerror or err}); "
-                             f"{'the files before it were written: ' + str([p.name for p in written]) if written else 'nothing was written'}") from None
+            done = f"written before the failure: {[p.name for p in written]}" if written else "nothing was written"
+            raise ValueError(f"could not write the results into {self.out} ({err.strerror or err}); {done}") from None
         return written
 
 
