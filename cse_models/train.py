@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -69,6 +70,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     checkpoint_every: int = 100
+    checkpoint_steps: tuple = ()              # extra checkpoints (e.g. dense early ones for GC over training)
     log_every: int = 10
     device: str = "auto"
     bf16: bool = True
@@ -102,6 +104,11 @@ class TrainConfig:
             value = getattr(cfg, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig: {key} must be a positive integer (got {value!r})")
+        extra = cfg.checkpoint_steps
+        if not isinstance(extra, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                                                       for s in extra):
+            raise ValueError(f"TrainConfig: checkpoint_steps must be a list of positive integer steps (got {extra!r})")
+        cfg = dataclasses.replace(cfg, checkpoint_steps=tuple(sorted(set(extra))))
         if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1 or cfg.warmup_steps < 0 or cfg.grad_clip < 0:
             raise ValueError(f"TrainConfig: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, grad_clip >= 0 "
                              f"(got {cfg.lr}, {cfg.min_lr_ratio}, {cfg.warmup_steps}, {cfg.grad_clip})")
@@ -427,7 +434,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
         if rank == 0:
             with open(out_dir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(metrics) + "\n")
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps or done in cfg.checkpoint_steps:
                 last = save_checkpoint(out_dir / "checkpoints" / f"step-{done:06d}", model, opt, sched, done, cfg)
         for callback in callbacks:
             callback(done, metrics)

@@ -64,37 +64,92 @@ def domain_sizes(table, *, top: int = 20):
     return fig
 
 
-def gc_vs_frequency(table, histogram, *, title: str = ""):
-    """Figure 2(a). Bars: % of sentences per frequency bin; line: GC of each bin
-    (``table``: left, right, gc; ``histogram``: :func:`ntkscope.score_histogram`)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+def _flagged(table):
+    return table["flags"].fillna("").astype(str).str.len() > 0 if "flags" in table else table["gc"] != table["gc"]
+
+
+def _gc_panel(ax, table, histogram):
+    """Bars: % of sentences per bin; |GC| per bin with its interval against the null band;
+    mean-gradient consistency with its interval. Hollow markers: a flagged direction."""
     centres = (histogram["left"] + histogram["right"]) / 2
-    width = float((histogram["right"] - histogram["left"]).iloc[0]) * 0.9
-    ax.bar(centres, histogram["percent"], width=width, color="#c9d6ea", label="% of sentences")
-    ax.set_xlabel("sentence frequency score (mean count/max count of its tokens)")
+    ax.bar(centres, histogram["percent"], width=(histogram["right"] - histogram["left"]) * 0.95, color="#e3e9f3",
+           label="% of sentences")
     ax.set_ylabel("% of sentences")
     ax2 = ax.twinx()
-    ax2.plot((table["left"] + table["right"]) / 2, table["gc"], "o-", color="#c0392b", label="GC")
-    ax2.set_ylabel("gradient consistency")
-    ax2.set_ylim(min(-0.05, float(table["gc"].min()) - 0.05), 1.05)
-    ax.set_title(title or "GC against sentence frequency")
-    fig.legend(loc="lower right", bbox_to_anchor=(0.88, 0.15))
+    ax.set_zorder(ax2.get_zorder() - 1)
+    ax.patch.set_visible(False)
+    x = ((table["left"] + table["right"]) / 2).to_numpy()
+    if table["null_high"].notna().any():
+        ax2.bar(x, table["null_high"] - table["null_low"], bottom=table["null_low"],
+                width=(table["right"] - table["left"]) * 0.95, color="#95a5a6", alpha=0.35,
+                label="null: |GC| of random subsets")
+    y = table["abs_gc"].to_numpy()
+    err = [y - table["abs_gc_low"].fillna(table["abs_gc"]), table["abs_gc_high"].fillna(table["abs_gc"]) - y]
+    ax2.errorbar(x, y, yerr=err, fmt="-", color="#c0392b", capsize=3, lw=1.2, label="|GC| of the bin, interval")
+    flagged = _flagged(table).to_numpy()
+    ax2.scatter(x[~flagged], y[~flagged], color="#c0392b", zorder=3, label="direction well defined")
+    ax2.scatter(x[flagged], y[flagged], facecolor="white", edgecolor="#c0392b", zorder=3,
+                label="direction flagged (eigengap, cos(u,1) or sign)")
+    m = table["mean_gradient"].to_numpy()
+    merr = [m - table["mean_gradient_low"].fillna(table["mean_gradient"]),
+            table["mean_gradient_high"].fillna(table["mean_gradient"]) - m]
+    ax2.errorbar(x, m, yerr=merr, fmt="^--", color="#2c3e50", ms=5, capsize=2, lw=1,
+                 label="mean-gradient consistency")
+    ax2.set_ylabel("consistency with the whole set")
+    low = min(0.0, float(np.nanmin(table["mean_gradient_low"].fillna(table["mean_gradient"]))))
+    ax2.set_ylim(low - 0.05, 1.05)
+    ax.set_xlabel("sentence frequency score (mean count/max count of its tokens)")
+    return ax2
+
+
+def gc_vs_frequency(table, histogram, *, title: str = ""):
+    """Figure 2(a). Per frequency bin (``table``: a :func:`ntkscope.gc_by_bins` table; with an
+    ``output`` column, one panel per output): |GC| with its bootstrap interval over the shaded
+    null band of random subsets of the bin's size, and the mean-gradient consistency; bars:
+    % of sentences per bin (``histogram``: :func:`ntkscope.score_histogram`, the same bins)."""
+    plt = _pyplot()
+    outputs = list(dict.fromkeys(table["output"])) if "output" in table else [None]
+    fig, axes = plt.subplots(1, len(outputs), figsize=(6.4 * len(outputs), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], outputs):
+        ax2 = _gc_panel(ax, table if name is None else table[table["output"] == name], histogram)
+        ax.set_title(f"output: {name}" if name else "")
+    fig.suptitle(title or "GC against sentence frequency")
+    handles = [h for a in (axes[0][0], ax2) for h in a.get_legend_handles_labels()[0]]
+    fig.legend(handles, [h.get_label() for h in handles], loc="lower center", ncol=3, fontsize=7,
+               bbox_to_anchor=(0.5, -0.02))
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
 
-def gc_over_steps(frame, *, title: str = ""):
-    """Figure 3(a). ``frame``: :func:`ntkscope.gc_series` (step, gc)."""
+def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: str = ""):
+    """Figure 3(a). ``frame``: a :func:`ntkscope.gc_series` table. |GC| of the long tail with its
+    interval (band) over the null band; filled markers where the signed GC is confident (its
+    value is printed beside), hollow where the direction is flagged; the mean-gradient
+    consistency; the plan's warm-up (``warmup``, chosen by ``rule``) as a dashed line."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    ax.plot(frame["step"], frame["gc"], "o-", color="#2c3e50", label="GC of the long tail")
-    ax.plot(frame["step"], frame["gc"].abs(), ":", color="#7f8c8d", label="|GC| (the sign follows Σu > 0)")
-    peak = frame.loc[frame["gc"].idxmax()]
-    ax.axvline(peak["step"], color="#c0392b", ls="--", lw=1, label=f"peak at step {int(peak['step'])}")
+    fig, ax = plt.subplots(figsize=(6.8, 3.8))
+    steps = frame["step"].to_numpy()
+    if frame["null_high"].notna().any():
+        ax.fill_between(steps, frame["null_low"], frame["null_high"], color="#95a5a6", alpha=0.3,
+                        label="null: |GC| of random subsets")
+    if frame["abs_gc_low"].notna().any():
+        ax.fill_between(steps, frame["abs_gc_low"], frame["abs_gc_high"], color="#e6b0aa", alpha=0.6,
+                        label="|GC| interval")
+    ax.plot(steps, frame["abs_gc"], "-", color="#c0392b", lw=1.2, label="|GC| of the long tail")
+    flagged = _flagged(frame).to_numpy()
+    ax.scatter(steps[~flagged], frame["abs_gc"][~flagged], color="#c0392b", zorder=3, s=18,
+               label="direction well defined")
+    ax.scatter(steps[flagged], frame["abs_gc"][flagged], facecolor="white", edgecolor="#c0392b", zorder=3, s=18,
+               label="direction flagged")
+    ax.plot(steps, frame["mean_gradient"], "^--", color="#2c3e50", ms=3, lw=1, label="mean-gradient consistency")
+    if warmup is not None:
+        ax.axvline(warmup, color="#7d3c98", ls="--", lw=1, label=f"warm-up: step {warmup}" + (f" ({rule})" if rule
+                                                                                              else ""))
     ax.set_xlabel("training step")
-    ax.set_ylabel("gradient consistency")
+    ax.set_ylabel("consistency with the whole set")
+    ax.set_ylim(min(0.0, float(np.nanmin(frame["mean_gradient"]))) - 0.05, 1.05)
     ax.set_title(title or "GC of the long-tail subset over training")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
     return fig
 
 

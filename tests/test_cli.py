@@ -18,7 +18,7 @@ def test_demo_runs_and_writes_its_table(tmp_path):
     assert "gradient consistency of each group" in proc.stdout
     table = pd.read_csv(out)
     assert set(table["by"]) == {"domain", "frequency bin"}
-    assert table["score"].between(-1, 1).all()
+    assert table["gc"].between(-1, 1).all() and (table["abs_gc_low"] <= table["abs_gc"]).all()
     assert table.loc[table.by == "domain", "n_subset"].sum() == 40
 
 

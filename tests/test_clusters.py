@@ -13,7 +13,9 @@ from sklearn.metrics import v_measure_score
 import ntkscope.runs.dynamics as dynamics
 from ntkscope.representation.clusters import AutoDBSCAN, ElbowKMeans, cluster_geometry, jl_guidance, random_projection
 from ntkscope.representation.clusters import layer_separation
-from ntkscope.runs.dynamics import cluster_dynamics, cluster_snapshots, gc_series
+import ntkscope as ns
+from ntkscope.kernel.uncertainty import Resampling
+from ntkscope.runs.dynamics import cluster_dynamics, cluster_snapshots, gc_series, router_stability
 from ntkscope.text.frequency import long_tail_subset
 from ntkscope.representation.plan import Plan, make_plan
 from ntkscope.runs.embeddings import layer_embeddings
@@ -154,21 +156,29 @@ def test_plan_takes_the_best_layers_and_the_gc_peak_and_training_accepts_it(tiny
     run, batch, labels = tiny_run
     table = cluster_dynamics(run, batch, k_max=5, projection_dim=16, cache_dir=tmp_path)
     tail = long_tail_subset(labels["score"])
-    gc = gc_series(run, batch, tail, cache_dir=tmp_path)
+    gc = gc_series(run, batch, tail, cache_dir=tmp_path, resampling=Resampling(resamples=40, null_draws=40))
     assert list(gc["step"]) == [2, 4, 6, 8] and gc["gc"].between(-1, 1).all()
-    plan = make_plan(table, gc, top_k=2)
-    peak = int(gc.loc[gc["gc"].idxmax(), "step"])
-    assert plan.warmup_steps == peak and plan.evidence["scores_at_step"] == peak
-    at_peak = table[table.step == peak].sort_values("separation", ascending=False)
-    assert plan.layers == sorted(at_peak["layer"].head(2).tolist())
+    assert ((gc["abs_gc_low"] <= gc["abs_gc"]) & (gc["abs_gc"] <= gc["abs_gc_high"])).all()
+    stability = router_stability(run, batch, [0, 1, 2], proj_dim=8, min_samples=3, cache_dir=tmp_path)
+    assert list(stability.columns) == ["step", "layer", "n_clusters", "n_noise", "overlap_next"] and len(stability) == 12
+    assert stability["overlap_next"].iloc[-3:].isna().all() and stability["overlap_next"].iloc[:-3].between(-1, 1).all()
+    plan = make_plan(table, gc, top_k=2, stability=stability)
+    peak = ns.gc_peak(gc)
+    if peak["shown"]:
+        assert plan.warmup_steps == peak["step"] and plan.warmup_rule == "gc-peak"
+    else:
+        stable = ns.stable_step(stability, plan.layers)
+        assert plan.warmup_steps == (stable or 8) and plan.warmup_rule == ("stable-clusters" if stable else "window-end")
+    at = table[table.step == plan.evidence["scores_at_step"]].sort_values("separation", ascending=False)
+    assert plan.layers == sorted(at["layer"].head(2).tolist())
     path = plan.save(tmp_path / "plan.json")
-    assert Plan.load(path) == plan and json.loads(path.read_text())["format"] == 1
+    assert Plan.load(path) == plan and json.loads(path.read_text())["format"] == 2
 
     from cse_models.train import TrainConfig, apply_plan
 
     cfg = apply_plan(TrainConfig.from_dict({"plan": str(path), "model": {"n_layer": 3, "sparse": {
         "kind": "cse", "layers": "auto", "module": "auto"}}, "cse": {"warmup_steps": "auto"}}))
-    assert cfg.model["sparse"]["layers"] == plan.layers and cfg.cse["warmup_steps"] == peak
+    assert cfg.model["sparse"]["layers"] == plan.layers and cfg.cse["warmup_steps"] == plan.warmup_steps
     with pytest.raises(ValueError, match="are 'auto' but no plan file is given"):
         apply_plan(TrainConfig.from_dict({"model": {"sparse": {"kind": "cse", "layers": "auto"}}}))
     fraction = make_plan(table[table.step == 8], min_fraction=0.5)
@@ -179,9 +189,11 @@ def test_plan_takes_the_best_layers_and_the_gc_peak_and_training_accepts_it(tiny
 def test_plan_on_a_known_series():
     table = pd.DataFrame({"step": [100] * 4 + [200] * 4 + [300] * 4, "layer": [0, 1, 2, 3] * 3,
                           "separation": [1, 2, 3, 4, 5.0, 0.5, 4.0, 1.0, 9, 9, 9, 9]})
-    gc = pd.DataFrame({"step": [100, 200, 300], "gc": [0.2, 0.7, 0.4]})
+    gc = pd.DataFrame({"step": [100, 200, 300], "abs_gc": [0.2, 0.7, 0.4], "abs_gc_low": [0.1, 0.6, 0.3],
+                       "abs_gc_high": [0.3, 0.8, 0.5], "null_high": 0.5})
     plan = make_plan(table, gc)
     assert plan.warmup_steps == 200 and plan.layers == [0, 2] and plan.chosen_by == "top-2 separation"
+    assert plan.warmup_rule == "gc-peak"
     assert make_plan(table).layers == [0, 1]  # no GC series: the last checkpoint, ties by layer
     assert make_plan(table, gc, min_fraction=0.75).layers == [0, 2]
     with pytest.raises(ValueError, match=r"choose_layers: top_k must be at most the number of layers \(4\)"):

@@ -43,7 +43,8 @@ def checkpoints(tmp_path_factory):
 
 def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
     out = tmp_path / "gc"
-    proc = run("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--out", out, "--dtype", "float64")
+    proc = run("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--binning", "width", "--out", out,
+               "--dtype", "float64")
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["gc.csv", "gc_vs_frequency.png", "histogram.csv", "result.json"]
     table = pd.read_csv(out / "gc.csv")
@@ -53,13 +54,30 @@ def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
     edges = np.histogram(scores, bins=4)[1]  # equal-width bins, as numpy draws them
     labels = np.array([f"bin {b}" for b in np.clip(np.searchsorted(edges, scores, side="right") - 1, 0, 3)])
     expected = ns.gradient_consistency_groups(model, ad.batch, labels, min_count=4, dtype="float64").to_frame()
-    merged = table.merge(expected, on="label")
+    merged = table.merge(expected, on="label", suffixes=("", "_library"))
     assert len(merged) == len(expected) >= 2
-    np.testing.assert_allclose(merged["gc"], merged["score"], rtol=1e-10)
+    for column in ("gc", "abs_gc_low", "abs_gc_high", "null_low", "null_high", "sign_confidence", "mean_gradient"):
+        np.testing.assert_allclose(merged[column], merged[f"{column}_library"], rtol=1e-10)  # same seed, same draws
     assert pd.read_csv(out / "histogram.csv")["count"].sum() == 48
+    assert "versus_null" in proc.stdout and "null band of 200 random subsets" in proc.stdout
     mtime = (out / "result.json").stat().st_mtime_ns
-    again = run("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--out", out, "--dtype", "float64")
+    again = run("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--binning", "width", "--out", out,
+                "--dtype", "float64")
     assert again.returncode == 0 and (out / "result.json").stat().st_mtime_ns == mtime  # reused, not recomputed
+
+
+def test_gc_outputs_side_by_side_in_equal_count_bins(checkpoints, tmp_path):
+    out = tmp_path / "outputs"
+    proc = run("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 3, "--outputs",
+               "loss,centred-true-logit", "--resamples", 30, "--null-draws", 30, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    table = pd.read_csv(out / "gc.csv")
+    assert list(dict.fromkeys(table["output"])) == ["loss", "centred-true-logit"]
+    assert table.groupby("output")["n_subset"].apply(list).map(sorted).tolist() == [[16, 16, 16]] * 2
+    assert (table["abs_gc_low"] <= table["abs_gc"]).all() and (table["abs_gc"] <= table["abs_gc_high"]).all()
+    assert json.loads((out / "result.json").read_text())["options"]["resampling"]["resamples"] == 30
+    bad = run("gc", checkpoints / "gpt", "--n", 48, "--outputs", "loss,logits", "--out", tmp_path / "bad")
+    assert bad.returncode == 1 and "gc_sensitivity: outputs must be one of" in bad.stderr
 
 
 def test_gc_by_label_and_over_a_run(tmp_path):
@@ -74,6 +92,8 @@ def test_gc_by_label_and_over_a_run(tmp_path):
     assert proc.returncode == 0, proc.stderr
     series = pd.read_csv(tmp_path / "over" / "gc_over_steps.csv")
     assert list(series["step"]) == [2, 4] and series["gc"].between(-1, 1).all()
+    assert {"abs_gc_low", "abs_gc_high", "null_low", "null_high", "sign_confidence", "flags"} <= set(series.columns)
+    assert "|GC| peaks at step" in proc.stdout
     assert (tmp_path / "over" / "gc_over_steps.png").stat().st_size > 1000
     labels = run("gc", run_dir / "checkpoints" / "step-000004", "--by", "label", "--n", 64, "--seq-len", 24,
                  "--min-count", 3, "--out", tmp_path / "by-label")

@@ -30,8 +30,11 @@ def test_sign_convention_when_the_sum_is_zero():
     assert list(orient(np.array([0.0, -1.0, 1.0]))) == pytest.approx([0.0, 2 ** -0.5, -(2 ** -0.5)])
 
 
-def test_eigengap_warning_when_top_two_are_close():
-    with pytest.warns(ns.IllDefinedEigenvectorWarning, match="eigengap"):
+def test_eigengap_is_reported_without_a_warning():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the 0.99 warning is gone: GC's statistics judge the direction
         res = ns.top_eigenpair(np.diag([1.0, 0.995, 0.1]))
     assert res.eigengap == pytest.approx(0.995)
 

@@ -52,7 +52,7 @@ def test_per_sample_grads_that_do_not_fit(gpt, lm_batch):
     (dict(chunk_size=0), r"empirical_ntk: chunk_size must be a positive integer or None \(got 0\)"),
     (dict(reduction="mean"), r"empirical_ntk: reduction must be one of"),
     (dict(dtype="float8"), r"empirical_ntk: dtype must be None, a floating torch.dtype"),
-    (dict(output="perplexity"), r"empirical_ntk: output must be 'loss'"),
+    (dict(output="perplexity"), r"empirical_ntk: output must be one of \['loss', 'true-logit'"),
     (dict(blocks="row"), r"empirical_ntk: blocks must be one of"),
     (dict(confidence=1.5), r"empirical_ntk: confidence must be a number strictly between 0 and 1"),
 ])

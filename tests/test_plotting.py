@@ -4,6 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import ntkscope as ns
 from ntkscope import plotting
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.frequency import domain_table, score_histogram
@@ -27,7 +28,11 @@ def test_every_figure_is_labelled_and_saves(pack, tmp_path):
     rng = np.random.default_rng(0)
     scores = rng.uniform(0.05, 0.35, 200)
     hist = score_histogram(scores, bins=6)
-    table = pd.DataFrame({"left": hist["left"], "right": hist["right"], "gc": np.linspace(0.1, 0.9, 6)})
+    J = rng.normal(size=(200, 3)) @ rng.normal(size=(3, 20)) + 0.3 * rng.normal(size=(200, 20))
+    rows = [r.row() for r in ns.kernel_gc(J @ J.T, [np.arange(20 * i, 20 * i + 20) for i in range(6)],
+                                          resampling=ns.Resampling(resamples=30, null_draws=30))]
+    table = pd.DataFrame(rows).assign(left=hist["left"], right=hist["right"])
+    series = pd.DataFrame(rows[:3]).assign(step=[100, 200, 300])
     dynamics = pd.DataFrame([(s, l, 2 + l, 1.0 + 0.1 * s / 100 * l) for s in (100, 200, 300) for l in range(3)],
                             columns=["step", "layer", "k", "inter_distance"])
     points = pd.DataFrame({"step": [1] * 40 + [2] * 40, "x": rng.normal(size=80), "y": rng.normal(size=80),
@@ -35,7 +40,9 @@ def test_every_figure_is_labelled_and_saves(pack, tmp_path):
     figures = {
         "fig1a": plotting.domain_sizes(domain_table(pack.records("all"), top=20)),
         "fig2a": plotting.gc_vs_frequency(table, hist),
-        "fig3a": plotting.gc_over_steps(pd.DataFrame({"step": [100, 200, 300], "gc": [0.2, 0.7, 0.4]})),
+        "fig3a": plotting.gc_over_steps(series, warmup=200, rule="gc-peak"),
+        "fig2a-outputs": plotting.gc_vs_frequency(pd.concat([table.assign(output="loss"),
+                                                             table.assign(output="true-logit")]), hist),
         "fig3bc": plotting.layer_dynamics(dynamics),
         "fig4b": plotting.cluster_view(points),
         "fig5b": plotting.ntk_heatmap(rng.normal(size=(10, 10)), ["a"] * 4 + ["b"] * 6),

@@ -22,14 +22,15 @@ from ntkscope import __version__
 from ntkscope.app import commands
 from ntkscope.app.demo import perplexity, run_demo
 from ntkscope.kernel.methods import METHODS, method_names, unsupported
-from ntkscope.kernel.objectives import OUTPUTS
+from ntkscope.kernel.objectives import OUTPUTS, SCALAR_OUTPUTS
+from ntkscope.kernel.uncertainty import INTERVALS, Resampling
 from ntkscope.reproduction import reproduce
 from ntkscope.runs.checkpoints import is_run_dir
 from ntkscope.runs.families import POINTS
 from ntkscope.runs.gc import GROUPINGS
 from ntkscope.text.corpus.pack import build_pack, load_pack
 from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
-from ntkscope.text.frequency import NORMALISATIONS
+from ntkscope.text.frequency import BINNINGS, NORMALISATIONS
 
 
 def _print_table(title, frame, digits: int = 3):
@@ -43,9 +44,9 @@ def _demo(args) -> int:
     print(f"trained a 2-layer GPT on {result.n_sentences} sentences of the default corpus pack for "
           f"{len(result.losses)} steps: loss {result.losses[0]:.2f} -> {final:.2f} "
           f"(perplexity {perplexity(final):.1f} per BPE token)")
-    cols = ["by", "label", "n_subset", "mean_frequency_score", "score", "eigengap_subset", "method"]
-    _print_table(f"gradient consistency of each group against the whole analysis batch (n={args.n}):",
-                 result.table[cols].rename(columns={"score": "GC", "n_subset": "n"}))
+    cols = ["by", "label", "mean_frequency_score", *GC_COLUMNS]
+    _print_table(f"gradient consistency of each group against the whole analysis batch (n={args.n}, output "
+                 f"{result.output}):", result.table[cols])
     print(f"\ndone in {result.seconds:.0f} s")
     if args.out:
         result.table.to_csv(args.out, index=False)
@@ -121,33 +122,53 @@ def _clusters(args) -> int:
 
 def _plan(args) -> int:
     r = commands.plan_command(args.run_dir, args.data, **_analysis_options(args), module=args.module,
-                              tail_fraction=args.tail_fraction, method=args.method, out=args.out)
+                              tail_fraction=args.tail_fraction, method=args.method, output=args.output,
+                              overlap=args.overlap, out=args.out)
     _print_table("separation per checkpoint and layer:", r["separation"].pivot(
         index="step", columns="layer", values="separation").reset_index())
-    _print_table(f"GC of the long tail (lowest {args.tail_fraction:.0%} frequency scores, n={r['n_tail']}):", r["gc"])
+    _print_table(f"|GC| of the long tail (lowest {args.tail_fraction:.0%} frequency scores, n={r['n_tail']}, output "
+                 f"{args.output}):", r["gc"][["step", *GC_COLUMNS[1:]]])
     plan = r["plan"]
-    print(f"\nplan: CSE layers {plan.layers} ({plan.chosen_by} at step {plan.evidence['scores_at_step']}), "
-          f"warm-up {plan.warmup_steps} steps (the GC peak) -> {args.out}")
+    peak = plan.evidence["gc_peak"]
+    print(f"\n|GC| peak at step {peak['step']}: {'shown' if peak['shown'] else 'not shown'} ({peak['why']})")
+    print(f"plan: CSE layers {plan.layers} ({plan.chosen_by} at step {plan.evidence['scores_at_step']}), "
+          f"warm-up {plan.warmup_steps} steps (rule: {plan.warmup_rule}) -> {args.out}")
     return 0
 
 
+def _resampling(args) -> Resampling:
+    return Resampling(resamples=args.resamples, null_draws=args.null_draws, confidence=args.confidence,
+                      interval=args.interval, seed=args.seed)
+
+
+GC_COLUMNS = ["n_subset", "abs_gc", "abs_gc_low", "abs_gc_high", "null_low", "null_high", "versus_null", "gc_signed",
+              "sign_confidence", "mean_gradient", "flags"]
+
+
 def _gc(args) -> int:
+    outputs = [o.strip() for o in args.outputs.split(",")] if args.outputs else None
     if is_run_dir(args.target):
-        result = commands.gc_run_command(args.target, args.data, n=args.n, method=args.method, seq_len=args.seq_len,
-                                         seed=args.seed, tokenizer=args.tokenizer, out=args.out)
-        _print_table(f"GC of the long tail (n_tail={result['n_tail']} of {result['n']}) at each checkpoint:",
-                     pd.DataFrame(result["series"]))
-        print(f"\npeak at step {result['peak_step']}")
+        result = commands.gc_run_command(args.target, args.data, n=args.n, output=args.output, method=args.method,
+                                         resampling=_resampling(args), seq_len=args.seq_len, seed=args.seed,
+                                         tokenizer=args.tokenizer, out=args.out)
+        _print_table(f"GC of the long tail (n_tail={result['n_tail']} of {result['n']}, output {args.output}) at "
+                     "each checkpoint:", pd.DataFrame(result["series"])[["step", *GC_COLUMNS[1:]]])
+        peak = result["peak"]
+        print(f"\n|GC| peaks at step {peak['step']}: {'shown' if peak['shown'] else 'not shown'} ({peak['why']})")
     else:
-        result = commands.gc_command(args.target, args.data, by=args.by, bins=args.bins, n=args.n,
-                                     min_count=args.min_count, params=args.params, output=args.output,
-                                     method=args.method, dtype=args.dtype, seq_len=args.seq_len, seed=args.seed,
-                                     tokenizer=args.tokenizer, out=args.out)
+        result = commands.gc_command(args.target, args.data, by=args.by, bins=args.bins, binning=args.binning,
+                                     n=args.n, min_count=args.min_count, params=args.params, output=args.output,
+                                     outputs=outputs, method=args.method, dtype=args.dtype, seq_len=args.seq_len,
+                                     seed=args.seed, resampling=_resampling(args), tokenizer=args.tokenizer,
+                                     out=args.out)
         table = pd.DataFrame(result["groups"])
-        cols = [c for c in ("label", "left", "right", "n_subset", "mean_frequency_score", "gc", "eigengap_subset",
-                            "method") if c in table]
+        cols = [c for c in ("output", "label", "left", "right", *GC_COLUMNS) if c in table]
         _print_table(f"GC of each {'frequency bin' if args.by == 'frequency-bins' else 'label'} against the whole "
-                     f"set (n={result['n']}, {result['data']}):", table[cols])
+                     f"set (n={result['n']}, {result['data']}; {args.confidence:.0%} {args.interval} intervals of "
+                     f"{args.resamples} resamples; null band of {args.null_draws} random subsets of each size):",
+                     table[cols])
+        print("\n|GC| is read against the null band (versus_null); gc_signed is blank where the sign is not "
+              "confident; flags name an ill-defined direction (docs/design.md §1.1)")
         if result["skipped"]:
             print(f"\nskipped (fewer than --min-count {args.min_count} sentences): {json.dumps(result['skipped'])}")
     if args.out:
@@ -209,7 +230,8 @@ def _add_model_args(parser, n_default: int, task: str) -> None:
     _add_data_args(parser, n_default)
     parser.add_argument("--params", nargs="+", help="parameter name globs, e.g. 'transformer.h.1.*' (default: all)")
     parser.add_argument("--output", default="loss", choices=list(OUTPUTS),
-                        help="f(x): the sequence's mean token loss (default), or a vector output (trace reduction)")
+                        help="f(x): the sequence's mean token loss (default), the true token's logit, centred or "
+                        "not (a mean over the sequence), or a vector output (trace reduction)")
     _add_method_arg(parser, task)
     parser.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: the model's)")
     parser.add_argument("--out", help="directory for the results (written atomically)")
@@ -278,9 +300,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "ntkscope gc runs/toy-dense --out gc-over-steps/ (every checkpoint of a run)")
     _add_model_args(gc, 256, "eigen")
     gc.add_argument("--by", default="frequency-bins", choices=GROUPINGS,
-                    help="subsets: equal-width frequency-score bins (default) or the data's labels")
+                    help="subsets: frequency-score bins (default) or the data's labels")
     gc.add_argument("--bins", type=int, default=6, help="frequency bins (default 6)")
+    gc.add_argument("--binning", default="count", choices=BINNINGS,
+                    help="equal-count bins (default) or equal-width bins of the frequency score")
     gc.add_argument("--min-count", type=int, default=4, help="smallest subset analysed (default 4)")
+    gc.add_argument("--outputs", help="several scalar outputs side by side, comma-separated, e.g. "
+                    f"{','.join(SCALAR_OUTPUTS)} (a sensitivity view; overrides --output)")
+    gc.add_argument("--resamples", type=int, default=200, help="bootstrap resamples per GC (default 200; 0: none)")
+    gc.add_argument("--null-draws", type=int, default=200,
+                    help="random subsets behind the null band (default 200; 0: none)")
+    gc.add_argument("--confidence", type=float, default=0.9, help="interval and null band level (default 0.9)")
+    gc.add_argument("--interval", default="basic", choices=INTERVALS,
+                    help="bootstrap interval: basic (default) or bca (n more eigendecompositions)")
     gc.set_defaults(run=_gc)
     ntk = sub.add_parser("ntk", help="the empirical NTK of a set of sentences, as .npy and a heatmap",
                          description="Example: ntkscope ntk runs/toy-dense/checkpoints/step-001000 --n 64 "
@@ -309,6 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_analysis_args(plan)
     plan.add_argument("--module", default="ffn", choices=["ffn", "attn"])
     plan.add_argument("--tail-fraction", type=float, default=1 / 3, help="long tail: lowest-score share (default 1/3)")
+    plan.add_argument("--output", default="loss", choices=list(SCALAR_OUTPUTS), help="f(x) for GC (default loss)")
+    plan.add_argument("--overlap", type=float, default=0.8,
+                      help="adjusted Rand index between neighbouring checkpoints' router clusters above which they "
+                      "count as stable (the warm-up's fallback rule; default 0.8)")
     _add_method_arg(plan, "eigen")
     plan.add_argument("--out", default="plan.json", help="the plan file (default plan.json)")
     plan.set_defaults(run=_plan)

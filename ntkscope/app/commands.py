@@ -9,6 +9,7 @@ A re-run with the same options and inputs finds its ``result.json`` and reuses i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -19,14 +20,15 @@ from ntkscope.core.files import Staging, check_output, digest, write_json, write
 from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.params import select_parameters
+from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.plotting import gc_over_steps, gc_vs_frequency, ntk_heatmap, save_figure
 from ntkscope.representation.clusters import layer_separation
-from ntkscope.representation.plan import make_plan
+from ntkscope.representation.plan import gc_peak, make_plan
 from ntkscope.runs.checkpoints import (check_vocab, checkpoint_tokenizer, is_run_dir, list_checkpoints,
                                        load_checkpoint)
-from ntkscope.runs.dynamics import cluster_dynamics, gc_series
+from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_stability
 from ntkscope.runs.embeddings import layer_embeddings
-from ntkscope.runs.gc import gc_by_bins
+from ntkscope.runs.gc import gc_by_bins, gc_sensitivity
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import Record
 from ntkscope.text.frequency import (count_tokens, domain_table, long_tail_subset, score_histogram,
@@ -63,17 +65,20 @@ def memory_note(model, n: int, params=None, dtype=None) -> str:
             "that, else streams or projects it (and says so)")
 
 
-def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int = 6, n: int = 256,
-               min_count: int = 4, params=None, output: str = "loss", method: str = "auto", dtype=None,
-               seq_len: int = 64, seed: int = 0, tokenizer=None, out=None) -> dict:
-    """GC of each subset (frequency bin or label) against the whole set of ``n`` sentences.
+def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int = 6, binning: str = "count",
+               n: int = 256, min_count: int = 4, params=None, output: str = "loss", outputs=None,
+               method: str = "auto", dtype=None, seq_len: int = 64, seed: int = 0,
+               resampling: Resampling = Resampling(), tokenizer=None, out=None) -> dict:
+    """GC of each subset (frequency bin or label) against the whole set of ``n`` sentences, with
+    intervals, sign confidence, conditioning and the null band; ``outputs`` (several scalar
+    outputs) puts them side by side with an ``output`` column.
 
     Writes ``gc.csv``, ``histogram.csv``, ``result.json`` and ``gc_vs_frequency.png`` to ``out``.
     """
     check_output("gc", out)
-    options = dict(checkpoint=str(checkpoint), data=str(data), by=by, bins=bins, n=n, min_count=min_count,
-                   params=params, output=output, method=method, dtype=dtype, seq_len=seq_len, seed=seed,
-                   tokenizer=tokenizer)
+    options = dict(checkpoint=str(checkpoint), data=str(data), by=by, bins=bins, binning=binning, n=n,
+                   min_count=min_count, params=params, output=output, outputs=outputs, method=method, dtype=dtype,
+                   seq_len=seq_len, seed=seed, resampling=dataclasses.asdict(resampling), tokenizer=tokenizer)
     key = digest(options, paths=[checkpoint, *([data] if data not in (None, "default") else [])])
     cached = cached_result(out, key)
     if cached:
@@ -82,8 +87,12 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
     model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
     ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
     log.info("%s", memory_note(model, n, params, dtype))
-    table, hist, skipped = gc_by_bins(model, ad, by=by, bins=bins, min_count=min_count, output=output,
-                                      params=params, method=method, dtype=dtype, seed=seed)
+    common = dict(by=by, bins=bins, binning=binning, min_count=min_count, resampling=resampling, params=params,
+                  method=method, dtype=dtype, seed=seed)
+    if outputs:
+        table, hist, skipped = gc_sensitivity(model, ad, outputs=outputs, **common)
+    else:
+        table, hist, skipped = gc_by_bins(model, ad, output=output, **common)
     result = {"key": key, "options": options, "data": ad.source, "n": n, "groups": table.to_dict("records"),
               "skipped": skipped}
     with Staging(out) as files:
@@ -97,21 +106,25 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
     return result
 
 
-def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1 / 3, method: str = "auto",
-                   seq_len: int = 64, seed: int = 0, tokenizer=None, out=None) -> dict:
+def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1 / 3, output: str = "loss",
+                   method: str = "auto", resampling: Resampling = Resampling(), seq_len: int = 64, seed: int = 0,
+                   tokenizer=None, out=None) -> dict:
     """GC of the long-tail subset (lowest frequency scores) against the whole set at every
-    checkpoint of a run: ``gc_over_steps.csv``, ``result.json`` and ``gc_over_steps.png``."""
+    checkpoint of a run, with its statistics: ``gc_over_steps.csv``, ``result.json`` and
+    ``gc_over_steps.png``. ``peak``: :func:`ntkscope.gc_peak` (step, shown, why)."""
     check_output("gc", out)
     checkpoints = list_checkpoints(run_dir)
     _, tok = load_model_and_tokenizer(checkpoints[-1][1], tokenizer, data)
     ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
-    frame = gc_series(run_dir, ad.batch, tail, method=method)
-    result = {"run": str(run_dir), "data": ad.source, "n": n, "n_tail": len(tail),
-              "peak_step": int(frame.loc[frame["gc"].idxmax(), "step"]), "series": frame.to_dict("records")}
+    frame = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=resampling)
+    peak = gc_peak(frame)
+    result = {"run": str(run_dir), "data": ad.source, "n": n, "n_tail": len(tail), "output": output,
+              "resampling": dataclasses.asdict(resampling), "peak": peak, "series": frame.to_dict("records")}
     with Staging(out) as files:
         frame.to_csv(files.path("gc_over_steps.csv"), index=False)
-        save_figure(gc_over_steps(frame), files.path("gc_over_steps.png"))
+        save_figure(gc_over_steps(frame, warmup=peak["step"] if peak["shown"] else None, rule="gc-peak"),
+                    files.path("gc_over_steps.png"))
         write_json(files.path("result.json"), result)
     result["files"] = files.written
     return result
@@ -220,14 +233,18 @@ def clusters_command(target, data="default", *, tokenizer=None, n: int = 256, se
 
 def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_len: int = 64,
                  point: str = "block", k_max: int = 10, projection_dim: int = 64, top_k: int = 2, seed: int = 0,
-                 module: str = "ffn", tail_fraction: float = 1 / 3, method: str = "auto",
-                 out="plan.json") -> dict:
-    """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``."""
+                 module: str = "ffn", tail_fraction: float = 1 / 3, method: str = "auto", output: str = "loss",
+                 overlap: float = 0.8, proj_dim: int = 32, min_samples: int = 5, out="plan.json") -> dict:
+    """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``:
+    the long tail's GC peak when its statistics show one, else the earliest checkpoint whose
+    router clusters (``proj_dim``, ``min_samples``) are stable (adjusted Rand >= ``overlap``)."""
     check_output("plan", out, kind="file")
     ad = _analysis_sentences(run_dir, data, tokenizer, n, seq_len, seed, run=True)
     table = cluster_dynamics(run_dir, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
-    gc = gc_series(run_dir, ad.batch, tail, method=method)
-    plan = make_plan(table, gc, top_k=top_k, module=module)
+    gc = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=Resampling(seed=seed))
+    ffn_point = "attn_input" if module == "attn" else "ffn_input"
+    plan = make_plan(table, gc, top_k=top_k, module=module, overlap=overlap, stability=lambda layers: router_stability(
+        run_dir, ad.batch, layers, point=ffn_point, proj_dim=proj_dim, min_samples=min_samples, seed=seed))
     plan.save(out)
     return {"separation": table, "gc": gc, "n_tail": len(tail), "plan": plan}

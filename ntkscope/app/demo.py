@@ -26,6 +26,7 @@ import torch
 from cse_models import GPT, GPTConfig
 from ntkscope.core.lm import causal_pairs, lm_loss
 from ntkscope.kernel.consistency import gradient_consistency_groups
+from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import split_sentences
 from ntkscope.text.frequency import bin_edges, bin_of, count_tokens, sentence_scores, token_frequency
@@ -55,17 +56,21 @@ def analysis_batch(frame: pd.DataFrame, n: int, n_tail: int, seed: int) -> pd.Da
 
 @dataclass(frozen=True)
 class DemoResult:
-    """What the demo measured: GC per group, the training curve, sizes and timings."""
+    """What the demo measured: GC per group (with intervals and the null band), the output it
+    used, the training curve, sizes and timings."""
 
     table: pd.DataFrame
     losses: list
     n_sentences: int
     seconds: float
+    output: str = "centred-true-logit"
 
 
 def run_demo(*, steps: int = 800, n: int = 128, n_tail: int = 12, seq_len: int = 48, seed: int = 0,
-             method: str = "auto", pack=None) -> DemoResult:
-    """Train a small GPT on the pack's train sentences, then GC per domain and per frequency bin."""
+             method: str = "auto", output: str = "centred-true-logit", pack=None) -> DemoResult:
+    """Train a small GPT on the pack's train sentences, then GC per domain and per frequency bin
+    (``output``: the centred true-token logit by default, the reproduction's choice: see
+    docs/gc-outputs.md)."""
     start = time.perf_counter()
     torch.manual_seed(seed)
     pack = load_pack(pack)
@@ -100,12 +105,13 @@ def run_demo(*, steps: int = 800, n: int = 128, n_tail: int = 12, seq_len: int =
     labels = [f"freq {edges[b]:.3f}-{edges[b + 1]:.3f}" for b in bins]
     frames = []
     for by, groups in (("domain", list(probe.domain)), ("frequency bin", labels)):
-        frame = gradient_consistency_groups(model, batch, groups, method=method).to_frame()
+        frame = gradient_consistency_groups(model, batch, groups, method=method, output=output,
+                                            resampling=Resampling(seed=seed)).to_frame()
         frame.insert(0, "by", by)
         frame["mean_frequency_score"] = [float(np.mean(scores[np.array(groups) == lab])) for lab in frame.label]
         frames.append(frame)
     table = pd.concat(frames, ignore_index=True)
-    return DemoResult(table, losses, len(train), time.perf_counter() - start)
+    return DemoResult(table, losses, len(train), time.perf_counter() - start, output)
 
 
 def perplexity(loss: float) -> float:

@@ -7,6 +7,11 @@ the demo. Shapes: ``logits`` (B, T, V), ``targets`` (B, T) token ids, ``keep`` (
   (:func:`causal_pairs` shifts the three tensors).
 - Masked LM: the masked positions count; targets elsewhere may be ``-100``
   (``F.cross_entropy``'s ignore index), as :func:`cse_models.data.mask_tokens` writes them.
+
+Per token, a language model gives three scalars of the true token (:data:`TOKEN_VALUES`):
+its cross-entropy (``"loss"``), its logit (``"true-logit"``), and its logit minus the mean
+logit over the vocabulary (``"centred-true-logit"``). Softmax ignores a shift of every logit
+by the same amount; the centred logit removes that direction, the plain logit keeps it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 REDUCTIONS = ("none", "sequence", "sequence-sum", "sum", "mean")
+TOKEN_VALUES = ("loss", "true-logit", "centred-true-logit")
 
 
 def causal_pairs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None):
@@ -42,14 +48,37 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor | No
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
         return F.cross_entropy(logits[keep], targets[keep], reduction=reduction)
     nll = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, T); 0 where target is -100
+    return _reduce(nll, targets, keep, reduction)
+
+
+def token_values(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor | None = None, *,
+                 value: str = "loss", reduction: str = "sequence") -> torch.Tensor:
+    """One of :data:`TOKEN_VALUES` of the true token at the ``keep`` positions, reduced as
+    :func:`lm_loss` reduces (``"none"``, ``"sequence"`` or ``"sequence-sum"``).
+
+    ``"loss"`` is :func:`lm_loss`; ``"true-logit"`` is ``logits[b, t, targets[b, t]]``;
+    ``"centred-true-logit"`` subtracts ``logits[b, t].mean()``. Shapes as for :func:`lm_loss`.
+    """
+    if value == "loss":
+        return lm_loss(logits, targets, keep, reduction=reduction)
+    index = targets.clamp_min(0).unsqueeze(-1)  # -100 (ignored) gathers token 0, zeroed below
+    true = logits.gather(-1, index).squeeze(-1)  # (B, T)
+    if value == "centred-true-logit":
+        true = true - logits.mean(dim=-1)
+    true = torch.where(targets == -100, torch.zeros((), dtype=true.dtype, device=true.device), true)
+    return _reduce(true, targets, keep, reduction)
+
+
+def _reduce(values: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor | None, reduction: str) -> torch.Tensor:
+    """(B, T) per-token values, 0 where the target is -100 -> "none" (B, T), "sequence-sum" or "sequence" (B,)."""
     if keep is not None:
-        nll = torch.where(keep, nll, torch.zeros((), dtype=nll.dtype, device=nll.device))
+        values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
     if reduction == "none":
-        return nll
+        return values
     if reduction == "sequence-sum":
-        return nll.sum(1)
+        return values.sum(1)
     count = keep.sum(1) if keep is not None else (targets != -100).sum(1)
-    return nll.sum(1) / count.to(nll.dtype)
+    return values.sum(1) / count.to(values.dtype)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -11,13 +11,15 @@ When the whole set's kernel Theta is at hand (methods ``"exact"`` and
 
     GC(X') = u^T Theta[:, S] u' / sqrt(lambda lambda')
 
-and every subset costs only an eigendecomposition of ``Theta[S, S]``. The
-matrix-free method computes the two directions by weighted backward passes.
+and every subset costs only an eigendecomposition of ``Theta[S, S]``; so do its bootstrap
+interval, sign confidence and null band (:mod:`ntkscope.kernel.uncertainty`). The
+matrix-free method computes the two directions, and the two mean gradients, by weighted
+backward passes; without a kernel it reports the point value, the conditioning and the
+mean-gradient consistency, and no interval or null band.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,12 +28,13 @@ import pandas as pd
 import torch
 
 from ntkscope.core.checks import InputError, entry
-from ntkscope.kernel.eigen import EigenResult, dense_top_eigenpair
+from ntkscope.kernel.eigen import EigenResult
 from ntkscope.kernel.grads import functional_model, vjp_rows
 from ntkscope.kernel.methods import solve_top
 from ntkscope.kernel.ntk import prepare_scalar
 from ntkscope.kernel.objectives import batch_size, take
 from ntkscope.kernel.options import KernelOptions
+from ntkscope.kernel.uncertainty import GCResult, Resampling, conditioning_flags, kernel_statistics
 
 
 @dataclass(frozen=True)
@@ -64,38 +67,6 @@ class DirectionResult:
 
 
 @dataclass(frozen=True)
-class GCResult:
-    """Gradient consistency of one subset against the whole set.
-
-    Attributes
-    ----------
-    score : float
-        ``cos(g(X), g(X'))`` in [-1, 1].
-    eigenvalue, eigengap : float
-        lambda_1 and lambda_2 / lambda_1 of the whole set's NTK.
-    eigenvalue_subset, eigengap_subset : float
-        The same for the subset's own NTK.
-    n, n_subset : int
-    method : {"exact", "matrix-free", "projected"}
-    label : object
-        The subset's label when subsets were given by label, else None.
-    """
-
-    score: float
-    eigenvalue: float
-    eigengap: float
-    eigenvalue_subset: float
-    eigengap_subset: float
-    n: int
-    n_subset: int
-    method: str
-    dtype: torch.dtype
-    output: str
-    label: object = None
-    matvecs: int = 0
-
-
-@dataclass(frozen=True)
 class GCGroups:
     """GC of every group of a labelling against the whole set.
 
@@ -111,14 +82,10 @@ class GCGroups:
     skipped: dict = field(default_factory=dict)
 
     def to_frame(self):
-        """A pandas DataFrame, one row per group: label, score, n_subset, eigenvalues, eigengaps, method."""
-        rows = [
-            dict(label=label, score=r.score, n_subset=r.n_subset, n=r.n, eigenvalue=r.eigenvalue,
-                 eigenvalue_subset=r.eigenvalue_subset, eigengap=r.eigengap, eigengap_subset=r.eigengap_subset,
-                 method=r.method)
-            for label, r in self.results.items()
-        ]
-        return pd.DataFrame(rows)
+        """A pandas DataFrame, one :meth:`GCResult.row` per group: label, gc and its interval,
+        abs_gc and its interval, the null band, versus_null, sign_confidence, gc_signed,
+        mean_gradient and its interval, flags, sizes, eigenvalues, eigengaps, cos_ones, method."""
+        return pd.DataFrame([r.row() for r in self.results.values()])
 
 
 def subset_indices(subset, n: int, labels=None) -> np.ndarray:
@@ -163,6 +130,11 @@ def _clip(x: float) -> float:
     return float(min(1.0, max(-1.0, x)))
 
 
+def _check_resampling(resampling) -> None:
+    if resampling is not None and not isinstance(resampling, Resampling):
+        raise InputError("resampling", "must be a Resampling or None", type(resampling).__name__)
+
+
 @entry("principal_direction")
 def principal_direction(model, batch, *, options: KernelOptions | None = None, **fields) -> DirectionResult:
     """The primary gradient direction ``g(X) = u_max^T J(X)`` of shape (P,), by one weighted backward.
@@ -182,39 +154,42 @@ def principal_direction(model, batch, *, options: KernelOptions | None = None, *
         return DirectionResult(g, eig, fm.selection.names, fm.selection.shapes, used)
 
 
-def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptions) -> list:
+def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptions, resampling) -> list:
     """GC of each index array in ``subsets`` against the whole batch; the whole set is solved once."""
     with functional_model(model, opts) as fm:
         data, n, chunk, budget = prepare_scalar(fm, batch, opts)
         whole, kernel, used = solve_top(fm, data, n, chunk, budget, opts)
-        common = dict(eigenvalue=whole.eigenvalue, eigengap=whole.eigengap, n=n, method=used, dtype=fm.dtype,
-                      output=fm.objective.name)
-        results = []
+        common = dict(method=used, dtype=fm.dtype, output=fm.objective.name)
         if kernel is not None:
             K = kernel.detach().double().cpu().numpy()  # (n, n)
-            u = whole.eigenvector
-            for idx, label in zip(subsets, names):
-                sub = dense_top_eigenpair(K[np.ix_(idx, idx)])
-                score = u @ K[:, idx] @ sub.eigenvector / math.sqrt(whole.eigenvalue * sub.eigenvalue)
-                results.append(GCResult(score=_clip(score), eigenvalue_subset=sub.eigenvalue,
-                                        eigengap_subset=sub.eigengap, n_subset=len(idx), label=label, **common))
-            return results
+            stats = kernel_statistics(K, list(subsets), resampling)
+            return [GCResult(label=label, **common, **fields) for fields, label in zip(stats, names)]
         u = torch.as_tensor(whole.eigenvector, dtype=fm.dtype, device=fm.device)
         g = vjp_rows(fm, data, u, chunk)  # (P,)
+        mean = vjp_rows(fm, data, torch.full((n,), 1.0 / n, dtype=fm.dtype, device=fm.device), chunk)  # (P,)
+        cos_ones = float(whole.eigenvector.sum() / n ** 0.5)
+        results = []
         for idx, label in zip(subsets, names):
+            m = len(idx)
             sub_data = take(data, torch.as_tensor(idx, device=fm.device))
-            sub, _, _ = solve_top(fm, sub_data, len(idx), chunk, budget, opts, method="matrix-free")
+            sub, _, _ = solve_top(fm, sub_data, m, chunk, budget, opts, method="matrix-free")
             u_s = torch.as_tensor(sub.eigenvector, dtype=fm.dtype, device=fm.device)
             g_s = vjp_rows(fm, sub_data, u_s, chunk)
-            results.append(GCResult(score=_clip(_cos(g, g_s)), eigenvalue_subset=sub.eigenvalue,
-                                    eigengap_subset=sub.eigengap, n_subset=len(idx), label=label,
-                                    matvecs=whole.matvecs + sub.matvecs, **common))
+            mean_s = vjp_rows(fm, sub_data, torch.full((m,), 1.0 / m, dtype=fm.dtype, device=fm.device), chunk)
+            cos_sub = float(sub.eigenvector.sum() / m ** 0.5)
+            flags = () if resampling is None else conditioning_flags(whole.eigengap, cos_ones, sub.eigengap, cos_sub,
+                                                                     resampling)
+            results.append(GCResult(
+                score=_clip(_cos(g, g_s)), eigenvalue=whole.eigenvalue, eigengap=whole.eigengap, cos_ones=cos_ones,
+                eigenvalue_subset=sub.eigenvalue, eigengap_subset=sub.eigengap, cos_ones_subset=cos_sub,
+                mean_gradient=_clip(_cos(mean, mean_s)), n=n, n_subset=m, label=label, flags=flags,
+                resampling=resampling, matvecs=whole.matvecs + sub.matvecs, **common))
         return results
 
 
 @entry("gradient_consistency")
-def gradient_consistency(model, batch, subset, *, labels=None, options: KernelOptions | None = None,
-                         **fields) -> GCResult:
+def gradient_consistency(model, batch, subset, *, labels=None, resampling: Resampling | None = Resampling(),
+                         options: KernelOptions | None = None, **fields) -> GCResult:
     """Gradient consistency ``GC(X') = cos(g(X), g(X'))`` of a subset of ``batch``.
 
     Parameters
@@ -225,6 +200,12 @@ def gradient_consistency(model, batch, subset, *, labels=None, options: KernelOp
         The subset X' (at least 2 samples). A label needs ``labels``.
     labels : array-like of shape (n,), optional
         One label per sample; ``subset`` is then the label of X'.
+    resampling : Resampling or None
+        The bootstrap interval, sign confidence, null band and flag thresholds
+        (:class:`~ntkscope.Resampling`; default 200 resamples, 200 null draws, 90 %, basic,
+        seed 0). They come from the kernel (methods "exact" and "projected") and cost
+        eigendecompositions only; the matrix-free method reports the conditioning flags but
+        no interval or band. ``None``: the point value and conditioning only.
     options, **fields
         :class:`~ntkscope.KernelOptions` or its fields. ``method``: "auto" (exact when J fits
         in memory, else matrix-free), "exact", "matrix-free" or "projected".
@@ -234,26 +215,30 @@ def gradient_consistency(model, batch, subset, *, labels=None, options: KernelOp
     GCResult
     """
     opts = KernelOptions.build(options, **fields)
+    _check_resampling(resampling)
     n = batch_size(batch)
     idx = subset_indices(subset, n, labels)
-    (result,) = _gc_many(model, batch, [idx], [subset if labels is not None else None], opts)
+    (result,) = _gc_many(model, batch, [idx], [subset if labels is not None else None], opts, resampling)
     return result
 
 
 @entry("gradient_consistency_groups")
-def gradient_consistency_groups(model, batch, labels, *, min_count=2, options: KernelOptions | None = None,
-                                **fields) -> GCGroups:
+def gradient_consistency_groups(model, batch, labels, *, min_count=2, resampling: Resampling | None = Resampling(),
+                                options: KernelOptions | None = None, **fields) -> GCGroups:
     """GC of every group of ``labels`` (e.g. frequency bins, domains) against the whole batch.
 
     The whole set's NTK and eigenvector are computed once. Groups with fewer than
-    ``min_count`` samples (at least 2) are skipped and reported. ``options`` / ``**fields``
-    as for :func:`gradient_consistency`.
+    ``min_count`` samples (at least 2) are skipped and reported. The bootstrap resamples
+    every group within itself (and the rest of the set within itself), so all groups' intervals
+    come from the same resamples. ``resampling``, ``options`` / ``**fields`` as for
+    :func:`gradient_consistency`.
 
     Returns
     -------
     GCGroups
     """
     opts = KernelOptions.build(options, **fields)
+    _check_resampling(resampling)
     n = batch_size(batch)
     labels = _as_array(labels)
     if labels.shape != (n,):
@@ -269,5 +254,5 @@ def gradient_consistency_groups(model, batch, labels, *, min_count=2, options: K
             skipped[label] = int(idx.size)
     if not kept:
         raise InputError("labels", f"has no group with at least min_count={min_count} samples; group sizes", skipped)
-    results = _gc_many(model, batch, [i for _, i in kept], [lab for lab, _ in kept], opts)
+    results = _gc_many(model, batch, [i for _, i in kept], [lab for lab, _ in kept], opts, resampling)
     return GCGroups({r.label: r for r in results}, skipped)

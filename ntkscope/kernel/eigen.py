@@ -11,14 +11,14 @@ all-ones start vector were measured to need 5-7 matvecs where scipy's default
 loosely solved deflated operator.
 
 Conventions (docs/design.md §1): ``u`` has unit norm and ``sum(u) > 0`` (if the sum
-is 0, the first non-zero entry is positive). ``eigengap = lambda_2 / lambda_1``;
-above 0.99 a warning says ``u`` is ill-defined.
+is 0, the first non-zero entry is positive). ``eigengap = lambda_2 / lambda_1``, reported
+with every eigenpair; how far ``u`` can be trusted is a statistic of gradient consistency
+(:mod:`ntkscope.kernel.uncertainty`), not a warning here.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,12 +31,7 @@ from ntkscope.kernel.grads import FunctionalModel, jvp_rows, vjp_rows
 
 log = logging.getLogger(__name__)
 
-EIGENGAP_WARNING = 0.99
 _DENSE_BELOW = 6  # Lanczos needs ncv < n; a handful of matvecs materialise such small kernels exactly
-
-
-class IllDefinedEigenvectorWarning(UserWarning):
-    """lambda_2 / lambda_1 > 0.99: the top eigenvector is not well defined."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +47,7 @@ class EigenResult:
     second_eigenvalue : float
         lambda_2 (0 for n = 1).
     eigengap : float
-        lambda_2 / lambda_1 (docs/design.md's definition: near 1 means u_max is ill-defined).
+        lambda_2 / lambda_1 (near 1: two near-equal directions, u_max is ill-defined).
     method : {"dense", "matrix-free"}
     matvecs : int
         Kernel-vector products spent (0 for dense).
@@ -83,9 +78,6 @@ def _result(lam1, lam2, u, method, matvecs) -> EigenResult:
         raise InputError("batch", "has an NTK with no positive eigenvalue (all gradients are zero); lambda_max",
                          float(lam1))
     gap = float(max(lam2, 0.0) / lam1)
-    if gap > EIGENGAP_WARNING:
-        warnings.warn(f"eigengap lambda_2/lambda_1 = {gap:.4f} > {EIGENGAP_WARNING}: the top eigenvector "
-                      "is ill-defined (two near-equal directions)", IllDefinedEigenvectorWarning, stacklevel=3)
     return EigenResult(float(lam1), orient(u), float(lam2), gap, method, matvecs)
 
 

@@ -128,8 +128,8 @@ def unsupported(task: str, method: str, *, scalar: bool) -> tuple[str, str] | No
     """Why ``method`` cannot do ``task`` for a scalar or vector output, as (argument, rule it breaks),
     or None when it can."""
     if task == "eigen" and not scalar:
-        return ("output", "must be a scalar output ('loss', an LMLoss or a callable returning (n,)) for an "
-                          "eigenvector over samples")
+        return ("output", "must be a scalar output ('loss', 'true-logit', 'centred-true-logit', an LMLoss or a "
+                          "callable returning (n,)) for an eigenvector over samples")
     if method == "auto":
         return None
     spec = METHODS[method]

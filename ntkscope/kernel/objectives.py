@@ -18,6 +18,9 @@ Outputs (docs/design.md §1):
   LM: next-token loss over pairs of real tokens. Masked LM: loss on a masked set
   chosen by a seeded RNG keyed on the sample's tokens, so ``f`` is a function of
   the sample. Padding never counts. Shape ``(n,)``.
+- ``"true-logit"`` / ``"centred-true-logit"``: the same positions and mean, of the true
+  token's logit (minus the mean logit over the vocabulary, for the centred one);
+  :data:`ntkscope.core.lm.TOKEN_VALUES`. Shape ``(n,)``.
 - ``"logits"``: the model's output; ``(n, K)`` as is, ``(n, T, V)`` averaged over
   real tokens to ``(n, V)``. ``"hidden-mean"``: the last hidden state averaged
   over real tokens, ``(n, d)`` (encoders without a head).
@@ -36,10 +39,10 @@ import torch
 import torch.nn as nn
 
 from ntkscope.core.checks import InputError, check_choice, check_fraction, check_positive_int, entry
-from ntkscope.core.lm import causal_pairs, lm_loss, masked_mean
+from ntkscope.core.lm import TOKEN_VALUES, causal_pairs, masked_mean, token_values
 
 _NON_MODEL_KEYS = ("labels", "label")
-SCALAR_OUTPUTS = ("loss",)
+SCALAR_OUTPUTS = TOKEN_VALUES
 VECTOR_OUTPUTS = ("logits", "hidden-mean")
 #: The built-in outputs by name: True for scalar (one value per sample), False for vector.
 OUTPUTS = {**{name: True for name in SCALAR_OUTPUTS}, **{name: False for name in VECTOR_OUTPUTS}}
@@ -47,10 +50,14 @@ OUTPUTS = {**{name: True for name in SCALAR_OUTPUTS}, **{name: False for name in
 
 @dataclass(frozen=True)
 class LMLoss:
-    """Per-sequence mean token cross-entropy (``output="loss"``).
+    """A language model's per-sequence scalar: by default the mean token cross-entropy
+    (``output="loss"``); ``value`` picks the true token's logit instead.
 
     Parameters
     ----------
+    value : {"loss", "true-logit", "centred-true-logit"}
+        The per-token value averaged over the sequence's predicted positions
+        (``output="true-logit"`` is ``LMLoss(value="true-logit")``).
     objective : {"auto", "causal", "masked"}
         ``"auto"`` tells a causal model from a bidirectional one by whether the
         first position's output changes when a later token does.
@@ -67,10 +74,12 @@ class LMLoss:
     mask_token_id: int | None = None
     mask_prob: float = 0.15
     seed: int = 0
+    value: str = "loss"
 
     @entry("LMLoss")
     def __post_init__(self):
         check_choice("objective", self.objective, {"auto", "causal", "masked"})
+        check_choice("value", self.value, TOKEN_VALUES)
         check_fraction("mask_prob", self.mask_prob)
 
 
@@ -164,7 +173,8 @@ def _token_inputs(model: nn.Module, batch, *, need_ids: bool) -> tuple:
 
 
 class CausalLMLoss(Objective):
-    name = "loss"
+    def __init__(self, value: str = "loss"):
+        self.name = value
 
     def prepare(self, model, batch):
         inputs, mask = _token_inputs(model, batch, need_ids=True)
@@ -178,14 +188,13 @@ class CausalLMLoss(Objective):
     def evaluate(self, run, data):
         logits = primary_output(run(data["inputs"]))  # (m, T, V)
         logits, targets, keep = causal_pairs(logits, data["aux"]["targets"], data["aux"]["mask"])
-        return lm_loss(logits, targets, keep, reduction="sequence")  # (m,)
+        return token_values(logits, targets, keep, value=self.name)  # (m,)
 
 
 class MaskedLMLoss(Objective):
-    name = "loss"
-
     def __init__(self, spec: LMLoss, mask_token_id: int):
         self.spec = spec
+        self.name = spec.value
         self.mask_token_id = mask_token_id
 
     def prepare(self, model, batch):
@@ -210,7 +219,7 @@ class MaskedLMLoss(Objective):
 
     def evaluate(self, run, data):
         logits = primary_output(run(data["inputs"]))  # (m, T, V)
-        return lm_loss(logits, data["aux"]["targets"], data["aux"]["mask"], reduction="sequence")  # (m,)
+        return token_values(logits, data["aux"]["targets"], data["aux"]["mask"], value=self.name)  # (m,)
 
 
 class VectorOutput(Objective):
@@ -271,18 +280,18 @@ class _CallableModule(nn.Module):
 def resolve_output(output, model: nn.Module) -> Objective:
     """Turn the user's ``output=`` into an :class:`Objective`."""
     if isinstance(output, str):
-        if output == "loss":
-            output = LMLoss()
+        if output in SCALAR_OUTPUTS:
+            output = LMLoss(value=output)
         elif output in VECTOR_OUTPUTS:
             return VectorOutput(output)
         else:
-            raise InputError("output", f"must be 'loss', {' or '.join(map(repr, VECTOR_OUTPUTS))}, an LMLoss or a callable", output)
+            raise InputError("output", f"must be one of {list(OUTPUTS)}, an LMLoss or a callable", output)
     if isinstance(output, LMLoss):
         objective = output.objective
         if objective == "auto":
             objective = "causal" if is_causal(model) else "masked"
         if objective == "causal":
-            return CausalLMLoss()
+            return CausalLMLoss(output.value)
         token = output.mask_token_id
         if token is None:
             token = getattr(getattr(model, "config", None), "mask_token_id", None)
@@ -292,7 +301,7 @@ def resolve_output(output, model: nn.Module) -> Objective:
         return MaskedLMLoss(output, int(token))
     if callable(output):
         return CallableOutput(output)
-    raise InputError("output", "must be 'loss', 'logits', 'hidden-mean', an LMLoss or a callable", type(output).__name__)
+    raise InputError("output", f"must be one of {list(OUTPUTS)}, an LMLoss or a callable", type(output).__name__)
 
 
 # ---- batches: a tensor or a dict of tensors, all with leading dimension n ----------------------

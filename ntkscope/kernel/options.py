@@ -38,7 +38,7 @@ class KernelOptions:
 
     Attributes
     ----------
-    output : "loss", "logits", "hidden-mean", LMLoss or callable
+    output : "loss", "true-logit", "centred-true-logit", "logits", "hidden-mean", LMLoss or callable
         What f is (:mod:`ntkscope.kernel.objectives`).
     params : None, glob(s) or module(s)
         The Jacobian's columns (:func:`ntkscope.select_parameters`).

@@ -4,7 +4,14 @@
 - Layers: the largest separation scores (top-k, default 2), or every layer whose score is
   at least ``min_fraction`` of the best. Scores are taken at the checkpoint closest to the
   warm-up's end when a series is given (that is when CSE layers are built).
-- Warm-up: the step where the GC of the long-tail subset against the whole set peaks.
+- Warm-up, by the first rule that decides (the plan records which, with its evidence):
+  1. ``"gc-peak"``: the checkpoint where the long tail's |GC| peaks, when its statistics show a
+     peak (:func:`gc_peak`);
+  2. ``"stable-clusters"``: else the earliest checkpoint whose router clusters, at every chosen
+     layer, have the same count as at the next checkpoint and an adjusted Rand index with it
+     of at least ``overlap`` (:func:`stable_step`; the table comes from
+     :func:`ntkscope.runs.dynamics.router_stability`);
+  3. ``"window-end"``: else the last checkpoint considered.
 
 A plan is a small JSON file that ``cse_models`` training reads directly: a config with
 ``plan: PLAN.json`` and ``sparse.layers: auto`` / ``cse.warmup_steps: auto`` takes both.
@@ -13,6 +20,7 @@ A plan is a small JSON file that ``cse_models`` training reads directly: a confi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,20 +29,25 @@ import pandas as pd
 from ntkscope.core.checks import check_positive_int, entry, fail
 from ntkscope.core.files import write_json
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
+GC_COLUMNS = ("step", "abs_gc", "abs_gc_low", "abs_gc_high", "null_high")
 
 
 @dataclass(frozen=True)
 class Plan:
     """layers: chosen block indices; module: "ffn" or "attn"; warmup_steps (None without a GC
-    series); chosen_by: the rule; evidence: {"separation": [{"layer", "separation"}],
-    "scores_at_step", "gc": [{"step", "gc"}]}."""
+    series or a stability table); chosen_by: the layer rule; warmup_rule: "gc-peak",
+    "stable-clusters", "window-end" or None; evidence: {"separation": [{"layer",
+    "separation"}], "scores_at_step", "gc": [per checkpoint: step, abs_gc, interval, null band,
+    ...], "gc_peak": {"step", "shown", "why"}, "stability": [{"step", "layer", "n_clusters",
+    "overlap_next"}], "overlap"}."""
 
     layers: list
     module: str
     warmup_steps: int | None
     chosen_by: str
     evidence: dict = field(default_factory=dict)
+    warmup_rule: str | None = None
 
     def save(self, path: str | Path) -> Path:
         return write_json(path, {"format": PLAN_FORMAT, **asdict(self)})
@@ -45,17 +58,60 @@ class Plan:
         if not path.is_file():
             raise FileNotFoundError(f"Plan.load: {path} does not exist")
         data = json.loads(path.read_text())
-        if data.pop("format", None) != PLAN_FORMAT:
-            raise fail("Plan.load", "path", f"must hold a plan of format {PLAN_FORMAT}", str(path))
+        if data.pop("format", None) not in (1, PLAN_FORMAT):
+            raise fail("Plan.load", "path", f"must hold a plan of format 1 or {PLAN_FORMAT}", str(path))
         return cls(**data)
 
 
-def warmup_at_gc_peak(gc: pd.DataFrame) -> int:
-    """The step of the largest GC (the first, on ties)."""
-    if gc is None or len(gc) == 0 or not {"step", "gc"} <= set(gc.columns):
-        raise fail("warmup_at_gc_peak", "gc", "must be a table with columns step and gc, one row per checkpoint",
-                   None if gc is None else list(gc.columns))
-    return int(gc.loc[gc["gc"].idxmax(), "step"])
+@entry("gc_peak")
+def gc_peak(gc: pd.DataFrame) -> dict:
+    """The checkpoint where |GC| of the long tail peaks, and whether the statistics show it.
+
+    ``gc``: a :func:`ntkscope.gc_series` table (columns step, abs_gc, abs_gc_low, abs_gc_high,
+    null_high), one row per checkpoint. The peak is shown when all three hold:
+    it is neither the first nor the last checkpoint; its |GC| is above its null band; and the
+    low end of its interval is above the high end of the intervals at the first and at the last
+    checkpoint (a rise, then a fall, larger than the noise). Returns {"step", "shown", "why"}.
+    """
+    missing = [c for c in GC_COLUMNS if gc is None or c not in gc.columns]
+    if gc is None or len(gc) == 0 or missing:
+        raise fail("gc_peak", "gc", f"must be a gc_series table with columns {list(GC_COLUMNS)}, one row per "
+                   "checkpoint", None if gc is None else list(gc.columns))
+    gc = gc.sort_values("step").reset_index(drop=True)
+    at = int(gc["abs_gc"].idxmax())
+    peak, first, last = gc.iloc[at], gc.iloc[0], gc.iloc[-1]
+    step = int(peak["step"])
+    reasons = []
+    if at in (0, len(gc) - 1):
+        reasons.append(f"the largest |GC| is at the {'first' if at == 0 else 'last'} checkpoint (no rise and fall)")
+    if not peak["abs_gc"] > peak["null_high"]:
+        reasons.append(f"|GC| {peak['abs_gc']:.3f} is not above its null band (high end {peak['null_high']:.3f})")
+    for name, row in (("first", first), ("last", last)):
+        if at not in (0, len(gc) - 1) and not peak["abs_gc_low"] > row["abs_gc_high"]:
+            reasons.append(f"its interval's low end {peak['abs_gc_low']:.3f} is not above the {name} checkpoint's "
+                           f"high end {row['abs_gc_high']:.3f}")
+    shown = not reasons and not math.isnan(float(peak["abs_gc_low"]))
+    why = "; ".join(reasons) if reasons else ("rise and fall beyond the intervals, above the null" if shown
+                                               else "no interval")
+    return {"step": step, "shown": shown, "why": why}
+
+
+@entry("stable_step")
+def stable_step(stability: pd.DataFrame, layers, *, overlap: float = 0.8) -> int | None:
+    """The earliest step at which, for every one of ``layers``, the router has the same number
+    of clusters as at the next checkpoint and their adjusted Rand index is at least ``overlap``
+    (``stability``: step, layer, n_clusters, overlap_next); None when no step qualifies."""
+    if not 0 < overlap <= 1:
+        raise fail("stable_step", "overlap", "must be in (0, 1]", overlap)
+    table = stability[stability["layer"].isin(list(layers))].sort_values(["step", "layer"])
+    steps = sorted(table["step"].unique())
+    for now, after in zip(steps, steps[1:]):
+        a = table[table["step"] == now].set_index("layer")
+        b = table[table["step"] == after].set_index("layer")
+        if all(layer in a.index and layer in b.index and a.at[layer, "n_clusters"] == b.at[layer, "n_clusters"]
+               and a.at[layer, "overlap_next"] >= overlap for layer in layers):
+            return int(now)
+    return None
 
 
 @entry("choose_layers")
@@ -75,25 +131,44 @@ def choose_layers(separation: pd.DataFrame, *, top_k: int | None = 2, min_fracti
     return [int(x) for x in (chosen["layer"] if min_fraction is not None else chosen["layer"].head(top_k))]
 
 
-def make_plan(separation: pd.DataFrame, gc: pd.DataFrame | None = None, *, top_k: int | None = 2,
-              min_fraction: float | None = None, module: str = "ffn") -> Plan:
+def make_plan(separation: pd.DataFrame, gc: pd.DataFrame | None = None, *, stability=None, overlap: float = 0.8,
+              top_k: int | None = 2, min_fraction: float | None = None, module: str = "ffn") -> Plan:
     """A plan from a separation table (one model, or a series with a ``step`` column) and,
-    optionally, a GC-over-checkpoints series of the long-tail subset."""
+    optionally, the long tail's GC over checkpoints (a :func:`ntkscope.gc_series` table) and the
+    router's stability (a :func:`ntkscope.runs.dynamics.router_stability` table, or a callable
+    ``layers -> table``, called only when the GC peak does not decide). The steps of ``gc`` (or
+    of ``stability``) are the window the warm-up is chosen from."""
     if module not in ("ffn", "attn"):
         raise fail("make_plan", "module", "must be 'ffn' or 'attn'", module)
     if not {"layer", "separation"} <= set(separation.columns):
         raise fail("make_plan", "separation", "must have columns layer and separation", list(separation.columns))
-    warmup = warmup_at_gc_peak(gc) if gc is not None else None
-    at_step = None
-    table = separation
+    evidence = {}
+    warmup, rule = None, None
+    if gc is not None:
+        evidence["gc_peak"] = gc_peak(gc)
+        evidence["gc"] = json.loads(gc.to_json(orient="records"))
+        if evidence["gc_peak"]["shown"]:
+            warmup, rule = evidence["gc_peak"]["step"], "gc-peak"
+    window = sorted(gc["step"]) if gc is not None else None
+    table, at_step = separation, None
     if "step" in separation.columns:
         steps = sorted(separation["step"].unique())
-        target = warmup if warmup is not None else steps[-1]
+        target = warmup if warmup is not None else (window[-1] if window else steps[-1])
         at_step = int(min(steps, key=lambda s: (abs(s - target), -s)))
         table = separation[separation["step"] == at_step]
-    layers = choose_layers(table, top_k=None if min_fraction else top_k, min_fraction=min_fraction)
-    rule = f"separation >= {min_fraction:g} x best" if min_fraction else f"top-{top_k} separation"
-    evidence = {"separation": [{"layer": int(r.layer), "separation": float(r.separation)} for r in table.itertuples()],
-                "scores_at_step": at_step,
-                "gc": [] if gc is None else [{"step": int(s), "gc": float(g)} for s, g in zip(gc["step"], gc["gc"])]}
-    return Plan(sorted(layers), module, warmup, rule, evidence)
+    layers = sorted(choose_layers(table, top_k=None if min_fraction else top_k, min_fraction=min_fraction))
+    if warmup is None and stability is not None:
+        stable = stability(layers) if callable(stability) else stability
+        if window:
+            stable = stable[stable["step"] <= window[-1]]
+        evidence["stability"] = json.loads(stable.to_json(orient="records"))
+        evidence["overlap"] = overlap
+        warmup = stable_step(stable, layers, overlap=overlap)
+        rule = "stable-clusters" if warmup is not None else None
+        window = window or sorted(stable["step"].unique())
+    if warmup is None and window:
+        warmup, rule = int(window[-1]), "window-end"
+    rule_layers = f"separation >= {min_fraction:g} x best" if min_fraction else f"top-{top_k} separation"
+    evidence.update(separation=[{"layer": int(r.layer), "separation": float(r.separation)} for r in table.itertuples()],
+                    scores_at_step=at_step)
+    return Plan(layers, module, warmup, rule_layers, evidence, rule)

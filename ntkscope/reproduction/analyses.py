@@ -21,8 +21,8 @@ from ntkscope.kernel.objectives import sample_outputs, take
 from ntkscope.representation.clusters import AutoDBSCAN
 from ntkscope.reproduction.settings import ReproduceSettings
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
-from ntkscope.runs.dynamics import cluster_dynamics, cluster_snapshots, gc_series
-from ntkscope.runs.gc import gc_by_bins
+from ntkscope.runs.dynamics import cluster_dynamics, cluster_snapshots, gc_series, router_stability
+from ntkscope.runs.gc import gc_sensitivity
 from ntkscope.text.frequency import bin_indices, domain_table, long_tail_subset, score_histogram
 
 log = logging.getLogger(__name__)
@@ -53,22 +53,35 @@ def long_tail(pack, dense_last: Path, data, settings: ReproduceSettings) -> dict
 
 
 def gc_by_frequency(dense_last: Path, data, settings: ReproduceSettings) -> dict:
-    """Figure 2(a): gc_by_bin (label, left, right, n_subset, gc, ...) and histogram, by
-    :func:`ntkscope.runs.gc.gc_by_bins` on the analysis sentences."""
-    table, hist, _ = gc_by_bins(load_checkpoint(dense_last), data, bins=settings.bins, min_count=settings.min_count,
-                                seed=settings.seed)
-    return {"gc_by_bin": table, "histogram": hist}
+    """Figure 2(a): gc_outputs (every output of ``settings.gc_outputs`` side by side, one
+    :meth:`~ntkscope.GCResult.row` per bin and output, by :func:`ntkscope.runs.gc.gc_sensitivity`),
+    gc_by_bin (the rows of ``settings.gc_output``) and the histogram of the same bins."""
+    outputs = list(dict.fromkeys([settings.gc_output, *settings.gc_outputs]))
+    table, hist, _ = gc_sensitivity(load_checkpoint(dense_last), data, outputs=outputs, bins=settings.bins,
+                                    binning=settings.binning, min_count=settings.min_count,
+                                    resampling=settings.resampling(), seed=settings.seed)
+    chosen = table[table["output"] == settings.gc_output].drop(columns="output").reset_index(drop=True)
+    return {"gc_by_bin": chosen, "histogram": hist, "gc_outputs": table}
 
 
 def training_dynamics(dense_dir: Path, data, settings: ReproduceSettings) -> dict:
-    """Figure 3: gc_over_steps (step, gc, eigengap, eigengap_subset) of the long tail (the
-    lowest ``tail_fraction`` of frequency scores) and dynamics (step, layer, k,
-    inter_distance, ...) over every dense checkpoint. Cached per checkpoint in the run."""
+    """Figure 3: gc_over_steps (a :func:`ntkscope.gc_series` table: step, |GC| and its interval,
+    the null band, sign confidence, mean-gradient consistency, flags, ...) of the long tail (the
+    lowest ``tail_fraction`` of frequency scores) for ``settings.gc_output``, and dynamics (step,
+    layer, k, inter_distance, ...) over every dense checkpoint. Cached per checkpoint in the run."""
     tail = long_tail_subset(data.labels["score"], settings.tail_fraction)
-    gc = gc_series(dense_dir, data.batch, tail)
+    gc = gc_series(dense_dir, data.batch, tail, output=settings.gc_output, resampling=settings.resampling())
     dynamics = cluster_dynamics(dense_dir, data.batch, point="ffn_input", k_max=settings.k_max,
                                 projection_dim=settings.projection_dim, seed=settings.seed)
     return {"gc_over_steps": gc, "dynamics": dynamics}
+
+
+def stability(dense_dir: Path, data, layers: list, steps: list, settings: ReproduceSettings) -> pd.DataFrame:
+    """The router's clusters of the analysis sentences at ``layers``' FFN input over the dense
+    checkpoints at ``steps`` (:func:`ntkscope.router_stability`), for the warm-up's fallback rule."""
+    return router_stability(dense_dir, data.batch, layers, point="ffn_input", proj_dim=settings.proj_dim,
+                            min_samples=settings.min_samples, max_experts=settings.max_experts, seed=settings.seed,
+                            steps=steps)
 
 
 def snapshots(dense_dir: Path, data, layer: int, settings: ReproduceSettings) -> dict:

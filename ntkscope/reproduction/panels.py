@@ -46,7 +46,7 @@ def _routing(rep) -> dict:
 STAGES: dict[str, Stage] = {
     "fig1": Stage(("domain_sizes", "perplexity", "perplexity_by_bin"), lambda rep: analyses.long_tail(
         rep.pack, rep.dense(), rep.data(rep.settings.n_perplexity), rep.settings), "fig1"),
-    "fig2a": Stage(("gc_by_bin", "histogram"), lambda rep: analyses.gc_by_frequency(
+    "fig2a": Stage(("gc_by_bin", "histogram", "gc_outputs"), lambda rep: analyses.gc_by_frequency(
         rep.dense(), rep.data(), rep.settings), "fig2a"),
     "routing": Stage(("routing", "routing_summary"), _routing, "routing"),
     "fig3": Stage(("gc_over_steps", "dynamics"), lambda rep: analyses.training_dynamics(
@@ -75,14 +75,17 @@ PANELS: dict[str, Panel] = {
     "fig2a": Panel("fig2", 'plotting.gc_vs_frequency(t["gc_by_bin"], t["histogram"], title=...)',
                    lambda rep, t: plotting.gc_vs_frequency(
                        t["gc_by_bin"], t["histogram"],
-                       title=f"dense GPT ({rep.settings.mode}): GC against sentence frequency")),
+                       title=f"dense GPT ({rep.settings.mode}): GC against sentence frequency "
+                             f"(output: {rep.settings.gc_output})")),
     "fig2b": Panel("fig2", 'plotting.cluster_view(t["routing"], colour_by="cluster", title=...)',
                    lambda rep, t: plotting.cluster_view(
                        t["routing"], colour_by="cluster",
                        title=f"CSE layer {rep.plan().layers[0]}'s input: DBSCAN (automatic eps) finds "
                              f"{_n(int((t['routing']['cluster'].unique() >= 0).sum()), 'cluster')}")),
-    "fig3a": Panel("fig3", 'plotting.gc_over_steps(t["gc_over_steps"])',
-                   lambda rep, t: plotting.gc_over_steps(t["gc_over_steps"])),
+    "fig3a": Panel("fig3", 'plotting.gc_over_steps(t["gc_over_steps"], warmup=..., rule=...)',
+                   lambda rep, t: plotting.gc_over_steps(
+                       t["gc_over_steps"], warmup=rep.plan().warmup_steps, rule=rep.plan().warmup_rule,
+                       title=f"dense GPT ({rep.settings.mode}): |GC| of the long tail ({rep.settings.gc_output})")),
     "fig3bc": Panel("fig3", 'plotting.layer_dynamics(t["dynamics"])',
                     lambda rep, t: plotting.layer_dynamics(t["dynamics"])),
     "fig4a": Panel("fig4", "plotting.cse_schematic()", lambda rep, t: plotting.cse_schematic(), uses_tables=False),

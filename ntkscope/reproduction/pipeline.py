@@ -37,7 +37,7 @@ from ntkscope.core.checks import fail
 from ntkscope.core.files import DirectoryLock, atomic_path, check_output, write_json, write_text
 from ntkscope.plotting import save_figure
 from ntkscope.representation.plan import Plan, make_plan
-from ntkscope.reproduction import training
+from ntkscope.reproduction import analyses, training
 from ntkscope.reproduction.panels import FIGURES, PANELS, STAGES
 from ntkscope.reproduction.settings import ReproduceSettings, settings_for
 from ntkscope.text.corpus.pack import load_pack
@@ -125,8 +125,9 @@ class Reproduction:
         return self.model_dir("gpt-dense")
 
     def plan(self):
-        """The CSE plan (layers: top separation at the warm-up; warm-up: the long tail's GC peak,
-        at most ``max_warmup_fraction`` of the steps), from the dense run's Figure 3 tables."""
+        """The CSE plan (layers: top separation at the warm-up; warm-up: the long tail's GC peak
+        when its statistics show one, else the earliest checkpoint with stable router clusters,
+        within ``max_warmup_fraction`` of the steps), from the dense run's Figure 3 tables."""
         path = self.run_dir / "plan.json"
         if path.is_file():
             return Plan.load(path)
@@ -134,9 +135,13 @@ class Reproduction:
         s = self.settings
         limit = int(s.max_warmup_fraction * s.steps)
         gc = t["gc_over_steps"][t["gc_over_steps"]["step"] <= limit]
-        plan = make_plan(t["dynamics"], gc, top_k=s.sparse_layers)
+        steps = [int(x) for x in gc["step"]]
+        plan = make_plan(t["dynamics"], gc, top_k=s.sparse_layers, overlap=s.stable_overlap,
+                         stability=lambda layers: self._timed("stability", lambda: analyses.stability(
+                             self.dense_run(), self.data(), layers, steps, s)))
         plan.save(path)
-        log.info("plan: CSE layers %s, warm-up %s steps", plan.layers, plan.warmup_steps)
+        log.info("plan: CSE layers %s, warm-up %s steps (%s: %s)", plan.layers, plan.warmup_steps, plan.warmup_rule,
+                 plan.evidence.get("gc_peak", {}).get("why", ""))
         return plan
 
     def cse(self) -> Path:

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ntkscope.core.checks import fail
+from ntkscope.kernel.uncertainty import Resampling
 
 
 @dataclass(frozen=True)
@@ -16,15 +17,21 @@ class ReproduceSettings:
     """Every number a reproduction uses. Models are GPTs (``model``: GPTConfig fields).
 
     Training: the dense model runs ``steps`` steps with a checkpoint every
-    ``checkpoint_every``; the CSE model branches from the dense run at the planned warm-up
-    (the long tail's GC peak, at most ``max_warmup_fraction`` of ``steps``) and runs to
-    ``steps``; Switch trains from scratch with ``switch_experts`` experts at the same
+    ``checkpoint_every``, and every ``early_every`` steps through ``early_until`` (dense enough
+    to see GC rise); the CSE model branches from the dense run at the planned warm-up (the long
+    tail's GC peak when its statistics show it, else the earliest checkpoint with stable
+    clusters, at most ``max_warmup_fraction`` of ``steps``) and runs to ``steps``; Switch trains from scratch with ``switch_experts`` experts at the same
     layers; each domain-finetuned baseline continues the dense model for ``finetune_steps``
     on one long-tail domain only.
     Analyses: ``n`` validation sentences for GC, clusters and NTKs; ``n_perplexity``
     sentences for Figure 1(b); ``bins`` frequency bins; the lowest-score ``tail_fraction``
     is the long tail; ``k_max`` for the elbow; ``projection_dim`` for random projections;
     ``snapshots`` checkpoints in Figure 4(b).
+    GC: ``gc_output`` is the scalar output the figures use (``gc_outputs`` are compared side by
+    side in ``gc_outputs.csv``); ``binning`` "count" (equal-count bins) or "width";
+    ``gc_resamples`` bootstrap resamples and ``gc_null_draws`` random subsets per GC;
+    ``stable_overlap``: the adjusted Rand index between neighbouring checkpoints' router
+    clusters above which they count as stable (the warm-up's fallback rule).
     """
 
     mode: str
@@ -45,6 +52,8 @@ class ReproduceSettings:
     max_experts: int = 8
     cse_samples: int = 512
     max_warmup_fraction: float = 0.5
+    early_every: int = 0
+    early_until: int = 0
     n: int = 192
     n_perplexity: int = 1500
     bins: int = 6
@@ -53,12 +62,22 @@ class ReproduceSettings:
     k_max: int = 8
     projection_dim: int = 64
     snapshots: int = 4
+    gc_output: str = "centred-true-logit"
+    gc_outputs: tuple = ("loss", "true-logit", "centred-true-logit")
+    binning: str = "count"
+    gc_resamples: int = 200
+    gc_null_draws: int = 200
+    stable_overlap: float = 0.8
     probe_seeds: int = 5
     seed: int = 0
     device: str = "auto"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def resampling(self) -> Resampling:
+        """The GC statistics' settings: ``gc_resamples``, ``gc_null_draws``, ``seed``."""
+        return Resampling(resamples=self.gc_resamples, null_draws=self.gc_null_draws, seed=self.seed)
 
     def replace(self, **changes) -> "ReproduceSettings":
         return dataclasses.replace(self, **changes)
@@ -68,14 +87,16 @@ PRESETS = {
     "smoke": ReproduceSettings(
         mode="smoke", model={"n_layer": 2, "n_head": 2, "n_embd": 32}, seq_len=32, steps=40, checkpoint_every=10,
         batch_size=16, warmup_steps=5, finetune_steps=5, switch_experts=2, cse_samples=128, n=40, n_perplexity=120,
-        bins=3, min_count=3, k_max=4, projection_dim=16, proj_dim=8, snapshots=2, probe_seeds=2),
+        bins=3, min_count=3, k_max=4, projection_dim=16, proj_dim=8, snapshots=2, probe_seeds=2, early_every=5,
+        early_until=10, gc_resamples=50, gc_null_draws=50),
     "quick": ReproduceSettings(
-        mode="quick", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=600, checkpoint_every=50),
+        mode="quick", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=600, checkpoint_every=50,
+        early_every=10, early_until=200),
     "full": ReproduceSettings(
         mode="full", model={"n_layer": 12, "n_head": 12, "n_embd": 768}, seq_len=128, steps=20000,
         checkpoint_every=1000, batch_size=64, lr=6e-4, warmup_steps=1000, finetune_steps=1000, finetune_lr=1e-4,
         switch_experts=8, sparse_layers=4, cse_samples=4096, n=512, n_perplexity=2500, bins=8, k_max=12,
-        projection_dim=128),
+        projection_dim=128, early_every=100, early_until=2000),
 }
 
 

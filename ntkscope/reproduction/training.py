@@ -36,8 +36,11 @@ def _run(cfg) -> Path:
 
 
 def train_dense(settings: ReproduceSettings, out_dir: Path, pack: str | None) -> Path:
-    """The dense GPT; returns its last checkpoint (all kept: the analyses walk them)."""
-    return _run(_config(settings, out_dir, pack))
+    """The dense GPT; returns its last checkpoint (all kept: the analyses walk them), with the
+    early checkpoints every ``early_every`` steps through ``early_until``."""
+    early = list(range(settings.early_every, settings.early_until + 1, settings.early_every)) \
+        if settings.early_every else []
+    return _run(_config(settings, out_dir, pack, checkpoint_steps=early))
 
 
 def train_switch(settings: ReproduceSettings, out_dir: Path, pack: str | None, layers: list) -> Path:

@@ -1,5 +1,6 @@
 """Cluster dynamics per layer, over training (docs/design.md §3; the CSE paper's Figures 3(b),
-3(c) and 4(b)), and the gradient consistency of the long-tail subset over checkpoints.
+3(c) and 4(b)), the stability of the router's clusters (the warm-up's fallback rule), and the
+gradient consistency of the long-tail subset over checkpoints.
 
 Per layer: project the sequence embeddings (seeded Gaussian random projection), find
 the elbow K of K-Means, and measure the clustering's inter-cluster distance, mean
@@ -11,17 +12,21 @@ stopped and a repeated one is free.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
 
 import pandas as pd
 from sklearn.decomposition import PCA
+from sklearn.metrics import adjusted_rand_score
 
 from ntkscope.core.checks import fail
 from ntkscope.core.files import JsonCache, digest
 from ntkscope.kernel.consistency import gradient_consistency
+from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.representation.clusters import LAYER_COLUMNS, ElbowKMeans, layer_separation, random_projection
+from ntkscope.representation.router import fit_router
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
 from ntkscope.runs.embeddings import layer_embeddings
 
@@ -78,25 +83,69 @@ def cluster_dynamics(run_dir, batch: dict, *, point: str = "block", layers=None,
     return pd.concat(frames, ignore_index=True)[COLUMNS]
 
 
-def gc_series(run_dir, batch: dict, subset, *, method: str = "auto", steps=None, cache_dir=None) -> pd.DataFrame:
+def gc_series(run_dir, batch: dict, subset, *, output: str = "loss", method: str = "auto",
+              resampling: Resampling | None = Resampling(), steps=None, cache_dir=None) -> pd.DataFrame:
     """Gradient consistency of ``subset`` (indices into the batch: the long tail) against the
-    whole batch at each checkpoint: columns step, gc, eigengap, eigengap_subset. Cached like
-    :func:`cluster_dynamics`."""
+    whole batch at each checkpoint: one :meth:`~ntkscope.GCResult.row` per step (step, gc and
+    its interval, abs_gc and its interval, the null band, versus_null, sign_confidence,
+    mean_gradient, flags, eigengaps, cos_ones, ...). Cached like :func:`cluster_dynamics`."""
     checkpoints = list_checkpoints(run_dir)
     if steps is not None:
         checkpoints = [(s, p) for s, p in checkpoints if s in set(steps)]
     cache = _cache(run_dir, cache_dir)
     subset = [int(i) for i in subset]
-    key = digest({"what": "gc", "subset": subset, "method": method}, arrays=batch)
+    settings = None if resampling is None else dataclasses.asdict(resampling)
+    key = digest({"what": "gc", "subset": subset, "method": method, "output": output, "resampling": settings},
+                 arrays=batch)
     rows = []
     progress = _Progress("gc_series", len(checkpoints))
     for step, path in checkpoints:
         def compute(path=path, step=step):
-            res = gradient_consistency(load_checkpoint(path), batch, subset, method=method)
-            return [{"step": step, "gc": res.score, "eigengap": res.eigengap, "eigengap_subset": res.eigengap_subset}]
+            res = gradient_consistency(load_checkpoint(path), batch, subset, method=method, output=output,
+                                       resampling=resampling)
+            return [{"step": step, **res.row()}]
         rows.extend(cache.get(f"step-{step:06d}", key, compute))
         progress.step(f"step {step}")
-    return pd.DataFrame(rows, columns=["step", "gc", "eigengap", "eigengap_subset"])
+    return pd.DataFrame(rows).drop(columns="label")
+
+
+STABILITY_COLUMNS = ["step", "layer", "n_clusters", "n_noise", "overlap_next"]
+
+
+def router_stability(run_dir, batch: dict, layers, *, point: str = "ffn_input", proj_dim: int = 32,
+                     min_samples: int = 5, max_experts: int | None = 8, seed: int = 0, steps=None,
+                     cache_dir=None) -> pd.DataFrame:
+    """How the CSE router's clusters of the batch change over a run: at each checkpoint and
+    each of ``layers``, :func:`~ntkscope.fit_router` (the router CSE would build there) on the
+    ``point`` embeddings. Columns step, layer, n_clusters, n_noise and overlap_next: the
+    adjusted Rand index (scikit-learn) of its labels against the next checkpoint's (noise as
+    one more label; NaN at the last checkpoint). Labels are cached per checkpoint."""
+    checkpoints = list_checkpoints(run_dir)
+    if steps is not None:
+        checkpoints = [(s, p) for s, p in checkpoints if s in set(steps)]
+    layers = [int(x) for x in layers]
+    cache = _cache(run_dir, cache_dir)
+    options = {"what": "router", "point": point, "layers": layers, "proj_dim": proj_dim, "min_samples": min_samples,
+               "max_experts": max_experts, "seed": seed}
+    key = digest(options, arrays=batch)
+    labels = []
+    progress = _Progress("router_stability", len(checkpoints))
+    for step, path in checkpoints:
+        def compute(path=path):
+            emb = layer_embeddings(load_checkpoint(path), batch, point=point, layers=layers).embeddings
+            fits = {str(layer): fit_router(emb[layer], proj_dim=proj_dim, min_samples=min_samples,
+                                           max_experts=max_experts, seed=seed) for layer in layers}
+            return {layer: fit.labels.tolist() for layer, fit in fits.items()}
+        labels.append(cache.get(f"step-{step:06d}", key, compute))
+        progress.step(f"step {step}")
+    rows = []
+    for i, (step, _) in enumerate(checkpoints):
+        for layer in layers:
+            mine = labels[i][str(layer)]
+            after = adjusted_rand_score(mine, labels[i + 1][str(layer)]) if i + 1 < len(checkpoints) else float("nan")
+            rows.append({"step": step, "layer": layer, "n_clusters": len({x for x in mine if x >= 0}),
+                         "n_noise": sum(x < 0 for x in mine), "overlap_next": float(after)})
+    return pd.DataFrame(rows, columns=STABILITY_COLUMNS)
 
 
 def cluster_snapshots(run_dir, batch: dict, layer: int, steps, *, labels: pd.DataFrame | None = None,

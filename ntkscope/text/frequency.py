@@ -190,15 +190,23 @@ def bin_of(scores, edges: np.ndarray) -> np.ndarray:
     return np.clip(np.searchsorted(edges, np.asarray(scores, dtype=np.float64), side="right") - 1, 0, len(edges) - 2)
 
 
+BINNINGS = ("width", "count")
+
+
 @entry("score_histogram")
-def score_histogram(scores: Sequence[float], *, bins: int = 10, range: tuple[float, float] | None = None) -> pd.DataFrame:
-    """Equal-width bins over the scores: bin, left, right, count, percent (of all sentences)."""
+def score_histogram(scores: Sequence[float], *, bins: int = 10, range: tuple[float, float] | None = None,
+                    kind: str = "width") -> pd.DataFrame:
+    """Bins over the scores, equal-width (``kind="width"``) or equal-count (``"count"``,
+    quantile edges): bin, left, right, count, percent (of all sentences)."""
     check_positive_int("bins", bins)
+    check_choice("kind", kind, BINNINGS)
     scores = np.asarray(scores, dtype=np.float64)
     scores = scores[np.isfinite(scores)]
     if scores.size == 0:
         raise fail("score_histogram", "scores", "must hold at least one finite score", scores.size)
-    counts, edges = np.histogram(scores, bins=bins, range=range)
+    edges = bin_edges(scores, bins, range=range, kind=kind)
+    inside = scores[(scores >= edges[0]) & (scores <= edges[-1])]
+    counts = np.bincount(bin_of(inside, edges), minlength=bins)
     return pd.DataFrame({"bin": np.arange(bins), "left": edges[:-1], "right": edges[1:], "count": counts,
                          "percent": 100.0 * counts / scores.size})
 
