@@ -189,8 +189,8 @@ def test_plan_takes_the_best_layers_and_the_gc_peak_and_training_accepts_it(tiny
 def test_plan_on_a_known_series():
     table = pd.DataFrame({"step": [100] * 4 + [200] * 4 + [300] * 4, "layer": [0, 1, 2, 3] * 3,
                           "separation": [1, 2, 3, 4, 5.0, 0.5, 4.0, 1.0, 9, 9, 9, 9]})
-    gc = pd.DataFrame({"step": [100, 200, 300], "abs_gc": [0.2, 0.7, 0.4], "abs_gc_low": [0.1, 0.6, 0.3],
-                       "abs_gc_high": [0.3, 0.8, 0.5], "null_high": 0.5})
+    gc = pd.DataFrame({"step": [100, 200, 300], "abs_gc": [0.2, 0.7, 0.4], "abs_gc_se": 0.05, "null_median": 0.5,
+                       "flags": ""})
     plan = make_plan(table, gc)
     assert plan.warmup_steps == 200 and plan.layers == [0, 2] and plan.chosen_by == "top-2 separation"
     assert plan.warmup_rule == "gc-peak"

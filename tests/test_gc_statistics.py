@@ -195,20 +195,24 @@ def test_kernel_gc_refuses_bad_input():
 # ---- the warm-up rule ----------------------------------------------------------------------------
 
 
-def _series(abs_gc, low, high, null_high=0.5):
+def _series(abs_gc, se=0.01, null_median=0.5, flags=""):
     steps = [10 * (i + 1) for i in range(len(abs_gc))]
-    return pd.DataFrame({"step": steps, "abs_gc": abs_gc, "abs_gc_low": low, "abs_gc_high": high,
-                         "null_high": null_high})
+    return pd.DataFrame({"step": steps, "abs_gc": abs_gc, "abs_gc_se": se, "null_median": null_median,
+                         "flags": flags})
 
 
-def test_gc_peak_is_shown_only_beyond_its_intervals_and_the_null():
-    clear = _series([0.6, 0.9, 0.6], [0.55, 0.85, 0.5], [0.65, 0.95, 0.7])
-    assert ns.gc_peak(clear) == {"step": 20, "shown": True, "why": "rise and fall beyond the intervals, above the null"}
-    overlapping = _series([0.6, 0.9, 0.6], [0.55, 0.6, 0.5], [0.65, 0.95, 0.7])
-    peak = ns.gc_peak(overlapping)
-    assert not peak["shown"] and "not above the first checkpoint's high end 0.650" in peak["why"]
-    assert not ns.gc_peak(_series([0.6, 0.9, 0.6], [0.55, 0.85, 0.5], [0.65, 0.95, 0.7], null_high=0.95))["shown"]
-    rising = ns.gc_peak(_series([0.6, 0.7, 0.9], [0.55, 0.65, 0.85], [0.65, 0.75, 0.95]))
+def test_gc_peak_is_shown_only_beyond_the_noise_against_the_null_and_well_defined():
+    clear = _series([0.6, 0.9, 0.6])
+    assert ns.gc_peak(clear) == {"step": 20, "shown": True,
+                                 "why": "rise and fall beyond the noise and against the null, direction well defined"}
+    noisy = ns.gc_peak(_series([0.6, 0.9, 0.85], se=[0.01, 0.02, 0.03]))  # fall 0.05 < 1.645 * 0.036
+    assert not noisy["shown"] and "the fall to the last (0.050) is within 1.645 standard errors (0.059)" in noisy["why"]
+    trend = ns.gc_peak(_series([0.6, 0.9, 0.6], null_median=[0.5, 0.95, 0.5]))  # random subsets peak too, more
+    assert not trend["shown"] and "against the null's median, the rise from the first checkpoint is not seen" \
+        in trend["why"]
+    flagged = ns.gc_peak(_series([0.6, 0.9, 0.6], flags=["", "eigengap sign", ""]))
+    assert not flagged["shown"] and "its direction is flagged (eigengap sign)" in flagged["why"]
+    rising = ns.gc_peak(_series([0.6, 0.7, 0.9]))
     assert not rising["shown"] and "at the last checkpoint" in rising["why"]
     with pytest.raises(ValueError, match=r"gc_peak: gc must be a gc_series table with columns"):
         ns.gc_peak(pd.DataFrame({"step": [1], "gc": [0.5]}))
@@ -217,7 +221,7 @@ def test_gc_peak_is_shown_only_beyond_its_intervals_and_the_null():
 def test_plan_falls_back_to_stable_clusters_then_to_the_window_end():
     separation = pd.DataFrame({"step": [10, 10, 20, 20, 30, 30], "layer": [0, 1] * 3,
                                "separation": [1.0, 2.0, 2.0, 1.0, 1.0, 3.0]})
-    noisy = _series([0.6, 0.9, 0.6], [0.3, 0.4, 0.3], [0.9, 1.0, 0.9])
+    noisy = _series([0.6, 0.9, 0.6], se=0.2)
     stability = pd.DataFrame({"step": [10, 20, 30], "layer": [1] * 3, "n_clusters": [2, 3, 3],
                               "n_noise": [0, 0, 0], "overlap_next": [0.9, 0.85, np.nan]})
     seen = []
@@ -228,6 +232,6 @@ def test_plan_falls_back_to_stable_clusters_then_to_the_window_end():
     assert ns.stable_step(stability, [1], overlap=0.88) is None
     loose = ns.make_plan(separation, noisy, top_k=1, stability=stability, overlap=0.95)
     assert loose.warmup_steps == 30 and loose.warmup_rule == "window-end"
-    clear = ns.make_plan(separation, _series([0.6, 0.9, 0.6], [0.55, 0.85, 0.5], [0.65, 0.95, 0.7]), top_k=1,
+    clear = ns.make_plan(separation, _series([0.6, 0.9, 0.6]), top_k=1,
                          stability=lambda layers: pytest.fail("not needed when the peak is shown"))
     assert clear.warmup_steps == 20 and clear.warmup_rule == "gc-peak" and clear.layers == [0]

@@ -124,6 +124,9 @@ class GCResult:
     interval, abs_interval, mean_gradient_interval : Interval
         Bootstrap intervals of the score, of ``|score|`` and of ``mean_gradient`` (NaN
         without a kernel or with ``resamples=0``); each contains its point value.
+    abs_se : float
+        Bootstrap standard deviation of ``|score|``: the noise to compare two GCs of the same
+        size by (the interval also carries the bootstrap's bias towards larger samples).
     sign_confidence : float
         Share of resamples whose score has the point value's sign.
     null : NullBand
@@ -160,6 +163,7 @@ class GCResult:
     abs_interval: Interval = _NAN
     mean_gradient_interval: Interval = _NAN
     sign_confidence: float = math.nan
+    abs_se: float = math.nan
     null: NullBand = _NO_NULL
     flags: tuple = ()
     extended: bool = False
@@ -198,6 +202,7 @@ class GCResult:
         return dict(
             label=self.label, gc=self.score, gc_low=self.interval.low, gc_high=self.interval.high,
             abs_gc=abs(self.score), abs_gc_low=self.abs_interval.low, abs_gc_high=self.abs_interval.high,
+            abs_gc_se=self.abs_se,
             null_low=self.null.low, null_median=self.null.median, null_high=self.null.high,
             versus_null=self.versus_null, sign_confidence=self.sign_confidence, gc_signed=self.signed,
             mean_gradient=self.mean_gradient, mean_gradient_low=self.mean_gradient_interval.low,
@@ -353,6 +358,7 @@ def kernel_statistics(K: np.ndarray, members: list, resampling: Resampling | Non
                 fields["interval"], e1 = _contain(gc, low[j], high[j])
                 fields["abs_interval"], e2 = _contain(abs(gc), low[k + j], high[k + j], (0.0, 1.0))
                 fields["mean_gradient_interval"], e3 = _contain(mean, low[2 * k + j], high[2 * k + j])
+                fields["abs_se"] = float(np.nanstd(dist[k + j], ddof=1))
                 agree = np.sign(dist[j]) == np.sign(gc)
                 fields["sign_confidence"] = float(agree[np.isfinite(dist[j])].mean())
                 fields["extended"] = bool(e1 or e2 or e3)

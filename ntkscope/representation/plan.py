@@ -6,7 +6,7 @@
   warm-up's end when a series is given (that is when CSE layers are built).
 - Warm-up, by the first rule that decides (the plan records which, with its evidence):
   1. ``"gc-peak"``: the checkpoint where the long tail's |GC| peaks, when its statistics show a
-     peak (:func:`gc_peak`);
+     peak: a rise and a fall beyond the noise and against the null (:func:`gc_peak`);
   2. ``"stable-clusters"``: else the earliest checkpoint whose router clusters, at every chosen
      layer, have the same count as at the next checkpoint and an adjusted Rand index with it
      of at least ``overlap`` (:func:`stable_step`; the table comes from
@@ -30,7 +30,7 @@ from ntkscope.core.checks import check_positive_int, entry, fail
 from ntkscope.core.files import write_json
 
 PLAN_FORMAT = 2
-GC_COLUMNS = ("step", "abs_gc", "abs_gc_low", "abs_gc_high", "null_high")
+GC_COLUMNS = ("step", "abs_gc", "abs_gc_se", "null_median", "flags")
 
 
 @dataclass(frozen=True)
@@ -64,14 +64,22 @@ class Plan:
 
 
 @entry("gc_peak")
-def gc_peak(gc: pd.DataFrame) -> dict:
+def gc_peak(gc: pd.DataFrame, *, z: float = 1.645) -> dict:
     """The checkpoint where |GC| of the long tail peaks, and whether the statistics show it.
 
-    ``gc``: a :func:`ntkscope.gc_series` table (columns step, abs_gc, abs_gc_low, abs_gc_high,
-    null_high), one row per checkpoint. The peak is shown when all three hold:
-    it is neither the first nor the last checkpoint; its |GC| is above its null band; and the
-    low end of its interval is above the high end of the intervals at the first and at the last
-    checkpoint (a rise, then a fall, larger than the noise). Returns {"step", "shown", "why"}.
+    ``gc``: a :func:`ntkscope.gc_series` table (columns step, abs_gc, abs_gc_se, null_median,
+    flags), one row per checkpoint. The peak is shown when all four hold:
+
+    1. it is neither the first nor the last checkpoint;
+    2. its direction is well defined (no flag at the peak);
+    3. the rise from the first checkpoint and the fall to the last each exceed ``z`` standard
+       errors of the difference, ``z sqrt(se_peak^2 + se_other^2)`` (bootstrap standard
+       deviations of |GC|; z = 1.645: one-sided 95 %);
+    4. it stands out of the null: |GC| minus the null band's median also rises from the first
+       checkpoint to the peak and falls after it, so the peak is not just the whole set's trend
+       that random subsets of the same size follow too.
+
+    Returns {"step", "shown", "why"}.
     """
     missing = [c for c in GC_COLUMNS if gc is None or c not in gc.columns]
     if gc is None or len(gc) == 0 or missing:
@@ -79,21 +87,27 @@ def gc_peak(gc: pd.DataFrame) -> dict:
                    "checkpoint", None if gc is None else list(gc.columns))
     gc = gc.sort_values("step").reset_index(drop=True)
     at = int(gc["abs_gc"].idxmax())
-    peak, first, last = gc.iloc[at], gc.iloc[0], gc.iloc[-1]
+    peak = gc.iloc[at]
     step = int(peak["step"])
-    reasons = []
     if at in (0, len(gc) - 1):
-        reasons.append(f"the largest |GC| is at the {'first' if at == 0 else 'last'} checkpoint (no rise and fall)")
-    if not peak["abs_gc"] > peak["null_high"]:
-        reasons.append(f"|GC| {peak['abs_gc']:.3f} is not above its null band (high end {peak['null_high']:.3f})")
-    for name, row in (("first", first), ("last", last)):
-        if at not in (0, len(gc) - 1) and not peak["abs_gc_low"] > row["abs_gc_high"]:
-            reasons.append(f"its interval's low end {peak['abs_gc_low']:.3f} is not above the {name} checkpoint's "
-                           f"high end {row['abs_gc_high']:.3f}")
-    shown = not reasons and not math.isnan(float(peak["abs_gc_low"]))
-    why = "; ".join(reasons) if reasons else ("rise and fall beyond the intervals, above the null" if shown
-                                               else "no interval")
-    return {"step": step, "shown": shown, "why": why}
+        return {"step": step, "shown": False, "why": f"the largest |GC| is at the {'first' if at == 0 else 'last'} "
+                                                     "checkpoint (no rise and fall)"}
+    reasons = []
+    flags = peak["flags"] if isinstance(peak["flags"], str) else ""
+    if flags:
+        reasons.append(f"its direction is flagged ({flags})")
+    excess = gc["abs_gc"] - gc["null_median"]
+    for name, row, i in (("rise from the first checkpoint", gc.iloc[0], 0), ("fall to the last", gc.iloc[-1], len(gc) - 1)):
+        change = peak["abs_gc"] - row["abs_gc"]
+        noise = z * math.sqrt(peak["abs_gc_se"] ** 2 + row["abs_gc_se"] ** 2)
+        if not change > noise:
+            reasons.append(f"the {name} ({change:.3f}) is within {z:g} standard errors ({noise:.3f})")
+        if not excess[at] > excess[i]:
+            reasons.append(f"against the null's median, the {name} is not seen (|GC| - null median "
+                           f"{excess[at]:.3f} at the peak, {excess[i]:.3f} there)")
+    shown = not reasons
+    return {"step": step, "shown": shown, "why": "; ".join(reasons) if reasons else
+            "rise and fall beyond the noise and against the null, direction well defined"}
 
 
 @entry("stable_step")

@@ -1,0 +1,88 @@
+"""What GC's uncertainty costs, against the gradients it is computed from.
+
+Side by side in one process, on the quick reproduction's model shape (a GPT of 4 layers x 128,
+BPE 8192; the final dense checkpoint of a run when ``--checkpoint`` is given, else at
+initialisation) and real analysis sentences of the shipped pack, 6 equal-count bins,
+output ``centred-true-logit``:
+
+- ``kernel``        the exact NTK of the n sentences (per-sample gradients + Gram): what every
+                    GC needs anyway
+- ``statistics``    :func:`ntkscope.kernel_gc` on that kernel: 200 basic bootstrap resamples and
+                    200 null draws per bin size, conditioning and flags (``--interval bca`` adds
+                    the jackknife: n more eigendecompositions)
+- ``naive resample`` anchor: what a user without the kernel identity would do for one
+                    bootstrap resample, the exact NTK of a resampled batch; x200 for an interval
+
+Target (issue 13): the statistics are a small fraction of the gradient time.
+
+Run: python benchmarks/gc_statistics.py [--checkpoint CKPT] [--n 192 512] [--out benchmarks/gc_statistics.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+
+import ntkscope as ns
+from cse_models import GPT, GPTConfig
+from ntkscope.kernel.objectives import take
+from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.frequency import bin_edges, bin_of
+
+OUTPUT = "centred-true-logit"
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", help="a cse_models checkpoint (default: the quick shape at initialisation)")
+    parser.add_argument("--n", type=int, nargs="+", default=[192, 512])
+    parser.add_argument("--out", default="benchmarks/gc_statistics.csv")
+    args = parser.parse_args()
+    pack = load_pack()
+    tok = pack.tokenizer()
+    if args.checkpoint:
+        model = ns.load_checkpoint(args.checkpoint)
+    else:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=48, n_layer=4, n_head=4, n_embd=128)).eval()
+    rows = []
+    for n in args.n:
+        data = ns.load_analysis_data(str(pack.path), tok, n=n, seq_len=48, seed=0)
+        scores = data.labels["score"].to_numpy()
+        which = bin_of(scores, bin_edges(scores, 6, kind="count"))
+        groups = [np.flatnonzero(which == b) for b in range(6)]
+        ntk, t_kernel = timed(lambda: ns.empirical_ntk(model, data.batch, output=OUTPUT, method="exact"))
+        K = ntk.matrix.double().numpy()
+        _, t_basic = timed(lambda: ns.kernel_gc(K, groups))
+        _, t_bca = timed(lambda: ns.kernel_gc(K, groups, resampling=ns.Resampling(interval="bca")))
+        resample = torch.as_tensor(np.random.default_rng(0).integers(0, n, n))
+        _, t_naive = timed(lambda: ns.empirical_ntk(model, take(data.batch, resample),
+                                                     output=OUTPUT, method="exact"))
+        for method, seconds, note in (
+                ("kernel", t_kernel, f"P={sum(p.numel() for p in model.parameters()):,}"),
+                ("statistics (basic)", t_basic, f"{t_basic / t_kernel:.1%} of the kernel"),
+                ("statistics (bca)", t_bca, f"{t_bca / t_kernel:.1%} of the kernel"),
+                ("naive resample", t_naive, f"one resample; x200 = {200 * t_naive:.0f} s, "
+                                            f"{200 * t_naive / t_basic:.0f}x the basic statistics")):
+            rows.append({"n": n, "method": method, "seconds": round(seconds, 2), "note": note})
+            print(rows[-1], flush=True)
+    table = pd.DataFrame(rows)
+    table.to_csv(args.out, index=False)
+    print(f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    print(table.to_markdown(index=False))
+
+
+if __name__ == "__main__":
+    main()
