@@ -64,6 +64,12 @@ def domain_sizes(table, *, top: int = 20):
     return fig
 
 
+def _lowest(table, columns) -> float:
+    """A lower y limit that shows every value of ``columns`` (the scale zooms in where all are near 1)."""
+    low = float(np.nanmin(table[columns].to_numpy(dtype=float)))
+    return max(-1.02, low - 0.1 * (1.0 - low) - 0.02)
+
+
 def _flagged(table):
     return table["flags"].fillna("").astype(str).str.len() > 0 if "flags" in table else table["gc"] != table["gc"]
 
@@ -96,8 +102,7 @@ def _gc_panel(ax, table, histogram):
     ax2.errorbar(x, m, yerr=merr, fmt="^--", color="#2c3e50", ms=5, capsize=2, lw=1,
                  label="mean-gradient consistency")
     ax2.set_ylabel("consistency with the whole set")
-    low = min(0.0, float(np.nanmin(table["mean_gradient_low"].fillna(table["mean_gradient"]))))
-    ax2.set_ylim(low - 0.05, 1.05)
+    ax2.set_ylim(_lowest(table, ["abs_gc", "mean_gradient", "null_low"]), 1.02)
     ax.set_xlabel("sentence frequency score (mean count/max count of its tokens)")
     return ax2
 
@@ -147,7 +152,7 @@ def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: st
                                                                                               else ""))
     ax.set_xlabel("training step")
     ax.set_ylabel("consistency with the whole set")
-    ax.set_ylim(min(0.0, float(np.nanmin(frame["mean_gradient"]))) - 0.05, 1.05)
+    ax.set_ylim(_lowest(frame, ["abs_gc", "mean_gradient", "null_low"]), 1.02)
     ax.set_title(title or "GC of the long-tail subset over training")
     ax.legend(fontsize=7, loc="lower right")
     return fig

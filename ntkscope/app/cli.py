@@ -354,11 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "RUN/manifest.json. Resumes from what RUN holds. Example: ntkscope reproduce --quick")
     size = rep.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="2 CPU cores, about 8 minutes (the default)")
+                      help="2 CPU cores, about 15 minutes (the default)")
     size.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="sized for one GPU (GPT-2 small shape, 20k steps; hours)")
     size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
-                      help="every stage at toy size, about a minute: checks the pipeline, the figures mean nothing")
+                      help="every stage at toy size, about two minutes: checks the pipeline, the figures mean nothing")
     rep.set_defaults(mode="quick")
     rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
     rep.add_argument("--data", "--pack", dest="data", help="a corpus pack directory (default: the shipped one; "

@@ -1,5 +1,5 @@
-"""The sizes of a reproduction: ``smoke`` (every stage runs, in about a minute on 2 CPU
-cores; the figures mean nothing), ``quick`` (8.2 minutes on 2 CPU cores: the README's main
+"""The sizes of a reproduction: ``smoke`` (every stage runs, in about two minutes on 2 CPU
+cores; the figures mean nothing), ``quick`` (15 minutes on 2 CPU cores: the README's main
 job) and ``full`` (the GPT-2-small shape for 20k steps, for one GPU; not yet run, an
 estimated 3-4 hours on one H100)."""
 
