@@ -112,3 +112,23 @@ def test_empirical_ntk_and_gc(gpt, n, T, chunk_size, dtype, method, output, data
         assert str(err).startswith("gradient_consistency: "), err
     else:
         assert -1 <= gc.score <= 1 and math.isfinite(gc.eigenvalue)
+
+
+@SETTINGS
+@given(n=st.integers(4, 24), rank=st.integers(1, 6), seed=st.integers(0, 10_000), groups=st.integers(1, 3),
+       interval=st.sampled_from(["basic", "bca"]))
+def test_kernel_gc_intervals_hold_their_point(n, rank, seed, groups, interval):
+    rng = np.random.default_rng(seed)
+    J = rng.normal(size=(n, rank)) @ rng.normal(size=(rank, 7))  # PSD, rank <= rank: often lambda_2 = 0
+    order = rng.permutation(n)
+    subsets = [s for s in np.array_split(order, groups) if len(s) >= 2]
+    try:
+        results = ns.kernel_gc(J @ J.T, subsets, resampling=ns.Resampling(resamples=20, null_draws=20, seed=seed,
+                                                                           interval=interval))
+    except ValueError as err:
+        assert str(err).startswith("kernel_gc: "), err
+        return
+    for r in results:
+        assert r.interval.low <= r.score <= r.interval.high and -1 <= r.interval.low and r.interval.high <= 1
+        assert r.abs_interval.low <= abs(r.score) <= r.abs_interval.high
+        assert 0 <= r.sign_confidence <= 1 and r.versus_null in ("above", "below", "within", "n/a")

@@ -135,8 +135,10 @@ class GCResult:
         Diagnostics past their :class:`Resampling` threshold: "eigengap", "eigengap-subset",
         "cos-ones", "cos-ones-subset", "sign". Any of them: :attr:`ill_defined`.
     extended : bool
-        An interval was extended to reach its point value: the bootstrap distribution lay
-        almost wholly on one side of it (a bias larger than the spread, e.g. near GC = 1).
+        An interval was extended to reach its point value, because the bootstrap distribution
+        lay almost wholly on one side of it (a bias larger than the spread, e.g. near GC = 1).
+        Also set when BCa was undefined for that reason and the basic interval of the same
+        resamples took its place.
     n, n_subset : int
     method : str
         "exact", "matrix-free", "projected" or "kernel" (:func:`kernel_gc`).
@@ -310,6 +312,19 @@ def _bootstrap(K, members, resampling: Resampling):
     return low, high, dist
 
 
+def _defined(point: float, low: float, high: float, values: np.ndarray, confidence: float) -> tuple:
+    """(low, high, replaced): BCa is undefined (NaN) when every resampled value lies on one side
+    of the point; the basic interval of the same resamples replaces it then."""
+    if not (math.isnan(low) or math.isnan(high)):
+        return low, high, False
+    values = values[np.isfinite(values)]
+    if values.size == 0 or np.ptp(values) == 0:
+        return point, point, False
+    tail = (1 - confidence) / 2
+    q_low, q_high = np.quantile(values, [tail, 1 - tail])
+    return 2 * point - q_high, 2 * point - q_low, True
+
+
 def _contain(point: float, low: float, high: float, bounds=(-1.0, 1.0)) -> tuple[Interval, bool]:
     """Clip to the statistic's range and extend to the point value if needed (True when extended)."""
     if math.isnan(low) or math.isnan(high):
@@ -355,9 +370,12 @@ def kernel_statistics(K: np.ndarray, members: list, resampling: Resampling | Non
         if resampling is not None:
             if intervals is not None:
                 low, high, dist = intervals
-                fields["interval"], e1 = _contain(gc, low[j], high[j])
-                fields["abs_interval"], e2 = _contain(abs(gc), low[k + j], high[k + j], (0.0, 1.0))
-                fields["mean_gradient_interval"], e3 = _contain(mean, low[2 * k + j], high[2 * k + j])
+                bounds = [_defined(point, low[r], high[r], dist[r], resampling.confidence)
+                          for point, r in ((gc, j), (abs(gc), k + j), (mean, 2 * k + j))]
+                fields["interval"], e1 = _contain(gc, *bounds[0][:2])
+                fields["abs_interval"], e2 = _contain(abs(gc), *bounds[1][:2], (0.0, 1.0))
+                fields["mean_gradient_interval"], e3 = _contain(mean, *bounds[2][:2])
+                e1 = e1 or any(b[2] for b in bounds)
                 fields["abs_se"] = float(np.nanstd(dist[k + j], ddof=1))
                 agree = np.sign(dist[j]) == np.sign(gc)
                 fields["sign_confidence"] = float(agree[np.isfinite(dist[j])].mean())
@@ -417,6 +435,9 @@ def kernel_gc(kernel, subsets, *, resampling: Resampling | None = Resampling()) 
         raise InputError("kernel", "must be finite", "NaN/inf entries")
     if not np.allclose(K, K.T, rtol=1e-8, atol=1e-12 * max(1.0, float(np.abs(K).max()))):
         raise InputError("kernel", "must be symmetric", "max |K - K^T| = %.3g" % float(np.abs(K - K.T).max()))
+    if not np.trace(K) > 0:
+        raise InputError("kernel", "must have a positive diagonal somewhere (all gradients are zero); trace",
+                         float(np.trace(K)))
     if resampling is not None and not isinstance(resampling, Resampling):
         raise InputError("resampling", "must be a Resampling or None", type(resampling).__name__)
     n = K.shape[0]
