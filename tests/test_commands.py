@@ -67,17 +67,19 @@ def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
 
 
 def test_gc_outputs_side_by_side_in_equal_count_bins(checkpoints, tmp_path):
+    from ntkscope.app import commands
+
     out = tmp_path / "outputs"
-    proc = run("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 3, "--outputs",
-               "loss,centred-true-logit", "--resamples", 30, "--null-draws", 30, "--out", out)
-    assert proc.returncode == 0, proc.stderr
+    commands.gc_command(checkpoints / "gpt", n=48, seq_len=24, bins=3, outputs=["loss", "centred-true-logit"],
+                        resampling=ns.Resampling(resamples=30, null_draws=30), out=out)
     table = pd.read_csv(out / "gc.csv")
     assert list(dict.fromkeys(table["output"])) == ["loss", "centred-true-logit"]
     assert table.groupby("output")["n_subset"].apply(list).map(sorted).tolist() == [[16, 16, 16]] * 2
     assert (table["abs_gc_low"] <= table["abs_gc"]).all() and (table["abs_gc"] <= table["abs_gc_high"]).all()
     assert json.loads((out / "result.json").read_text())["options"]["resampling"]["resamples"] == 30
-    bad = run("gc", checkpoints / "gpt", "--n", 48, "--outputs", "loss,logits", "--out", tmp_path / "bad")
-    assert bad.returncode == 1 and "gc_sensitivity: outputs must be one of" in bad.stderr
+    with pytest.raises(ValueError, match=r"gc_sensitivity: outputs must be one of \['centred-true-logit', 'loss'"):
+        commands.gc_command(checkpoints / "gpt", n=48, seq_len=24, outputs=["loss", "logits"], out=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_gc_by_label_and_over_a_run(tmp_path):

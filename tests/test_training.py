@@ -121,7 +121,7 @@ def test_schedule_warms_up_then_decays():
 
 
 def test_cse_train_command(tmp_path):
-    cfg = config(tmp_path, "cmd", steps=2, checkpoint_every=2)
+    cfg = config(tmp_path, "cmd", steps=2, checkpoint_every=2, checkpoint_steps=[1])  # an early extra checkpoint
     path = tmp_path / "run.yaml"
     import yaml
 
@@ -130,6 +130,9 @@ def test_cse_train_command(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "ETA" in proc.stderr and "last checkpoint:" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "cmd" / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
+    with pytest.raises(ValueError, match=r"TrainConfig: checkpoint_steps must be a list of positive integer steps"):
+        config(tmp_path, checkpoint_steps=[0])
     bad = subprocess.run([sys.executable, "-m", "cse_models.train", str(tmp_path / "missing.json")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("cse-train: error: TrainConfig.load:")

@@ -87,8 +87,8 @@ PRESETS = {
     "smoke": ReproduceSettings(
         mode="smoke", model={"n_layer": 2, "n_head": 2, "n_embd": 32}, seq_len=32, steps=40, checkpoint_every=10,
         batch_size=16, warmup_steps=5, finetune_steps=5, switch_experts=2, cse_samples=128, n=40, n_perplexity=120,
-        bins=3, min_count=3, k_max=4, projection_dim=16, proj_dim=8, snapshots=2, probe_seeds=2, early_every=5,
-        early_until=10, gc_resamples=50, gc_null_draws=50),
+        bins=3, min_count=3, k_max=4, projection_dim=16, proj_dim=8, snapshots=2, probe_seeds=2,
+        gc_outputs=("centred-true-logit", "loss"), gc_resamples=50, gc_null_draws=50),
     "quick": ReproduceSettings(
         mode="quick", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=600, checkpoint_every=50,
         early_every=10, early_until=200),
