@@ -196,7 +196,8 @@ def _metrics_steps(run: Path) -> list:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-@pytest.mark.parametrize("when", ["after a checkpoint", "between checkpoints"])
+@pytest.mark.parametrize("when", ["after a checkpoint",
+                                  pytest.param("between checkpoints", marks=pytest.mark.slow)])  # CI time: -m slow
 def test_sigkilled_training_resumes_to_the_uninterrupted_weights(tmp_path, when):
     torch.set_default_dtype(torch.float32)
     spec = _tiny_config(tmp_path, "killed", steps=400, checkpoint_every=100)
@@ -221,6 +222,7 @@ def test_sigkilled_training_resumes_to_the_uninterrupted_weights(tmp_path, when)
     assert _metrics_steps(run) == _metrics_steps(tmp_path / "full")  # the log rewound to the checkpoint
 
 
+@pytest.mark.slow  # 15 s of CI time for one flag; run with -m slow
 def test_quiet_silences_transformers_too(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=16,

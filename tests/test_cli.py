@@ -22,16 +22,23 @@ def test_demo_runs_and_writes_its_table(tmp_path):
     assert table.loc[table.by == "domain", "n_subset"].sum() == 40
 
 
-def test_user_error_is_one_line_and_exit_code_1():
-    proc = _run("--quiet", "demo", "--steps", "1", "--n", "1")
-    assert proc.returncode == 1
-    assert proc.stderr.strip().startswith("ntkscope demo: error: gradient_consistency_groups: labels has no group")
-    assert len(proc.stderr.strip().splitlines()) == 1
+def test_user_error_is_one_line_and_exit_code_1(capsys):
+    from ntkscope.app.cli import main
+
+    assert main(["--quiet", "demo", "--steps", "1", "--n", "1"]) == 1  # in process: the same main() as the command
+    err = capsys.readouterr().err.strip()
+    assert err == "ntkscope demo: error: run_demo: n must be an integer >= 8 (two long-tail domains, general text, " \
+                  "3 frequency bins) (got 1)"  # refused before any work
+    assert len(err.splitlines()) == 1
 
 
-def test_usage_error_is_exit_code_2():
-    assert _run("frobnicate").returncode == 2
-    assert _run("demo", "--method", "fast").returncode == 2
+def test_usage_error_is_exit_code_2(capsys):
+    from ntkscope.app.cli import main
+
+    for argv in (["frobnicate"], ["demo", "--method", "fast"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and "usage: ntkscope" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, reason", [

@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 
 from cse_models import GPT, GPTConfig
+from ntkscope.core.checks import InputError, check_positive_int, entry
 from ntkscope.core.lm import causal_pairs, lm_loss
 from ntkscope.kernel.consistency import gradient_consistency_groups
 from ntkscope.kernel.uncertainty import Resampling
@@ -66,11 +67,15 @@ class DemoResult:
     output: str = "centred-true-logit"
 
 
+@entry("run_demo")
 def run_demo(*, steps: int = 800, n: int = 128, n_tail: int = 12, seq_len: int = 48, seed: int = 0,
              method: str = "auto", output: str = "centred-true-logit", pack=None) -> DemoResult:
     """Train a small GPT on the pack's train sentences, then GC per domain and per frequency bin
     (``output``: the centred true-token logit by default, the reproduction's choice: see
     docs/gc-outputs.md)."""
+    check_positive_int("steps", steps)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 8:
+        raise InputError("n", "must be an integer >= 8 (two long-tail domains, general text, 3 frequency bins)", n)
     start = time.perf_counter()
     torch.manual_seed(seed)
     pack = load_pack(pack)
