@@ -27,3 +27,17 @@ def jacobian_loop(model, n, sample_fn, names=None):
 def causal_jacobian(model, batch, names=None):
     ids, mask = batch["input_ids"], batch["attention_mask"]
     return jacobian_loop(model, ids.shape[0], lambda i: causal_loss(model, ids[i], mask[i]), names)
+
+
+def masked_jacobian(model, batch, objective, value):
+    """J of a masked LM output, one sample at a time with HF's own 2-D attention mask and the
+    objective's deterministic mask: ``value(logits (k, V), targets (k,))`` at the masked positions."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+
+    def f(i):
+        prepared = objective.prepare(model, {"input_ids": ids[i : i + 1], "attention_mask": mask[i : i + 1]})
+        logits = model(input_ids=prepared["inputs"]["input_ids"], attention_mask=mask[i : i + 1]).logits[0]
+        chosen = prepared["aux"]["mask"][0]
+        return value(logits[chosen], ids[i][chosen])
+
+    return jacobian_loop(model, ids.shape[0], f)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import ntkscope as ns
 from ntkscope.kernel import uncertainty as U
 from ntkscope.kernel.objectives import resolve_output
-from tests.reference import jacobian_loop
+from tests.reference import jacobian_loop, masked_jacobian
 
 
 def _one_direction(n=60, P=12, noise=0.05, seed=0):
@@ -143,16 +143,8 @@ def test_true_logit_outputs_match_per_sample_autograd_masked(hf_bert, lm_batch):
     output = ns.LMLoss(objective="masked", mask_token_id=1, mask_prob=0.3, seed=7, value="centred-true-logit")
     res = ns.empirical_ntk(hf_bert, lm_batch, output=output, method="exact")
     objective = resolve_output(output, hf_bert)
-    ids, mask = lm_batch["input_ids"], lm_batch["attention_mask"]
-
-    def f(i):
-        prepared = objective.prepare(hf_bert, {"input_ids": ids[i : i + 1], "attention_mask": mask[i : i + 1]})
-        logits = hf_bert(input_ids=prepared["inputs"]["input_ids"], attention_mask=mask[i : i + 1]).logits[0]
-        chosen = prepared["aux"]["mask"][0]
-        picked = logits[chosen]  # (k, V)
-        return (picked.gather(1, ids[i][chosen][:, None])[:, 0] - picked.mean(1)).mean()
-
-    J = jacobian_loop(hf_bert, 8, f)
+    J = masked_jacobian(hf_bert, lm_batch, objective,
+                        lambda logits, targets: (logits.gather(1, targets[:, None])[:, 0] - logits.mean(1)).mean())
     torch.testing.assert_close(res.matrix, J @ J.T, rtol=1e-9, atol=1e-12)
     loss = ns.sample_outputs(hf_bert, lm_batch, output=ns.LMLoss(objective="masked", mask_token_id=1, mask_prob=0.3,
                                                                    seed=7))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import ntkscope as ns
 from ntkscope.kernel.objectives import resolve_output
-from tests.reference import causal_jacobian, jacobian_loop
+from tests.reference import masked_jacobian, causal_jacobian, jacobian_loop
 
 
 def test_exact_equals_explicit_gram(gpt, lm_batch):
@@ -112,15 +112,7 @@ def test_hf_bert_masked_lm_ntk(hf_bert, lm_batch):
     res = ns.empirical_ntk(hf_bert, lm_batch, output=output, method="exact")
     # reference: HF's own 2-D attention mask, one sample at a time, the same deterministic mask
     objective = resolve_output(output, hf_bert)
-    ids, mask = lm_batch["input_ids"], lm_batch["attention_mask"]
-
-    def loss(i):
-        prepared = objective.prepare(hf_bert, {"input_ids": ids[i : i + 1], "attention_mask": mask[i : i + 1]})
-        logits = hf_bert(input_ids=prepared["inputs"]["input_ids"], attention_mask=mask[i : i + 1]).logits[0]
-        chosen = prepared["aux"]["mask"][0]
-        return F.cross_entropy(logits[chosen], ids[i][chosen])
-
-    J = jacobian_loop(hf_bert, 8, loss)
+    J = masked_jacobian(hf_bert, lm_batch, objective, F.cross_entropy)
     torch.testing.assert_close(res.matrix, J @ J.T, rtol=1e-9, atol=1e-12)
 
 

@@ -35,7 +35,9 @@ def test_bin_indices(scores, bins, min_count, cap):
         return
     seen = set()
     for b, idx in out.items():
-        assert 0 <= b < bins and len(idx) >= min_count and (cap is None or len(idx) <= cap)
+        # min_count applies before the cap (the docstring: fewer are left out, larger are sub-sampled to cap)
+        assert 0 <= b < bins and len(idx) >= (min_count if cap is None else min(min_count, cap))
+        assert cap is None or len(idx) <= cap
         assert np.all(np.diff(idx) > 0) and not seen & set(idx.tolist())
         assert np.isfinite(np.asarray(scores, dtype=float)[idx]).all()
         seen |= set(idx.tolist())

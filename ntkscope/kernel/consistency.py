@@ -34,7 +34,8 @@ from ntkscope.kernel.methods import solve_top
 from ntkscope.kernel.ntk import prepare_scalar
 from ntkscope.kernel.objectives import batch_size, take
 from ntkscope.kernel.options import KernelOptions
-from ntkscope.kernel.uncertainty import GCResult, Resampling, conditioning_flags, kernel_statistics
+from ntkscope.kernel.uncertainty import (GCResult, Resampling, check_resampling, conditioning_flags,
+                                         kernel_statistics)
 
 
 @dataclass(frozen=True)
@@ -130,11 +131,6 @@ def _clip(x: float) -> float:
     return float(min(1.0, max(-1.0, x)))
 
 
-def _check_resampling(resampling) -> None:
-    if resampling is not None and not isinstance(resampling, Resampling):
-        raise InputError("resampling", "must be a Resampling or None", type(resampling).__name__)
-
-
 @entry("principal_direction")
 def principal_direction(model, batch, *, options: KernelOptions | None = None, **fields) -> DirectionResult:
     """The primary gradient direction ``g(X) = u_max^T J(X)`` of shape (P,), by one weighted backward.
@@ -215,7 +211,7 @@ def gradient_consistency(model, batch, subset, *, labels=None, resampling: Resam
     GCResult
     """
     opts = KernelOptions.build(options, **fields)
-    _check_resampling(resampling)
+    check_resampling(resampling)
     n = batch_size(batch)
     idx = subset_indices(subset, n, labels)
     (result,) = _gc_many(model, batch, [idx], [subset if labels is not None else None], opts, resampling)
@@ -238,7 +234,7 @@ def gradient_consistency_groups(model, batch, labels, *, min_count=2, resampling
     GCGroups
     """
     opts = KernelOptions.build(options, **fields)
-    _check_resampling(resampling)
+    check_resampling(resampling)
     n = batch_size(batch)
     labels = _as_array(labels)
     if labels.shape != (n,):

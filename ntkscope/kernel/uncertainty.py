@@ -383,32 +383,26 @@ def kernel_statistics(K: np.ndarray, members: list, resampling: Resampling | Non
             if len(idx) not in nulls:
                 nulls[len(idx)] = _null_band(K, whole, len(idx), resampling)
             fields["null"] = nulls[len(idx)]
-            flags = _flags(whole, sub, fields.get("sign_confidence", math.nan), resampling) + flags
+            flags = list(conditioning_flags(whole.eigengap, whole.cos_ones, sub.eigengap, sub.cos_ones, resampling,
+                                            fields.get("sign_confidence", math.nan)))
         fields["flags"] = tuple(flags)
         out.append(fields)
     return out
 
 
-def _flags(whole: _Direction, sub: _Direction, sign_confidence: float, r: Resampling) -> list:
-    flags = []
-    if whole.eigengap > r.max_eigengap:
-        flags.append("eigengap")
-    if sub.eigengap > r.max_eigengap:
-        flags.append("eigengap-subset")
-    if abs(whole.cos_ones) < r.min_cos_ones:
-        flags.append("cos-ones")
-    if abs(sub.cos_ones) < r.min_cos_ones:
-        flags.append("cos-ones-subset")
-    if not math.isnan(sign_confidence) and sign_confidence < r.min_sign_confidence:
-        flags.append("sign")
-    return flags
-
-
 def conditioning_flags(eigengap: float, cos_ones: float, eigengap_subset: float, cos_ones_subset: float,
-                       resampling: Resampling) -> tuple:
-    """The conditioning flags of a GC computed without a kernel (no sign confidence)."""
-    return tuple(_flags(_Direction(np.zeros(0), 1.0, eigengap, cos_ones),
-                        _Direction(np.zeros(0), 1.0, eigengap_subset, cos_ones_subset), math.nan, resampling))
+                       resampling: Resampling, sign_confidence: float = math.nan) -> tuple:
+    """The flags past ``resampling``'s thresholds (no "sign" flag without a sign confidence)."""
+    r = resampling
+    checks = (("eigengap", eigengap > r.max_eigengap), ("eigengap-subset", eigengap_subset > r.max_eigengap),
+              ("cos-ones", abs(cos_ones) < r.min_cos_ones), ("cos-ones-subset", abs(cos_ones_subset) < r.min_cos_ones),
+              ("sign", not math.isnan(sign_confidence) and sign_confidence < r.min_sign_confidence))
+    return tuple(name for name, fired in checks if fired)
+
+
+def check_resampling(resampling) -> None:
+    if resampling is not None and not isinstance(resampling, Resampling):
+        raise InputError("resampling", "must be a Resampling or None", type(resampling).__name__)
 
 
 @entry("kernel_gc")
@@ -438,8 +432,7 @@ def kernel_gc(kernel, subsets, *, resampling: Resampling | None = Resampling()) 
     if not np.trace(K) > 0:
         raise InputError("kernel", "must have a positive diagonal somewhere (all gradients are zero); trace",
                          float(np.trace(K)))
-    if resampling is not None and not isinstance(resampling, Resampling):
-        raise InputError("resampling", "must be a Resampling or None", type(resampling).__name__)
+    check_resampling(resampling)
     n = K.shape[0]
     members = []
     for s in subsets:
