@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 SPARSE_KINDS = ("cse", "switch", "demix")
 SPARSE_MODULES = ("ffn", "attn")
+ROUTER_FORMATS = (1, 2)  # CSE router formats a checkpoint may carry; 2 is the current one
 
 
 @dataclass
@@ -24,8 +25,14 @@ class SparseConfig:
     module : ``"ffn"`` (MoF) or ``"attn"`` (MoA; CSE and DEMix only).
     layers : block indices whose module is sparse.
     n_experts : experts per sparse layer, in ``layers`` order. For CSE, 0 until the
-        clusters are found (the layer is dense during warm-up).
-    proj_dim : CSE: dimension d' of the random projection M (d' x d).
+        clusters are found (the layer is dense during warm-up); for Switch, 0 until the
+        dense module is upcycled (``TrainConfig.upcycle``).
+    proj_dim : CSE: dimension d' of the random projection M (d' x d); in router format 2,
+        ``proj_dim >= n_embd`` means no projection (M is the identity, d' = d).
+    router_format : CSE: 1 (turn 1: ``||M v - c|| / r``) or 2 (``||normalise(M (v - mu)) - c|| / r``,
+        the mean mu stored in the layer). A config without it is format 1, so turn-1
+        checkpoints load and route as before; new CSE layers are format 2.
+    normalise : CSE, format 2: whether the routing space is L2-normalised (cosine geometry).
     alpha : CSE: EMA factor of the centre update ``c <- alpha c + (1 - alpha) v'``.
     capacity_factor, aux_weight : Switch: expert capacity and load-balancing loss weight.
     domains : DEMix: the domain label of each expert, in expert order.
@@ -36,6 +43,8 @@ class SparseConfig:
     layers: list = field(default_factory=list)
     n_experts: list = field(default_factory=list)
     proj_dim: int = 32
+    router_format: int = 1
+    normalise: bool = False
     alpha: float = 0.99
     capacity_factor: float = 1.25
     aux_weight: float = 0.01
@@ -64,9 +73,13 @@ class SparseConfig:
         if len(self.n_experts) != len(self.layers):
             raise ValueError(f"{where}: n_experts must give one count per layer in layers "
                              f"(got {self.n_experts!r} for layers {self.layers!r})")
-        minimum = 0 if self.kind == "cse" else 1
+        minimum = 0 if self.kind in ("cse", "switch") else 1  # 0: dense until converted (CSE) or upcycled (Switch)
         if any(not isinstance(c, int) or c < minimum for c in self.n_experts):
             raise ValueError(f"{where}: n_experts must be integers >= {minimum} (got {self.n_experts!r})")
+        if self.router_format not in ROUTER_FORMATS:
+            raise ValueError(f"{where}: router_format must be one of {list(ROUTER_FORMATS)} (got {self.router_format!r})")
+        if self.normalise and self.router_format < 2:
+            raise ValueError(f"{where}: normalise needs router_format 2 (got router_format={self.router_format})")
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(f"{where}: alpha must be in [0, 1) (got {self.alpha!r})")
         if self.proj_dim < 1 or self.capacity_factor <= 0 or self.aux_weight < 0:
@@ -75,6 +88,10 @@ class SparseConfig:
 
     def experts_at(self, layer: int) -> int:
         return self.n_experts[self.layers.index(layer)] if layer in self.layers else 0
+
+    def route_dim(self, n_embd: int) -> int:
+        """d', the routing space's dimension, for a model of width ``n_embd``."""
+        return min(self.proj_dim, n_embd) if self.router_format >= 2 else self.proj_dim
 
 
 @dataclass

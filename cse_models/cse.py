@@ -1,9 +1,10 @@
 """Building CSE layers from clusters (docs/design.md §4, steps 2-3 of Algorithm 1).
 
 After the dense warm-up: embed N sequences at the input of each chosen module, fit a router
-on them (:func:`ntkscope.representation.router.fit_router`: seeded Gaussian projection,
-DBSCAN with automatic eps, centres and radii), and turn the module into C experts copied
-from the warmed-up one, routed by the clusters' centres and radii. At routing time every
+on them (:func:`ntkscope.representation.router.fit_router`: centred on the sample mean,
+projected when asked, L2-normalised, clustered by HDBSCAN by default; centres and radii),
+and turn the module into C experts copied from the warmed-up one, routed by the clusters'
+centres and radii in that space. At routing time every
 sequence, noise or not, goes to its nearest scaled centre.
 """
 
@@ -23,14 +24,17 @@ __all__ = ["NoClusterError", "RouterFit", "convert_to_cse", "fit_router"]
 
 
 def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                   eps: float | dict | None = None, min_samples: int = 5, max_experts: int | None = 8, seed: int = 0,
+                   rule: str = "hdbscan", representation: str = "centred-cosine", min_cluster_size: int = 15,
+                   eps: float | dict | None = None, min_samples: int = 5, percentile: float = 10.0,
+                   selection: str = "eom", max_experts: int | None = 8, seed: int = 0,
                    on_no_cluster: str = "single") -> dict[int, RouterFit]:
-    """Turn each chosen dense module of a warmed-up model into a CSE layer, in place.
+    """Turn each chosen dense module of a warmed-up model into a CSE layer (router format 2), in place.
 
-    ``input_ids``/``attention_mask`` (N, T): the sampled sequences. The model's
-    ``config.sparse`` (kind ``"cse"``) names the layers and module; its ``n_experts``
-    is filled in. ``eps``: one value, ``{layer: eps}`` (layers' scales differ), or None
-    (automatic). Returns {layer: RouterFit}.
+    ``input_ids``/``attention_mask`` (N, T): the fitting sample. The model's ``config.sparse``
+    (kind ``"cse"``) names the layers and module; its ``n_experts``, ``router_format`` and
+    ``normalise`` are filled in. ``rule``, ``representation`` and the rest are
+    :func:`~ntkscope.representation.router.fit_router`'s; ``eps`` (DBSCAN rules): one value,
+    ``{layer: eps}`` (layers' scales differ), or None (automatic). Returns {layer: RouterFit}.
     """
     sparse = model.config.sparse
     if sparse is None or sparse.kind != "cse":
@@ -45,17 +49,21 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     fits = {}
     for n, i in enumerate(sparse.layers):
         eps_i = eps.get(i) if isinstance(eps, dict) else eps
-        fit = fit_router(embeddings[i].float().cpu().numpy(), proj_dim=sparse.proj_dim, eps=eps_i,
-                         min_samples=min_samples, max_experts=max_experts, seed=seed + i, on_no_cluster=on_no_cluster)
+        fit = fit_router(embeddings[i].float().cpu().numpy(), rule=rule, representation=representation,
+                         proj_dim=sparse.proj_dim, min_cluster_size=min_cluster_size, min_samples=min_samples,
+                         eps=eps_i, percentile=percentile, selection=selection, max_experts=max_experts,
+                         seed=seed + i, on_no_cluster=on_no_cluster)
         dense = model._module(i)
-        device = next(dense.parameters()).device
-        as_t = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+        weight = next(dense.parameters())
+        as_t = lambda a: torch.as_tensor(a, device=weight.device, dtype=weight.dtype)  # noqa: E731
         layer = CSELayer([copy.deepcopy(dense) for _ in range(fit.n_clusters)], as_t(fit.projection),
-                         as_t(fit.centres), as_t(fit.radii), sparse.alpha)
+                         as_t(fit.centres), as_t(fit.radii), sparse.alpha, mean=as_t(fit.mean),
+                         normalise=fit.normalise)
         model._replace(i, layer)
         sparse.n_experts[n] = fit.n_clusters
         fits[i] = fit
-        log.info("CSE layer %d (%s): %d experts from %d sequences, eps %.4g, cluster sizes %s, %d noise%s",
-                 i, sparse.module, fit.n_clusters, len(fit.labels), fit.eps, list(fit.sizes), fit.n_noise,
-                 " (fallback: no cluster found)" if fit.fallback else "")
+        log.info("CSE layer %d (%s): %d experts from %d sequences (%s, %s), cluster sizes %s, %d noise%s",
+                 i, sparse.module, fit.n_clusters, len(fit.labels), rule, representation, list(fit.sizes),
+                 fit.n_noise, " (fallback: no cluster found)" if fit.fallback else "")
+    sparse.router_format, sparse.normalise = 2, fits[sparse.layers[0]].normalise
     return fits

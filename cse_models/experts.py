@@ -39,17 +39,27 @@ def _dispatch(experts: nn.ModuleList, x: torch.Tensor, key_mask, assign: torch.T
 class CSELayer(nn.Module):
     """Cluster-guided Sparse Expert layer (docs/design.md §4, Algorithm 1 of the CSE paper).
 
-    Buffers (saved in the checkpoint): ``projection`` M (d', d), ``centres`` (C, d'),
-    ``radii`` (C,). A sequence with embedding v (the mean of the module's input over its
-    real tokens) goes to ``argmin_j ||M v - c_j|| / r_j``. No router parameters.
-    ``load`` counts the sequences sent to each expert since the last :meth:`reset_load`.
+    A sequence with embedding v (the mean of the module's input over its real tokens, (d,))
+    goes to ``argmin_j ||z - c_j|| / r_j`` with ``z = normalise(M (v - mu))``. Buffers (saved in
+    the checkpoint): ``projection`` M (d', d), ``centres`` (C, d'), ``radii`` (C,) and, in router
+    format 2, ``mean`` mu (d,); ``normalise`` says whether z is L2-normalised. ``mean=None`` is
+    router format 1 (turn 1): ``z = M v``. No router parameters. ``load`` counts the sequences
+    sent to each expert since the last :meth:`reset_load`.
     """
 
     def __init__(self, experts: list[nn.Module], projection: torch.Tensor, centres: torch.Tensor,
-                 radii: torch.Tensor, alpha: float = 0.99):
+                 radii: torch.Tensor, alpha: float = 0.99, *, mean: torch.Tensor | None = None,
+                 normalise: bool = False):
         super().__init__()
+        if mean is None and normalise:
+            raise ValueError("CSELayer: normalise needs a router-format-2 layer (a mean)")
         self.experts = nn.ModuleList(experts)
         self.alpha = float(alpha)
+        self.normalise = bool(normalise)
+        if mean is not None:
+            self.register_buffer("mean", mean.clone())
+        else:
+            self.mean = None
         self.register_buffer("projection", projection.clone())
         self.register_buffer("centres", centres.clone())
         self.register_buffer("radii", radii.clone())
@@ -57,8 +67,13 @@ class CSELayer(nn.Module):
         self._pending: tuple | None = None
 
     def route(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Projected sequence embeddings (B, d') and the chosen expert of each sequence (B,)."""
-        z = sequence_embedding(x, key_mask) @ self.projection.to(x.dtype).T
+        """Sequence embeddings in the routing space (B, d') and the chosen expert of each sequence (B,)."""
+        v = sequence_embedding(x, key_mask)
+        if self.mean is not None:
+            v = v - self.mean.to(v.dtype)
+        z = v @ self.projection.to(x.dtype).T
+        if self.normalise:
+            z = F.normalize(z, dim=-1)
         scaled = torch.cdist(z, self.centres.to(z.dtype)) / self.radii.to(z.dtype)
         return z, scaled.argmin(dim=1)
 

@@ -37,9 +37,10 @@ def _sparse_module(config, dense: nn.Module, n_experts: int) -> nn.Module:
         return SwitchFFN(experts, config.n_embd, sparse.capacity_factor)
     if sparse.kind == "demix":
         return DEMixLayer(experts)
-    d = config.n_embd
-    return CSELayer(experts, torch.zeros(sparse.proj_dim, d), torch.zeros(n_experts, sparse.proj_dim),
-                    torch.ones(n_experts), sparse.alpha)
+    d, dp = config.n_embd, sparse.route_dim(config.n_embd)
+    mean = torch.zeros(d) if sparse.router_format >= 2 else None
+    return CSELayer(experts, torch.zeros(dp, d), torch.zeros(n_experts, dp), torch.ones(n_experts), sparse.alpha,
+                    mean=mean, normalise=sparse.normalise)
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -131,26 +132,32 @@ class TransformerLM(nn.Module):
 
     @torch.no_grad()
     def module_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers,
-                      module: str = "ffn") -> dict[int, torch.Tensor]:
+                      module: str = "ffn", *, chunk: int = 256) -> dict[int, torch.Tensor]:
         """Sequence embeddings (B, d) at the input of ``module`` ("ffn" or "attn") of each layer:
-        the mean over real tokens of ``ln_2(x)`` (FFN) or ``ln_1(x)`` (attention)."""
-        captured: dict[int, torch.Tensor] = {}
-        key_mask = None if attention_mask is None else attention_mask.bool()
+        the mean over real tokens of ``ln_2(x)`` (FFN) or ``ln_1(x)`` (attention). Runs ``chunk``
+        sequences at a time and stops before the LM head (a fitting sample of thousands of
+        sequences never holds its (B, T, V) logits)."""
+        captured: dict[int, list] = {i: [] for i in layers}
+        mask = None
         hooks = []
         for i in layers:
             norm = self.transformer.h[i].ln_2 if module == "ffn" else self.transformer.h[i].ln_1
 
             def hook(_m, _inp, out, i=i):
-                captured[i] = sequence_embedding(out, key_mask)
+                captured[i].append(sequence_embedding(out, mask))
 
             hooks.append(norm.register_forward_hook(hook))
         try:
-            domains = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-            self(input_ids, attention_mask, domains=domains)
+            for start in range(0, input_ids.shape[0], chunk):
+                ids = input_ids[start:start + chunk]
+                am = None if attention_mask is None else attention_mask[start:start + chunk]
+                mask = None if am is None else am.bool()
+                domains = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+                self.hidden_states(ids, am, domains=domains)
         finally:
             for h in hooks:
                 h.remove()
-        return captured
+        return {i: torch.cat(parts) for i, parts in captured.items()}
 
     # ---- forward ----------------------------------------------------------------------------
 

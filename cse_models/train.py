@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from cse_models.config import GPTConfig
 from cse_models.cse import convert_to_cse
 from cse_models.data import Blocks, global_batch, mask_tokens, pack_blocks, step_generator, text_file_blocks
+from cse_models.experts import SwitchFFN
 from cse_models.model import build_model, load_model
 from ntkscope.core.files import (DirectoryLock, atomic_path, load_safetensors, read_json_object, write_json,
                                  write_text)
@@ -57,8 +58,9 @@ class TrainConfig:
     out_dir: str = "runs/run"
     model: dict = field(default_factory=dict)
     data: dict = field(default_factory=dict)   # pack, split, domains, seq_len, tokenizer, text_files
-    cse: dict = field(default_factory=dict)    # warmup_steps, n_samples, eps, min_samples, max_experts, on_no_cluster
+    cse: dict = field(default_factory=dict)    # warmup_steps, n_samples, and convert_to_cse's options (rule, ...)
     init_from: str | None = None               # a checkpoint to continue from (domain finetuning)
+    upcycle: dict = field(default_factory=dict)  # Switch from a dense run: at, n_experts (sparse upcycling)
     plan: str | None = None                    # an ntkscope plan: sparse.layers / cse.warmup_steps "auto"
     steps: int = 1000
     batch_size: int = 32
@@ -319,12 +321,31 @@ def _build_model(cfg: TrainConfig, vocab_size: int):
     return build_model(GPTConfig.from_dict(spec), "TrainConfig: model")
 
 
+def fitting_sample(n_blocks: int, n: int, seed: int) -> torch.Tensor:
+    """The indices (min(n, n_blocks),) of the training blocks a CSE conversion clusters: a
+    seeded draw without replacement, the same for every run with this ``seed``."""
+    return torch.randperm(n_blocks, generator=step_generator(seed, 0, "cse"))[:min(n, n_blocks)]
+
+
 def _convert(model, blocks: Blocks, cfg: TrainConfig, device) -> None:
-    opts = {"n_samples": 512, "eps": None, "min_samples": 5, "max_experts": 8, "on_no_cluster": "single",
-            **{k: v for k, v in cfg.cse.items() if k != "warmup_steps"}}
-    n = min(opts.pop("n_samples"), len(blocks))
-    idx = torch.randperm(len(blocks), generator=step_generator(cfg.seed, 0, "cse"))[:n]
+    opts = {"n_samples": 3000, **{k: v for k, v in cfg.cse.items() if k != "warmup_steps"}}
+    idx = fitting_sample(len(blocks), opts.pop("n_samples"), cfg.seed)
+    start = time.perf_counter()
     convert_to_cse(model, blocks.input_ids[idx].to(device), None, seed=cfg.seed, **opts)
+    log.info("CSE conversion: %d sequences embedded and clustered in %.1f s", len(idx), time.perf_counter() - start)
+
+
+def _upcycle(model, cfg: TrainConfig, device) -> None:
+    """Sparse upcycling (Komatsuzaki et al., 2023): each chosen dense FFN becomes a Switch layer
+    whose ``upcycle["n_experts"]`` experts are copies of it, with a fresh router (N(0, 0.02),
+    from the run's restored RNG); AdamW state is carried to the copies like CSE's."""
+    sparse, k = model.config.sparse, int(cfg.upcycle["n_experts"])
+    for n, i in enumerate(sparse.layers):
+        dense = model._module(i)
+        model._replace(i, SwitchFFN([copy.deepcopy(dense) for _ in range(k)], model.config.n_embd,
+                                    sparse.capacity_factor).to(device))
+        sparse.n_experts[n] = k
+    log.info("Switch: upcycled layers %s into %d experts each", sparse.layers, k)
 
 
 def train(cfg: TrainConfig, *, callbacks=()) -> Path:
@@ -368,7 +389,13 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     if resume:
         log.info("resuming from %s (step %d)", resume, start)
     sparse = model.config.sparse
-    cse_at = cfg.cse.get("warmup_steps") if sparse is not None and sparse.kind == "cse" else None
+    if cfg.upcycle and (sparse is None or sparse.kind != "switch" or "at" not in cfg.upcycle
+                        or int(cfg.upcycle.get("n_experts", 0)) < 1):
+        raise ValueError(f"train: upcycle needs a Switch model (sparse kind 'switch', n_experts 0 until then) and "
+                         f"upcycle = {{at: STEP, n_experts: K >= 1}} (got sparse "
+                         f"{None if sparse is None else sparse.kind!r}, upcycle {cfg.upcycle!r})")
+    convert_at = (cfg.cse.get("warmup_steps") if sparse is not None and sparse.kind == "cse" else
+                  cfg.upcycle.get("at") if sparse is not None and sparse.kind == "switch" else None)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -387,9 +414,12 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.bf16)
     t0, last = time.perf_counter(), None
     for step in range(start, cfg.steps):
-        if cse_at is not None and step == cse_at and sparse.experts_at(sparse.layers[0]) == 0:
+        if convert_at is not None and step == convert_at and sparse.experts_at(sparse.layers[0]) == 0:
             old = {_param_names(model)[id(p)]: s for p, s in opt.state.items()}
-            _convert(model, blocks, cfg, device)
+            if sparse.kind == "cse":
+                _convert(model, blocks, cfg, device)
+            else:
+                _upcycle(model, cfg, device)
             model.to(device)
             new_opt = make_optimizer(model, cfg)
             carry_optimizer_state(old, model, new_opt)

@@ -101,7 +101,10 @@ _EXPORTS = {
     "cluster_dynamics": "ntkscope.runs.dynamics",
     "cluster_snapshots": "ntkscope.runs.dynamics",
     "gc_series": "ntkscope.runs.dynamics",
-    "router_stability": "ntkscope.runs.dynamics",
+    "router_dynamics": "ntkscope.runs.dynamics",
+    "cluster_purity": "ntkscope.representation.structure",
+    "knn_lift": "ntkscope.representation.structure",
+    "domain_silhouette": "ntkscope.representation.structure",
     "gc_by_bins": "ntkscope.runs.gc",
     "gc_sensitivity": "ntkscope.runs.gc",
     # the reproduction

@@ -158,19 +158,42 @@ def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: st
     return fig
 
 
-def layer_dynamics(table):
-    """Figure 3(b, c). ``table``: :func:`ntkscope.cluster_dynamics` (step, layer, k, inter_distance)."""
+def layer_dynamics(table, router=None):
+    """Figure 3(b, c), one line per layer over training steps. ``table``: :func:`ntkscope.cluster_dynamics`
+    (the paper's elbow K beside the silhouette K, which is 1 when no K reaches a silhouette of
+    0.25; the best silhouette; the inter-cluster distance). ``router``: :func:`ntkscope.router_dynamics`
+    with domains (the router's clusters, the pure tail clusters, the tail share in them, and the
+    tail domains' kNN lift), drawn as a second row when given."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    rows_n = 2 if router is not None else 1
+    fig, axes = plt.subplots(rows_n, 3, figsize=(13, 3.4 * rows_n), squeeze=False)
     for layer, rows in table.groupby("layer"):
-        axes[0].plot(rows["step"], rows["k"], "o-", ms=3, label=f"layer {layer}")
-        axes[1].plot(rows["step"], rows["inter_distance"], "o-", ms=3, label=f"layer {layer}")
-    axes[0].set_ylabel("elbow K")
-    axes[1].set_ylabel("inter-cluster distance (projected space)")
-    for ax, title in zip(axes, ("(b) number of clusters", "(c) distance between cluster centres")):
+        line, = axes[0, 0].plot(rows["step"], rows["k_silhouette"], "o-", ms=3, label=f"layer {layer}")
+        axes[0, 0].plot(rows["step"], rows["k"], ":", color=line.get_color(), lw=1)
+        axes[0, 1].plot(rows["step"], rows["silhouette"], "o-", ms=3, label=f"layer {layer}")
+        axes[0, 2].plot(rows["step"], rows["inter_distance"], "o-", ms=3, label=f"layer {layer}")
+    axes[0, 1].axhline(0.25, color="grey", lw=0.8, ls="--")
+    panels = [(axes[0, 0], "K (solid: silhouette, 1 = none; dotted: elbow)", "(b) number of clusters"),
+              (axes[0, 1], "best mean silhouette (K-Means)", "(b') silhouette; < 0.25: no structure"),
+              (axes[0, 2], "inter-cluster distance (projected space)", "(c) distance between elbow centres")]
+    if router is not None:
+        tail = [c.split(" ", 1)[1] for c in router.columns if c.startswith("tail_share ")]
+        for layer, rows in router.groupby("layer"):
+            line, = axes[1, 0].plot(rows["step"], rows["n_clusters"], "o-", ms=3, label=f"layer {layer}")
+            axes[1, 0].plot(rows["step"], rows["n_pure_tail"], "s--", ms=3, color=line.get_color(), lw=1)
+            axes[1, 1].plot(rows["step"], rows["tail_share"], "o-", ms=3, label=f"layer {layer}")
+            lift = rows[[f"knn_lift {d}" for d in tail]].mean(axis=1) if tail else rows["n_clusters"] * np.nan
+            axes[1, 2].plot(rows["step"], lift, "o-", ms=3, label=f"layer {layer}")
+        axes[1, 2].axhline(1.0, color="grey", lw=0.8, ls="--")
+        panels += [(axes[1, 0], "clusters (solid); pure tail clusters (dashed)", "router's clusters"),
+                   (axes[1, 1], "tail share in pure clusters of their domain", "the long tail in its own clusters"),
+                   (axes[1, 2], f"kNN lift, mean of {', '.join(tail) or 'tail'} (1 = chance)",
+                    "separability of the tail (routing space)")]
+    for ax, ylabel, title in panels:
         ax.set_xlabel("training step")
-        ax.set_title(title)
-    axes[1].legend(fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_title(title, fontsize=9)
+    axes[0, 2].legend(fontsize=8)
     fig.tight_layout()
     return fig
 

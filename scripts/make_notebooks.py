@@ -21,8 +21,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 from ntkscope.reproduction.panels import PANELS
 
 ROOT = Path(__file__).resolve().parent.parent
-PARAMETERS = 'RUN_DIR = "../figures/quick"  # a reproduction run directory (created and filled if empty)\n' \
-             'MODE = "quick"  # "smoke", "quick" (2 CPU cores) or "full" (GPU)'
+PARAMETERS = 'RUN_DIR = "../figures/tail"  # a reproduction run directory (created and filled if empty)\n' \
+             'MODE = "tail"  # "smoke", "quick" (2 CPU cores, 15 min), "tail" (2 CPU cores, ~1 h) or "full" (GPU)'
 SETUP = ("import ntkscope\n"
          "from IPython.display import Image, Markdown\n"
          "from ntkscope import plotting\n\n"
@@ -53,8 +53,9 @@ NOTEBOOKS = {
     "fig2_gradient_consistency": [
         "# Figure 2: gradient consistency and frequency; a CSE layer's clusters\n\n(a) GC of each frequency bin "
         "against the whole analysis set, on the dense GPT's last checkpoint, over the histogram of sentences per "
-        "bin. (b) The analysis sentences at the first CSE layer's input, in the router's projected space (2-D PCA), "
-        "coloured by DBSCAN cluster, with each cluster's domain make-up.",
+        "bin. (b) The fitting sample (training blocks) at the first CSE layer's input at the warm-up, in the "
+        "router's space (centred, L2-normalised; 2-D PCA), coloured by the clusters the router was built from "
+        "(HDBSCAN), with each cluster's domain make-up.",
         PARAMETERS, SETUP,
         't = rep.tables("fig2")\nt["gc_by_bin"]',
         save("fig2a"),
@@ -62,25 +63,29 @@ NOTEBOOKS = {
     ],
     "fig3_training_dynamics": [
         "# Figure 3: over training\n\n(a) GC of the long-tail subset (the third of the analysis sentences with the "
-        "lowest frequency scores) at every dense checkpoint; its peak sets the CSE warm-up. (b) The elbow K of each "
-        "layer's FFN-input embeddings; (c) the mean distance between cluster centres.",
+        "lowest frequency scores) at every dense checkpoint, with its interval and the null band; the warm-up is its "
+        "peak when the statistics show one, else the earliest checkpoint with stable router clusters. (b) Per "
+        "layer: the silhouette K (1 = no structure) beside the paper's elbow K, the best silhouette, and (c) the "
+        "distance between elbow centres; second row: the router's clusters of the fitting sample, the pure "
+        "tail clusters, the tail share in them and the tail domains' kNN lift.",
         PARAMETERS, SETUP,
         't = rep.tables("fig3")\nt["gc_over_steps"]',
         save("fig3a"),
+        't["router_dynamics"]',
         save("fig3bc"),
         "rep.plan()",
     ],
     "fig4_cse_layer": [
-        "# Figure 4: the CSE layer; cluster snapshots\n\n(a) The layer, drawn. (b) One planned layer's FFN-input "
-        "embeddings at evenly spaced dense checkpoints, coloured by elbow-K-Means cluster.",
+        "# Figure 4: the CSE layer; cluster snapshots\n\n(a) The layer, drawn. (b) The fitting sample at one "
+        "planned layer's FFN input at evenly spaced dense checkpoints, coloured by the router's clusters.",
         PARAMETERS, SETUP,
         save("fig4a"),
         't = rep.tables("fig4")\nt["snapshot_clusters"]',
         save("fig4b"),
     ],
     "fig5_experts": [
-        "# Figure 5: where CSE sends each sentence, and each expert's NTK\n\n(a) The analysis sentences coloured by "
-        "the expert the trained CSE model routes them to. (b) Each expert's empirical NTK (over its own FFN "
+        "# Figure 5: where CSE sends each block, and each expert's NTK\n\n(a) Every held-out (validation) block "
+        "coloured by the expert the trained CSE model routes it to; the table gives each expert's domain make-up. (b) Each expert's empirical NTK (over its own FFN "
         "parameters) on the sentences routed to it; (c) the dense baseline's NTK (same layer's FFN) on the same "
         "sentences, ordered by expert. Kernels are shown as cosines Θ_ij / sqrt(Θ_ii Θ_jj).",
         PARAMETERS, SETUP,
@@ -92,9 +97,11 @@ NOTEBOOKS = {
     "tables_results": [
         "# Tables 1-2: the models compared\n\nTest perplexity (all text and per domain) and linear-probe accuracy "
         "on frozen embeddings for the pack's probe tasks (stand-ins for the paper's downstream tasks), for the "
-        "dense GPT, its domain-finetuned copies, Switch and CSE (MoF).",
+        "dense GPT, its domain-finetuned copies, Switch and CSE (MoF); then CSE, Switch (upcycled from the same "
+        "warm-up) and the dense continuation over seeds, mean and standard deviation.",
         PARAMETERS, SETUP,
         'paths = rep.write_tables()\nMarkdown(paths[1].read_text())',
+        'rep.tables("tables")["seeds_summary"]',
     ],
 }
 

@@ -15,7 +15,7 @@ from ntkscope.representation.clusters import AutoDBSCAN, ElbowKMeans, cluster_ge
 from ntkscope.representation.clusters import layer_separation
 import ntkscope as ns
 from ntkscope.kernel.uncertainty import Resampling
-from ntkscope.runs.dynamics import cluster_dynamics, cluster_snapshots, gc_series, router_stability
+from ntkscope.runs.dynamics import cluster_dynamics, cluster_snapshots, gc_series, router_dynamics
 from ntkscope.text.frequency import long_tail_subset
 from ntkscope.representation.plan import Plan, make_plan
 from ntkscope.runs.embeddings import layer_embeddings
@@ -144,7 +144,8 @@ def test_dynamics_table_has_no_gaps_and_resumes_from_its_cache(tiny_run, monkeyp
     monkeypatch.setattr(dynamics, "layer_embeddings", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     table = cluster_dynamics(run, batch, k_max=5, projection_dim=16, cache_dir=tmp_path)
     assert len(calls) == 2  # only the two checkpoints that were not done
-    assert list(table.columns) == ["step", "layer", "n", "k", "inter_distance", "mean_radius", "separation"]
+    assert list(table.columns) == ["step", "layer", "n", "k", "knee_strength", "k_silhouette", "silhouette",
+                                   "inter_distance", "mean_radius", "separation"]
     grid = pd.MultiIndex.from_product([[2, 4, 6, 8], [0, 1, 2]])
     assert table.set_index(["step", "layer"]).index.equals(grid)
     assert table["n"].eq(48).all() and table["k"].between(1, 5).all()
@@ -159,8 +160,10 @@ def test_plan_takes_the_best_layers_and_the_gc_peak_and_training_accepts_it(tiny
     gc = gc_series(run, batch, tail, cache_dir=tmp_path, resampling=Resampling(resamples=40, null_draws=40))
     assert list(gc["step"]) == [2, 4, 6, 8] and gc["gc"].between(-1, 1).all()
     assert ((gc["abs_gc_low"] <= gc["abs_gc"]) & (gc["abs_gc"] <= gc["abs_gc_high"])).all()
-    stability = router_stability(run, batch, [0, 1, 2], proj_dim=8, min_samples=3, cache_dir=tmp_path)
-    assert list(stability.columns) == ["step", "layer", "n_clusters", "n_noise", "overlap_next"] and len(stability) == 12
+    router = {"min_cluster_size": 5, "min_samples": 3}
+    stability = router_dynamics(run, batch, [0, 1, 2], router=router, cache_dir=tmp_path)
+    assert list(stability.columns) == ["step", "layer", "n_clusters", "n_noise", "largest_share", "overlap_next"]
+    assert len(stability) == 12
     assert stability["overlap_next"].iloc[-3:].isna().all() and stability["overlap_next"].iloc[:-3].between(-1, 1).all()
     plan = make_plan(table, gc, top_k=2, stability=stability)
     peak = ns.gc_peak(gc)

@@ -45,7 +45,8 @@ def test_one_expert_cse_equals_the_dense_layer(module, model_type, batch):
     dense = tiny(model_type)
     cse = copy.deepcopy(dense)
     cse.config.sparse = SparseConfig(kind="cse", module=module, layers=[1], n_experts=[0], proj_dim=4)
-    fits = convert_to_cse(cse, ids, mask, eps=1e9, min_samples=2)  # one huge cluster
+    fits = convert_to_cse(cse, ids, mask, rule="dbscan-knee", eps=1e9, min_samples=2)  # one huge cluster
+    assert cse.config.sparse.router_format == 2 and cse.config.sparse.normalise
     assert fits[1].n_clusters == 1 and len(cse.transformer.h[1].mlp.experts if module == "ffn" else
                                            cse.transformer.h[1].attn.experts) == 1
     out_d, out_c = dense(ids, mask), cse(ids, mask)
@@ -211,7 +212,7 @@ def test_fit_router_finds_planted_clusters_and_reports_noise():
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(3, 20)) * 10
     x = np.concatenate([c + rng.normal(size=(60, 20)) * 0.3 for c in centres] + [rng.normal(size=(3, 20)) * 40])
-    fit = fit_router(x, proj_dim=8, min_samples=5, seed=0)
+    fit = fit_router(x, rule="dbscan-knee", representation="raw", proj_dim=8, min_samples=5, seed=0)  # turn 1's router
     assert fit.n_clusters == 3 and sorted(fit.sizes) == [60, 60, 60] and fit.n_noise == 3
     truth = np.repeat([0, 1, 2], 60)
     assert len({(t, l) for t, l in zip(truth, fit.labels[:180])}) == 3  # labels equal up to permutation
@@ -221,11 +222,12 @@ def test_fit_router_finds_planted_clusters_and_reports_noise():
 def test_no_cluster_falls_back_to_one_expert_or_raises(caplog):
     x = np.random.default_rng(1).normal(size=(30, 6))
     with caplog.at_level(logging.WARNING):
-        fit = fit_router(x, proj_dim=4, eps=1e-6, min_samples=5)
+        fit = fit_router(x, rule="dbscan-percentile", proj_dim=4, eps=1e-6, min_samples=5)
     assert fit.fallback and fit.n_clusters == 1 and fit.sizes == (30,)
-    assert "DBSCAN found no cluster among 30 embeddings (eps=1e-06, min_samples=5): every point is noise" in caplog.text
-    with pytest.raises(NoClusterError, match="pass a larger eps or a smaller min_samples"):
-        fit_router(x, proj_dim=4, eps=1e-6, min_samples=5, on_no_cluster="error")
+    assert ("dbscan-percentile found no cluster among 30 embeddings (centred-cosine, eps=1e-06, min_samples=5, "
+            "min_cluster_size=15): every point is noise") in caplog.text
+    with pytest.raises(NoClusterError, match="pass a larger eps or smaller min_samples / min_cluster_size"):
+        fit_router(x, rule="dbscan-percentile", proj_dim=4, eps=1e-6, min_samples=5, on_no_cluster="error")
 
 
 def test_bad_configs_and_checkpoints(tmp_path):

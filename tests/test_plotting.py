@@ -33,8 +33,13 @@ def test_every_figure_is_labelled_and_saves(pack, tmp_path):
                                           resampling=ns.Resampling(resamples=30, null_draws=30))]
     table = pd.DataFrame(rows).assign(left=hist["left"], right=hist["right"])
     series = pd.DataFrame(rows[:3]).assign(step=[100, 200, 300])
-    dynamics = pd.DataFrame([(s, l, 2 + l, 1.0 + 0.1 * s / 100 * l) for s in (100, 200, 300) for l in range(3)],
-                            columns=["step", "layer", "k", "inter_distance"])
+    dynamics = pd.DataFrame([(s, l, 2 + l, 1 + (s > 100) * l, 0.1 + 0.1 * l, 1.0 + 0.1 * s / 100 * l)
+                             for s in (100, 200, 300) for l in range(3)],
+                            columns=["step", "layer", "k", "k_silhouette", "silhouette", "inter_distance"])
+    router = pd.DataFrame([(s, l, 3 + l, l, 0.1 * l * s / 300, 1 + l * s / 300, 2.0) for s in (100, 200, 300)
+                           for l in range(3)], columns=["step", "layer", "n_clusters", "n_pure_tail", "tail_share",
+                                                        "knn_lift legal", "knn_lift biomedical"])
+    router["tail_share legal"] = router["tail_share"]
     points = pd.DataFrame({"step": [1] * 40 + [2] * 40, "x": rng.normal(size=80), "y": rng.normal(size=80),
                            "cluster": rng.integers(0, 3, 80), "domain": rng.choice(["general", "legal"], 80)})
     figures = {
@@ -44,6 +49,7 @@ def test_every_figure_is_labelled_and_saves(pack, tmp_path):
         "fig2a-outputs": plotting.gc_vs_frequency(pd.concat([table.assign(output="loss"),
                                                              table.assign(output="true-logit")]), hist),
         "fig3bc": plotting.layer_dynamics(dynamics),
+        "fig3bc-router": plotting.layer_dynamics(dynamics, router),
         "fig4b": plotting.cluster_view(points),
         "fig5b": plotting.ntk_heatmap(rng.normal(size=(10, 10)), ["a"] * 4 + ["b"] * 6),
     }

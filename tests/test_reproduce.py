@@ -35,6 +35,10 @@ def test_smoke_run_writes_every_figure_table_and_the_manifest(smoke):
     assert list(results["model"]) == ["GPT dense", "GPT/legal", "GPT/biomedical", "Switch", "CSE/MoF"]
     assert np.isfinite(results["perplexity"]).all() and (results["perplexity"] > 1).all()
     assert (run / "tables" / "results.md").read_text().startswith("| model")
+    seeds = pd.read_csv(run / "tables" / "seeds_summary.csv")
+    assert list(seeds["model"]) == ["GPT dense", "Switch", "CSE/MoF"] and (seeds["seeds"] == 1).all()
+    by_model = results.set_index("model")
+    np.testing.assert_allclose(seeds.set_index("model")["perplexity mean"], by_model.loc[seeds["model"], "perplexity"])
     plan = manifest["plan"]
     s = manifest["settings"]
     assert 0 < plan["warmup_steps"] <= s["max_warmup_fraction"] * s["steps"]
@@ -52,9 +56,18 @@ def test_tables_hold_the_measurements(smoke):
     gc = rep.tables("fig3")["gc_over_steps"]
     steps = [int(p.name.split("-")[1]) for p in sorted((run / "models" / "gpt-dense" / "checkpoints").iterdir())]
     assert list(gc["step"]) == steps and gc["gc"].between(-1, 1).all()
+    router = rep.tables("fig3")["router_dynamics"]
+    every = manifest["settings"]["checkpoint_every"]
+    assert set(router["step"]) == {s for s in steps if s % every == 0} and set(router["layer"]) == {0, 1}
+    assert {"n_pure_tail", "tail_share legal", "knn_lift legal", "silhouette general"} <= set(router.columns)
+    assert router["ari"].between(-1, 1).all() and (router["knn_lift general"] > 0).all()
     routing = rep.tables("fig5")
+    held_out = len(rep.held_out()["domains"])
+    assert len(routing["routing"]) == held_out and routing["routing_summary"]["n"].sum() == held_out
+    assert len(routing["fit_points"]) == manifest["settings"]["cse_samples"]
+    shares = routing["routing_summary"].filter(like="share ").sum(axis=1)
+    np.testing.assert_allclose(shares, 1.0)
     n = manifest["settings"]["n"]
-    assert len(routing["routing"]) == n and routing["routing_summary"]["n"].sum() == n
     kernels = routing["kernels"]
     assert kernels["dense"].shape == (n, n)
     np.testing.assert_allclose(kernels["dense"], kernels["dense"].T, rtol=1e-5, atol=1e-8)
@@ -106,15 +119,15 @@ def test_the_command_says_one_line_on_a_wrong_run_directory(smoke, capsys):
     assert err.startswith("ntkscope reproduce: error: Reproduction: run_dir holds a reproduction with other settings")
 
 
-def test_notebooks_run_on_the_committed_quick_run(tmp_path):
-    """CI runs every notebook in quick mode against a copy of the committed run (figures/quick):
-    each reads the cached tables and must write its figures."""
+def test_notebooks_run_on_the_committed_run(tmp_path):
+    """CI runs every notebook against a copy of the committed run (figures/tail): each reads the
+    cached tables and must write its figures."""
     import nbformat
     from nbclient import NotebookClient
 
     root = Path(__file__).resolve().parent.parent
-    run = tmp_path / "quick"
-    shutil.copytree(root / "figures" / "quick", run)
+    run = tmp_path / "tail"
+    shutil.copytree(root / "figures" / "tail", run)
     shutil.rmtree(run / "figures")
     notebooks = sorted((root / "notebooks").glob("*.ipynb"))
     assert {p.stem for p in notebooks} >= {"fig1_long_tail", "fig5_experts", "tables_results"}
@@ -122,7 +135,7 @@ def test_notebooks_run_on_the_committed_quick_run(tmp_path):
         nb = nbformat.read(path, as_version=4)
         params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(params) == 1, path
-        params[0].source = f"RUN_DIR = {str(run)!r}\nMODE = 'quick'"
+        params[0].source = f"RUN_DIR = {str(run)!r}\nMODE = 'tail'"
         NotebookClient(nb, timeout=600, resources={"metadata": {"path": str(tmp_path)}}).execute()
     for panel in PANELS:
         for fmt in ("png", "pdf"):

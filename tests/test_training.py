@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cse_models import load_model
+from cse_models import SparseConfig, load_model
 from cse_models.train import TrainConfig, lr_factor, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -24,7 +24,8 @@ def config(tmp_path, name="run", **overrides):
         "model": {"n_layer": 2, "n_embd": 32, "n_head": 2,
                   "sparse": {"kind": "cse", "layers": [1], "n_experts": [0], "proj_dim": 8}},
         "data": {"seq_len": 32, "split": "validation"},
-        "cse": {"warmup_steps": 6, "n_samples": 128, "min_samples": 3, "eps": 0.11},  # 3 experts at step 6
+        "cse": {"warmup_steps": 6, "n_samples": 128, "min_samples": 3, "eps": 0.11, "rule": "dbscan-knee",
+                "representation": "raw"},  # 3 experts at step 6 (turn 1's rule and representation)
         "steps": 14, "batch_size": 8, "checkpoint_every": 4, "log_every": 2, "warmup_steps": 3, "lr": 3e-3,
     }
     base.update(overrides)
@@ -190,11 +191,11 @@ def test_cse_branched_from_a_dense_run_shares_its_warm_up_exactly(tmp_path):
     for name, eps in (("one", 1e9), ("three", 0.11)):
         branch_from(tmp_path / "dense" / "checkpoints" / "step-000006", tmp_path / name, sparse=sparse)
         last = train(config(tmp_path, name, steps=10, cse={"warmup_steps": 6, "n_samples": 128, "min_samples": 3,
-                                                           "eps": eps}))
+                                                           "eps": eps, "rule": "dbscan-knee", "representation": "raw"}))
         if name == "one":
             assert load_model(last).config.sparse.n_experts == [1]
             got = {k.replace(".experts.0.", "."): v for k, v in weights(last).items()
-                   if not k.endswith((".projection", ".centres", ".radii"))}  # the router's buffers
+                   if not k.endswith((".projection", ".centres", ".radii", ".mean"))}  # the router's buffers
             want = weights(dense)
         else:
             assert load_model(last).config.sparse.n_experts == load_model(scratch).config.sparse.n_experts == [2]
@@ -206,3 +207,37 @@ def test_cse_branched_from_a_dense_run_shares_its_warm_up_exactly(tmp_path):
         branch_from(tmp_path / "three" / "checkpoints" / "step-000010", tmp_path / "again", sparse=sparse)
     with pytest.raises(FileNotFoundError, match="branch_from: .* is not a training checkpoint"):
         branch_from(tmp_path / "nowhere", tmp_path / "again", sparse=sparse)
+
+
+def test_switch_upcycled_from_a_dense_run(tmp_path):
+    """Sparse upcycling: a Switch run branched from a dense run at step 6 has the dense run's
+    weights until then, and from step 6 on copies of the warmed-up FFN as its experts (with their
+    AdamW state) and a fresh router; a resumed run ends where an uninterrupted one does."""
+    from cse_models.experts import SwitchFFN
+    from cse_models.train import branch_from
+
+    dense_model = {"n_layer": 2, "n_embd": 32, "n_head": 2}
+    train(config(tmp_path, "dense", model=dense_model, steps=10, checkpoint_every=2))
+    sparse = {"kind": "switch", "layers": [1], "n_experts": [0]}
+    model = {**dense_model, "sparse": sparse}
+    start = branch_from(tmp_path / "dense" / "checkpoints" / "step-000006", tmp_path / "switch", sparse=sparse)
+    assert load_model(start).config.sparse.n_experts == [0]  # dense until the upcycling step
+    upcycle = {"at": 6, "n_experts": 3}
+    last = train(config(tmp_path, "switch", model=model, steps=7, checkpoint_every=7, upcycle=upcycle))
+    switched = load_model(last)
+    layer = switched.transformer.h[1].mlp
+    assert isinstance(layer, SwitchFFN) and switched.config.sparse.n_experts == [3]
+    from cse_models.train import _upcycle
+
+    fresh = load_model(start)
+    dense_ffn = {k: v.clone() for k, v in fresh.transformer.h[1].mlp.state_dict().items()}
+    fresh.config.sparse = SparseConfig(kind="switch", layers=[1], n_experts=[0])
+    _upcycle(fresh, config(tmp_path, "x", upcycle=upcycle), torch.device("cpu"))
+    up = fresh.transformer.h[1].mlp
+    assert isinstance(up, SwitchFFN) and len(up.experts) == 3 and fresh.config.sparse.n_experts == [3]
+    for expert in up.experts:  # every expert starts as the warmed-up FFN
+        for key, value in expert.state_dict().items():
+            assert torch.equal(value, dense_ffn[key]), key
+    assert up.router.weight.shape == (3, 32)
+    with pytest.raises(ValueError, match=r"train: upcycle needs a Switch model"):
+        train(config(tmp_path, "bad", model=dense_model, upcycle=upcycle))

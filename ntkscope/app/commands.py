@@ -26,7 +26,7 @@ from ntkscope.representation.clusters import layer_separation
 from ntkscope.representation.plan import gc_peak, make_plan
 from ntkscope.runs.checkpoints import (check_vocab, checkpoint_tokenizer, is_run_dir, list_checkpoints,
                                        load_checkpoint)
-from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_stability
+from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_dynamics
 from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.gc import gc_by_bins, gc_sensitivity
 from ntkscope.text.corpus.pack import load_pack
@@ -234,17 +234,18 @@ def clusters_command(target, data="default", *, tokenizer=None, n: int = 256, se
 def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_len: int = 64,
                  point: str = "block", k_max: int = 10, projection_dim: int = 64, top_k: int = 2, seed: int = 0,
                  module: str = "ffn", tail_fraction: float = 1 / 3, method: str = "auto", output: str = "loss",
-                 overlap: float = 0.8, proj_dim: int = 32, min_samples: int = 5, out="plan.json") -> dict:
+                 overlap: float = 0.8, router: dict | None = None, out="plan.json") -> dict:
     """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``:
     the long tail's GC peak when its statistics show one, else the earliest checkpoint whose
-    router clusters (``proj_dim``, ``min_samples``) are stable (adjusted Rand >= ``overlap``)."""
+    router clusters (:func:`~ntkscope.fit_router` with ``router``, default its defaults) are
+    stable (adjusted Rand >= ``overlap``)."""
     check_output("plan", out, kind="file")
     ad = _analysis_sentences(run_dir, data, tokenizer, n, seq_len, seed, run=True)
     table = cluster_dynamics(run_dir, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
     gc = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=Resampling(seed=seed))
     ffn_point = "attn_input" if module == "attn" else "ffn_input"
-    plan = make_plan(table, gc, top_k=top_k, module=module, overlap=overlap, stability=lambda layers: router_stability(
-        run_dir, ad.batch, layers, point=ffn_point, proj_dim=proj_dim, min_samples=min_samples, seed=seed))
+    plan = make_plan(table, gc, top_k=top_k, module=module, overlap=overlap, stability=lambda layers: router_dynamics(
+        run_dir, ad.batch, layers, point=ffn_point, router={"seed": seed, **(router or {})}))
     plan.save(out)
     return {"separation": table, "gc": gc, "n_tail": len(tail), "plan": plan}

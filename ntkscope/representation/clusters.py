@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 from sklearn.base import BaseEstimator, ClusterMixin
 from sklearn.cluster import DBSCAN, KMeans
+from sklearn.metrics import silhouette_score
 from sklearn.neighbors import NearestNeighbors
 from sklearn.random_projection import GaussianRandomProjection, johnson_lindenstrauss_min_dim
 
@@ -56,35 +57,52 @@ def jl_guidance(n_samples: int, eps=(0.1, 0.2, 0.3, 0.5)) -> dict:
     return {float(e): int(johnson_lindenstrauss_min_dim(n_samples, eps=e)) for e in eps}
 
 
+def knn_distances(X, k: int) -> np.ndarray:
+    """The distance from each point of X (n, d) to its ``k``-th nearest other point, sorted: (n,)."""
+    k = min(k, len(X) - 1)
+    dist, _ = NearestNeighbors(n_neighbors=k + 1).fit(X).kneighbors(X)
+    return np.sort(dist[:, -1])
+
+
 def auto_eps(X, min_samples: int) -> float:
     """DBSCAN's eps from the knee (kneedle, ``kneed``) of the sorted distances to each point's
     ``min_samples``-th nearest neighbour; the 90th percentile of those distances when kneedle
     finds no knee."""
     from kneed import KneeLocator  # imports scipy.signal (0.7 s): only when a knee is asked for
 
-    k = min(min_samples, len(X) - 1)
-    dist, _ = NearestNeighbors(n_neighbors=k + 1).fit(X).kneighbors(X)
-    curve = np.sort(dist[:, -1])
+    curve = knn_distances(X, min_samples)
     knee = KneeLocator(np.arange(len(curve)), curve, curve="convex", direction="increasing").knee_y
     if knee is None or not np.isfinite(knee) or knee <= 0:
         return float(np.percentile(curve, 90))
     return float(knee)
 
 
+#: Kaufman & Rousseeuw's reading of the average silhouette: below 0.25, "no substantial structure"
+MIN_SILHOUETTE = 0.25
+
+
 class ElbowKMeans(ClusterMixin, BaseEstimator):
-    """K-Means for K = 1..k_max; K at the knee of the inertia curve (kneedle).
+    """K-Means for K = 1..k_max; K at the knee of the inertia curve (kneedle), the paper's rule,
+    beside a rule that can say "no clusters".
 
     Attributes
     ----------
     inertias_ : (k_max,) inertia for K = 1..k_max.
     k_ : the elbow K (1 when the curve has no knee).
+    knee_strength_ : the peak of kneedle's difference curve, in [0, 1] (0: a straight line); a
+        smooth convex inertia curve has a knee of some strength whether or not there are clusters.
+    silhouettes_ : (k_max - 1,) mean silhouette (scikit-learn) of K = 2..k_max.
+    k_silhouette_ : the K of the best silhouette, or 1 ("no clusters") when that silhouette is
+        below ``min_silhouette`` (:data:`MIN_SILHOUETTE`).
     labels_ : (n,) labels of the K-Means at ``k_``.  cluster_centers_ : (k_, d).
     """
 
-    def __init__(self, k_max: int = 10, *, n_init: int = 4, random_state: int = 0):
+    def __init__(self, k_max: int = 10, *, n_init: int = 4, random_state: int = 0,
+                 min_silhouette: float = MIN_SILHOUETTE):
         self.k_max = k_max
         self.n_init = n_init
         self.random_state = random_state
+        self.min_silhouette = min_silhouette
 
     @entry("ElbowKMeans.fit")
     def fit(self, X, y=None):
@@ -96,13 +114,17 @@ class ElbowKMeans(ClusterMixin, BaseEstimator):
             raise InputError("k_max", f"must be at most the number of samples ({X.shape[0]})", self.k_max)
         fits = [KMeans(k, n_init=self.n_init, random_state=self.random_state).fit(X) for k in range(1, self.k_max + 1)]
         self.inertias_ = np.array([f.inertia_ for f in fits])
-        knee = None
+        knee, self.knee_strength_ = None, 0.0
         if self.k_max >= 3 and self.inertias_[0] > 0:
-            knee = KneeLocator(np.arange(1, self.k_max + 1), self.inertias_, curve="convex",
-                               direction="decreasing").knee
+            locator = KneeLocator(np.arange(1, self.k_max + 1), self.inertias_, curve="convex", direction="decreasing")
+            knee, self.knee_strength_ = locator.knee, float(np.max(locator.y_difference))
         self.k_ = int(knee) if knee is not None else 1
-        best = fits[self.k_ - 1]
-        self.labels_, self.cluster_centers_ = best.labels_, best.cluster_centers_
+        self.silhouettes_ = np.array([silhouette_score(X, f.labels_, random_state=self.random_state)
+                                      if len(set(f.labels_.tolist())) > 1 else np.nan for f in fits[1:]])
+        best = int(np.nanargmax(self.silhouettes_)) if np.isfinite(self.silhouettes_).any() else None
+        self.k_silhouette_ = best + 2 if best is not None and self.silhouettes_[best] >= self.min_silhouette else 1
+        chosen = fits[self.k_ - 1]
+        self.labels_, self.cluster_centers_ = chosen.labels_, chosen.cluster_centers_
         return self
 
 
@@ -169,12 +191,14 @@ def cluster_geometry(X, labels) -> ClusterGeometry:
     return ClusterGeometry(centres, radii, sizes, inter, separation)
 
 
-LAYER_COLUMNS = ["layer", "n", "k", "inter_distance", "mean_radius", "separation"]
+LAYER_COLUMNS = ["layer", "n", "k", "knee_strength", "k_silhouette", "silhouette", "inter_distance", "mean_radius",
+                 "separation"]
 
 
 @entry("layer_separation")
 def layer_separation(embeddings, *, k_max: int = 10, projection_dim: int | None = 64, seed: int = 0) -> pd.DataFrame:
-    """One row per layer: layer, n, k (elbow), inter_distance, mean_radius, separation.
+    """One row per layer: layer, n, k (elbow), knee_strength, k_silhouette (1: no clusters),
+    silhouette (the best K's), inter_distance, mean_radius, separation (at the elbow K).
 
     ``embeddings``: a :class:`~ntkscope.runs.embeddings.LayerEmbeddings` or {layer: (n, d)}.
     The table's ``attrs["jl_guidance"]`` gives the JL dimension for a few distortions.
@@ -191,7 +215,9 @@ def layer_separation(embeddings, *, k_max: int = 10, projection_dim: int | None 
         Z = random_projection(X, projection_dim, seed=seed) if projection_dim else X
         elbow = ElbowKMeans(k_max, random_state=seed).fit(Z)
         geo = cluster_geometry(Z, elbow.labels_)
-        rows.append((layer, X.shape[0], elbow.k_, geo.inter_distance, geo.mean_radius, geo.separation))
+        rows.append((layer, X.shape[0], elbow.k_, elbow.knee_strength_, elbow.k_silhouette_,
+                     float(np.nanmax(elbow.silhouettes_)) if np.isfinite(elbow.silhouettes_).any() else np.nan,
+                     geo.inter_distance, geo.mean_radius, geo.separation))
     frame = pd.DataFrame(rows, columns=LAYER_COLUMNS)
     frame.attrs["jl_guidance"] = jl_guidance(frame["n"].iloc[0])
     return frame

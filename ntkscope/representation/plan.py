@@ -10,7 +10,7 @@
   2. ``"stable-clusters"``: else the earliest checkpoint whose router clusters, at every chosen
      layer, have the same count as at the next checkpoint and an adjusted Rand index with it
      of at least ``overlap`` (:func:`stable_step`; the table comes from
-     :func:`ntkscope.runs.dynamics.router_stability`);
+     :func:`ntkscope.runs.dynamics.router_dynamics`);
   3. ``"window-end"``: else the last checkpoint considered.
 
 A plan is a small JSON file that ``cse_models`` training reads directly: a config with
@@ -149,7 +149,7 @@ def make_plan(separation: pd.DataFrame, gc: pd.DataFrame | None = None, *, stabi
               top_k: int | None = 2, min_fraction: float | None = None, module: str = "ffn") -> Plan:
     """A plan from a separation table (one model, or a series with a ``step`` column) and,
     optionally, the long tail's GC over checkpoints (a :func:`ntkscope.gc_series` table) and the
-    router's stability (a :func:`ntkscope.runs.dynamics.router_stability` table, or a callable
+    router's stability (a :func:`ntkscope.runs.dynamics.router_dynamics` table, or a callable
     ``layers -> table``, called only when the GC peak does not decide). The steps of ``gc`` (or
     of ``stability``) are the window the warm-up is chosen from."""
     if module not in ("ffn", "attn"):

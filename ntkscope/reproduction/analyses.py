@@ -18,10 +18,11 @@ from sklearn.decomposition import PCA
 from cse_models.evaluate import results_table
 from ntkscope.kernel.ntk import cosine_kernel, empirical_ntk
 from ntkscope.kernel.objectives import sample_outputs, take
-from ntkscope.representation.clusters import AutoDBSCAN
+from ntkscope.representation.router import fit_router
 from ntkscope.reproduction.settings import ReproduceSettings
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
-from ntkscope.runs.dynamics import cluster_dynamics, cluster_snapshots, gc_series, router_stability
+from ntkscope.runs.dynamics import STABILITY_COLUMNS, cluster_dynamics, gc_series, router_dynamics
+from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.gc import gc_sensitivity
 from ntkscope.text.frequency import bin_indices, domain_table, long_tail_subset, score_histogram
 
@@ -64,57 +65,103 @@ def gc_by_frequency(dense_last: Path, data, settings: ReproduceSettings) -> dict
     return {"gc_by_bin": chosen, "histogram": hist, "gc_outputs": table}
 
 
-def training_dynamics(dense_dir: Path, data, settings: ReproduceSettings) -> dict:
+def router_options(settings: ReproduceSettings) -> dict:
+    """The keyword arguments of :func:`ntkscope.fit_router` that CSE's conversion uses."""
+    return {"rule": settings.router_rule, "representation": settings.router_representation,
+            "proj_dim": settings.proj_dim, "min_cluster_size": settings.min_cluster_size,
+            "min_samples": settings.min_samples, "max_experts": settings.max_experts, "seed": settings.seed}
+
+
+def training_dynamics(dense_dir: Path, data, fitting, settings: ReproduceSettings) -> dict:
     """Figure 3: gc_over_steps (a :func:`ntkscope.gc_series` table: step, |GC| and its interval,
     the null band, sign confidence, mean-gradient consistency, flags, ...) of the long tail (the
-    lowest ``tail_fraction`` of frequency scores) for ``settings.gc_output``, and dynamics (step,
-    layer, k, inter_distance, ...) over every dense checkpoint. Cached per checkpoint in the run."""
+    lowest ``tail_fraction`` of frequency scores) for ``settings.gc_output``; dynamics (step,
+    layer, elbow k, knee strength, silhouette K, inter_distance, ...) of the analysis sentences
+    over every dense checkpoint; and router_dynamics (:func:`ntkscope.router_dynamics`: the
+    router's clusters of the fitting sample ``fitting`` at every layer, their purity, tail share,
+    kNN lift and silhouette per domain, stability) at every ``checkpoint_every`` steps. Cached
+    per checkpoint in the run."""
     tail = long_tail_subset(data.labels["score"], settings.tail_fraction)
     gc = gc_series(dense_dir, data.batch, tail, output=settings.gc_output, resampling=settings.resampling())
     dynamics = cluster_dynamics(dense_dir, data.batch, point="ffn_input", k_max=settings.k_max,
                                 projection_dim=settings.projection_dim, seed=settings.seed)
-    return {"gc_over_steps": gc, "dynamics": dynamics}
+    steps = [s for s, _ in list_checkpoints(dense_dir) if s % settings.checkpoint_every == 0]
+    router = router_dynamics(dense_dir, fitting["batch"], domains=fitting["domains"],
+                             tail=settings.finetune_domains, router=router_options(settings), steps=steps)
+    return {"gc_over_steps": gc, "dynamics": dynamics, "router_dynamics": router}
 
 
-def stability(dense_dir: Path, data, layers: list, steps: list, settings: ReproduceSettings) -> pd.DataFrame:
-    """The router's clusters of the analysis sentences at ``layers``' FFN input over the dense
-    checkpoints at ``steps`` (:func:`ntkscope.router_stability`), for the warm-up's fallback rule."""
-    return router_stability(dense_dir, data.batch, layers, point="ffn_input", proj_dim=settings.proj_dim,
-                            min_samples=settings.min_samples, max_experts=settings.max_experts, seed=settings.seed,
-                            steps=steps)
+def _routing_view(z: np.ndarray, seed: int) -> np.ndarray:
+    """2-D PCA of points in a routing space (n, d') -> (n, 2)."""
+    return PCA(2, random_state=seed).fit_transform(z)
 
 
-def snapshots(dense_dir: Path, data, layer: int, settings: ReproduceSettings) -> dict:
-    """Figure 4(b): snapshot_points (step, x, y, cluster, domain, score) and snapshot_clusters
-    of ``layer``'s FFN input at ``settings.snapshots`` evenly spaced checkpoints."""
+def snapshots(dense_dir: Path, fitting, layer: int, settings: ReproduceSettings) -> dict:
+    """Figure 4(b): snapshot_points (step, x, y, cluster, domain) and snapshot_clusters (step,
+    cluster, size, share of each domain) of the fitting sample at ``layer``'s FFN input, at
+    ``settings.snapshots`` evenly spaced checkpoints: the router's clusters (the rule CSE uses),
+    drawn in the first two principal components of the routing space."""
     steps = [s for s, _ in list_checkpoints(dense_dir)]
     chosen = sorted({steps[int(round(i))] for i in np.linspace(0, len(steps) - 1, settings.snapshots)})
-    points, clusters = cluster_snapshots(dense_dir, data.batch, layer, chosen, labels=_labels(data),
-                                         point="ffn_input", k_max=settings.k_max,
-                                         projection_dim=settings.projection_dim, seed=settings.seed)
-    return {"snapshot_points": points, "snapshot_clusters": clusters}
+    paths = dict(list_checkpoints(dense_dir))
+    points, clusters = [], []
+    for step in chosen:
+        X = layer_embeddings(load_checkpoint(paths[step]), fitting["batch"], point="ffn_input",
+                             layers=[layer]).embeddings[layer]
+        fit = fit_router(X, **router_options(settings))
+        xy = _routing_view(fit.transform(X), settings.seed)
+        frame = pd.DataFrame({"step": step, "x": xy[:, 0], "y": xy[:, 1], "cluster": fit.labels,
+                              "domain": fitting["domains"]})
+        points.append(frame)
+        summary = frame.groupby("cluster").size().rename("size").reset_index()
+        shares = pd.crosstab(frame["cluster"], frame["domain"], normalize="index").add_prefix("share ")
+        summary = summary.merge(shares, left_on="cluster", right_index=True)
+        summary.insert(0, "step", step)
+        clusters.append(summary)
+    return {"snapshot_points": pd.concat(points, ignore_index=True),
+            "snapshot_clusters": pd.concat(clusters, ignore_index=True)}
 
 
-def routing(cse_last: Path, data, layer: int, settings: ReproduceSettings) -> dict:
-    """Figures 2(b) and 5(a): the analysis sentences at CSE ``layer``'s input, in the router's
-    projected space (PCA to 2-D): routing (x, y, expert, cluster, domain, score), where
-    expert is where the router sends each sentence and cluster is DBSCAN (automatic eps) on
-    the same projected points; routing_summary (expert, n, share of each domain)."""
+def _router_of(cse_last: Path, layer: int):
     model = load_checkpoint(cse_last).eval()
-    router = model.sparse_layers()[f"transformer.h.{layer}.mlp"]
+    return model, model.sparse_layers()[f"transformer.h.{layer}.mlp"]
+
+
+def _route(model, router, batch: dict, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where ``router`` (a CSE layer of ``model``) sends each sequence of ``batch``: its point in
+    the routing space (n, d') and its expert (n,)."""
     with torch.no_grad():
-        v = model.module_inputs(data.batch["input_ids"], data.batch["attention_mask"], [layer])[layer]  # (n, d)
+        v = model.module_inputs(batch["input_ids"], batch.get("attention_mask"), [layer])[layer]  # (n, d)
         z, expert = router.route(v[:, None, :])  # a one-token sequence: its embedding is v itself
-    z, expert = z.double().numpy(), expert.numpy()
-    clusters = AutoDBSCAN(min_samples=settings.min_samples).fit(z)
-    xy = PCA(2, random_state=settings.seed).fit_transform(z)
-    frame = pd.DataFrame({"x": xy[:, 0], "y": xy[:, 1], "expert": expert, "cluster": clusters.labels_})
-    frame = pd.concat([frame, _labels(data)], axis=1)
-    summary = pd.crosstab(frame["expert"], frame["domain"]).add_prefix("n ")
-    summary.insert(0, "n", summary.sum(axis=1))
-    summary = summary.reset_index()
-    summary.attrs["eps"] = clusters.eps_
-    return {"routing": frame, "routing_summary": summary}
+    return z.double().numpy(), expert.numpy()
+
+
+def routing(cse_last: Path, warmup_checkpoint: Path, held_out, fitting, layer: int,
+            settings: ReproduceSettings) -> dict:
+    """Figures 2(b) and 5(a) and the routing table, at CSE ``layer``.
+
+    fit_points (x, y, cluster, domain): the fitting sample at the warm-up checkpoint, with the
+    clusters the router was built from (:func:`ntkscope.fit_router` again, same settings: the
+    same clusters), in the routing space's first two principal components. routing (x, y,
+    expert, domain): the held-out blocks ``held_out`` routed by the trained CSE model.
+    routing_summary: per expert, the held-out blocks it receives, by domain (counts, and each
+    domain's share of the expert), and per domain the share going to its most-used expert.
+    """
+    X = layer_embeddings(load_checkpoint(warmup_checkpoint), fitting["batch"], point="ffn_input",
+                         layers=[layer]).embeddings[layer]
+    fit = fit_router(X, **router_options(settings))
+    xy = _routing_view(fit.transform(X), settings.seed)
+    fit_points = pd.DataFrame({"x": xy[:, 0], "y": xy[:, 1], "cluster": fit.labels, "domain": fitting["domains"]})
+    model, router = _router_of(cse_last, layer)
+    z, expert = _route(model, router, held_out["batch"], layer)
+    xy = _routing_view(z, settings.seed)
+    frame = pd.DataFrame({"x": xy[:, 0], "y": xy[:, 1], "expert": expert, "domain": held_out["domains"]})
+    counts = pd.crosstab(frame["expert"], frame["domain"])
+    summary = counts.add_prefix("n ")
+    summary.insert(0, "n", counts.sum(axis=1))
+    for d in counts.columns:
+        summary[f"share {d}"] = counts[d] / counts.sum(axis=1)
+    return {"fit_points": fit_points, "routing": frame, "routing_summary": summary.reset_index()}
 
 
 def _mean_off_diagonal(matrix: np.ndarray) -> float:
@@ -122,19 +169,20 @@ def _mean_off_diagonal(matrix: np.ndarray) -> float:
     return float((matrix.sum() - np.trace(matrix)) / (n * (n - 1))) if n > 1 else float("nan")
 
 
-def expert_kernels(cse_last: Path, dense_last: Path, data, routing_frame: pd.DataFrame, layer: int) -> dict:
+def expert_kernels(cse_last: Path, dense_last: Path, data, layer: int) -> dict:
     """Figure 5(b, c): the empirical NTK (loss output, exact) of each CSE expert of ``layer``
-    over its parameters, on the sentences routed to it; and of the dense model over its FFN
-    at the same layer, on the whole batch. kernels: {"expert E": (n_E, n_E), "dense": (n, n)};
+    over its parameters, on the analysis sentences routed to it; and of the dense model over its
+    FFN at the same layer, on the whole batch. kernels: {"expert E": (n_E, n_E), "dense": (n, n)};
     expert_ntk: per expert, n and the mean off-diagonal cosine (Θ_ij / sqrt(Θ_ii Θ_jj)) of
     the expert's kernel and of the dense kernel on the same sentences."""
     dense = load_checkpoint(dense_last).eval()
     full = empirical_ntk(dense, data.batch, params=f"transformer.h.{layer}.mlp.*", method="exact")
     dense_k = full.matrix.double().numpy()
-    cse = load_checkpoint(cse_last).eval()
+    cse, router = _router_of(cse_last, layer)
+    _, experts = _route(cse, router, data.batch, layer)
     kernels, rows = {"dense": dense_k}, []
-    for e in sorted(routing_frame["expert"].unique()):
-        idx = np.flatnonzero(routing_frame["expert"].to_numpy() == e)
+    for e in sorted(set(experts.tolist())):
+        idx = np.flatnonzero(experts == e)
         if len(idx) < 2:
             continue
         sub = take(data.batch, torch.as_tensor(idx))
@@ -148,6 +196,31 @@ def expert_kernels(cse_last: Path, dense_last: Path, data, routing_frame: pd.Dat
     return {"expert_ntk": summary, "kernels": kernels}
 
 
-def results(runs: dict, pack, settings: ReproduceSettings) -> dict:
-    """Tables 1-2: :func:`cse_models.evaluate.results_table` over ``runs`` {name: checkpoint}."""
-    return {"results": results_table(runs, pack, seq_len=settings.seq_len, seeds=tuple(range(settings.probe_seeds)))}
+def _probe_mean(cell) -> float:
+    """A probe cell "0.612 ± 0.021" -> 0.612."""
+    return float(str(cell).split("±")[0])
+
+
+def results(runs: dict, seed_runs: dict, pack, settings: ReproduceSettings) -> dict:
+    """Tables 1-2 and the seeds comparison, evaluated once by :func:`cse_models.evaluate.results_table`.
+
+    results: one row per run of ``runs`` {name: checkpoint}. seeds: one row per (model, seed)
+    of ``seed_runs`` {(model, seed): checkpoint}, and seeds_summary: per model, the mean and
+    std over seeds of the test perplexity (all, per domain) and each probe's mean accuracy."""
+    named = {**runs, **{f"{m} (seed {s})": path for (m, s), path in seed_runs.items() if path not in runs.values()}}
+    table = results_table(named, pack, seq_len=settings.seq_len, seeds=tuple(range(settings.probe_seeds)))
+    by_path = dict(zip(named.values(), range(len(named))))
+    rows = []
+    for (model, seed), path in seed_runs.items():
+        row = table.iloc[by_path[path]].drop(labels="model")
+        rows.append({"model": model, "seed": seed, **row.to_dict()})
+    seeds = pd.DataFrame(rows)
+    numeric = seeds.drop(columns=["model", "seed"]).apply(lambda col: col.map(_probe_mean))
+    numeric.insert(0, "model", seeds["model"])
+    grouped = numeric.groupby("model", sort=False)
+    summary = grouped.mean().add_suffix(" mean").join(grouped.std(ddof=1).add_suffix(" std"))
+    summary = summary[[c for pair in zip(grouped.mean().columns + " mean", grouped.mean().columns + " std")
+                       for c in pair]]
+    summary.insert(0, "seeds", grouped.size())
+    return {"results": table[table["model"].isin(list(runs))].reset_index(drop=True), "seeds": seeds,
+            "seeds_summary": summary.reset_index()}

@@ -40,7 +40,8 @@ class Panel:
 
 
 def _routing(rep) -> dict:
-    return analyses.routing(rep.cse(), rep.data(), rep.plan().layers[0], rep.settings)
+    return analyses.routing(rep.cse(), rep.warmup_checkpoint(), rep.held_out(), rep.fitting(), rep.plan().layers[0],
+                            rep.settings)
 
 
 STAGES: dict[str, Stage] = {
@@ -48,14 +49,15 @@ STAGES: dict[str, Stage] = {
         rep.pack, rep.dense(), rep.data(rep.settings.n_perplexity), rep.settings), "fig1"),
     "fig2a": Stage(("gc_by_bin", "histogram", "gc_outputs"), lambda rep: analyses.gc_by_frequency(
         rep.dense(), rep.data(), rep.settings), "fig2a"),
-    "routing": Stage(("routing", "routing_summary"), _routing, "routing"),
-    "fig3": Stage(("gc_over_steps", "dynamics"), lambda rep: analyses.training_dynamics(
-        rep.dense_run(), rep.data(), rep.settings), "fig3"),
+    "routing": Stage(("fit_points", "routing", "routing_summary"), _routing, "routing"),
+    "fig3": Stage(("gc_over_steps", "dynamics", "router_dynamics"), lambda rep: analyses.training_dynamics(
+        rep.dense_run(), rep.data(), rep.fitting(), rep.settings), "fig3"),
     "fig4": Stage(("snapshot_points", "snapshot_clusters"), lambda rep: analyses.snapshots(
-        rep.dense_run(), rep.data(), rep.plan().layers[0], rep.settings), "fig4"),
+        rep.dense_run(), rep.fitting(), rep.plan().layers[0], rep.settings), "fig4"),
     "fig5bc": Stage(("expert_ntk", "kernels"), lambda rep: analyses.expert_kernels(
-        rep.cse(), rep.dense(), rep.data(), rep.tables("routing")["routing"], rep.plan().layers[0]), "fig5bc"),
-    "tables": Stage(("results",), lambda rep: analyses.results(rep.runs(), rep.pack, rep.settings), "tables"),
+        rep.cse(), rep.dense(), rep.data(), rep.plan().layers[0]), "fig5bc"),
+    "tables": Stage(("results", "seeds", "seeds_summary"), lambda rep: analyses.results(
+        rep.runs(), rep.seed_runs(), rep.pack, rep.settings), "tables"),
 }
 
 #: figure -> the stages whose tables it shows
@@ -77,26 +79,29 @@ PANELS: dict[str, Panel] = {
                        t["gc_by_bin"], t["histogram"],
                        title=f"dense GPT ({rep.settings.mode}): GC against sentence frequency "
                              f"(output: {rep.settings.gc_output})")),
-    "fig2b": Panel("fig2", 'plotting.cluster_view(t["routing"], colour_by="cluster", title=...)',
+    "fig2b": Panel("fig2", 'plotting.cluster_view(t["fit_points"], colour_by="cluster", title=...)',
                    lambda rep, t: plotting.cluster_view(
-                       t["routing"], colour_by="cluster",
-                       title=f"CSE layer {rep.plan().layers[0]}'s input: DBSCAN (automatic eps) finds "
-                             f"{_n(int((t['routing']['cluster'].unique() >= 0).sum()), 'cluster')}")),
+                       t["fit_points"], colour_by="cluster",
+                       title=f"layer {rep.plan().layers[0]}'s FFN input at the warm-up (step "
+                             f"{rep.plan().warmup_steps}): {rep.settings.router_rule} on "
+                             f"{rep.settings.router_representation} finds "
+                             f"{_n(int((t['fit_points']['cluster'].unique() >= 0).sum()), 'cluster')}")),
     "fig3a": Panel("fig3", 'plotting.gc_over_steps(t["gc_over_steps"], warmup=..., rule=...)',
                    lambda rep, t: plotting.gc_over_steps(
                        t["gc_over_steps"], warmup=rep.plan().warmup_steps, rule=rep.plan().warmup_rule,
                        title=f"dense GPT ({rep.settings.mode}): |GC| of the long tail ({rep.settings.gc_output})")),
-    "fig3bc": Panel("fig3", 'plotting.layer_dynamics(t["dynamics"])',
-                    lambda rep, t: plotting.layer_dynamics(t["dynamics"])),
+    "fig3bc": Panel("fig3", 'plotting.layer_dynamics(t["dynamics"], t["router_dynamics"])',
+                    lambda rep, t: plotting.layer_dynamics(t["dynamics"], t["router_dynamics"])),
     "fig4a": Panel("fig4", "plotting.cse_schematic()", lambda rep, t: plotting.cse_schematic(), uses_tables=False),
     "fig4b": Panel("fig4", 'plotting.cluster_view(t["snapshot_points"], colour_by="cluster", title=...)',
                    lambda rep, t: plotting.cluster_view(
                        t["snapshot_points"], colour_by="cluster",
-                       title=f"dense GPT, layer {rep.plan().layers[0]}'s FFN input: elbow K-Means over training")),
+                       title=f"dense GPT, layer {rep.plan().layers[0]}'s FFN input (fitting sample): the router's "
+                             f"clusters over training")),
     "fig5a": Panel("fig5", 'plotting.cluster_view(t["routing"], colour_by="expert", title=...)',
                    lambda rep, t: plotting.cluster_view(
                        t["routing"], colour_by="expert",
-                       title=f"CSE layer {rep.plan().layers[0]}: the expert each sentence is routed to "
+                       title=f"CSE layer {rep.plan().layers[0]}: the expert each held-out block is routed to "
                              f"({_n(t['routing']['expert'].nunique(), 'expert')} used)")),
     "fig5bc": Panel("fig5", 'plotting.expert_kernels(t["kernels"], t["expert_ntk"])',
                     lambda rep, t: plotting.expert_kernels(t["kernels"], t["expert_ntk"])),

@@ -5,7 +5,7 @@ table, so each stage runs once and an interrupted run resumes (training from its
 checkpoint, analyses per checkpoint)::
 
     RUN/settings.json              the ReproduceSettings (a run refuses other settings)
-    RUN/models/NAME/checkpoints    gpt-dense, gpt-switch, gpt-cse, gpt-dense-legal, ...
+    RUN/models/NAME/checkpoints    gpt-dense, gpt-switch, gpt-cse, gpt-dense-legal, gpt-cse-seed1, ...
     RUN/plan.json                  layers and warm-up chosen from the dense run
     RUN/tables/NAME.csv (.npz)     every measurement behind the figures; results.md
     RUN/figures/figNN.png, .pdf    Figures 1-5
@@ -40,6 +40,7 @@ from ntkscope.representation.plan import Plan, make_plan
 from ntkscope.reproduction import analyses, training
 from ntkscope.reproduction.panels import FIGURES, PANELS, STAGES
 from ntkscope.reproduction.settings import ReproduceSettings, settings_for
+from cse_models.train import TrainConfig, fitting_sample, load_data
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.sentences import load_analysis_data
 
@@ -135,24 +136,45 @@ class Reproduction:
         s = self.settings
         limit = int(s.max_warmup_fraction * s.steps)
         gc = t["gc_over_steps"][t["gc_over_steps"]["step"] <= limit]
-        steps = [int(x) for x in gc["step"]]
+        stability = t["router_dynamics"][analyses.STABILITY_COLUMNS]
         plan = make_plan(t["dynamics"], gc, top_k=s.sparse_layers, overlap=s.stable_overlap,
-                         stability=lambda layers: self._timed("stability", lambda: analyses.stability(
-                             self.dense_run(), self.data(), layers, steps, s)))
+                         stability=stability[stability["step"] <= limit])
         plan.save(path)
         log.info("plan: CSE layers %s, warm-up %s steps (%s: %s)", plan.layers, plan.warmup_steps, plan.warmup_rule,
                  plan.evidence.get("gc_peak", {}).get("why", ""))
         return plan
 
-    def cse(self) -> Path:
-        plan, dense = self.plan(), self.dense_run()
-        return self._timed("train gpt-cse", lambda: training.train_cse(
-            self.settings, self.model_dir("gpt-cse"), self.pack_path, dense, plan.layers, plan.warmup_steps))
+    def warmup_checkpoint(self) -> Path:
+        """The dense checkpoint at the planned warm-up (where CSE's router is fitted)."""
+        return self.dense_run() / "checkpoints" / f"step-{int(self.plan().warmup_steps):06d}"
 
-    def switch(self) -> Path:
-        layers = self.plan().layers
-        return self._timed("train gpt-switch", lambda: training.train_switch(
-            self.settings, self.model_dir("gpt-switch"), self.pack_path, layers))
+    def _seed(self, seed: int | None) -> int:
+        return self.settings.seed if seed is None else seed
+
+    def _suffix(self, seed: int | None) -> str:
+        return "" if self._seed(seed) == self.settings.seed else f"-seed{seed}"
+
+    def cse(self, seed: int | None = None) -> Path:
+        """CSE from the warm-up, data order ``seed`` (default the settings' seed)."""
+        plan, dense, name = self.plan(), self.dense_run(), f"gpt-cse{self._suffix(seed)}"
+        return self._timed(f"train {name}", lambda: training.train_cse(
+            self.settings, self.model_dir(name), self.pack_path, dense, plan.layers, plan.warmup_steps,
+            self._seed(seed)))
+
+    def switch(self, seed: int | None = None) -> Path:
+        """Switch, upcycled from the warm-up, data order ``seed``."""
+        plan, dense, name = self.plan(), self.dense_run(), f"gpt-switch{self._suffix(seed)}"
+        return self._timed(f"train {name}", lambda: training.train_switch(
+            self.settings, self.model_dir(name), self.pack_path, dense, plan.layers, plan.warmup_steps,
+            self._seed(seed)))
+
+    def continued(self, seed: int | None = None) -> Path:
+        """The dense model with data order ``seed`` after the warm-up (the settings' seed: the dense run)."""
+        if self._seed(seed) == self.settings.seed:
+            return self.dense()
+        plan, dense, name = self.plan(), self.dense_run(), f"gpt-dense{self._suffix(seed)}"
+        return self._timed(f"train {name}", lambda: training.train_continued(
+            self.settings, self.model_dir(name), self.pack_path, dense, plan.warmup_steps, self._seed(seed)))
 
     def finetuned(self, domain: str) -> Path:
         last = self.dense()
@@ -169,6 +191,27 @@ class Reproduction:
             self._data[n] = load_analysis_data(self.pack_path, self.pack.tokenizer(), n=n,
                                                seq_len=self.settings.seq_len, seed=self.settings.seed)
         return self._data[n]
+
+    def _blocks(self, split: str, n: int | None) -> dict:
+        """{"batch": {"input_ids", "attention_mask"}, "domains"} of ``split``'s blocks: the seeded
+        draw of ``n`` that CSE's conversion clusters (:func:`cse_models.train.fitting_sample`), or all."""
+        key = (split, n)
+        if key not in self._data:
+            blocks, _ = load_data(TrainConfig.from_dict({"data": {"pack": self.pack_path,
+                                                                  "seq_len": self.settings.seq_len}}), split)
+            idx = fitting_sample(len(blocks), n, self.settings.seed) if n else torch.arange(len(blocks))
+            ids = blocks.input_ids[idx]
+            self._data[key] = {"batch": {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                               "domains": [blocks.domain_names[int(d)] for d in blocks.domains[idx]]}
+        return self._data[key]
+
+    def fitting(self) -> dict:
+        """The fitting sample: the ``cse_samples`` training blocks CSE's router is fitted on."""
+        return self._blocks("train", self.settings.cse_samples)
+
+    def held_out(self) -> dict:
+        """Every validation block (held-out text for the routing table)."""
+        return self._blocks("validation", None)
 
     def tables(self, figure: str) -> dict:
         """The tables behind ``figure`` ("fig1" ... "fig5", "tables"; or a stage's name), computed on first use."""
@@ -188,6 +231,13 @@ class Reproduction:
         runs["CSE/MoF"] = self.cse()
         return runs
 
+    def seed_runs(self) -> dict:
+        """{(model, seed): last checkpoint} of CSE, upcycled Switch and the dense continuation,
+        each from the shared warm-up with ``settings.seeds`` data orders."""
+        seeds = range(self.settings.seed, self.settings.seed + self.settings.seeds)
+        makers = {"GPT dense": self.continued, "Switch": self.switch, "CSE/MoF": self.cse}
+        return {(model, s): make(s) for model, make in makers.items() for s in seeds}
+
     # ---- figures ------------------------------------------------------------------------------
 
     def figure_path(self, panel: str) -> Path:
@@ -204,10 +254,12 @@ class Reproduction:
         return save_figure(self.figure(panel), self.figure_path(panel), formats=formats)
 
     def write_tables(self) -> list[Path]:
-        """Tables 1-2 as CSV (already cached) and Markdown."""
-        table = self.tables("tables")["results"]
-        md = write_text(self.run_dir / "tables" / "results.md", table.to_markdown(index=False, floatfmt=".3f") + "\n")
-        return [self.run_dir / "tables" / "results.csv", md]
+        """Tables 1-2 and the seeds comparison as CSV (already cached) and Markdown."""
+        t = self.tables("tables")
+        folder = self.run_dir / "tables"
+        md = write_text(folder / "results.md", t["results"].to_markdown(index=False, floatfmt=".3f") + "\n")
+        seeds = write_text(folder / "seeds_summary.md", t["seeds_summary"].to_markdown(index=False, floatfmt=".3f") + "\n")
+        return [folder / "results.csv", md, folder / "seeds_summary.csv", seeds]
 
 
 def _sha256(path: Path) -> str:

@@ -1,7 +1,9 @@
 """The sizes of a reproduction: ``smoke`` (every stage runs, in about two minutes on 2 CPU
-cores; the figures mean nothing), ``quick`` (15 minutes on 2 CPU cores: the README's main
-job) and ``full`` (the GPT-2-small shape for 20k steps, for one GPU; not yet run, an
-estimated 3-4 hours on one H100)."""
+cores; the figures mean nothing), ``quick`` (about 15 minutes on 2 CPU cores: the fast first
+look), ``tail`` (the quick model trained long enough for the long tail to cluster, with three
+seeds of CSE against its baselines: the committed run, about an hour on 2 CPU cores) and
+``full`` (the GPT-2-small shape for 20k steps, for one GPU; not yet run, an estimated 3-4
+hours on one H100)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,12 @@ class ReproduceSettings:
     sentences for Figure 1(b); ``bins`` frequency bins; the lowest-score ``tail_fraction``
     is the long tail; ``k_max`` for the elbow; ``projection_dim`` for random projections;
     ``snapshots`` checkpoints in Figure 4(b).
+    Router (docs/router.md): ``router_rule`` and ``router_representation`` of
+    :func:`ntkscope.fit_router`, with ``proj_dim`` (>= the width: no projection),
+    ``min_cluster_size`` (HDBSCAN), ``min_samples``, at most ``max_experts``, fitted on
+    ``cse_samples`` training blocks; the same router rule gives the cluster dynamics and the
+    stability of the warm-up rule. ``seeds``: CSE, upcycled Switch and the dense continuation
+    are trained from the warm-up with data orders ``seed .. seed + seeds - 1`` (Table "seeds").
     GC: ``gc_output`` is the scalar output the figures use (``gc_outputs`` are compared side by
     side in ``gc_outputs.csv``); ``binning`` "count" (equal-count bins) or "width";
     ``gc_resamples`` bootstrap resamples and ``gc_null_draws`` random subsets per GC;
@@ -47,10 +55,14 @@ class ReproduceSettings:
     finetune_domains: tuple = ("legal", "biomedical")
     switch_experts: int = 4
     sparse_layers: int = 2
-    proj_dim: int = 32
+    router_rule: str = "hdbscan"
+    router_representation: str = "centred-cosine"
+    proj_dim: int = 128
+    min_cluster_size: int = 15
     min_samples: int = 5
     max_experts: int = 8
-    cse_samples: int = 512
+    cse_samples: int = 3000
+    seeds: int = 1
     max_warmup_fraction: float = 0.5
     early_every: int = 0
     early_until: int = 0
@@ -87,11 +99,14 @@ PRESETS = {
     "smoke": ReproduceSettings(
         mode="smoke", model={"n_layer": 2, "n_head": 2, "n_embd": 32}, seq_len=32, steps=40, checkpoint_every=10,
         batch_size=16, warmup_steps=5, finetune_steps=5, switch_experts=2, cse_samples=128, n=40, n_perplexity=120,
-        bins=3, min_count=3, k_max=4, projection_dim=16, proj_dim=8, snapshots=2, probe_seeds=2,
+        bins=3, min_count=3, k_max=4, projection_dim=16, proj_dim=8, min_cluster_size=5, snapshots=2, probe_seeds=2,
         gc_outputs=("centred-true-logit", "loss"), gc_resamples=50, gc_null_draws=50),
     "quick": ReproduceSettings(
         mode="quick", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=600, checkpoint_every=50,
         early_every=10, early_until=200),
+    "tail": ReproduceSettings(
+        mode="tail", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=1600, checkpoint_every=100,
+        early_every=25, early_until=300, seeds=3),
     "full": ReproduceSettings(
         mode="full", model={"n_layer": 12, "n_head": 12, "n_embd": 768}, seq_len=128, steps=20000,
         checkpoint_every=1000, batch_size=64, lr=6e-4, warmup_steps=1000, finetune_steps=1000, finetune_lr=1e-4,

@@ -1,6 +1,7 @@
 """The models of a reproduction, trained with :mod:`cse_models.train` (checkpointed and
-resumable): the dense GPT, its domain-finetuned copies, Switch, and CSE branched from the
-dense run at the planned warm-up. Each lives in ``RUN/models/NAME``."""
+resumable): the dense GPT, its domain-finetuned copies, and, branched from the dense run at the
+planned warm-up, CSE, Switch (upcycled) and the dense continuation, one per seed. Each lives in
+``RUN/models/NAME``."""
 
 from __future__ import annotations
 
@@ -43,27 +44,46 @@ def train_dense(settings: ReproduceSettings, out_dir: Path, pack: str | None) ->
     return _run(_config(settings, out_dir, pack, checkpoint_steps=early))
 
 
-def train_switch(settings: ReproduceSettings, out_dir: Path, pack: str | None, layers: list) -> Path:
-    """Switch (learned top-1 token routing) at ``layers``, from scratch."""
-    k = settings.switch_experts
-    model = {**settings.model, "sparse": {"kind": "switch", "module": "ffn", "layers": list(layers),
-                                          "n_experts": [k] * len(layers)}}
-    return _run(_config(settings, out_dir, pack, model=model, checkpoint_every=settings.steps))
-
-
-def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
-              warmup: int) -> Path:
-    """CSE (MoF) at ``layers``: the dense run's checkpoint at ``warmup`` is copied with a CSE
-    spec, so the warm-up is shared exactly; clusters are found there and training goes on."""
-    sparse = {"kind": "cse", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers),
-              "proj_dim": settings.proj_dim}
-    cse = {"warmup_steps": int(warmup), "n_samples": settings.cse_samples, "eps": None,
-           "min_samples": settings.min_samples, "max_experts": settings.max_experts, "on_no_cluster": "single"}
-    cfg = _config(settings, out_dir, pack, model={**settings.model, "sparse": sparse}, cse=cse,
-                  checkpoint_every=settings.steps)
+def _branch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, warmup: int,
+            sparse: dict | None, seed: int, **changes) -> Path:
+    """A run that starts from the dense run's checkpoint at ``warmup`` (so the warm-up is shared
+    exactly) and trains to ``settings.steps`` with data order ``seed``."""
+    model = {**settings.model, "sparse": sparse}
+    cfg = _config(settings, out_dir, pack, model=model, checkpoint_every=settings.steps, seed=seed, **changes)
     if _finished(cfg) is None:
         branch_from(Path(dense_dir) / "checkpoints" / f"step-{int(warmup):06d}", out_dir, sparse=sparse)
     return _run(cfg)
+
+
+def train_continued(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, warmup: int,
+                    seed: int) -> Path:
+    """The dense model continued from the warm-up with data order ``seed``: the dense baseline of
+    one seed of the CSE-against-baselines comparison (seed ``settings.seed`` is the dense run itself)."""
+    return _branch(settings, out_dir, pack, dense_dir, warmup, None, seed)
+
+
+def train_switch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
+                 warmup: int, seed: int | None = None) -> Path:
+    """Switch (learned top-1 token routing, ``switch_experts`` experts) at ``layers``, upcycled
+    from the dense run at the warm-up (experts copied from the warmed-up FFN, a fresh router): the
+    same shared warm-up and remaining steps as CSE, so the two differ only in routing."""
+    sparse = {"kind": "switch", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers)}
+    return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
+                   upcycle={"at": int(warmup), "n_experts": settings.switch_experts})
+
+
+def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
+              warmup: int, seed: int | None = None) -> Path:
+    """CSE (MoF) at ``layers``: from the dense run at ``warmup``; the router is fitted there on
+    ``cse_samples`` training blocks (:func:`ntkscope.fit_router` with the settings' rule and
+    representation) and training goes on."""
+    sparse = {"kind": "cse", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers),
+              "proj_dim": settings.proj_dim, "router_format": 2}
+    cse = {"warmup_steps": int(warmup), "n_samples": settings.cse_samples, "rule": settings.router_rule,
+           "representation": settings.router_representation, "min_cluster_size": settings.min_cluster_size,
+           "min_samples": settings.min_samples, "max_experts": settings.max_experts, "on_no_cluster": "single"}
+    return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
+                   cse=cse)
 
 
 def train_finetuned(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_last: Path,

@@ -1,6 +1,6 @@
 """Cluster dynamics per layer, over training (docs/design.md §3; the CSE paper's Figures 3(b),
-3(c) and 4(b)), the stability of the router's clusters (the warm-up's fallback rule), and the
-gradient consistency of the long-tail subset over checkpoints.
+3(c) and 4(b)), the CSE router's clusters over training (their number, purity and stability:
+the warm-up's fallback rule), and the gradient consistency of the long-tail subset over checkpoints.
 
 Per layer: project the sequence embeddings (seeded Gaussian random projection), find
 the elbow K of K-Means, and measure the clustering's inter-cluster distance, mean
@@ -27,6 +27,7 @@ from ntkscope.kernel.consistency import gradient_consistency
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.representation.clusters import LAYER_COLUMNS, ElbowKMeans, layer_separation, random_projection
 from ntkscope.representation.router import fit_router
+from ntkscope.representation.structure import cluster_purity, domain_silhouette, knn_lift
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
 from ntkscope.runs.embeddings import layer_embeddings
 
@@ -109,43 +110,62 @@ def gc_series(run_dir, batch: dict, subset, *, output: str = "loss", method: str
     return pd.DataFrame(rows).drop(columns="label")
 
 
-STABILITY_COLUMNS = ["step", "layer", "n_clusters", "n_noise", "overlap_next"]
+STABILITY_COLUMNS = ["step", "layer", "n_clusters", "n_noise", "largest_share", "overlap_next"]
 
 
-def router_stability(run_dir, batch: dict, layers, *, point: str = "ffn_input", proj_dim: int = 32,
-                     min_samples: int = 5, max_experts: int | None = 8, seed: int = 0, steps=None,
-                     cache_dir=None) -> pd.DataFrame:
-    """How the CSE router's clusters of the batch change over a run: at each checkpoint and
-    each of ``layers``, :func:`~ntkscope.fit_router` (the router CSE would build there) on the
-    ``point`` embeddings. Columns step, layer, n_clusters, n_noise and overlap_next: the
-    adjusted Rand index (scikit-learn) of its labels against the next checkpoint's (noise as
-    one more label; NaN at the last checkpoint). Labels are cached per checkpoint."""
+def _router_layer(X, domains, tail, router: dict) -> dict:
+    """One layer at one checkpoint: the router's labels and, with domains, what they hold."""
+    fit = fit_router(X, **router)
+    out = {"labels": fit.labels.tolist(), "n_clusters": fit.n_clusters, "n_noise": fit.n_noise,
+           "largest_share": max(fit.sizes) / len(X)}
+    if domains is not None:
+        quality = cluster_purity(fit.labels, domains, tail=tail)
+        z = fit.transform(X)  # the routing space
+        out.update({k: v for k, v in quality.items() if k not in out})
+        out.update({f"knn_lift {d}": float(v) for d, v in knn_lift(z, domains).items()})
+        out.update({f"silhouette {d}": float(v) for d, v in domain_silhouette(z, domains).items()})
+    return out
+
+
+def router_dynamics(run_dir, batch: dict, layers=None, *, domains=None, tail=(), point: str = "ffn_input",
+                    router: dict | None = None, steps=None, cache_dir=None) -> pd.DataFrame:
+    """The CSE router's clusters of ``batch`` over a run: at each checkpoint and each of
+    ``layers`` (default all), :func:`~ntkscope.fit_router` with ``router`` (its keyword
+    arguments; default: its defaults) on the ``point`` embeddings, the router CSE would build there.
+
+    Columns: step, layer, n_clusters, n_noise, largest_share, overlap_next (the adjusted Rand
+    index, scikit-learn, of the labels against the next checkpoint's, noise as one more label;
+    NaN at the last). With ``domains`` (n,) also :func:`~ntkscope.representation.structure.cluster_purity`'s
+    n_pure, n_pure_tail, tail_share (and per ``tail`` domain), ari, and per domain the kNN lift
+    and silhouette in the routing space. Cached per checkpoint like :func:`cluster_dynamics`.
+    """
     checkpoints = list_checkpoints(run_dir)
     if steps is not None:
         checkpoints = [(s, p) for s, p in checkpoints if s in set(steps)]
-    layers = [int(x) for x in layers]
+    router = dict(router or {})
+    domains = None if domains is None else [str(d) for d in domains]
     cache = _cache(run_dir, cache_dir)
-    options = {"what": "router", "point": point, "layers": layers, "proj_dim": proj_dim, "min_samples": min_samples,
-               "max_experts": max_experts, "seed": seed}
+    options = {"what": "router", "format": 2, "point": point, "layers": layers, "router": router,
+               "domains": domains, "tail": list(tail)}
     key = digest(options, arrays=batch)
-    labels = []
-    progress = _Progress("router_stability", len(checkpoints))
+    results = []
+    progress = _Progress("router_dynamics", len(checkpoints))
     for step, path in checkpoints:
         def compute(path=path):
             emb = layer_embeddings(load_checkpoint(path), batch, point=point, layers=layers).embeddings
-            fits = {str(layer): fit_router(emb[layer], proj_dim=proj_dim, min_samples=min_samples,
-                                           max_experts=max_experts, seed=seed) for layer in layers}
-            return {layer: fit.labels.tolist() for layer, fit in fits.items()}
-        labels.append(cache.get(f"step-{step:06d}", key, compute))
+            return {str(layer): _router_layer(X, domains, tail, router) for layer, X in emb.items()}
+        results.append(cache.get(f"step-{step:06d}", key, compute))
         progress.step(f"step {step}")
     rows = []
     for i, (step, _) in enumerate(checkpoints):
-        for layer in layers:
-            mine = labels[i][str(layer)]
-            after = adjusted_rand_score(mine, labels[i + 1][str(layer)]) if i + 1 < len(checkpoints) else float("nan")
-            rows.append({"step": step, "layer": layer, "n_clusters": len({x for x in mine if x >= 0}),
-                         "n_noise": sum(x < 0 for x in mine), "overlap_next": float(after)})
-    return pd.DataFrame(rows, columns=STABILITY_COLUMNS)
+        for layer, found in results[i].items():
+            labels = found.pop("labels")
+            after = results[i + 1][layer]["labels"] if i + 1 < len(checkpoints) else None
+            rows.append({"step": step, "layer": int(layer), **found,
+                         "overlap_next": float(adjusted_rand_score(labels, after)) if after else float("nan")})
+            found["labels"] = labels
+    frame = pd.DataFrame(rows)
+    return frame[STABILITY_COLUMNS + [c for c in frame.columns if c not in STABILITY_COLUMNS]]
 
 
 def cluster_snapshots(run_dir, batch: dict, layer: int, steps, *, labels: pd.DataFrame | None = None,
