@@ -63,6 +63,7 @@ class TrainConfig:
     upcycle: dict = field(default_factory=dict)  # Switch from a dense run: at, n_experts (sparse upcycling)
     plan: str | None = None                    # an ntkscope plan: sparse.layers / cse.warmup_steps "auto"
     steps: int = 1000
+    stop_at: int | None = None                # stop (with a checkpoint) after this many steps of the `steps` schedule
     batch_size: int = 32
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -111,6 +112,9 @@ class TrainConfig:
                                                        for s in extra):
             raise ValueError(f"TrainConfig: checkpoint_steps must be a list of positive integer steps (got {extra!r})")
         cfg = dataclasses.replace(cfg, checkpoint_steps=tuple(sorted(set(extra))))
+        if cfg.stop_at is not None and (isinstance(cfg.stop_at, bool) or not isinstance(cfg.stop_at, int)
+                                        or not 1 <= cfg.stop_at <= cfg.steps):
+            raise ValueError(f"TrainConfig: stop_at must be a step in [1, steps={cfg.steps}] or null (got {cfg.stop_at!r})")
         if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1 or cfg.warmup_steps < 0 or cfg.grad_clip < 0:
             raise ValueError(f"TrainConfig: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, grad_clip >= 0 "
                              f"(got {cfg.lr}, {cfg.min_lr_ratio}, {cfg.warmup_steps}, {cfg.grad_clip})")
@@ -413,7 +417,8 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     special = tuple(tokenizer.special_ids)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.bf16)
     t0, last = time.perf_counter(), None
-    for step in range(start, cfg.steps):
+    end = cfg.stop_at or cfg.steps
+    for step in range(start, end):
         if convert_at is not None and step == convert_at and sparse.experts_at(sparse.layers[0]) == 0:
             old = {_param_names(model)[id(p)]: s for p, s in opt.state.items()}
             if sparse.kind == "cse":
@@ -453,18 +458,18 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
         metrics = {"step": step + 1, "loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": lr,
                    "aux": float(aux.detach()), "grad_norm": None if norm is None else float(norm)}
         done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.steps:
+        if done % cfg.log_every == 0 or done == end:
             metrics["load"] = model.routing_load()
             rate = (done - start) / (time.perf_counter() - t0)
             if rank == 0:
-                eta = (cfg.steps - done) / max(rate, 1e-9)
+                eta = (end - done) / max(rate, 1e-9)
                 log.info("step %d/%d loss %.4f ppl %.1f lr %.2e | %.1f steps/s, ETA %dm%02ds%s", done, cfg.steps,
                          loss, metrics["ppl"], metrics["lr"], rate, eta // 60, eta % 60,
                          f" | load {metrics['load']}" if metrics["load"] else "")
         if rank == 0:
             with open(out_dir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(metrics) + "\n")
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps or done in cfg.checkpoint_steps:
+            if done % cfg.checkpoint_every == 0 or done == end or done in cfg.checkpoint_steps:
                 last = save_checkpoint(out_dir / "checkpoints" / f"step-{done:06d}", model, opt, sched, done, cfg)
         for callback in callbacks:
             callback(done, metrics)

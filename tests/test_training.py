@@ -241,3 +241,19 @@ def test_switch_upcycled_from_a_dense_run(tmp_path):
     assert up.router.weight.shape == (3, 32)
     with pytest.raises(ValueError, match=r"train: upcycle needs a Switch model"):
         train(config(tmp_path, "bad", model=dense_model, upcycle=upcycle))
+
+
+def test_stop_at_ends_early_on_the_full_schedule(tmp_path):
+    """A run with stop_at follows the full run's schedule and weights up to that step."""
+    dense_model = {"n_layer": 2, "n_embd": 32, "n_head": 2}
+    full = config(tmp_path, "full", model=dense_model, steps=10, checkpoint_every=2)
+    train(full)
+    short = train(config(tmp_path, "short", model=dense_model, steps=10, checkpoint_every=10, stop_at=6))
+    assert short.name == "step-000006"
+    want = weights(tmp_path / "full" / "checkpoints" / "step-000006")
+    for key, value in weights(short).items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=0, msg=key)
+    rates = [json.loads(line)["lr"] for line in (tmp_path / "short" / "metrics.jsonl").read_text().splitlines()]
+    assert rates == [lr_factor(s, full) * full.lr for s in range(6)]
+    with pytest.raises(ValueError, match=r"TrainConfig: stop_at must be a step in \[1, steps=10\] or null \(got 11\)"):
+        config(tmp_path, "bad", steps=10, stop_at=11)

@@ -151,30 +151,36 @@ class Reproduction:
     def _seed(self, seed: int | None) -> int:
         return self.settings.seed if seed is None else seed
 
-    def _suffix(self, seed: int | None) -> str:
-        return "" if self._seed(seed) == self.settings.seed else f"-seed{seed}"
+    def _name(self, base: str, seed: int | None, stop_at: int | None) -> str:
+        """gpt-cse (the main run), gpt-cse-seed1, gpt-cse-to500-seed0, ..."""
+        if stop_at is not None:
+            return f"{base}-to{stop_at}-seed{self._seed(seed)}"
+        return base if self._seed(seed) == self.settings.seed else f"{base}-seed{seed}"
 
-    def cse(self, seed: int | None = None) -> Path:
-        """CSE from the warm-up, data order ``seed`` (default the settings' seed)."""
-        plan, dense, name = self.plan(), self.dense_run(), f"gpt-cse{self._suffix(seed)}"
+    def cse(self, seed: int | None = None, stop_at: int | None = None) -> Path:
+        """CSE from the warm-up, data order ``seed`` (default the settings' seed), to the end or ``stop_at``."""
+        plan, dense, name = self.plan(), self.dense_run(), self._name("gpt-cse", seed, stop_at)
         return self._timed(f"train {name}", lambda: training.train_cse(
             self.settings, self.model_dir(name), self.pack_path, dense, plan.layers, plan.warmup_steps,
-            self._seed(seed)))
+            self._seed(seed), stop_at))
 
-    def switch(self, seed: int | None = None) -> Path:
-        """Switch, upcycled from the warm-up, data order ``seed``."""
-        plan, dense, name = self.plan(), self.dense_run(), f"gpt-switch{self._suffix(seed)}"
+    def switch(self, seed: int | None = None, stop_at: int | None = None) -> Path:
+        """Switch, upcycled from the warm-up, data order ``seed``, to the end or ``stop_at``."""
+        plan, dense, name = self.plan(), self.dense_run(), self._name("gpt-switch", seed, stop_at)
         return self._timed(f"train {name}", lambda: training.train_switch(
             self.settings, self.model_dir(name), self.pack_path, dense, plan.layers, plan.warmup_steps,
-            self._seed(seed)))
+            self._seed(seed), stop_at))
 
-    def continued(self, seed: int | None = None) -> Path:
-        """The dense model with data order ``seed`` after the warm-up (the settings' seed: the dense run)."""
+    def continued(self, seed: int | None = None, stop_at: int | None = None) -> Path:
+        """The dense model with data order ``seed`` after the warm-up, to the end or ``stop_at``
+        (the settings' seed: the dense run itself, or its checkpoint at ``stop_at``)."""
         if self._seed(seed) == self.settings.seed:
-            return self.dense()
-        plan, dense, name = self.plan(), self.dense_run(), f"gpt-dense{self._suffix(seed)}"
+            at = self.dense_run() / "checkpoints" / f"step-{stop_at:06d}" if stop_at else self.dense()
+            if at.is_dir():
+                return at
+        plan, dense, name = self.plan(), self.dense_run(), self._name("gpt-dense", seed, stop_at)
         return self._timed(f"train {name}", lambda: training.train_continued(
-            self.settings, self.model_dir(name), self.pack_path, dense, plan.warmup_steps, self._seed(seed)))
+            self.settings, self.model_dir(name), self.pack_path, dense, plan.warmup_steps, self._seed(seed), stop_at))
 
     def finetuned(self, domain: str) -> Path:
         last = self.dense()
@@ -231,12 +237,19 @@ class Reproduction:
         runs["CSE/MoF"] = self.cse()
         return runs
 
+    def compare_until(self) -> int | None:
+        """The step the seeds comparison stops at: ``settings.compare_until`` when it lies after the
+        warm-up and before the end, else None (the full schedule)."""
+        end = self.settings.compare_until
+        return end if end and self.plan().warmup_steps < end < self.settings.steps else None
+
     def seed_runs(self) -> dict:
         """{(model, seed): last checkpoint} of CSE, upcycled Switch and the dense continuation,
-        each from the shared warm-up with ``settings.seeds`` data orders."""
+        each from the shared warm-up with ``settings.seeds`` data orders, to :meth:`compare_until`."""
         seeds = range(self.settings.seed, self.settings.seed + self.settings.seeds)
+        stop = self.compare_until()
         makers = {"GPT dense": self.continued, "Switch": self.switch, "CSE/MoF": self.cse}
-        return {(model, s): make(s) for model, make in makers.items() for s in seeds}
+        return {(model, s): make(s, stop) for model, make in makers.items() for s in seeds}
 
     # ---- figures ------------------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ class ReproduceSettings:
     ``min_cluster_size`` (HDBSCAN), ``min_samples``, at most ``max_experts``, fitted on
     ``cse_samples`` training blocks; the same router rule gives the cluster dynamics and the
     stability of the warm-up rule. ``seeds``: CSE, upcycled Switch and the dense continuation
-    are trained from the warm-up with data orders ``seed .. seed + seeds - 1`` (Table "seeds").
+    are trained from the warm-up with data orders ``seed .. seed + seeds - 1`` (Table "seeds"),
+    on the full schedule to step ``compare_until`` (0: to the end; else a dense checkpoint step).
     GC: ``gc_output`` is the scalar output the figures use (``gc_outputs`` are compared side by
     side in ``gc_outputs.csv``); ``binning`` "count" (equal-count bins) or "width";
     ``gc_resamples`` bootstrap resamples and ``gc_null_draws`` random subsets per GC;
@@ -63,6 +64,7 @@ class ReproduceSettings:
     max_experts: int = 8
     cse_samples: int = 3000
     seeds: int = 1
+    compare_until: int = 0
     max_warmup_fraction: float = 0.5
     early_every: int = 0
     early_until: int = 0
@@ -106,7 +108,7 @@ PRESETS = {
         early_every=10, early_until=200),
     "tail": ReproduceSettings(
         mode="tail", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=1600, checkpoint_every=100,
-        early_every=25, early_until=300, seeds=3),
+        early_every=25, early_until=300, seeds=3, compare_until=600),
     "full": ReproduceSettings(
         mode="full", model={"n_layer": 12, "n_head": 12, "n_embd": 768}, seq_len=128, steps=20000,
         checkpoint_every=1000, batch_size=64, lr=6e-4, warmup_steps=1000, finetune_steps=1000, finetune_lr=1e-4,

@@ -25,7 +25,7 @@ def _config(settings: ReproduceSettings, out_dir: Path, pack: str | None, **chan
 
 def _finished(cfg) -> Path | None:
     last = latest_checkpoint(Path(cfg.out_dir))
-    return last if last is not None and last.name == f"step-{cfg.steps:06d}" else None
+    return last if last is not None and last.name == f"step-{cfg.stop_at or cfg.steps:06d}" else None
 
 
 def _run(cfg) -> Path:
@@ -45,35 +45,37 @@ def train_dense(settings: ReproduceSettings, out_dir: Path, pack: str | None) ->
 
 
 def _branch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, warmup: int,
-            sparse: dict | None, seed: int, **changes) -> Path:
+            sparse: dict | None, seed: int, stop_at: int | None = None, **changes) -> Path:
     """A run that starts from the dense run's checkpoint at ``warmup`` (so the warm-up is shared
-    exactly) and trains to ``settings.steps`` with data order ``seed``."""
+    exactly) and trains on the ``settings.steps`` schedule with data order ``seed``, to the end
+    or to ``stop_at``."""
     model = {**settings.model, "sparse": sparse}
-    cfg = _config(settings, out_dir, pack, model=model, checkpoint_every=settings.steps, seed=seed, **changes)
+    cfg = _config(settings, out_dir, pack, model=model, checkpoint_every=settings.steps, seed=seed, stop_at=stop_at,
+                  **changes)
     if _finished(cfg) is None:
         branch_from(Path(dense_dir) / "checkpoints" / f"step-{int(warmup):06d}", out_dir, sparse=sparse)
     return _run(cfg)
 
 
 def train_continued(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, warmup: int,
-                    seed: int) -> Path:
+                    seed: int, stop_at: int | None = None) -> Path:
     """The dense model continued from the warm-up with data order ``seed``: the dense baseline of
     one seed of the CSE-against-baselines comparison (seed ``settings.seed`` is the dense run itself)."""
-    return _branch(settings, out_dir, pack, dense_dir, warmup, None, seed)
+    return _branch(settings, out_dir, pack, dense_dir, warmup, None, seed, stop_at)
 
 
 def train_switch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
-                 warmup: int, seed: int | None = None) -> Path:
+                 warmup: int, seed: int | None = None, stop_at: int | None = None) -> Path:
     """Switch (learned top-1 token routing, ``switch_experts`` experts) at ``layers``, upcycled
     from the dense run at the warm-up (experts copied from the warmed-up FFN, a fresh router): the
     same shared warm-up and remaining steps as CSE, so the two differ only in routing."""
     sparse = {"kind": "switch", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers)}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
-                   upcycle={"at": int(warmup), "n_experts": settings.switch_experts})
+                   stop_at, upcycle={"at": int(warmup), "n_experts": settings.switch_experts})
 
 
 def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
-              warmup: int, seed: int | None = None) -> Path:
+              warmup: int, seed: int | None = None, stop_at: int | None = None) -> Path:
     """CSE (MoF) at ``layers``: from the dense run at ``warmup``; the router is fitted there on
     ``cse_samples`` training blocks (:func:`ntkscope.fit_router` with the settings' rule and
     representation) and training goes on."""
@@ -83,7 +85,7 @@ def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dens
            "representation": settings.router_representation, "min_cluster_size": settings.min_cluster_size,
            "min_samples": settings.min_samples, "max_experts": settings.max_experts, "on_no_cluster": "single"}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
-                   cse=cse)
+                   stop_at, cse=cse)
 
 
 def train_finetuned(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_last: Path,
