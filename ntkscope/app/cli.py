@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "RUN/manifest.json. Resumes from what RUN holds. Example: ntkscope reproduce --quick")
     size = rep.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="2 CPU cores, about 15 minutes (the default)")
+                      help="2 CPU cores, about 20 minutes (the default)")
     size.add_argument("--tail", dest="mode", action="store_const", const="tail",
                       help="2 CPU cores, about an hour: the quick model trained until the long tail clusters, "
                       "CSE against dense and Switch over 3 seeds (the committed run)")

@@ -1,5 +1,5 @@
 """The sizes of a reproduction: ``smoke`` (every stage runs, in about two minutes on 2 CPU
-cores; the figures mean nothing), ``quick`` (about 15 minutes on 2 CPU cores: the fast first
+cores; the figures mean nothing), ``quick`` (about 20 minutes on 2 CPU cores: the fast first
 look), ``tail`` (the quick model trained long enough for the long tail to cluster, with three
 seeds of CSE against its baselines: the committed run, about an hour on 2 CPU cores) and
 ``full`` (the GPT-2-small shape for 20k steps, for one GPU; not yet run, an estimated 3-4
