@@ -10,6 +10,7 @@ import torch
 from sklearn.metrics import adjusted_rand_score
 
 from cse_models import GPT, GPTConfig
+from cse_models.cse import convert_to_cse
 from cse_models.experts import CSELayer
 from cse_models.layers import MLP
 from cse_models.model import load_model
@@ -119,12 +120,9 @@ def test_turn1_checkpoint_loads_and_routes_as_before():
 
 
 def test_format2_checkpoint_round_trips(tmp_path):
-    x, _ = planted_sphere(5, d=16)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=40, block_size=12, n_layer=2, n_head=2, n_embd=16,
                           sparse={"kind": "cse", "layers": [1], "n_experts": [0], "proj_dim": 128}))
-    from cse_models.cse import convert_to_cse
-
     ids = torch.randint(0, 40, (60, 10), generator=torch.Generator().manual_seed(0))
     convert_to_cse(model, ids, None, min_cluster_size=5, min_samples=3)
     model.save_pretrained(tmp_path)
