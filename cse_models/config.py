@@ -25,8 +25,9 @@ class SparseConfig:
     module : ``"ffn"`` (MoF) or ``"attn"`` (MoA; CSE and DEMix only).
     layers : block indices whose module is sparse.
     n_experts : experts per sparse layer, in ``layers`` order. For CSE, 0 until the
-        clusters are found (the layer is dense during warm-up); for Switch, 0 until the
-        dense module is upcycled (``TrainConfig.upcycle``).
+        clusters are found (the layer is dense during warm-up); for Switch and DEMix, 0 until
+        the dense module is upcycled (``TrainConfig.upcycle``); DEMix otherwise fills it in
+        (one expert per domain).
     proj_dim : CSE: dimension d' of the random projection M (d' x d); in router format 2,
         ``proj_dim >= n_embd`` means no projection (M is the identity, d' = d).
     router_format : CSE: 1 (turn 1: ``||M v - c|| / r``) or 2 (``||normalise(M (v - mu)) - c|| / r``,
@@ -69,11 +70,12 @@ class SparseConfig:
             if len(self.domains) < 1 or len(set(self.domains)) != len(self.domains):
                 raise ValueError(f"{where}: a DEMix model needs distinct domain labels, one per expert "
                                  f"(got {self.domains!r})")
-            self.n_experts = [len(self.domains)] * len(self.layers)
+            if any(self.n_experts) or len(self.n_experts) != len(self.layers):  # all 0: dense until upcycled
+                self.n_experts = [len(self.domains)] * len(self.layers)
         if len(self.n_experts) != len(self.layers):
             raise ValueError(f"{where}: n_experts must give one count per layer in layers "
                              f"(got {self.n_experts!r} for layers {self.layers!r})")
-        minimum = 0 if self.kind in ("cse", "switch") else 1  # 0: dense until converted (CSE) or upcycled (Switch)
+        minimum = 0  # 0: dense until converted (CSE) or upcycled (Switch, DEMix)
         if any(not isinstance(c, int) or c < minimum for c in self.n_experts):
             raise ValueError(f"{where}: n_experts must be integers >= {minimum} (got {self.n_experts!r})")
         if self.router_format not in ROUTER_FORMATS:

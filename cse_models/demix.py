@@ -11,6 +11,11 @@ The model runs once per expert (every DEMix layer set to expert j). The prior P(
 ``updating`` (an EMA of the posteriors of the sequences seen so far: ``prior <- lam prior
 + (1 - lam) mean posterior``). Experts can be added (initialised from an existing one)
 and removed, which removes the domain from every mixture.
+
+By the chain rule the product of the per-position mixtures is the sequence-level mixture
+``sum_j P(D=j) prod_t p(x_t | x_<t, D=j)`` (:func:`sequence_posterior`). That form also serves a
+masked LM (BERT), where the "sequence" is the masked tokens given the visible ones: the
+marginal likelihood of the targets under the prior, and the posterior after seeing them.
 """
 
 from __future__ import annotations
@@ -32,15 +37,24 @@ def _demix_layers(model) -> list[DEMixLayer]:
 
 
 @torch.no_grad()
-def expert_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """log p(x_t | x_<t, D=j) for every expert j: (C, B, T-1) (causal models)."""
+def expert_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     labels: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(target | context, D=j) for every expert j: (C, B, T-1) for a causal model (the next
+    token), or (C, B, T) for a masked one given ``labels`` (B, T) (the masked inputs are
+    ``input_ids``; positions whose label is -100 get 0)."""
     C = len(model.config.sparse.domains)
     B = input_ids.shape[0]
     out = []
     for j in range(C):
         logits = model(input_ids, attention_mask, domains=torch.full((B,), j, dtype=torch.long, device=input_ids.device))
-        logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
-        out.append(logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> float32; float64 stays
+        if labels is None:
+            logp = F.log_softmax(logits[:, :-1], dim=-1)
+            out.append(logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1))
+        else:
+            keep = labels != -100
+            logp = F.log_softmax(logits, dim=-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+            out.append(logp * keep)
     return torch.stack(out)
 
 
@@ -66,14 +80,34 @@ class DomainPrior:
 
 
 @torch.no_grad()
-def estimate_prior(model, input_ids, attention_mask=None, *, batch_size: int = 32) -> DomainPrior:
-    """The ``cached`` prior: the mean final posterior (from a uniform prior) over held-out sequences."""
+def sequence_posterior(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       prior: DomainPrior | None = None, labels: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence-level mixture: log sum_j P(D=j) prod_t p(x_t | ., D=j) (B,) and the posterior
+    P(D | x) (B, C). Causal models score every next token (padding excluded); a masked model
+    (``labels`` given, ``input_ids`` masked) scores the masked tokens given the visible ones."""
+    C = len(model.config.sparse.domains)
+    prior = prior or DomainPrior(C)
+    per_expert = expert_log_probs(model, input_ids, attention_mask, labels)  # (C, B, L)
+    if labels is None and attention_mask is not None:
+        per_expert = per_expert * (attention_mask[:, 1:] * attention_mask[:, :-1]).to(per_expert.dtype)
+    joint = per_expert.sum(dim=2).T + torch.log(prior.probs.to(per_expert)).clamp_min(-1e30)  # (B, C)
+    return torch.logsumexp(joint, dim=1), F.softmax(joint, dim=1)
+
+
+@torch.no_grad()
+def estimate_prior(model, input_ids, attention_mask=None, *, batch_size: int = 32, masking=None) -> DomainPrior:
+    """The ``cached`` prior: the mean posterior (from a uniform prior) over held-out sequences
+    (N, T). ``masking(ids, start) -> (inputs, labels)``: for a masked LM, how a batch is masked."""
     C = len(model.config.sparse.domains)
     posts = []
     for s in range(0, len(input_ids), batch_size):
+        ids = input_ids[s:s + batch_size]
         mask = None if attention_mask is None else attention_mask[s:s + batch_size]
-        _, post = mixture_log_probs(model, input_ids[s:s + batch_size], mask, DomainPrior(C))
-        posts.append(post[:, -1])
+        labels = None
+        if masking is not None:
+            ids, labels = masking(ids, s)
+        posts.append(sequence_posterior(model, ids, mask, DomainPrior(C), labels)[1])
     return DomainPrior(C, "cached", probs=torch.cat(posts).mean(dim=0).cpu())
 
 

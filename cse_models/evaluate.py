@@ -3,7 +3,9 @@ results table in the shape of the CSE paper's Tables 1-2.
 
 - Perplexity: ``exp`` of the mean token loss over the test blocks of each domain (GPT:
   next token; BERT: the masked tokens of a seeded masking, as in training). A DEMix model
-  is evaluated without labels, by its posterior mixture (uniform prior).
+  is evaluated without labels, by its posterior mixture with a cached prior (the mean
+  posterior over validation blocks; :mod:`cse_models.demix`); a DEMix model embeds a probe
+  item with the expert of its most probable domain under that posterior.
 - Probes: the pack's held-out probe sets stand in for the paper's downstream tasks
   (Overruling/CaseHOLD -> licence category, GAD/EU-ADR -> GO ontology / HPO organ system,
   SST-2 -> WordNet lexname). Each item is embedded by the frozen model (mean of the final
@@ -28,7 +30,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from cse_models.data import Blocks, mask_tokens, pack_blocks, step_generator
-from cse_models.demix import mixture_log_probs
+from cse_models.demix import DomainPrior, estimate_prior, mixture_log_probs, sequence_posterior
 from cse_models.experts import sequence_embedding
 from cse_models.model import load_model
 from ntkscope.core.files import write_table
@@ -51,26 +53,36 @@ def _is_demix(model) -> bool:
     return model.config.sparse is not None and model.config.sparse.kind == "demix"
 
 
+def _masking(model, seed: int, purpose: str, special_ids=()):
+    """BERT's seeded test masking of a batch starting at ``start``: ``(ids, start) -> (inputs, labels)``."""
+    def mask(ids, start):
+        return mask_tokens(ids.cpu(), mask_token_id=model.config.mask_token_id, vocab_size=model.config.vocab_size,
+                           generator=step_generator(seed, start, purpose), special_ids=special_ids)
+    return mask
+
+
 @torch.no_grad()
-def block_losses(model, blocks: Blocks, *, batch_size: int = 32, seed: int = 0, special_ids=()) -> tuple[np.ndarray, np.ndarray]:
-    """Summed token loss and token count of every block: (N,), (N,)."""
+def block_losses(model, blocks: Blocks, *, batch_size: int = 32, seed: int = 0, special_ids=(),
+                 prior: DomainPrior | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Summed token loss and token count of every block: (N,), (N,). ``prior``: a DEMix model's
+    P(D) (default uniform)."""
     model.eval()
     device = next(model.parameters()).device
+    masking = _masking(model, seed, "eval-mask", special_ids) if model.config.model_type == "bert" else None
     sums, counts = [], []
     for start in range(0, len(blocks), batch_size):
         ids = blocks.input_ids[start:start + batch_size].to(device)
-        if model.config.model_type == "bert":
-            inputs, labels = mask_tokens(ids.cpu(), mask_token_id=model.config.mask_token_id,
-                                         vocab_size=model.config.vocab_size,
-                                         generator=step_generator(seed, start, "eval-mask"), special_ids=special_ids)
-            doms = torch.zeros(len(ids), dtype=torch.long, device=device)
-            logits = model(inputs.to(device), None, doms if _is_demix(model) else None)
-            keep = labels.to(device) != -100
-            sums.append(lm_loss(logits.float(), labels.to(device), reduction="sequence-sum").cpu())
-            counts.append(keep.sum(1).cpu())
+        if masking is not None:
+            inputs, labels = (t.to(device) for t in masking(ids, start))
+            if _is_demix(model):  # the masked tokens' marginal likelihood under the prior
+                loglik, _ = sequence_posterior(model, inputs, None, prior, labels)
+                sums.append(-loglik.cpu())
+            else:
+                sums.append(lm_loss(model(inputs).float(), labels, reduction="sequence-sum").cpu())
+            counts.append((labels != -100).sum(1).cpu())
             continue
         if _is_demix(model):
-            logp, _ = mixture_log_probs(model, ids)
+            logp, _ = mixture_log_probs(model, ids, prior=prior)
             nll = -logp
         else:
             logits, targets, _ = causal_pairs(model(ids).float(), ids)
@@ -78,6 +90,15 @@ def block_losses(model, blocks: Blocks, *, batch_size: int = 32, seed: int = 0, 
         sums.append(nll.sum(1).cpu())
         counts.append(torch.full((len(ids),), nll.shape[1]))
     return torch.cat(sums).double().numpy(), torch.cat(counts).numpy()
+
+
+def demix_prior(model, blocks: Blocks, *, n: int = 256, seed: int = 0, special_ids=()) -> DomainPrior:
+    """DEMix's cached prior: the mean posterior over ``n`` held-out blocks (a seeded draw)."""
+    idx = torch.randperm(len(blocks), generator=step_generator(seed, 0, "prior"))[:n]
+    device = next(model.parameters()).device
+    masking = _masking(model, seed, "prior-mask", special_ids) if model.config.model_type == "bert" else None
+    return estimate_prior(model.eval(), blocks.input_ids[idx].to(device), masking=masking and (
+        lambda ids, start: tuple(t.to(device) for t in masking(ids, start))))
 
 
 def perplexity_by_domain(model, blocks: Blocks, **kw) -> pd.DataFrame:
@@ -94,55 +115,116 @@ def perplexity_by_domain(model, blocks: Blocks, **kw) -> pd.DataFrame:
 
 
 @torch.no_grad()
-def embed_texts(model, tokenizer, texts, *, batch_size: int = 64) -> np.ndarray:
-    """Mean-pooled final hidden states of each text (truncated to the block size): (n, d)."""
+def embed_texts(model, tokenizer, texts, *, batch_size: int = 64, prior: DomainPrior | None = None,
+                seed: int = 0) -> np.ndarray:
+    """Mean-pooled final hidden states of each text (truncated to the block size): (n, d). A DEMix
+    model embeds each text with the expert of its most probable domain (posterior from ``prior``)."""
     model.eval()
     device = next(model.parameters()).device
     texts = list(texts)
     out = []
+    masking = _masking(model, seed, "embed-mask", tuple(tokenizer.special_ids)) \
+        if model.config.model_type == "bert" else None
     for start in range(0, len(texts), batch_size):
         batch = encode_texts(tokenizer, texts[start:start + batch_size], model.config.block_size)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        doms = torch.zeros(len(ids), dtype=torch.long, device=device) if _is_demix(model) else None
+        doms = None
+        if _is_demix(model):
+            inputs, labels = (ids, None) if masking is None else (t.to(device) for t in masking(ids, start))
+            if labels is not None:
+                labels = labels.masked_fill(~mask.bool(), -100)
+            doms = sequence_posterior(model, inputs, mask, prior, labels)[1].argmax(dim=1)
         h = model.hidden_states(ids, mask, doms)
         out.append(sequence_embedding(h, mask.bool()).float().cpu())
     return torch.cat(out).numpy()
 
 
-def probe_accuracy(model, tokenizer, probes: pd.DataFrame, *, seeds=(0, 1, 2, 3, 4), test_size: float = 0.4) -> pd.DataFrame:
-    """Linear probes per task: columns task, stands_in_for, items, classes, accuracy_mean, accuracy_std."""
+def probe_scores(model, tokenizer, probes: pd.DataFrame, *, seeds=(0, 1, 2, 3, 4), test_size: float = 0.4,
+                 prior: DomainPrior | None = None) -> pd.DataFrame:
+    """Linear probes per task and seed: columns task, seed, accuracy (a stratified split per seed,
+    a scikit-learn logistic regression on standardised frozen embeddings)."""
     rows = []
     for task, items in probes.groupby("task", sort=True):
         counts = items["label"].value_counts()
         items = items[items["label"].isin(counts.index[counts >= 2])]
-        x = embed_texts(model, tokenizer, items["text"].tolist())
+        x = embed_texts(model, tokenizer, items["text"].tolist(), prior=prior)
         y = items["label"].to_numpy()
-        scores = []
         for seed in seeds:
             x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_size, stratify=y, random_state=seed)
             clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000))
-            scores.append(clf.fit(x_tr, y_tr).score(x_te, y_te))
-        rows.append((task, STANDS_IN_FOR.get(task, ""), len(items), int(pd.Series(y).nunique()),
-                     float(np.mean(scores)), float(np.std(scores))))
+            rows.append((task, seed, float(clf.fit(x_tr, y_tr).score(x_te, y_te))))
+    return pd.DataFrame(rows, columns=["task", "seed", "accuracy"])
+
+
+def probe_accuracy(model, tokenizer, probes: pd.DataFrame, *, seeds=(0, 1, 2, 3, 4), test_size: float = 0.4,
+                   prior: DomainPrior | None = None) -> pd.DataFrame:
+    """Linear probes per task: columns task, stands_in_for, items, classes, accuracy_mean, accuracy_std."""
+    scores = probe_scores(model, tokenizer, probes, seeds=seeds, test_size=test_size, prior=prior)
+    rows = []
+    for task, items in probes.groupby("task", sort=True):
+        counts = items["label"].value_counts()
+        kept = counts[counts >= 2]
+        acc = scores.loc[scores["task"] == task, "accuracy"]
+        rows.append((task, STANDS_IN_FOR.get(task, ""), int(kept.sum()), len(kept), float(acc.mean()),
+                     float(np.std(acc))))
     return pd.DataFrame(rows, columns=["task", "stands_in_for", "items", "classes", "accuracy_mean", "accuracy_std"])
 
 
-def results_table(runs: dict, pack=None, *, seq_len: int | None = None, seeds=(0, 1, 2, 3, 4)) -> pd.DataFrame:
-    """The paper's Tables 1-2: a row per run (``{name: checkpoint dir or model}``); columns the
-    test perplexity (all domains and per domain), each probe's accuracy, and their average."""
-    pack = pack if pack is not None and not isinstance(pack, str) else load_pack(pack)
+def _at_most(blocks: Blocks, n: int | None) -> Blocks:
+    """At most ``n`` blocks of each domain (the first ones), or all when ``n`` is None."""
+    if n is None:
+        return blocks
+    keep = torch.cat([(blocks.domains == j).nonzero().squeeze(1)[:n] for j in range(len(blocks.domain_names))])
+    keep = keep.sort().values
+    return Blocks(blocks.input_ids[keep], blocks.domains[keep], blocks.domain_names)
+
+
+def evaluate_model(model, pack, *, seq_len: int | None = None, seeds=(0, 1, 2, 3, 4), max_blocks: int | None = None,
+                   max_items: int | None = None) -> dict:
+    """Everything the tables show of one model, as plain numbers: ``perplexity`` (test, all
+    domains), ``ppl DOMAIN``, ``acc TASK`` (mean over probe seeds), ``acc TASK seed K``,
+    ``average`` (of the task means), and for DEMix its cached ``prior DOMAIN``. ``max_blocks``
+    test blocks per domain and ``max_items`` probe items per task (a seeded draw) at most: for
+    smoke runs; None: all."""
     tokenizer = pack.tokenizer()
+    special = tuple(tokenizer.special_ids)
+    prior = None
+    out = {}
+    if _is_demix(model):
+        held_out = pack_blocks(pack, tokenizer, "validation", seq_len or model.config.block_size)
+        prior = demix_prior(model, held_out, special_ids=special)
+        out.update({f"prior {d}": float(p) for d, p in zip(model.config.sparse.domains, prior.probs)})
+    blocks = _at_most(pack_blocks(pack, tokenizer, "test", seq_len or model.config.block_size), max_blocks)
+    ppl = perplexity_by_domain(model, blocks, special_ids=special, prior=prior)
+    out["perplexity"] = float(ppl.set_index("domain").loc["all", "perplexity"])
+    out.update({f"ppl {d}": float(p) for d, p in zip(ppl.domain, ppl.perplexity) if d != "all"})
     probes = pack.probes()
+    if max_items is not None:
+        probes = probes.sample(frac=1.0, random_state=0).groupby("task", sort=True).head(max_items)
+    scores = probe_scores(model, tokenizer, probes, seeds=seeds, prior=prior)
+    means = scores.groupby("task", sort=True)["accuracy"].mean()
+    out.update({f"acc {t}": float(m) for t, m in means.items()})
+    out.update({f"acc {t} seed {s}": a for t, s, a in scores.itertuples(index=False)})
+    out["average"] = float(means.mean())
+    return out
+
+
+def results_table(runs: dict, pack=None, *, seq_len: int | None = None, seeds=(0, 1, 2, 3, 4),
+                  max_blocks: int | None = None, max_items: int | None = None) -> pd.DataFrame:
+    """The paper's Tables 1-2: a row per run (``{name: checkpoint dir or model}``); columns the
+    test perplexity (all domains and per domain), each probe's accuracy, and their average
+    (``max_blocks``, ``max_items``: :func:`evaluate_model`'s)."""
+    pack = pack if pack is not None and not isinstance(pack, str) else load_pack(pack)
     rows = []
     for name, run in runs.items():
         model = load_model(run) if not isinstance(run, torch.nn.Module) else run
-        blocks = pack_blocks(pack, tokenizer, "test", seq_len or model.config.block_size)
-        ppl = perplexity_by_domain(model, blocks, special_ids=tuple(tokenizer.special_ids))
-        acc = probe_accuracy(model, tokenizer, probes, seeds=seeds)
-        row = {"model": name, "perplexity": float(ppl.set_index("domain").loc["all", "perplexity"])}
-        row.update({f"ppl {d}": float(p) for d, p in zip(ppl.domain, ppl.perplexity) if d != "all"})
-        row.update({t: f"{m:.3f} ± {s:.3f}" for t, m, s in zip(acc.task, acc.accuracy_mean, acc.accuracy_std)})
-        row["average"] = float(acc.accuracy_mean.mean())
+        found = evaluate_model(model, pack, seq_len=seq_len, seeds=seeds, max_blocks=max_blocks, max_items=max_items)
+        row = {"model": name, "perplexity": found["perplexity"]}
+        row.update({k: v for k, v in found.items() if k.startswith("ppl ")})
+        for key in sorted(k for k in found if k.startswith("acc ") and " seed " not in k):
+            per_seed = [found[f"{key} seed {s}"] for s in seeds]
+            row[key[4:]] = f"{np.mean(per_seed):.3f} ± {np.std(per_seed):.3f}"
+        row["average"] = found["average"]
         rows.append(row)
         log.info("evaluated %s: perplexity %.2f, probe average %.3f", name, row["perplexity"], row["average"])
     return pd.DataFrame(rows)

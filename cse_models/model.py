@@ -249,6 +249,11 @@ def load_weights(model: TransformerLM, state: dict, func: str, where) -> Transfo
     return model
 
 
+def _module_sizes(config: GPTConfig) -> dict:
+    d, b = config.n_embd, int(config.bias)
+    return {"attn": 3 * d * d + 3 * d * b + d * d + d * b, "mlp": 8 * d * d + 4 * d * b + d * b}
+
+
 def parameter_count(config: GPTConfig) -> int:
     """The parameters a model of ``config`` has, from the config alone (tests check it against
     built models): embeddings, per block two LayerNorms, attention (d x 3d, d x d) and the MLP
@@ -256,7 +261,7 @@ def parameter_count(config: GPTConfig) -> int:
     its module per expert, plus Switch's router (d x C)."""
     d, b = config.n_embd, int(config.bias)
     norm = d * (1 + b)
-    modules = {"attn": 3 * d * d + 3 * d * b + d * d + d * b, "mlp": 8 * d * d + 4 * d * b + d * b}
+    modules = _module_sizes(config)
     sparse = config.sparse
     total = config.vocab_size * d + config.block_size * d + norm
     total += 0 if config.tie_weights else config.vocab_size * d
@@ -268,6 +273,18 @@ def parameter_count(config: GPTConfig) -> int:
             block += (experts - 1) * module + (d * experts if sparse.kind == "switch" else 0)
         total += block
     return int(total)
+
+
+def active_parameter_count(config: GPTConfig) -> int:
+    """The parameters one token passes through: every sparse layer here (CSE, Switch, DEMix at
+    inference per expert) sends a token to one expert, so all but one copy of each sparse module
+    are inactive; Switch's router counts as active."""
+    sparse = config.sparse
+    inactive = 0
+    if sparse is not None:
+        module = _module_sizes(config)["attn" if sparse.module == "attn" else "mlp"]
+        inactive = sum(max(c - 1, 0) * module for c in sparse.n_experts)
+    return parameter_count(config) - inactive
 
 
 def build_model(config: GPTConfig, what: str = "build_model") -> TransformerLM:

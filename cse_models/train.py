@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from cse_models.config import GPTConfig
 from cse_models.cse import convert_to_cse
 from cse_models.data import Blocks, global_batch, mask_tokens, pack_blocks, step_generator, text_file_blocks
-from cse_models.experts import SwitchFFN
+from cse_models.experts import DEMixLayer, SwitchFFN
 from cse_models.model import build_model, load_model
 from ntkscope.core.files import (DirectoryLock, atomic_path, load_safetensors, read_json_object, write_json,
                                  write_text)
@@ -291,6 +291,9 @@ def load_optimizer_state(directory: Path, model, opt, sched, tensors=None, state
 # ---- the run --------------------------------------------------------------------------------
 
 
+_PACK_BLOCKS: dict = {}  # (pack, version, tokenizer, split, seq_len, domains) -> (blocks, tokenizer)
+
+
 def load_data(cfg: TrainConfig, split: str | None = None):
     """(blocks, tokenizer) from ``cfg.data``: a corpus pack (default: the shipped one) or text files."""
     data = dict(cfg.data)
@@ -304,8 +307,13 @@ def load_data(cfg: TrainConfig, split: str | None = None):
         tokenizer = load_tokenizer(data["tokenizer"])
         return text_file_blocks(data["text_files"], tokenizer, seq_len), tokenizer
     pack = load_pack(data.get("pack"))
-    tokenizer = load_tokenizer(data["tokenizer"]) if data.get("tokenizer") else pack.tokenizer()
-    return pack_blocks(pack, tokenizer, split or data.get("split", "train"), seq_len, data.get("domains")), tokenizer
+    split = split or data.get("split", "train")
+    domains = None if data.get("domains") is None else tuple(data["domains"])
+    key = (str(pack.path), pack.manifest.get("version"), data.get("tokenizer"), split, seq_len, domains)
+    if key not in _PACK_BLOCKS:  # a reproduction trains dozens of runs on the same blocks: tokenize once
+        tokenizer = load_tokenizer(data["tokenizer"]) if data.get("tokenizer") else pack.tokenizer()
+        _PACK_BLOCKS[key] = (pack_blocks(pack, tokenizer, split, seq_len, domains), tokenizer)
+    return _PACK_BLOCKS[key]
 
 
 def _device(cfg: TrainConfig, rank: int) -> torch.device:
@@ -340,16 +348,19 @@ def _convert(model, blocks: Blocks, cfg: TrainConfig, device) -> None:
 
 
 def _upcycle(model, cfg: TrainConfig, device) -> None:
-    """Sparse upcycling (Komatsuzaki et al., 2023): each chosen dense FFN becomes a Switch layer
-    whose ``upcycle["n_experts"]`` experts are copies of it, with a fresh router (N(0, 0.02),
-    from the run's restored RNG); AdamW state is carried to the copies like CSE's."""
-    sparse, k = model.config.sparse, int(cfg.upcycle["n_experts"])
+    """Sparse upcycling (Komatsuzaki et al., 2023): each chosen dense module becomes a Switch
+    layer (``upcycle["n_experts"]`` experts and a fresh router, N(0, 0.02) from the run's
+    restored RNG) or a DEMix layer (one expert per domain), its experts copies of it; AdamW state
+    is carried to the copies like CSE's."""
+    sparse = model.config.sparse
+    k = len(sparse.domains) if sparse.kind == "demix" else int(cfg.upcycle["n_experts"])
     for n, i in enumerate(sparse.layers):
-        dense = model._module(i)
-        model._replace(i, SwitchFFN([copy.deepcopy(dense) for _ in range(k)], model.config.n_embd,
-                                    sparse.capacity_factor).to(device))
+        experts = [copy.deepcopy(model._module(i)) for _ in range(k)]
+        layer = (DEMixLayer(experts) if sparse.kind == "demix"
+                 else SwitchFFN(experts, model.config.n_embd, sparse.capacity_factor))
+        model._replace(i, layer.to(device))
         sparse.n_experts[n] = k
-    log.info("Switch: upcycled layers %s into %d experts each", sparse.layers, k)
+    log.info("%s: upcycled layers %s (%s) into %d experts each", sparse.kind, sparse.layers, sparse.module, k)
 
 
 def train(cfg: TrainConfig, *, callbacks=()) -> Path:
@@ -393,13 +404,20 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     if resume:
         log.info("resuming from %s (step %d)", resume, start)
     sparse = model.config.sparse
-    if cfg.upcycle and (sparse is None or sparse.kind != "switch" or "at" not in cfg.upcycle
-                        or int(cfg.upcycle.get("n_experts", 0)) < 1):
-        raise ValueError(f"train: upcycle needs a Switch model (sparse kind 'switch', n_experts 0 until then) and "
-                         f"upcycle = {{at: STEP, n_experts: K >= 1}} (got sparse "
+    upcyclable = sparse is not None and sparse.kind in ("switch", "demix")
+    if cfg.upcycle and (not upcyclable or "at" not in cfg.upcycle
+                        or (sparse.kind == "switch" and int(cfg.upcycle.get("n_experts", 0)) < 1)):
+        raise ValueError(f"train: upcycle needs a Switch or DEMix model (n_experts 0 until then) and upcycle = "
+                         f"{{at: STEP, n_experts: K >= 1 (Switch)}} (got sparse "
                          f"{None if sparse is None else sparse.kind!r}, upcycle {cfg.upcycle!r})")
+    if upcyclable and not cfg.upcycle and sparse.experts_at(sparse.layers[0]) == 0:
+        raise ValueError(f"train: a {sparse.kind} model with n_experts 0 is dense until upcycled; give upcycle = "
+                         "{at: STEP, n_experts: K} or n_experts >= 1")
+    if sparse is not None and sparse.kind == "demix" and list(sparse.domains) != list(blocks.domain_names):
+        raise ValueError(f"train: a DEMix model's domains must be the data's domains in order "
+                         f"{list(blocks.domain_names)} (expert j serves domain label j; got {sparse.domains!r})")
     convert_at = (cfg.cse.get("warmup_steps") if sparse is not None and sparse.kind == "cse" else
-                  cfg.upcycle.get("at") if sparse is not None and sparse.kind == "switch" else None)
+                  cfg.upcycle.get("at") if upcyclable else None)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")

@@ -1,4 +1,5 @@
-"""Write the notebooks in notebooks/ (one per figure of the CSE paper, one for Tables 1-2)
+"""Write the notebooks in notebooks/ (one per figure of the CSE paper, one for the figures'
+Tables 1-2 slice, one for the paper's tables with every row)
 and, with --execute, run them in place against RUN_DIR (default: the committed run).
 
     python scripts/make_notebooks.py [--execute]
@@ -23,6 +24,8 @@ from ntkscope.reproduction.panels import PANELS
 ROOT = Path(__file__).resolve().parent.parent
 PARAMETERS = 'RUN_DIR = "../figures/tail"  # a reproduction run directory (created and filled if empty)\n' \
              'MODE = "tail"  # "smoke", "quick" (2 CPU cores, 15 min), "tail" (2 CPU cores, ~1 h) or "full" (GPU)'
+PAPER_PARAMETERS = 'RUN_DIR = "../figures/tables"  # a reproduction run directory (created and filled if empty)\n' \
+    'MODE = "tables"  # "tables" (2 CPU cores, see docs/tables.md) or "smoke"'
 SETUP = ("import ntkscope\n"
          "from IPython.display import Image, Markdown\n"
          "from ntkscope import plotting\n\n"
@@ -103,6 +106,19 @@ NOTEBOOKS = {
         'paths = rep.write_tables()\nMarkdown(paths[1].read_text())',
         'rep.tables("tables")["seeds_summary"]',
     ],
+    "tables_paper": [
+        "# The paper's tables, every row: BERT and GPT, MoF and MoA, tuned rows, DEMix\n\nEvery row of the CSE "
+        "paper's Table 1 (BERT) and Table 2 (GPT) over three pretraining seeds (`ntkscope reproduce --tables`, "
+        "docs/tables.md): dense, dense tuned on each long-tail domain, Switch and Switch tuned, CSE on the FFN (MoF) "
+        "and on attention (MoA) with no tuning, and DEMix. Cells are mean ± std over pretraining seeds; a difference "
+        "is called one only when mean ± std are apart and Welch's t-test gives p < 0.05. Then the general-tasks "
+        "table: what tuning costs the general domain, and whether CSE pays it.",
+        PAPER_PARAMETERS, SETUP,
+        'paths = rep.write_paper_tables()\nMarkdown(paths[0].read_text())',
+        't = rep.tables("paper")\nt["table_gpt"][["model", "perplexity mean", "perplexity std", "average mean", '
+        '"average std", "experts", "active_params", "tuning_tokens"]]',
+        't["table_tests"].query("verdict != \'not shown\'")',
+    ],
 }
 
 
@@ -110,7 +126,7 @@ def build(name: str, cells: list) -> nbformat.NotebookNode:
     nb = new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
     for i, source in enumerate(cells):
         cell = new_markdown_cell(source) if i == 0 else new_code_cell(source)
-        if source is PARAMETERS:
+        if source in (PARAMETERS, PAPER_PARAMETERS):
             cell.metadata["tags"] = ["parameters"]
         nb.cells.append(cell)
     return nb

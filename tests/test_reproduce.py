@@ -13,7 +13,7 @@ import torch
 
 import ntkscope
 from ntkscope import Reproduction, cosine_kernel, reproduce, sample_outputs
-from ntkscope.reproduction import PANELS
+from ntkscope.reproduction import PANELS, paper
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -36,9 +36,10 @@ def test_smoke_run_writes_every_figure_table_and_the_manifest(smoke):
     assert np.isfinite(results["perplexity"]).all() and (results["perplexity"] > 1).all()
     assert (run / "tables" / "results.md").read_text().startswith("| model")
     seeds = pd.read_csv(run / "tables" / "seeds_summary.csv")
-    assert list(seeds["model"]) == ["GPT dense", "Switch", "CSE/MoF"] and (seeds["seeds"] == 1).all()
+    assert list(seeds["model"]) == ["GPT dense", "Switch", "CSE/MoF"] and (seeds["seeds"] == 2).all()
+    first = pd.read_csv(run / "tables" / "seeds.csv").query("seed == 0").set_index("model")  # seed 0: the main runs
     by_model = results.set_index("model")
-    np.testing.assert_allclose(seeds.set_index("model")["perplexity mean"], by_model.loc[seeds["model"], "perplexity"])
+    np.testing.assert_allclose(first["perplexity"], by_model.loc[first.index, "perplexity"])
     plan = manifest["plan"]
     s = manifest["settings"]
     assert 0 < plan["warmup_steps"] <= s["max_warmup_fraction"] * s["steps"]
@@ -48,6 +49,45 @@ def test_smoke_run_writes_every_figure_table_and_the_manifest(smoke):
     assert "CPU cores" in manifest["environment"]["machine"]
     cse = ntkscope.load_checkpoint(run / "models" / "gpt-cse" / "checkpoints" / f"step-{s['steps']:06d}")
     assert cse.config.sparse.kind == "cse" and cse.config.sparse.layers == plan["layers"]
+
+
+def test_every_row_of_the_papers_tables_at_smoke_size(smoke):
+    """Tables 1-2 analogues: every row for BERT and GPT at every seed, mean and std, equal extra
+    tokens for the tuned rows, equal active parameters; one row's evaluation redone alone."""
+    run, manifest = smoke
+    s = manifest["settings"]
+    keys = paper.row_keys(ntkscope.settings_for("smoke"))
+    runs = pd.read_csv(run / "tables" / "paper_runs.csv")
+    assert len(runs) == 2 * s["seeds"] * len(keys) and np.isfinite(runs["perplexity"]).all()
+    for arch in ("gpt", "bert"):
+        table = pd.read_csv(run / "tables" / f"table_{arch}.csv").set_index("key")
+        assert list(table.index) == keys and (table["seeds"] == s["seeds"]).all()
+        assert np.isfinite(table["perplexity std"]).all() and table["average mean"].between(0, 1).all()
+        tuned = [k for k in keys if "-" in k and not k.startswith("cse")]
+        assert table.loc[tuned, "tuning_tokens"].eq(s["finetune_steps"] * s["batch_size"] * s["seq_len"]).all()
+        assert (table.drop(index=tuned)["tuning_tokens"] == 0).all()
+        dense = table.loc["dense", "params"]
+        assert (table.loc[["cse-mof", "cse-moa", "demix"], "active_params"] == dense).all()
+        width = s["model"]["n_embd"]
+        assert table.loc["switch", "active_params"] == dense + width * s["switch_experts"] * len(manifest["plan"]["layers"])
+        assert table.loc["demix", "experts"] == "3+3"  # biomedical, general, legal
+    md = (run / "tables" / "paper.md").read_text()
+    assert "## Table 1 analogue: BERT" in md and "## Table 2 analogue: GPT" in md and "## General tasks" in md
+    assert manifest["files"]["tables/paper.md"]
+    tests = pd.read_csv(run / "tables" / "table_tests.csv")
+    assert set(tests["verdict"]) <= {"better", "worse", "not shown"} and tests["welch_p"].dropna().between(0, 1).all()
+    # one row redone alone: its evaluation and the tables, nothing trained
+    evaluation = run / "models" / "table-gpt-demix-seed1" / "eval.json"
+    before = json.loads(evaluation.read_text())
+    want = pd.read_csv(run / "tables" / "table_gpt.csv")
+    evaluation.unlink()
+    for name in ("paper_runs", "table_gpt", "table_bert", "general_tasks", "table_tests"):
+        (run / "tables" / f"{name}.csv").unlink()
+    trained = {p: p.stat().st_mtime_ns for p in (run / "models").glob("table-*/metrics.jsonl")}
+    Reproduction(run, "smoke").tables("paper")
+    assert json.loads(evaluation.read_text()) == before
+    pd.testing.assert_frame_equal(pd.read_csv(run / "tables" / "table_gpt.csv"), want)
+    assert {p: p.stat().st_mtime_ns for p in trained} == trained  # no model trained a step
 
 
 def test_tables_hold_the_measurements(smoke):
@@ -86,14 +126,12 @@ def test_a_second_call_reuses_everything_and_a_deleted_table_is_remade(smoke):
     kept = {p.name: p.stat().st_mtime_ns for p in tables.glob("*.csv") if p.name not in stage}
     want = pd.read_csv(tables / "gc_by_bin.csv")
     (tables / "gc_by_bin.csv").unlink()
-    before = json.loads((run / "timings.json").read_text())
+    trained = {p: p.stat().st_mtime_ns for p in (run / "models").glob("*/metrics.jsonl")}
     again = reproduce(run, "smoke")
     assert again["files"] == manifest["files"]  # the same numbers, the same figure bytes
     pd.testing.assert_frame_equal(pd.read_csv(tables / "gc_by_bin.csv"), want)
     assert {p.name: p.stat().st_mtime_ns for p in tables.glob("*.csv") if p.name in kept} == kept
-    after = json.loads((run / "timings.json").read_text())
-    assert {k: v for k, v in after.items() if k.startswith("train")} == \
-        {k: v for k, v in before.items() if k.startswith("train")}  # no model was trained again
+    assert {p: p.stat().st_mtime_ns for p in trained} == trained  # no model was trained again
 
 
 def test_a_run_directory_refuses_other_settings(smoke):
@@ -126,22 +164,26 @@ def test_notebooks_run_on_the_committed_run(tmp_path):
     from nbclient import NotebookClient
 
     root = Path(__file__).resolve().parent.parent
-    run = tmp_path / "tail"
+    run, tables = tmp_path / "tail", tmp_path / "tables"
     shutil.copytree(root / "figures" / "tail", run)
     shutil.rmtree(run / "figures")
+    shutil.copytree(root / "figures" / "tables", tables)
+    (tables / "tables" / "paper.md").unlink()
     notebooks = sorted((root / "notebooks").glob("*.ipynb"))
-    assert {p.stem for p in notebooks} >= {"fig1_long_tail", "fig5_experts", "tables_results"}
+    assert {p.stem for p in notebooks} >= {"fig1_long_tail", "fig5_experts", "tables_results", "tables_paper"}
     for path in notebooks:
         nb = nbformat.read(path, as_version=4)
         params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(params) == 1, path
-        params[0].source = f"RUN_DIR = {str(run)!r}\nMODE = 'tail'"
+        where, mode = (tables, "tables") if path.stem == "tables_paper" else (run, "tail")
+        params[0].source = f"RUN_DIR = {str(where)!r}\nMODE = {mode!r}"
         NotebookClient(nb, timeout=600, resources={"metadata": {"path": str(tmp_path)}}).execute()
     for panel in PANELS:
         for fmt in ("png", "pdf"):
             assert (run / "figures" / f"{panel}.{fmt}").stat().st_size > 1000, (panel, fmt)
     assert (run / "tables" / "results.md").stat().st_size > 100
-    assert not (run / "models").exists()  # everything came from the cached tables: nothing was trained
+    assert "## Table 1 analogue: BERT" in (tables / "tables" / "paper.md").read_text()
+    assert not (run / "models").exists() and not (tables / "models").exists()  # nothing was trained
 
 
 def test_sample_outputs_match_a_loop_in_float64():

@@ -239,7 +239,7 @@ def test_switch_upcycled_from_a_dense_run(tmp_path):
         for key, value in expert.state_dict().items():
             assert torch.equal(value, dense_ffn[key]), key
     assert up.router.weight.shape == (3, 32)
-    with pytest.raises(ValueError, match=r"train: upcycle needs a Switch model"):
+    with pytest.raises(ValueError, match=r"train: upcycle needs a Switch or DEMix model"):
         train(config(tmp_path, "bad", model=dense_model, upcycle=upcycle))
 
 

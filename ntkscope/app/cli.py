@@ -188,16 +188,20 @@ def _ntk(args) -> int:
 
 
 def _reproduce(args) -> int:
-    out = args.out or f"runs/reproduce-{args.mode}"
+    out = Path(args.out or f"runs/reproduce-{args.mode}")
     manifest = reproduce(out, args.mode, pack=args.data)
     plan = manifest["plan"]
-    print(f"reproduced Figures 1-5 and Tables 1-2 ({manifest['mode']} mode) in {out}: "
-          f"{manifest['seconds_total'] / 60:.1f} min of work in all, {manifest['seconds_this_call'] / 60:.1f} min "
-          f"this call, on {manifest['environment']['machine']}")
-    print(f"plan from the dense run: CSE layers {plan['layers']}, warm-up {plan['warmup_steps']} steps")
-    print(f"\nTables 1-2 analogue ({out}/tables/results.md):\n")
-    print((Path(out) / "tables" / "results.md").read_text())
-    print("figures:", ", ".join(sorted({Path(f).stem for f in manifest["files"] if f.startswith("figures/")})))
+    settings = manifest["settings"]
+    print(f"reproduced {manifest['mode']} mode in {out}: {manifest['seconds_total'] / 60:.1f} min of work in all, "
+          f"{manifest['seconds_this_call'] / 60:.1f} min this call, on {manifest['environment']['machine']}")
+    print(f"CSE layers {plan['layers']}, warm-up {plan['warmup_steps']} steps ({plan['chosen_by']})")
+    if settings["figures"]:
+        print(f"\nTables 1-2 analogue, the figures' GPT slice ({out}/tables/results.md):\n")
+        print((out / "tables" / "results.md").read_text())
+        print("figures:", ", ".join(sorted({Path(f).stem for f in manifest["files"] if f.startswith("figures/")})))
+    if settings["table_archs"]:
+        print(f"\nthe paper's tables ({out}/tables/paper.md):\n")
+        print((out / "tables" / "paper.md").read_text())
     print(f"manifest: {out}/manifest.json")
     return 0
 
@@ -358,10 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--tail", dest="mode", action="store_const", const="tail",
                       help="2 CPU cores, about an hour: the quick model trained until the long tail clusters, "
                       "CSE against dense and Switch over 3 seeds (the committed run)")
+    size.add_argument("--tables", dest="mode", action="store_const", const="tables",
+                      help="the paper's Tables 1-2 and a general-tasks table: every row for BERT and GPT, 3 "
+                      "pretraining seeds, at the quick model's size (2 CPU cores, see docs/tables.md); no figures")
     size.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="sized for one GPU (GPT-2 small shape, 20k steps; hours)")
     size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
-                      help="every stage at toy size, about two minutes: checks the pipeline, the figures mean nothing")
+                      help="every stage and every table row at toy size, a few minutes: checks the pipeline, the "
+                      "results mean nothing")
     rep.set_defaults(mode="quick")
     rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
     rep.add_argument("--data", "--pack", dest="data", help="a corpus pack directory (default: the shipped one; "

@@ -208,7 +208,8 @@ def results(runs: dict, seed_runs: dict, pack, settings: ReproduceSettings) -> d
     of ``seed_runs`` {(model, seed): checkpoint}, and seeds_summary: per model, the mean and
     std over seeds of the test perplexity (all, per domain) and each probe's mean accuracy."""
     named = {**runs, **{f"{m} (seed {s})": path for (m, s), path in seed_runs.items() if path not in runs.values()}}
-    table = results_table(named, pack, seq_len=settings.seq_len, seeds=tuple(range(settings.probe_seeds)))
+    table = results_table(named, pack, seq_len=settings.seq_len, seeds=tuple(range(settings.probe_seeds)),
+                          max_blocks=settings.eval_max_blocks or None, max_items=settings.eval_max_items or None)
     by_path = dict(zip(named.values(), range(len(named))))
     rows = []
     for (model, seed), path in seed_runs.items():

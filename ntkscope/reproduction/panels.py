@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ntkscope import plotting
-from ntkscope.reproduction import analyses
+from ntkscope.reproduction import analyses, paper
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,14 @@ STAGES: dict[str, Stage] = {
         rep.cse(), rep.dense(), rep.data(), rep.plan().layers[0]), "fig5bc"),
     "tables": Stage(("results", "seeds", "seeds_summary"), lambda rep: analyses.results(
         rep.runs(), rep.seed_runs(), rep.pack, rep.settings), "tables"),
+    "paper": Stage(("paper_runs", "table_gpt", "table_bert", "general_tasks", "table_tests"), paper.paper_tables,
+                   "paper tables"),
 }
 
 #: figure -> the stages whose tables it shows
 FIGURES: dict[str, tuple] = {"fig1": ("fig1",), "fig2": ("fig2a", "routing"), "fig3": ("fig3",),
-                             "fig4": ("fig4",), "fig5": ("routing", "fig5bc"), "tables": ("tables",)}
+                             "fig4": ("fig4",), "fig5": ("routing", "fig5bc"), "tables": ("tables",),
+                             "paper": ("paper",)}
 
 
 def _n(k: int, word: str) -> str:

@@ -37,7 +37,7 @@ from ntkscope.core.checks import fail
 from ntkscope.core.files import DirectoryLock, atomic_path, check_output, write_json, write_text
 from ntkscope.plotting import save_figure
 from ntkscope.representation.plan import Plan, make_plan
-from ntkscope.reproduction import analyses, training
+from ntkscope.reproduction import analyses, paper, training
 from ntkscope.reproduction.panels import FIGURES, PANELS, STAGES
 from ntkscope.reproduction.settings import ReproduceSettings, settings_for
 from cse_models.train import TrainConfig, fitting_sample, load_data
@@ -114,6 +114,16 @@ class Reproduction:
 
     def model_dir(self, name: str) -> Path:
         return self.run_dir / "models" / name
+
+    def mask_token_id(self) -> int:
+        """The pack tokenizer's mask token (a BERT's masked inputs)."""
+        return self.pack.tokenizer().backend.token_to_id("<mask>")
+
+    def domain_names(self) -> list:
+        """The training data's domains in label order (DEMix's experts)."""
+        if "domains" not in self._data:
+            self._data["domains"] = sorted({r.domain for r in self.pack.records("train")})
+        return self._data["domains"]
 
     def dense(self) -> Path:
         """The dense GPT's last checkpoint (trained on first use)."""
@@ -266,6 +276,13 @@ class Reproduction:
     def write_figure(self, panel: str, formats=("png", "pdf")) -> list[Path]:
         return save_figure(self.figure(panel), self.figure_path(panel), formats=formats)
 
+    def write_paper_tables(self) -> list[Path]:
+        """The paper's tables (every row, seeds, general tasks, tests) as CSV (cached) and ``paper.md``."""
+        t = self.tables("paper")
+        folder = self.run_dir / "tables"
+        md = write_text(folder / "paper.md", paper.markdown(t, self.settings))
+        return [md, *(folder / f"{n}.csv" for n in t)]
+
     def write_tables(self) -> list[Path]:
         """Tables 1-2 and the seeds comparison as CSV (already cached) and Markdown."""
         t = self.tables("tables")
@@ -293,8 +310,8 @@ def _environment() -> dict:
 
 
 def reproduce(run_dir, mode: str = "quick", *, settings: ReproduceSettings | None = None, pack=None) -> dict:
-    """Everything: train, analyse, write Figures 1-5 (PNG + PDF), Tables 1-2 (CSV + MD) and
-    ``manifest.json``; returns the manifest. Resumes from whatever ``run_dir`` holds."""
+    """Everything the mode asks for: train, analyse, write Figures 1-5 (PNG + PDF), Tables 1-2
+    (CSV + MD), the paper's tables (``tables/paper.md``) and ``manifest.json``; returns the manifest. Resumes from whatever ``run_dir`` holds."""
     start = time.perf_counter()
     check_output("reproduce", run_dir)
     with DirectoryLock(run_dir, "reproduce"):
@@ -303,14 +320,21 @@ def reproduce(run_dir, mode: str = "quick", *, settings: ReproduceSettings | Non
 
 def _reproduce(rep: Reproduction, start: float) -> dict:
     written = []
-    for panel in PANELS:
-        written += rep.write_figure(panel)
-        log.info("wrote %s", panel)
-    written += rep.write_tables()
+    if rep.settings.figures:
+        for panel in PANELS:
+            written += rep.write_figure(panel)
+            log.info("wrote %s", panel)
+        written += rep.write_tables()
+    if rep.settings.table_archs:
+        written += rep.write_paper_tables()
     timings = json.loads((rep.run_dir / "timings.json").read_text())
+    plan = rep.run_dir / "plan.json"
+    layers, warmup = paper.layout(rep) if not plan.is_file() else (None, None)
     manifest = {
         "mode": rep.settings.mode, "settings": rep.settings.to_dict(), "pack": rep.pack_path,
-        "pack_version": rep.pack.manifest.get("version"), "plan": json.loads((rep.run_dir / "plan.json").read_text()),
+        "pack_version": rep.pack.manifest.get("version"),
+        "plan": json.loads(plan.read_text()) if plan.is_file() else
+        {"layers": layers, "warmup_steps": warmup, "chosen_by": "settings (table_layers, table_warmup)"},
         "environment": _environment(), "seconds_this_call": round(time.perf_counter() - start, 1),
         "seconds_per_stage": timings, "seconds_total": round(sum(timings.values()), 1),
         "files": {str(p.relative_to(rep.run_dir)): _sha256(p) for p in sorted(written)

@@ -3,7 +3,8 @@ cores; the figures mean nothing), ``quick`` (about 20 minutes on 2 CPU cores: th
 look), ``tail`` (the quick model trained long enough for the long tail to cluster, with three
 seeds of CSE against its baselines: the committed run, about an hour on 2 CPU cores) and
 ``full`` (the GPT-2-small shape for 20k steps, for one GPU; not yet run, an estimated 3-4
-hours on one H100)."""
+hours on one H100); and ``tables`` (the paper's Tables 1-2 and a general-tasks table, every row
+for BERT and GPT with three pretraining seeds, at the quick model's size: no figures)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ class ReproduceSettings:
     ``gc_resamples`` bootstrap resamples and ``gc_null_draws`` random subsets per GC;
     ``stable_overlap``: the adjusted Rand index between neighbouring checkpoints' router
     clusters above which they count as stable (the warm-up's fallback rule).
+    Paper tables (docs/tables.md): ``table_archs`` ("gpt", "bert"; empty: none) each train, per
+    pretraining seed ``seed .. seed + seeds - 1``, a dense model from scratch and from its
+    checkpoint at ``table_warmup`` (0: the plan's warm-up) Switch, CSE/MoF, CSE/MoA and DEMix at
+    ``table_layers`` (empty: the plan's layers) to ``steps``; dense and Switch are then tuned for
+    ``finetune_steps`` on each of ``finetune_domains``; each model is evaluated on at most
+    ``eval_max_blocks`` test blocks per domain and ``eval_max_items`` probe items per task (0: all;
+    smoke runs only). ``figures``: whether the mode draws
+    Figures 1-5 (and the GPT slice of the tables that comes with them).
     """
 
     mode: str
@@ -83,6 +92,12 @@ class ReproduceSettings:
     gc_null_draws: int = 200
     stable_overlap: float = 0.8
     probe_seeds: int = 5
+    table_archs: tuple = ()
+    table_layers: tuple = ()
+    table_warmup: int = 0
+    eval_max_blocks: int = 0
+    eval_max_items: int = 0
+    figures: bool = True
     seed: int = 0
     device: str = "auto"
 
@@ -102,13 +117,18 @@ PRESETS = {
         mode="smoke", model={"n_layer": 2, "n_head": 2, "n_embd": 32}, seq_len=32, steps=40, checkpoint_every=10,
         batch_size=16, warmup_steps=5, finetune_steps=5, switch_experts=2, cse_samples=128, n=40, n_perplexity=120,
         bins=3, min_count=3, k_max=4, projection_dim=16, proj_dim=8, min_cluster_size=5, snapshots=2, probe_seeds=2,
-        gc_outputs=("centred-true-logit", "loss"), gc_resamples=50, gc_null_draws=50),
+        gc_outputs=("centred-true-logit", "loss"), gc_resamples=50, gc_null_draws=50, seeds=2,
+        table_archs=("gpt", "bert"), eval_max_blocks=40, eval_max_items=60),
     "quick": ReproduceSettings(
         mode="quick", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=600, checkpoint_every=50,
         early_every=10, early_until=200),
     "tail": ReproduceSettings(
         mode="tail", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=1600, checkpoint_every=100,
         early_every=25, early_until=300, seeds=3, compare_until=600),
+    "tables": ReproduceSettings(
+        mode="tables", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=400, checkpoint_every=400,
+        finetune_steps=40, seeds=3, table_archs=("gpt", "bert"), table_layers=(2, 3), table_warmup=75,
+        figures=False),
     "full": ReproduceSettings(
         mode="full", model={"n_layer": 12, "n_head": 12, "n_embd": 768}, seq_len=128, steps=20000,
         checkpoint_every=1000, batch_size=64, lr=6e-4, warmup_steps=1000, finetune_steps=1000, finetune_lr=1e-4,
@@ -118,7 +138,7 @@ PRESETS = {
 
 
 def settings_for(mode: str, **changes) -> ReproduceSettings:
-    """The preset ``mode`` ("smoke", "quick" or "full") with ``changes`` applied."""
+    """The preset ``mode`` (a key of :data:`PRESETS`) with ``changes`` applied."""
     if mode not in PRESETS:
         raise fail("settings_for", "mode", f"must be one of {sorted(PRESETS)}", mode)
     unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(ReproduceSettings)})

@@ -1,7 +1,7 @@
 """The models of a reproduction, trained with :mod:`cse_models.train` (checkpointed and
-resumable): the dense GPT, its domain-finetuned copies, and, branched from the dense run at the
-planned warm-up, CSE, Switch (upcycled) and the dense continuation, one per seed. Each lives in
-``RUN/models/NAME``."""
+resumable): the dense model (GPT, or BERT with ``arch``), its domain-finetuned copies, and,
+branched from the dense run at the planned warm-up, CSE (MoF or MoA), Switch and DEMix (both
+upcycled) and the dense continuation, one per seed. Each lives in ``RUN/models/NAME``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,14 @@ from cse_models.train import TrainConfig, branch_from, latest_checkpoint, train
 from ntkscope.reproduction.settings import ReproduceSettings
 
 log = logging.getLogger(__name__)
+
+
+def arch_model(settings: ReproduceSettings, arch: str, mask_token_id: int | None = None) -> dict:
+    """The GPTConfig fields of the settings' model as a ``"gpt"`` (causal) or ``"bert"`` (masked,
+    ``mask_token_id`` the tokenizer's mask) language model."""
+    if arch == "bert":
+        return {**settings.model, "model_type": "bert", "mask_token_id": mask_token_id}
+    return {**settings.model, "model_type": "gpt"}
 
 
 def _config(settings: ReproduceSettings, out_dir: Path, pack: str | None, **changes):
@@ -36,20 +44,24 @@ def _run(cfg) -> Path:
     return train(cfg)
 
 
-def train_dense(settings: ReproduceSettings, out_dir: Path, pack: str | None) -> Path:
-    """The dense GPT; returns its last checkpoint (all kept: the analyses walk them), with the
-    early checkpoints every ``early_every`` steps through ``early_until``."""
+def train_dense(settings: ReproduceSettings, out_dir: Path, pack: str | None, *, seed: int | None = None,
+                base: dict | None = None, checkpoints: tuple = ()) -> Path:
+    """The dense model (``base``: its fields, default ``settings.model``, a GPT) from scratch with
+    init and data order ``seed`` (default the settings'); returns its last checkpoint (all kept:
+    the analyses walk them), with the early checkpoints every ``early_every`` steps through
+    ``early_until`` and at ``checkpoints``."""
     early = list(range(settings.early_every, settings.early_until + 1, settings.early_every)) \
         if settings.early_every else []
-    return _run(_config(settings, out_dir, pack, checkpoint_steps=early))
+    return _run(_config(settings, out_dir, pack, checkpoint_steps=sorted({*early, *checkpoints}),
+                        model=dict(base or settings.model), seed=settings.seed if seed is None else seed))
 
 
 def _branch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, warmup: int,
-            sparse: dict | None, seed: int, stop_at: int | None = None, **changes) -> Path:
+            sparse: dict | None, seed: int, stop_at: int | None = None, base: dict | None = None, **changes) -> Path:
     """A run that starts from the dense run's checkpoint at ``warmup`` (so the warm-up is shared
     exactly) and trains on the ``settings.steps`` schedule with data order ``seed``, to the end
-    or to ``stop_at``."""
-    model = {**settings.model, "sparse": sparse}
+    or to ``stop_at``; ``base``: the model's fields (default ``settings.model``, a GPT)."""
+    model = {**(base or settings.model), "sparse": sparse}
     cfg = _config(settings, out_dir, pack, model=model, checkpoint_every=settings.steps, seed=seed, stop_at=stop_at,
                   **changes)
     if _finished(cfg) is None:
@@ -65,33 +77,48 @@ def train_continued(settings: ReproduceSettings, out_dir: Path, pack: str | None
 
 
 def train_switch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
-                 warmup: int, seed: int | None = None, stop_at: int | None = None) -> Path:
+                 warmup: int, seed: int | None = None, stop_at: int | None = None, base: dict | None = None) -> Path:
     """Switch (learned top-1 token routing, ``switch_experts`` experts) at ``layers``, upcycled
     from the dense run at the warm-up (experts copied from the warmed-up FFN, a fresh router): the
     same shared warm-up and remaining steps as CSE, so the two differ only in routing."""
     sparse = {"kind": "switch", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers)}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
-                   stop_at, upcycle={"at": int(warmup), "n_experts": settings.switch_experts})
+                   stop_at, base, upcycle={"at": int(warmup), "n_experts": settings.switch_experts})
+
+
+def train_demix(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
+                warmup: int, domains: list, seed: int | None = None, base: dict | None = None) -> Path:
+    """DEMix (Gururangan et al., 2022) at ``layers``' FFN: one expert per domain of ``domains``
+    (the data's domain names, in label order), each trained only on its domain's sequences,
+    upcycled from the dense run at the warm-up like Switch (the same shared warm-up and steps)."""
+    sparse = {"kind": "demix", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers),
+              "domains": list(domains)}
+    return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
+                   None, base, upcycle={"at": int(warmup)})
 
 
 def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
-              warmup: int, seed: int | None = None, stop_at: int | None = None) -> Path:
-    """CSE (MoF) at ``layers``: from the dense run at ``warmup``; the router is fitted there on
-    ``cse_samples`` training blocks (:func:`ntkscope.fit_router` with the settings' rule and
-    representation) and training goes on."""
-    sparse = {"kind": "cse", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers),
+              warmup: int, seed: int | None = None, stop_at: int | None = None, base: dict | None = None,
+              module: str = "ffn") -> Path:
+    """CSE on ``module`` ("ffn": MoF, "attn": MoA) at ``layers``: from the dense run at
+    ``warmup``; the router is fitted there on ``cse_samples`` training blocks
+    (:func:`ntkscope.fit_router` with the settings' rule and representation) and training goes on."""
+    sparse = {"kind": "cse", "module": module, "layers": list(layers), "n_experts": [0] * len(layers),
               "proj_dim": settings.proj_dim, "router_format": 2}
     cse = {"warmup_steps": int(warmup), "n_samples": settings.cse_samples, "rule": settings.router_rule,
            "representation": settings.router_representation, "min_cluster_size": settings.min_cluster_size,
            "min_samples": settings.min_samples, "max_experts": settings.max_experts, "on_no_cluster": "single"}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
-                   stop_at, cse=cse)
+                   stop_at, base, cse=cse)
 
 
-def train_finetuned(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_last: Path,
-                    domain: str) -> Path:
-    """The dense model, continued on one long-tail ``domain`` only (the paper's "*/legal", "*/med")."""
+def train_finetuned(settings: ReproduceSettings, out_dir: Path, pack: str | None, base_last: Path,
+                    domain: str, seed: int | None = None) -> Path:
+    """A trained model (dense or Switch: ``base_last``, its last checkpoint) continued for
+    ``finetune_steps`` on one long-tail ``domain`` only (the paper's "*/legal", "*/med"): every
+    tuned row spends the same extra tokens, ``finetune_steps x batch_size x seq_len``."""
     steps = settings.finetune_steps
-    return _run(_config(settings, out_dir, pack, init_from=str(dense_last),
+    return _run(_config(settings, out_dir, pack, init_from=str(base_last),
                         data={"pack": pack, "seq_len": settings.seq_len, "domains": [domain]}, steps=steps,
-                        lr=settings.finetune_lr, warmup_steps=max(1, steps // 10), checkpoint_every=steps))
+                        lr=settings.finetune_lr, warmup_steps=max(1, steps // 10), checkpoint_every=steps,
+                        seed=settings.seed if seed is None else seed))
