@@ -2,7 +2,7 @@
 Tables 1-2 slice, one for the paper's tables with every row)
 and, with --execute, run them in place against RUN_DIR (default: the committed run).
 
-    python scripts/make_notebooks.py [--execute]
+    python scripts/make_notebooks.py [--execute] [--only NAME ...]
 
 Each notebook has a cell tagged "parameters" (RUN_DIR, MODE), uses only the public API
 (``ntkscope``, ``ntkscope.plotting``) and writes its figures into RUN_DIR/figures.
@@ -135,8 +135,11 @@ def build(name: str, cells: list) -> nbformat.NotebookNode:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--execute", action="store_true", help="run each notebook in place (needs nbclient)")
+    parser.add_argument("--only", nargs="+", choices=sorted(NOTEBOOKS), help="write (and run) only these notebooks")
     args = parser.parse_args()
     for name, cells in NOTEBOOKS.items():
+        if args.only and name not in args.only:
+            continue
         path = ROOT / "notebooks" / f"{name}.ipynb"
         nb = build(name, cells)
         if args.execute:

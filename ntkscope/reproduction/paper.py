@@ -251,12 +251,12 @@ def markdown(tables: dict, settings) -> str:
         if table.empty:
             continue
         cols = {"perplexity": "test ppl", **{c[:-5]: c[:-5] for c in table if c.startswith("ppl ") and c.endswith(" mean")},
-                **{c[:-5]: c[8:-5] for c in table if c.startswith("acc ") and c.endswith(" mean")}, "average": "average"}
+                **{c[:-5]: c[4:-5] for c in table if c.startswith("acc ") and c.endswith(" mean")}, "average": "average"}
         shown = pd.DataFrame({"model": table["model"]})
         for metric, title in cols.items():
             digits = 1 if metric.startswith(LOWER_IS_BETTER) else 3
             shown[title] = [_cell(m, s, digits) for m, s in zip(table[f"{metric} mean"], table[f"{metric} std"])]
-        shown["experts"] = table["experts"]
+        shown["experts"] = table["experts"].fillna("")  # dense rows: none (read back from CSV as NaN)
         shown["params (M)"] = (table["params"] / 1e6).round(2)
         shown["active (M)"] = (table["active_params"] / 1e6).round(2)
         shown["tuning tokens"] = table["tuning_tokens"]
@@ -276,8 +276,17 @@ def markdown(tables: dict, settings) -> str:
     tests = tables["table_tests"]
     if not tests.empty:
         found = tests[tests["verdict"] != "not shown"]
-        lines = [f"- {ARCH_NAMES[r.arch]} {r.row} vs {r.against}, {r.metric}: {r.verdict} "
-                 f"({r.mean:.3f} vs {r.against_mean:.3f}, Welch p={r.welch_p:.3f})" for r in found.itertuples()]
+        lines = []
+        for (arch, row, against), part in found.groupby(["arch", "row", "against"], sort=False):
+            says = "; ".join(f"{verdict} on {', '.join(part.loc[part['verdict'] == verdict, 'metric'])}"
+                             for verdict in ("better", "worse") if (part["verdict"] == verdict).any())
+            lines.append(f"- {ARCH_NAMES[arch]} {row} against {against}: {says}")
+        silent = sorted({f"{ARCH_NAMES[a]} {r} against {o}" for a, r, o in
+                         tests[["arch", "row", "against"]].itertuples(index=False)} -
+                        {f"{ARCH_NAMES[a]} {r} against {o}" for a, r, o in
+                         found[["arch", "row", "against"]].itertuples(index=False)})
         parts.append(f"## Differences shown ({len(found)} of {len(tests)} comparisons: mean ± std apart and Welch's "
-                     f"t-test p < {SIGNIFICANCE})\n\n" + ("\n".join(lines) if lines else "none") + "\n")
+                     f"t-test p < {SIGNIFICANCE}; every comparison with its numbers is in table_tests.csv)\n\n"
+                     + ("\n".join(lines) if lines else "none") + "\n\nNo difference shown on any metric: "
+                     + (", ".join(silent) if silent else "none") + ".\n")
     return "\n".join(parts)

@@ -60,6 +60,11 @@ class Reproduction:
         saved = self.run_dir / "settings.json"
         if saved.is_file():
             have = json.loads(saved.read_text())
+            # a setting added after the run was made, at its default, changes nothing the run holds
+            defaults = json.loads(json.dumps(ReproduceSettings(mode="", model={}, seq_len=1, steps=1,
+                                                                checkpoint_every=1).to_dict()))
+            have["settings"] = {**{k: defaults[k] for k in defaults.keys() - have.get("settings", {}).keys()},
+                                **have.get("settings", {})}
             if have != json.loads(json.dumps(wanted)):
                 raise fail("Reproduction", "run_dir", f"holds a reproduction with other settings or another pack "
                            f"(mode {have['settings']['mode']!r}, pack {have['pack']!r}); use another directory",
