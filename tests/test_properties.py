@@ -106,7 +106,7 @@ def test_empirical_ntk_and_gc(gpt, n, T, chunk_size, dtype, method, output, data
         assert str(err).startswith("empirical_ntk: "), err
     else:
         assert res.matrix.shape == (n, n) and torch.isfinite(res.matrix).all()
-        torch.testing.assert_close(res.matrix, res.matrix.T)
+        torch.testing.assert_close(res.matrix, res.matrix.T, rtol=1e-5, atol=1e-5)  # float32 sums in either order
     subset = data.draw(st.lists(st.integers(-1, max(n, 1)), max_size=4))
     try:
         gc = ns.gradient_consistency(gpt, batch, subset, **options)

@@ -36,7 +36,7 @@ def test_smoke_run_writes_every_figure_table_and_the_manifest(smoke):
     assert np.isfinite(results["perplexity"]).all() and (results["perplexity"] > 1).all()
     assert (run / "tables" / "results.md").read_text().startswith("| model")
     seeds = pd.read_csv(run / "tables" / "seeds_summary.csv")
-    assert list(seeds["model"]) == ["GPT dense", "Switch", "CSE/MoF"] and (seeds["seeds"] == 2).all()
+    assert list(seeds["model"]) == ["GPT dense", "Switch", "CSE/MoF"] and (seeds["seeds"] == 1).all()
     first = pd.read_csv(run / "tables" / "seeds.csv").query("seed == 0").set_index("model")  # seed 0: the main runs
     by_model = results.set_index("model")
     np.testing.assert_allclose(first["perplexity"], by_model.loc[first.index, "perplexity"])
@@ -52,8 +52,9 @@ def test_smoke_run_writes_every_figure_table_and_the_manifest(smoke):
 
 
 def test_every_row_of_the_papers_tables_at_smoke_size(smoke):
-    """Tables 1-2 analogues: every row for BERT and GPT at every seed, mean and std, equal extra
-    tokens for the tuned rows, equal active parameters; one row's evaluation redone alone."""
+    """Tables 1-2 analogues: every row for BERT and GPT (one seed at smoke size: the statistics
+    are tested in test_tables.py), equal extra tokens for the tuned rows, equal active
+    parameters; one row's evaluation redone alone."""
     run, manifest = smoke
     s = manifest["settings"]
     keys = paper.row_keys(ntkscope.settings_for("smoke"))
@@ -62,7 +63,7 @@ def test_every_row_of_the_papers_tables_at_smoke_size(smoke):
     for arch in ("gpt", "bert"):
         table = pd.read_csv(run / "tables" / f"table_{arch}.csv").set_index("key")
         assert list(table.index) == keys and (table["seeds"] == s["seeds"]).all()
-        assert np.isfinite(table["perplexity std"]).all() and table["average mean"].between(0, 1).all()
+        assert np.isfinite(table["perplexity mean"]).all() and table["average mean"].between(0, 1).all()
         tuned = [k for k in keys if "-" in k and not k.startswith("cse")]
         assert table.loc[tuned, "tuning_tokens"].eq(s["finetune_steps"] * s["batch_size"] * s["seq_len"]).all()
         assert (table.drop(index=tuned)["tuning_tokens"] == 0).all()
@@ -75,9 +76,9 @@ def test_every_row_of_the_papers_tables_at_smoke_size(smoke):
     assert "## Table 1 analogue: BERT" in md and "## Table 2 analogue: GPT" in md and "## General tasks" in md
     assert manifest["files"]["tables/paper.md"]
     tests = pd.read_csv(run / "tables" / "table_tests.csv")
-    assert set(tests["verdict"]) <= {"better", "worse", "not shown"} and tests["welch_p"].dropna().between(0, 1).all()
+    assert set(tests["verdict"]) == {"not shown"}  # one seed: no spread, no difference is called
     # one row redone alone: its evaluation and the tables, nothing trained
-    evaluation = run / "models" / "table-gpt-demix-seed1" / "eval.json"
+    evaluation = run / "models" / "table-gpt-demix-seed0" / "eval.json"
     before = json.loads(evaluation.read_text())
     want = pd.read_csv(run / "tables" / "table_gpt.csv")
     evaluation.unlink()

@@ -158,6 +158,11 @@ def _summary(runs: pd.DataFrame, arch: str, keys: list) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _std(x: np.ndarray) -> float:
+    """The sample std (ddof 1); nan for one value."""
+    return float(np.std(x, ddof=1)) if len(x) > 1 else float("nan")
+
+
 def _verdict(metric: str, a: np.ndarray, b: np.ndarray) -> tuple[float, bool, str]:
     """Welch's t-test between two rows' per-seed values, and whether a's mean +- std and b's
     mean +- std are apart: (p, apart, verdict). A difference is "better"/"worse" (for the first
@@ -165,7 +170,7 @@ def _verdict(metric: str, a: np.ndarray, b: np.ndarray) -> tuple[float, bool, st
     with warnings.catch_warnings():  # equal values (a probe at chance in every seed): p is nan, "not shown"
         warnings.simplefilter("ignore", RuntimeWarning)
         p = float(stats.ttest_ind(a, b, equal_var=False).pvalue) if len(a) > 1 and len(b) > 1 else float("nan")
-    sa, sb = (x.std(ddof=1) if len(x) > 1 else np.nan for x in (a, b))
+    sa, sb = _std(a), _std(b)
     apart = bool(abs(a.mean() - b.mean()) > sa + sb)
     if not (apart and p < SIGNIFICANCE):
         return p, apart, "not shown"
@@ -183,8 +188,8 @@ def _tests(runs: pd.DataFrame, arch: str, keys: list) -> list[dict]:
                 a, b = pick(ours).to_numpy(float), pick(other).to_numpy(float)
                 p, apart, verdict = _verdict(m, a, b)
                 rows.append({"arch": arch, "row": row_label(arch, ours), "against": row_label(arch, other),
-                             "metric": m, "mean": a.mean(), "std": a.std(ddof=1), "against_mean": b.mean(),
-                             "against_std": b.std(ddof=1), "difference": a.mean() - b.mean(), "welch_p": p,
+                             "metric": m, "mean": a.mean(), "std": _std(a), "against_mean": b.mean(),
+                             "against_std": _std(b), "difference": a.mean() - b.mean(), "welch_p": p,
                              "apart": apart, "verdict": verdict})
     return rows
 
@@ -205,7 +210,7 @@ def _forgetting(runs: pd.DataFrame, arch: str, keys: list, general_task: str) ->
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 p = float(stats.ttest_rel(part[m], base.loc[part.index, m]).pvalue) if len(delta) > 1 else float("nan")
-            row[f"{short} change mean"], row[f"{short} change std"] = delta.mean(), delta.std(ddof=1)
+            row[f"{short} change mean"], row[f"{short} change std"] = delta.mean(), _std(delta)
             row[f"{short} change p"] = p
             row[f"{short} change"] = ("not shown" if not p < SIGNIFICANCE else
                                       "worse" if (delta.mean() > 0) == m.startswith("ppl") else "better")
@@ -250,8 +255,9 @@ def markdown(tables: dict, settings) -> str:
         table = tables[f"table_{arch}"]
         if table.empty:
             continue
-        cols = {"perplexity": "test ppl", **{c[:-5]: c[:-5] for c in table if c.startswith("ppl ") and c.endswith(" mean")},
-                **{c[:-5]: c[4:-5] for c in table if c.startswith("acc ") and c.endswith(" mean")}, "average": "average"}
+        means = [c[:-5] for c in table if c.endswith(" mean")]
+        cols = {"perplexity": "test ppl", **{m: m for m in means if m.startswith("ppl ")},
+                **{m: m[4:] for m in means if m.startswith("acc ")}, "average": "average"}
         shown = pd.DataFrame({"model": table["model"]})
         for metric, title in cols.items():
             digits = 1 if metric.startswith(LOWER_IS_BETTER) else 3
@@ -267,10 +273,9 @@ def markdown(tables: dict, settings) -> str:
                           "against": general["against"]})
         for short, title, digits in (("ppl_general", "general ppl", 1), ("general_probe", "general probe", 3)):
             g[title] = [_cell(m, s, digits) for m, s in zip(general[f"{short} mean"], general[f"{short} std"])]
-            g[f"{title} change"] = [
-                "" if not np.isfinite(m) else f"{_cell(m, s, digits)} ({v}, p={p:.3f})"
-                for m, s, v, p in zip(general.get(f"{short} change mean", np.nan), general.get(f"{short} change std", np.nan),
-                                      general.get(f"{short} change", ""), general.get(f"{short} change p", np.nan))]
+            change = [general.get(f"{short} change{part}", np.nan) for part in (" mean", " std", "", " p")]
+            g[f"{title} change"] = ["" if not np.isfinite(m) else f"{_cell(m, s, digits)} ({v}, p={p:.3f})"
+                                    for m, s, v, p in zip(*change)]
         parts.append("## General tasks (forgetting): the general domain after tuning, against the untuned model; "
                      "CSE and DEMix against dense (paired t-test over seeds)\n\n" + g.to_markdown(index=False) + "\n")
     tests = tables["table_tests"]

@@ -316,7 +316,8 @@ def _environment() -> dict:
 
 def reproduce(run_dir, mode: str = "quick", *, settings: ReproduceSettings | None = None, pack=None) -> dict:
     """Everything the mode asks for: train, analyse, write Figures 1-5 (PNG + PDF), Tables 1-2
-    (CSV + MD), the paper's tables (``tables/paper.md``) and ``manifest.json``; returns the manifest. Resumes from whatever ``run_dir`` holds."""
+    (CSV + MD), the paper's tables (``tables/paper.md``) and ``manifest.json``; returns the
+    manifest. Resumes from whatever ``run_dir`` holds."""
     start = time.perf_counter()
     check_output("reproduce", run_dir)
     with DirectoryLock(run_dir, "reproduce"):

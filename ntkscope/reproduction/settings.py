@@ -117,7 +117,7 @@ PRESETS = {
         mode="smoke", model={"n_layer": 2, "n_head": 2, "n_embd": 32}, seq_len=32, steps=40, checkpoint_every=10,
         batch_size=16, warmup_steps=5, finetune_steps=5, switch_experts=2, cse_samples=128, n=40, n_perplexity=120,
         bins=3, min_count=3, k_max=4, projection_dim=16, proj_dim=8, min_cluster_size=5, snapshots=2, probe_seeds=2,
-        gc_outputs=("centred-true-logit", "loss"), gc_resamples=50, gc_null_draws=50, seeds=2,
+        gc_outputs=("centred-true-logit", "loss"), gc_resamples=50, gc_null_draws=50,
         table_archs=("gpt", "bert"), eval_max_blocks=40, eval_max_items=60),
     "quick": ReproduceSettings(
         mode="quick", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=600, checkpoint_every=50,
