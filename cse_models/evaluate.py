@@ -54,10 +54,17 @@ def _is_demix(model) -> bool:
 
 
 def _masking(model, seed: int, purpose: str, special_ids=()):
-    """BERT's seeded test masking of a batch starting at ``start``: ``(ids, start) -> (inputs, labels)``."""
+    """A BERT's seeded masking of the batch starting at ``start``, ``(ids, start) -> (inputs, labels)``
+    on the model's device; None for a causal model."""
+    if model.config.model_type != "bert":
+        return None
+    device = next(model.parameters()).device
+
     def mask(ids, start):
-        return mask_tokens(ids.cpu(), mask_token_id=model.config.mask_token_id, vocab_size=model.config.vocab_size,
-                           generator=step_generator(seed, start, purpose), special_ids=special_ids)
+        inputs, labels = mask_tokens(ids.cpu(), mask_token_id=model.config.mask_token_id,
+                                     vocab_size=model.config.vocab_size,
+                                     generator=step_generator(seed, start, purpose), special_ids=special_ids)
+        return inputs.to(device), labels.to(device)
     return mask
 
 
@@ -68,12 +75,12 @@ def block_losses(model, blocks: Blocks, *, batch_size: int = 32, seed: int = 0, 
     P(D) (default uniform)."""
     model.eval()
     device = next(model.parameters()).device
-    masking = _masking(model, seed, "eval-mask", special_ids) if model.config.model_type == "bert" else None
+    masking = _masking(model, seed, "eval-mask", special_ids)
     sums, counts = [], []
     for start in range(0, len(blocks), batch_size):
         ids = blocks.input_ids[start:start + batch_size].to(device)
         if masking is not None:
-            inputs, labels = (t.to(device) for t in masking(ids, start))
+            inputs, labels = masking(ids, start)
             if _is_demix(model):  # the masked tokens' marginal likelihood under the prior
                 loglik, _ = sequence_posterior(model, inputs, None, prior, labels)
                 sums.append(-loglik.cpu())
@@ -96,9 +103,8 @@ def demix_prior(model, blocks: Blocks, *, n: int = 256, seed: int = 0, special_i
     """DEMix's cached prior: the mean posterior over ``n`` held-out blocks (a seeded draw)."""
     idx = torch.randperm(len(blocks), generator=step_generator(seed, 0, "prior"))[:n]
     device = next(model.parameters()).device
-    masking = _masking(model, seed, "prior-mask", special_ids) if model.config.model_type == "bert" else None
-    return estimate_prior(model.eval(), blocks.input_ids[idx].to(device), masking=masking and (
-        lambda ids, start: tuple(t.to(device) for t in masking(ids, start))))
+    return estimate_prior(model.eval(), blocks.input_ids[idx].to(device),
+                          masking=_masking(model, seed, "prior-mask", special_ids))
 
 
 def perplexity_by_domain(model, blocks: Blocks, **kw) -> pd.DataFrame:
@@ -123,14 +129,13 @@ def embed_texts(model, tokenizer, texts, *, batch_size: int = 64, prior: DomainP
     device = next(model.parameters()).device
     texts = list(texts)
     out = []
-    masking = _masking(model, seed, "embed-mask", tuple(tokenizer.special_ids)) \
-        if model.config.model_type == "bert" else None
+    masking = _masking(model, seed, "embed-mask", tuple(tokenizer.special_ids))
     for start in range(0, len(texts), batch_size):
         batch = encode_texts(tokenizer, texts[start:start + batch_size], model.config.block_size)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         doms = None
         if _is_demix(model):
-            inputs, labels = (ids, None) if masking is None else (t.to(device) for t in masking(ids, start))
+            inputs, labels = (ids, None) if masking is None else masking(ids, start)
             if labels is not None:
                 labels = labels.masked_fill(~mask.bool(), -100)
             doms = sequence_posterior(model, inputs, mask, prior, labels)[1].argmax(dim=1)
@@ -139,14 +144,19 @@ def embed_texts(model, tokenizer, texts, *, batch_size: int = 64, prior: DomainP
     return torch.cat(out).numpy()
 
 
+def _probe_tasks(probes: pd.DataFrame):
+    """(task, items) per probe task, in name order, without labels that have one item (no stratified split)."""
+    for task, items in probes.groupby("task", sort=True):
+        counts = items["label"].value_counts()
+        yield task, items[items["label"].isin(counts.index[counts >= 2])]
+
+
 def probe_scores(model, tokenizer, probes: pd.DataFrame, *, seeds=(0, 1, 2, 3, 4), test_size: float = 0.4,
                  prior: DomainPrior | None = None) -> pd.DataFrame:
     """Linear probes per task and seed: columns task, seed, accuracy (a stratified split per seed,
     a scikit-learn logistic regression on standardised frozen embeddings)."""
     rows = []
-    for task, items in probes.groupby("task", sort=True):
-        counts = items["label"].value_counts()
-        items = items[items["label"].isin(counts.index[counts >= 2])]
+    for task, items in _probe_tasks(probes):
         x = embed_texts(model, tokenizer, items["text"].tolist(), prior=prior)
         y = items["label"].to_numpy()
         for seed in seeds:
@@ -161,11 +171,9 @@ def probe_accuracy(model, tokenizer, probes: pd.DataFrame, *, seeds=(0, 1, 2, 3,
     """Linear probes per task: columns task, stands_in_for, items, classes, accuracy_mean, accuracy_std."""
     scores = probe_scores(model, tokenizer, probes, seeds=seeds, test_size=test_size, prior=prior)
     rows = []
-    for task, items in probes.groupby("task", sort=True):
-        counts = items["label"].value_counts()
-        kept = counts[counts >= 2]
+    for task, items in _probe_tasks(probes):
         acc = scores.loc[scores["task"] == task, "accuracy"]
-        rows.append((task, STANDS_IN_FOR.get(task, ""), int(kept.sum()), len(kept), float(acc.mean()),
+        rows.append((task, STANDS_IN_FOR.get(task, ""), len(items), items["label"].nunique(), float(acc.mean()),
                      float(np.std(acc))))
     return pd.DataFrame(rows, columns=["task", "stands_in_for", "items", "classes", "accuracy_mean", "accuracy_std"])
 

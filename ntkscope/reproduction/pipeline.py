@@ -19,6 +19,7 @@ tables a figure needs and how each panel is drawn are the rows of
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -61,10 +62,9 @@ class Reproduction:
         if saved.is_file():
             have = json.loads(saved.read_text())
             # a setting added after the run was made, at its default, changes nothing the run holds
-            defaults = json.loads(json.dumps(ReproduceSettings(mode="", model={}, seq_len=1, steps=1,
-                                                                checkpoint_every=1).to_dict()))
-            have["settings"] = {**{k: defaults[k] for k in defaults.keys() - have.get("settings", {}).keys()},
-                                **have.get("settings", {})}
+            defaults = {f.name: f.default for f in dataclasses.fields(ReproduceSettings)
+                        if f.default is not dataclasses.MISSING}
+            have["settings"] = json.loads(json.dumps({**defaults, **have["settings"]}))
             if have != json.loads(json.dumps(wanted)):
                 raise fail("Reproduction", "run_dir", f"holds a reproduction with other settings or another pack "
                            f"(mode {have['settings']['mode']!r}, pack {have['pack']!r}); use another directory",
@@ -335,12 +335,15 @@ def _reproduce(rep: Reproduction, start: float) -> dict:
         written += rep.write_paper_tables()
     timings = json.loads((rep.run_dir / "timings.json").read_text())
     plan = rep.run_dir / "plan.json"
-    layers, warmup = paper.layout(rep) if not plan.is_file() else (None, None)
+    if plan.is_file():
+        plan = json.loads(plan.read_text())
+    else:  # a tables-only run: the settings' layers and warm-up
+        layers, warmup = paper.layout(rep)
+        plan = {"layers": layers, "warmup_steps": warmup, "chosen_by": "settings (table_layers, table_warmup)"}
     manifest = {
         "mode": rep.settings.mode, "settings": rep.settings.to_dict(), "pack": rep.pack_path,
         "pack_version": rep.pack.manifest.get("version"),
-        "plan": json.loads(plan.read_text()) if plan.is_file() else
-        {"layers": layers, "warmup_steps": warmup, "chosen_by": "settings (table_layers, table_warmup)"},
+        "plan": plan,
         "environment": _environment(), "seconds_this_call": round(time.perf_counter() - start, 1),
         "seconds_per_stage": timings, "seconds_total": round(sum(timings.values()), 1),
         "files": {str(p.relative_to(rep.run_dir)): _sha256(p) for p in sorted(written)
