@@ -6,6 +6,13 @@ the module it replaces. State updates (CSE centres) never happen inside ``forwar
 training loop calls :meth:`CSELayer.update_centres` after the step. Bookkeeping (the load
 per expert, Switch's auxiliary loss) happens in training mode only, so in eval mode
 ``forward`` is a pure function that ``torch.func`` transforms can differentiate (docs/design.md §6).
+
+``per_sample_dispatch`` (False; ntkscope sets it while it computes an NTK): every expert runs on
+every sequence and a 0/1 routing mask picks each output, so shapes never depend on the routing.
+Same outputs, E times the expert compute; ``vmap`` and per-layer hooks then see every sample at
+every expert (a sequence not routed to an expert gets a zero cotangent there). Switch's capacity
+is then counted per sequence, as it is for a batch of one: the per-sample function that a
+per-sample gradient differentiates.
 """
 
 from __future__ import annotations
@@ -24,10 +31,14 @@ def sequence_embedding(x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.
     return masked_mean(x, key_mask)
 
 
-def _dispatch(experts: nn.ModuleList, x: torch.Tensor, key_mask, assign: torch.Tensor) -> torch.Tensor:
-    """Run each sequence through its expert: x (B, T, d), assign (B,) -> (B, T, d)."""
+def _dispatch(experts: nn.ModuleList, x: torch.Tensor, key_mask, assign: torch.Tensor,
+              masked: bool = False) -> torch.Tensor:
+    """Run each sequence through its expert: x (B, T, d), assign (B,) -> (B, T, d); ``masked``:
+    every expert on every sequence, outputs picked by a 0/1 mask (no data-dependent shapes)."""
     if len(experts) == 1:
         return experts[0](x, key_mask)
+    if masked:
+        return sum((assign == j).to(x.dtype)[:, None, None] * expert(x, key_mask) for j, expert in enumerate(experts))
     out = x.new_zeros(x.shape)
     for j, expert in enumerate(experts):
         idx = (assign == j).nonzero().squeeze(1)
@@ -65,6 +76,7 @@ class CSELayer(nn.Module):
         self.register_buffer("radii", radii.clone())
         self.register_buffer("load", torch.zeros(len(experts), dtype=torch.long), persistent=False)
         self._pending: tuple | None = None
+        self.per_sample_dispatch = False
 
     def route(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence embeddings in the routing space (B, d') and the chosen expert of each sequence (B,)."""
@@ -83,7 +95,7 @@ class CSELayer(nn.Module):
             self._pending = (z.detach(), assign.detach())
             with torch.no_grad():
                 self.load += torch.bincount(assign.detach(), minlength=len(self.experts)).to(self.load.device)
-        return _dispatch(self.experts, x, key_mask, assign)
+        return _dispatch(self.experts, x, key_mask, assign, self.per_sample_dispatch)
 
     @torch.no_grad()
     def update_centres(self) -> None:
@@ -114,8 +126,27 @@ class SwitchFFN(nn.Module):
         self.capacity_factor = capacity_factor
         self.register_buffer("load", torch.zeros(len(experts), dtype=torch.long), persistent=False)
         self.aux_loss = torch.zeros(())
+        self.per_sample_dispatch = False
+
+    def _masked(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """Every expert on every token; a token keeps its top-1 expert's output, gated, if it is among
+        the first ``ceil(capacity_factor * real tokens / C)`` of its sequence routed there."""
+        B, T, _ = x.shape
+        real = torch.ones(B, T, dtype=torch.bool, device=x.device) if key_mask is None else key_mask.bool()
+        probs = F.softmax(self.router(x).to(torch.promote_types(x.dtype, torch.float32)), dim=-1)  # (B, T, C)
+        gate, choice = probs.max(dim=-1)
+        C = len(self.experts)
+        capacity = torch.clamp(torch.ceil(self.capacity_factor * real.sum(1, keepdim=True) / C), min=1)  # (B, 1)
+        out = x.new_zeros(x.shape)
+        for j, expert in enumerate(self.experts):
+            routed = (choice == j) & real
+            keep = routed & (torch.cumsum(routed.long(), dim=1) <= capacity)
+            out = out + (keep.to(x.dtype) * gate.to(x.dtype)).unsqueeze(-1) * expert(x)
+        return out
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.per_sample_dispatch and not self.training:
+            return self._masked(x, key_mask)
         B, T, d = x.shape
         flat = x.reshape(B * T, d)
         real = torch.ones(B * T, dtype=torch.bool, device=x.device) if key_mask is None else key_mask.reshape(-1)
@@ -153,6 +184,7 @@ class DEMixLayer(nn.Module):
         super().__init__()
         self.experts = nn.ModuleList(experts)
         self.register_buffer("load", torch.zeros(len(experts), dtype=torch.long), persistent=False)
+        self.per_sample_dispatch = False
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, domains: torch.Tensor | None = None):
         if domains is None:
@@ -161,7 +193,7 @@ class DEMixLayer(nn.Module):
         if self.training:
             with torch.no_grad():
                 self.load += torch.bincount(domains.detach(), minlength=len(self.experts)).to(self.load.device)
-        return _dispatch(self.experts, x, key_mask, domains)
+        return _dispatch(self.experts, x, key_mask, domains, self.per_sample_dispatch)
 
     def reset_load(self) -> None:
         self.load.zero_()

@@ -88,17 +88,19 @@ def test_linear_model_has_the_analytic_ntk():
     torch.testing.assert_close(trace.matrix, 3 * (X @ X.T + 1))
 
 
-def test_auto_picks_exact_when_j_fits_and_projected_when_not(gpt, lm_batch):
-    assert ns.empirical_ntk(gpt, lm_batch).method == "exact"
-    # n = 100 samples of a P = 2001 model: J is 1.6 MB, k = 16 projections 0.26 MB
+def test_auto_takes_the_cheapest_estimate_and_says_why(gpt, lm_batch):
+    res = ns.empirical_ntk(gpt, lm_batch)
+    assert res.method == "structured"  # a scalar output of a transformer: one batched backward
+    assert all(m in res.reason for m in ("exact", "structured", "projected")) and "steps" in res.reason
+    # a vector output (structured cannot take it), n = 100, P = 2001: J (1.6 MB) does not fit in 1 MB
     torch.manual_seed(0)
     X = torch.randn(100, 2000)
     model = nn.Linear(2000, 1)
-    res = ns.empirical_ntk(model, X, output="logits", projection_dim=16, chunk_size=4, max_memory=1_000_000)
-    assert res.method == "projected" and "J needs" in res.reason
-    tiny = ns.empirical_ntk(model, X, output="logits", projection_dim=64, chunk_size=4, max_memory=400_000)
-    assert tiny.method == "exact" and tiny.gradient_passes > 1 and "panels" in tiny.reason
-    torch.testing.assert_close(tiny.matrix, X @ X.T + 1)
+    res = ns.empirical_ntk(model, X, output="logits", projection_dim=2, chunk_size=4, max_memory=1_000_000)
+    assert res.method == "projected"  # estimated more than 4x cheaper than exact in panels
+    panels = ns.empirical_ntk(model, X, output="logits", projection_dim=64, chunk_size=4, max_memory=1_000_000)
+    assert panels.method == "exact" and panels.gradient_passes > 1 and "exact in panels" in panels.reason
+    torch.testing.assert_close(panels.matrix, X @ X.T + 1)
 
 
 def test_hf_gpt2_ntk_with_tied_weights(hf_gpt2, lm_batch):

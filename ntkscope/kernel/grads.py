@@ -12,6 +12,11 @@ there; the fused CPU kernel has neither, docs/design.md §6). The three primitiv
   pass per chunk (the primary gradient direction ``g = u^T J`` is this).
 - :func:`jvp_rows`: ``J w`` for a direction in parameter space, one forward-mode
   pass per chunk.
+
+Sparse-expert layers: a module with a ``per_sample_dispatch`` attribute (``cse_models``' CSE,
+Switch and DEMix layers) has it set to True while the model is analysed: it then runs every
+expert on every sample under a 0/1 routing mask, so no shape depends on the data and
+``vmap`` (and the structured method's layer hooks) see one sample at a time without a loop.
 """
 
 from __future__ import annotations
@@ -129,7 +134,10 @@ def functional_model(model, opts: KernelOptions, *, blocks=None, train=False):
     dtype = opts.dtype
     target = model if dtype is None or dtype == first.dtype else copy.deepcopy(model).to(dtype)
     modes = {m: m.training for m in target.modules()}
+    dispatch = {m: m.per_sample_dispatch for m in target.modules() if hasattr(m, "per_sample_dispatch")}
     target.train(train)
+    for m in dispatch:
+        m.per_sample_dispatch = True
     try:
         with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
             objective = resolve_output(opts.output, target)
@@ -143,6 +151,8 @@ def functional_model(model, opts: KernelOptions, *, blocks=None, train=False):
     finally:
         for m, mode in modes.items():
             m.train(mode)
+        for m, flag in dispatch.items():
+            m.per_sample_dispatch = flag
 
 
 def default_chunk_size(n: int, fm: FunctionalModel, budget: int) -> int:

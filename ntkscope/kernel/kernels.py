@@ -8,8 +8,9 @@
     never stored), so memory is one panel plus one chunk, at the cost of extra passes.
 ``projected_kernels``
     A seeded Gaussian or Rademacher matrix ``R_b`` of shape (P_b, k) per block,
-    ``Theta_b ~ (J_b R_b)(J_b R_b)^T``; one gradient pass, memory ``P k`` for the
-    projections plus one chunk, independent of n. :func:`jl_error_bound` states the
+    ``Theta_b ~ (J_b R_b)(J_b R_b)^T``; one gradient pass. ``R`` is never stored: it is
+    generated in row tiles from one seed per tile, for each chunk of samples, so memory is
+    one tile plus one chunk plus the (n, k) sketches, independent of ``P k``. :func:`jl_error_bound` states the
     Johnson-Lindenstrauss bound it implies.
 
 Each takes a :class:`~ntkscope.kernel.grads.FunctionalModel` and prepared data, and returns
@@ -100,36 +101,55 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
     return out, int(passes.max())
 
 
-def _projections(fm: FunctionalModel, k: int, kind: str, seed: int) -> dict:
-    """One seeded (P_b, k) matrix per block; entries N(0, 1/k) or +-1/sqrt(k)."""
-    seeds = np.random.SeedSequence(seed).spawn(len(fm.selection.blocks))
-    mats = {}
-    for (name, (s, e)), ss in zip(fm.selection.blocks.items(), seeds):
-        gen = torch.Generator(device=fm.device).manual_seed(int(ss.generate_state(1)[0]))
-        R = torch.empty(e - s, k, device=fm.device, dtype=fm.dtype)  # filled in place: no second copy
-        if kind == "gaussian":
-            R.normal_(0.0, 1.0 / math.sqrt(k), generator=gen)
-        else:
-            R.bernoulli_(0.5, generator=gen).mul_(2.0 / math.sqrt(k)).sub_(1.0 / math.sqrt(k))
-        mats[name] = R
-    return mats
+_TILE_BYTES = 32 * 2**20  # one tile of the projection, regenerated from its seed wherever it is needed
+
+
+def _tile_rows(k: int, itemsize: int) -> int:
+    return max(1, _TILE_BYTES // (k * itemsize))
+
+
+def _projection_tile(fm: FunctionalModel, seed: int, rows: int, k: int, kind: str) -> torch.Tensor:
+    """One (rows, k) tile of R, a function of ``seed`` alone; entries N(0, 1/k) or +-1/sqrt(k)."""
+    gen = torch.Generator(device=fm.device).manual_seed(seed)
+    R = torch.empty(rows, k, device=fm.device, dtype=fm.dtype)
+    if kind == "gaussian":
+        return R.normal_(0.0, 1.0 / math.sqrt(k), generator=gen)
+    return R.bernoulli_(0.5, generator=gen).mul_(2.0 / math.sqrt(k)).sub_(1.0 / math.sqrt(k))
+
+
+def _tile_seeds(fm: FunctionalModel, seed: int, k: int) -> list:
+    """[(block, column range of J, tile seed)]: R is never stored, each tile is regenerated from its seed."""
+    rows = _tile_rows(k, fm.itemsize)
+    out = []
+    for (name, (s, e)), ss in zip(fm.selection.blocks.items(),
+                                  np.random.SeedSequence(seed).spawn(len(fm.selection.blocks))):
+        starts = range(s, e, rows)
+        for t0, child in zip(starts, ss.spawn(len(starts))):
+            out.append((name, slice(t0, min(e, t0 + rows)), int(child.generate_state(1)[0])))
+    return out
 
 
 def projected_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, reduction, opts: KernelOptions):
-    """Sketched NTK blocks ``(J_b R_b)(J_b R_b)^T`` with ``opts.projection_dim`` columns per block."""
+    """Sketched NTK blocks ``(J_b R_b)(J_b R_b)^T`` with ``opts.projection_dim`` columns per block.
+
+    ``R_b`` (P_b, k) is generated in tiles of rows from a seed each (one tile of at most 32 MiB
+    at a time), so memory does not grow with P k; the tiles are regenerated for every chunk of
+    samples. The entries are the same i.i.d. draws however the samples are chunked, so the JL
+    bound (:func:`jl_error_bound`) holds unchanged."""
     k, kind, seed = opts.projection_dim, opts.projection, opts.seed
     sel, K, P = fm.selection, fm.n_outputs, fm.selection.n_params
-    R = _projections(fm, k, kind, seed)
+    tiles = _tile_seeds(fm, seed, k)
     buf = torch.empty(chunk, K, P, dtype=fm.dtype, device=fm.device)
 
     def sketch(data, n):
-        Z = {b: torch.empty(n, K, k, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
+        Z = {b: torch.zeros(n, K, k, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)
             J = buf[: c1 - c0]
             jacobian_rows(fm, take(data, slice(c0, c1)), J, c0)
-            for name, (s, e) in sel.blocks.items():
-                Z[name][c0:c1] = J[:, :, s:e] @ R[name]  # (c, K, Pb) @ (Pb, k) -> (c, K, k)
+            for name, cols, tile_seed in tiles:
+                R = _projection_tile(fm, tile_seed, cols.stop - cols.start, k, kind)
+                Z[name][c0:c1] += J[:, :, cols] @ R  # (c, K, rows) @ (rows, k) -> (c, K, k)
         return Z
 
     Z1 = sketch(data1, n1)
@@ -146,11 +166,12 @@ def exact_memory(fm: FunctionalModel, n1: int, n2: int, chunk: int) -> int:
 
 
 def projected_memory(fm: FunctionalModel, n1: int, n2: int, chunk: int, k: int, symmetric: bool) -> int:
-    """Bytes for the projected method: the (P, k) projections, a chunk of J, the sketches, the kernels."""
+    """Bytes for the projected method: one tile of R, a chunk of J, the sketches, the kernels (not P k)."""
     K, P, isz = fm.n_outputs, fm.selection.n_params, fm.itemsize
     kernels = (len(fm.selection.blocks) + 1) * K * n1 * n2 * isz
     sketches = (n1 + (0 if symmetric else n2)) * K * k * len(fm.selection.blocks) * isz
-    return P * k * isz + 3 * chunk * K * P * isz + sketches + kernels
+    tile = min(P, _tile_rows(k, isz)) * k * isz
+    return tile + 3 * chunk * K * P * isz + sketches + kernels
 
 
 def matrix_free_memory(fm: FunctionalModel, n: int, chunk: int) -> int:

@@ -106,7 +106,7 @@ def empirical_ntk(model, batch, batch2=None, *, reduction="trace", blocks=None,
         data2 = None if batch2 is None else fm.prepare(batch2, "batch2")
         budget = memory_budget(opts.max_memory, fm.device)
         chunk = opts.chunk_size or default_chunk_size(max(n1, n2), fm, budget)
-        choice = choose("kernel", fm, n1, n2, chunk, budget, opts, symmetric=batch2 is None)
+        choice = choose("kernel", fm, data1, n1, n2, chunk, budget, opts, symmetric=batch2 is None)
         parts = choice.spec.kernel(fm, data1, data2, n1, n2, chunk, budget, reduction, opts)
         kernels = parts.kernels
         matrix = sum(kernels.values()) if len(kernels) > 1 else next(iter(kernels.values()))

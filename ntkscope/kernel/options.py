@@ -28,6 +28,7 @@ class Method(str, Enum):
     among them by memory (:func:`ntkscope.kernel.methods.choose`)."""
 
     EXACT = "exact"
+    STRUCTURED = "structured"
     PROJECTED = "projected"
     MATRIX_FREE = "matrix-free"
 

@@ -1,0 +1,589 @@
+"""The exact NTK from per-layer factors, without ever forming a per-sample gradient of a big layer.
+
+For a linear map ``y = x W^T`` applied at every token, sample i's gradient is
+``sum_t delta_it a_it^T`` (a: the layer's input, delta: the gradient at its output), so
+
+    <grad_W f_i, grad_W f_j> = sum_{t,s} (a_it . a_js) (delta_it . delta_js)          ("ghost" form)
+
+One forward and one backward of ``sum_i f_i`` over a chunk of samples gives a and delta for
+every sample at once: samples are independent in a batch, so ``d(sum_i f_i)/d y_it`` is
+sample i's own cotangent. The same holds for an Embedding (``a_it . a_js`` becomes
+``[token_it == token_js]``), and for tied weights across uses (the Embedding x tied-head
+cross term is ``sum_{t,s} delta^head_js[token_it] (delta^emb_it . x^head_js)``). Biases and
+LayerNorm affine parameters have small per-sample gradients (``sum_t delta_it``,
+``sum_t delta_it * xhat_it``) that are formed directly ("materialised").
+
+A per-pair cost model picks, for every use pair, the ghost form (``c_a c_b T_a T_b (d_in + d_out)``
+multiply-adds) or the materialised one (``(c_a T_a + c_b T_b) d_in d_out + c_a c_b d_in d_out``):
+ghost wins for short sequences and wide layers, materialised for long ones (Novak et al. 2022,
+"Fast Finite Width NTK"; the same structure as DP-SGD's ghost norms, Bu et al. 2023, and LoGra).
+
+What is covered: ``nn.Linear``, Hugging Face ``Conv1D``, ``nn.Embedding`` (also a position
+embedding whose output is broadcast over the batch) and ``nn.LayerNorm``, whose parameters are
+selected and whose input carries the sample dimension. Every other selected parameter (a raw
+``nn.Parameter`` used functionally, a layer applied to gathered tokens) goes through per-sample
+gradients for just that parameter (:func:`~ntkscope.kernel.grads.jacobian_rows`). A probe on
+the first samples checks, per parameter, that the captured uses add up to autograd's batch
+gradient; a parameter that fails (an uncaptured functional use) falls back too, so the kernel
+is always exact. Sparse-expert layers that follow the ``per_sample_dispatch`` protocol
+(:func:`~ntkscope.kernel.grads.functional_model`) run every expert on every sample with a
+routing mask, so their experts are covered like any layer.
+
+Scalar outputs only (one cotangent per sample). Memory: the factors of a panel of samples,
+plus tiles of the pair products; panels that do not fit are streamed like the exact method's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ntkscope.core.checks import InputError
+from ntkscope.kernel.grads import FunctionalModel, check_finite, jacobian_rows
+from ntkscope.kernel.objectives import take
+from ntkscope.kernel.params import ParameterSelection
+
+log = logging.getLogger(__name__)
+
+_WORK_SHARE = 0.25  # of the budget, for the tiles of pair products
+_MAX_CHUNK = 64  # samples per forward/backward
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): ``y = x W + b`` with W of shape (d_in, d_out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _supported(module: nn.Module) -> bool:
+    if isinstance(module, nn.Embedding):
+        return module.max_norm is None and not module.scale_grad_by_freq
+    return isinstance(module, (nn.Linear, nn.LayerNorm)) or _is_conv1d(module)
+
+
+# ---- factors: what one use of a parameter contributes to the per-sample gradients of a chunk ----
+
+
+@dataclass
+class Linear:
+    """``grad_i = sum_t delta_it a_it^T``; a (c, T, d_in), delta (c, T, d_out); ``io``: W is (d_in, d_out)."""
+
+    a: torch.Tensor
+    delta: torch.Tensor
+    io: bool = False
+
+    def materialise(self) -> torch.Tensor:  # (c, numel)
+        eq = "cti,cto->cio" if self.io else "cto,cti->coi"
+        return torch.einsum(eq, self.a, self.delta).reshape(self.a.shape[0], -1)
+
+
+@dataclass
+class Embed:
+    """``grad_i = sum_t e_{token_it} delta_it^T``; tokens (c, T) long, delta (c, T, d) (padding rows zeroed)."""
+
+    tokens: torch.Tensor
+    delta: torch.Tensor
+    vocab: int
+
+    def materialise(self) -> torch.Tensor:  # (c, V * d)
+        c, T, d = self.delta.shape
+        rows = (torch.arange(c, device=self.tokens.device)[:, None] * self.vocab + self.tokens).reshape(-1)
+        out = self.delta.new_zeros(c * self.vocab, d).index_add_(0, rows, self.delta.reshape(-1, d))
+        return out.view(c, -1)
+
+
+@dataclass
+class Dense:
+    """A per-sample gradient formed directly: (c, numel)."""
+
+    grads: torch.Tensor
+
+    def materialise(self) -> torch.Tensor:
+        return self.grads
+
+
+def _cat(parts: list):
+    first = parts[0]
+    if isinstance(first, Linear):
+        return Linear(torch.cat([p.a for p in parts]), torch.cat([p.delta for p in parts]), first.io)
+    if isinstance(first, Embed):
+        return Embed(torch.cat([p.tokens for p in parts]), torch.cat([p.delta for p in parts]), first.vocab)
+    return Dense(torch.cat([p.grads for p in parts]))
+
+
+def _rows(f, rows: slice):
+    if isinstance(f, Linear):
+        return Linear(f.a[rows], f.delta[rows], f.io)
+    if isinstance(f, Embed):
+        return Embed(f.tokens[rows], f.delta[rows], f.vocab)
+    return Dense(f.grads[rows])
+
+
+def _numel(f) -> int:
+    if isinstance(f, Linear):
+        return f.a.shape[-1] * f.delta.shape[-1]
+    if isinstance(f, Embed):
+        return f.vocab * f.delta.shape[-1]
+    return f.grads.shape[-1]
+
+
+def _tokens(f) -> int:
+    return f.a.shape[1] if isinstance(f, Linear) else f.tokens.shape[1] if isinstance(f, Embed) else 0
+
+
+# ---- the pair products --------------------------------------------------------------------------
+
+
+def _tied_head(fa, fb) -> bool:
+    """An Embedding use against a Linear use of the same (V, d) weight (a tied output head)."""
+    return isinstance(fa, Embed) and isinstance(fb, Linear) and not fb.io
+
+
+def _ghost_cost(fa, fb) -> float | None:
+    """Multiply-adds of the ghost form for one sample pair, or None when the pair has no ghost form."""
+    Ta, Tb = _tokens(fa), _tokens(fb)
+    if isinstance(fa, Linear) and isinstance(fb, Linear):
+        return Ta * Tb * (fa.a.shape[-1] + fa.delta.shape[-1])
+    if isinstance(fa, Embed) and isinstance(fb, Embed):
+        return Ta * Tb * (fa.delta.shape[-1] + 1)
+    if _tied_head(fa, fb):
+        return Ta * Tb * (fa.delta.shape[-1] + 1)
+    if _tied_head(fb, fa):
+        return Ta * Tb * (fb.delta.shape[-1] + 1)
+    return None
+
+
+def _form_cost(f) -> float:
+    """Multiply-adds to materialise one sample's gradient from ``f``."""
+    if isinstance(f, Linear):
+        return f.a.shape[1] * f.a.shape[-1] * f.delta.shape[-1]
+    if isinstance(f, Embed):
+        return f.tokens.shape[1] * f.delta.shape[-1] + f.vocab * f.delta.shape[-1]
+    return 0.0
+
+
+def pair_choice(fa, fb, ca: int, cb: int) -> tuple[str, float]:
+    """("ghost" or "materialised", multiply-adds) for the ``ca x cb`` product of two uses: the cost model."""
+    materialised = ca * _form_cost(fa) + cb * _form_cost(fb) + ca * cb * _numel(fa)
+    ghost = _ghost_cost(fa, fb)
+    if ghost is not None and ca * cb * ghost < materialised:
+        return "ghost", ca * cb * ghost
+    return "materialised", materialised
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]) if t.dim() > 2 else t.reshape(-1)
+
+
+def _ghost(fa, fb) -> torch.Tensor:
+    """The (ca, cb) ghost product of two uses, as (ca Ta, cb Tb) token-pair products summed per sample pair."""
+    if _tied_head(fb, fa):
+        return _ghost(fb, fa).T
+    ca, Ta = fa.delta.shape[:2]
+    cb, Tb = fb.delta.shape[:2]
+    if isinstance(fa, Linear) and isinstance(fb, Linear):
+        left = _flat(fa.a) @ _flat(fb.a).T  # (ca Ta, cb Tb): a_at . a_bs
+        right = _flat(fa.delta) @ _flat(fb.delta).T  # delta_at . delta_bs
+    elif isinstance(fa, Embed) and isinstance(fb, Embed):
+        left = (_flat(fa.tokens)[:, None] == _flat(fb.tokens)[None, :]).to(fa.delta.dtype)
+        right = _flat(fa.delta) @ _flat(fb.delta).T
+    else:  # fa: Embed, fb: the tied head (V, d): sum_{t,s} delta^head_bs[token_at] (delta^emb_at . x^head_bs)
+        left = _flat(fb.delta)[:, _flat(fa.tokens)].T  # (ca Ta, cb Tb)
+        right = _flat(fa.delta) @ _flat(fb.a).T
+    return (left * right).view(ca, Ta, cb, Tb).sum((1, 3))
+
+
+def _tile(per_pair: float, per_row: float, ca: int, cb: int, work: int) -> tuple[int, int]:
+    """Row tiles (ta, tb) whose work tensors (``ta tb per_pair + (ta + tb) per_row`` elements) fit ``work``."""
+    ta, tb = ca, cb
+    while ta * tb * per_pair + (ta + tb) * per_row > work and (ta > 1 or tb > 1):
+        if ta >= tb:
+            ta = (ta + 1) // 2
+        else:
+            tb = (tb + 1) // 2
+    return ta, tb
+
+
+def pair_kernel(fa, fb, work_elements: int) -> tuple[torch.Tensor, str]:
+    """``<grad^a_i, grad^b_j>`` for every pair of rows of two uses of one parameter: (ca, cb) and the form used."""
+    ca, cb = _leading(fa), _leading(fb)
+    form, _ = pair_choice(fa, fb, ca, cb)
+    if form == "ghost":
+        per_pair, per_row = 3 * _tokens(fa) * _tokens(fb), 0
+    else:
+        per_pair, per_row = 0, _numel(fa)
+    ta, tb = _tile(per_pair, per_row, ca, cb, work_elements)
+    out = None
+    for a0 in range(0, ca, ta):
+        A = _rows(fa, slice(a0, a0 + ta))
+        GA = A.materialise() if form == "materialised" else None
+        for b0 in range(0, cb, tb):
+            B = _rows(fb, slice(b0, b0 + tb))
+            block = _ghost(A, B) if form == "ghost" else GA @ B.materialise().T
+            if out is None:
+                out = block.new_zeros(ca, cb)
+            out[a0 : a0 + ta, b0 : b0 + tb] = block
+    return out, form
+
+
+def _leading(f) -> int:
+    return (f.a if isinstance(f, Linear) else f.tokens if isinstance(f, Embed) else f.grads).shape[0]
+
+
+# ---- capture: one forward and one backward of a chunk -------------------------------------------
+
+
+@dataclass
+class Plan:
+    """Which parameters go through factors, which through per-sample gradients, and why."""
+
+    modules: dict  # module -> {role ("weight"/"bias"): param key}
+    structured: list  # param keys
+    fallback: list  # param keys
+    broadcast: set = field(default_factory=set)  # Embedding modules whose output is broadcast over samples
+    reasons: dict = field(default_factory=dict)  # param key -> why it falls back
+
+
+def _owners(fm: FunctionalModel) -> dict:
+    """Supported module -> {role: selected param key} (a tied parameter has several modules)."""
+    by_id = {}
+    for name, p in fm.module.named_parameters(remove_duplicate=False):
+        if name in fm.params:
+            by_id.setdefault(id(p), name)
+    owners = {}
+    for module in fm.module.modules():
+        if not _supported(module):
+            continue
+        roles = {role: by_id[id(p)] for role, p in module._parameters.items()
+                 if p is not None and id(p) in by_id and role in ("weight", "bias")}
+        if roles:
+            owners[module] = roles
+    return owners
+
+
+class _Capture:
+    """Forward hooks that record each supported module's input and output during one forward."""
+
+    def __init__(self, plan: Plan, c: int):
+        self.records = []
+        self.c = c
+        self.plan = plan
+        self.aligned = True
+        self.handles = [m.register_forward_hook(self._hook) for m in plan.modules]
+
+    def _hook(self, module, inputs, output):
+        x = inputs[0]
+        if module in self.plan.broadcast and (x.dim() == 1 or x.shape[0] != self.c):
+            # a position embedding (T,) or (1, T): give every sample its own copy, so its cotangent is per sample
+            if x.dim() == 1:
+                x, output = x[None], output[None]
+            if x.shape[0] == 1:
+                x, output = x.expand(self.c, *x.shape[1:]), output.expand(self.c, *output.shape[1:])
+                self.records.append((module, x, output))
+                return output
+        self.records.append((module, x, output))
+        return None
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _factors(module, x, delta, roles: dict, c: int) -> dict:
+    """{param key: factor} for one call of ``module`` (input x, output cotangent delta)."""
+    out = {}
+    if isinstance(module, nn.Embedding):
+        tokens = x.reshape(c, -1)
+        d = delta.reshape(c, tokens.shape[1], -1)
+        if module.padding_idx is not None:
+            d = d * (tokens != module.padding_idx).unsqueeze(-1).to(d.dtype)
+        out[roles["weight"]] = Embed(tokens, d, module.num_embeddings)
+        return out
+    if isinstance(module, nn.LayerNorm):
+        shape = tuple(module.normalized_shape)
+        width = math.prod(shape)
+        d = delta.reshape(c, -1, width)
+        if "weight" in roles:
+            xhat = F.layer_norm(x, shape, None, None, module.eps).reshape(c, -1, width)
+            out[roles["weight"]] = Dense((d * xhat).sum(1))
+        if "bias" in roles:
+            out[roles["bias"]] = Dense(d.sum(1))
+        return out
+    d_in = x.shape[-1]
+    a = x.reshape(c, -1, d_in)
+    d = delta.reshape(c, a.shape[1], -1)
+    if "weight" in roles:
+        out[roles["weight"]] = Linear(a, d, io=_is_conv1d(module))
+    if "bias" in roles:
+        out[roles["bias"]] = Dense(d.sum(1))
+    return out
+
+
+def capture(fm: FunctionalModel, plan: Plan, data: dict, c: int, first_row: int = 0, *, check: bool = False):
+    """One forward and backward of ``sum_i f_i`` over ``c`` prepared samples.
+
+    Returns ({param key: [factor per use]}, f (c,), and with ``check`` autograd's batch gradient
+    {param key: Tensor} for the structured parameters)."""
+    keep = set(plan.structured)  # they need a graph, so that the hooked outputs have one
+    params = {k: v.detach().requires_grad_(k in keep) for k, v in fm.params.items()}
+    cap = _Capture(plan, c)
+    try:
+        with torch.enable_grad():
+            y = fm.outputs(params, data)
+            check_finite(y.detach(), first_row)
+            outs = [r[2] for r in cap.records]
+            wrt = outs + ([params[k] for k in plan.structured] if check else [])
+            grads = torch.autograd.grad(y.sum(), wrt, allow_unused=True) if wrt else []
+    finally:
+        cap.close()
+    uses: dict = {}
+    for (module, x, out), delta in zip(cap.records, grads[: len(outs)]):
+        if delta is None:
+            delta = torch.zeros_like(out)
+        if x.shape[0] != c:
+            if not check:
+                raise RuntimeError(f"structured NTK: {type(module).__name__} {list(plan.modules[module].values())} "
+                                   f"got {x.shape[0]} rows for {c} samples at samples {first_row}..{first_row + c - 1} "
+                                   "(data-dependent dispatch); use method='exact'")
+            for key in plan.modules[module].values():
+                uses.setdefault(key, []).append(None)  # not aligned with the samples
+            continue
+        for key, f in _factors(module, x.detach(), delta.detach(), plan.modules[module], c).items():
+            uses.setdefault(key, []).append(f)
+    batch_grad = dict(zip(plan.structured, grads[len(outs):])) if check else {}
+    return uses, y.detach(), batch_grad
+
+
+def _summed(f) -> torch.Tensor:
+    """Sum over samples of a factor's per-sample gradients, flat (numel,), without forming them one by one."""
+    if isinstance(f, Linear):
+        a, d = f.a.reshape(-1, f.a.shape[-1]), f.delta.reshape(-1, f.delta.shape[-1])
+        return (a.T @ d if f.io else d.T @ a).reshape(-1)
+    if isinstance(f, Embed):
+        return Embed(f.tokens.reshape(1, -1), f.delta.reshape(1, -1, f.delta.shape[-1]), f.vocab).materialise()[0]
+    return f.grads.sum(0)
+
+
+def make_plan(fm: FunctionalModel, data: dict, n: int) -> Plan:
+    """Decide which selected parameters are structured, on a probe of the first (up to 2) samples."""
+    owners = _owners(fm)
+    broadcast = {m for m in owners if isinstance(m, nn.Embedding)}
+    plan = Plan(owners, sorted({k for roles in owners.values() for k in roles.values()}), [], broadcast)
+    c = min(n, 2)
+    probe = take(data, slice(0, c))
+    with torch.no_grad():
+        plain = fm.outputs(fm.params, probe)
+    uses, y, batch = capture(fm, plan, probe, c, check=True)
+    if not torch.allclose(y, plain, rtol=1e-5, atol=1e-6):  # expanding a broadcast embedding changed f
+        plan.broadcast = set()
+        uses, y, batch = capture(fm, plan, probe, c, check=True)
+    tol = 1e-8 if fm.dtype == torch.float64 else 1e-4
+    scale = max([float(g.abs().max()) for g in batch.values() if g is not None] + [1e-30])
+    structured = []
+    for key in plan.structured:
+        parts = uses.get(key, [])
+        if not parts or any(f is None for f in parts):
+            plan.reasons[key] = "its layer's input has no sample dimension"
+            continue
+        total = sum(_summed(f) for f in parts)
+        g = batch.get(key)
+        ref = torch.zeros_like(total) if g is None else g.reshape(-1)
+        if not torch.allclose(total, ref, rtol=tol, atol=tol * scale):
+            plan.reasons[key] = "used outside its module (captured uses do not add up to its gradient)"
+            continue
+        structured.append(key)
+    plan.structured = structured
+    plan.fallback = [k for k in fm.params if k not in set(structured)]
+    for k in plan.fallback:
+        plan.reasons.setdefault(k, "no structured form for its module")
+    if plan.fallback:
+        log.info("structured: %d parameters by per-sample gradients: %s", len(plan.fallback),
+                 "; ".join(f"{k} ({plan.reasons[k]})" for k in plan.fallback[:6]))
+    keep = set(structured)
+    plan.modules = {m: {r: k for r, k in roles.items() if k in keep} for m, roles in plan.modules.items()}
+    plan.modules = {m: roles for m, roles in plan.modules.items() if roles}
+    return plan
+
+
+def _restricted(fm: FunctionalModel, names: list) -> FunctionalModel:
+    """``fm`` over the parameters ``names`` alone (the others frozen): for the per-sample fallback."""
+    sub = object.__new__(FunctionalModel)
+    sub.__dict__.update(fm.__dict__)
+    sub.params = {k: fm.params[k] for k in names}
+    sub.frozen = {**fm.frozen, **{k: v for k, v in fm.params.items() if k not in sub.params}}
+    shapes = tuple(fm.params[k].shape for k in names)
+    offsets = tuple(int(o) for o in np.cumsum([0] + [s.numel() for s in shapes])[:-1])
+    total = int(sum(s.numel() for s in shapes))
+    sub.selection = ParameterSelection(tuple(names), shapes, offsets, total, {"all": (0, total)})
+    return sub
+
+
+# ---- the kernel ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Chunk:
+    """Everything about a run of samples that the kernel needs: factors per structured parameter,
+    and per-sample gradients (c, P_fallback) of the fallback parameters."""
+
+    uses: dict
+    fallback: torch.Tensor | None
+
+
+def _chunk(fm, plan, sub, data, rows: slice) -> Chunk:
+    c = rows.stop - rows.start
+    part = take(data, rows)
+    uses = {}
+    if plan.structured:
+        uses, _, _ = capture(fm, plan, part, c, rows.start)
+    J = None
+    if sub is not None:
+        J = torch.empty(c, 1, sub.selection.n_params, dtype=fm.dtype, device=fm.device)
+        jacobian_rows(sub, part, J, rows.start)
+        J = J[:, 0]
+    return Chunk(uses, J)
+
+
+def _join(chunks: list) -> Chunk:
+    if len(chunks) == 1:
+        return chunks[0]
+    uses = {k: [_cat([ch.uses[k][u] for ch in chunks]) for u in range(len(chunks[0].uses[k]))]
+            for k in chunks[0].uses}
+    J = None if chunks[0].fallback is None else torch.cat([ch.fallback for ch in chunks])
+    return Chunk(uses, J)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The plan, one sample's factor bytes, and the factors of the probe samples (for the cost model)."""
+
+    plan: Plan
+    sample_bytes: int
+    uses: dict
+    fallback_params: int
+
+
+def probe(fm: FunctionalModel, data: dict, n: int) -> Probe:
+    """Plan the structured method on the first samples of ``data``; cached on ``fm`` per data."""
+    cache = fm.__dict__.setdefault("_structured_probes", {})
+    if id(data) in cache:
+        return cache[id(data)]
+    plan = make_plan(fm, data, n)
+    c = min(n, 2)
+    ch = _chunk(fm, plan, _sub(fm, plan), data, slice(0, c))
+    total = sum(t.numel() * t.element_size() for parts in ch.uses.values() for f in parts
+                for t in vars(f).values() if torch.is_tensor(t))
+    if ch.fallback is not None:
+        total += ch.fallback.numel() * ch.fallback.element_size()
+    uses = {k: [_rows(f, slice(0, 1)) for f in parts] for k, parts in ch.uses.items()}
+    n_fallback = int(sum(fm.params[k].numel() for k in plan.fallback))
+    result = Probe(plan, max(1, total // c), uses, n_fallback)
+    cache[id(data)] = result
+    return result
+
+
+def pair_cost(pr: Probe, n1: int, n2: int) -> float:
+    """Multiply-adds of all the pair products of an (n1, n2) kernel, by the cost model."""
+    total = 0.0
+    for parts in pr.uses.values():
+        for fa in parts:
+            for fb in parts:
+                total += pair_choice(fa, fb, n1, n2)[1]
+    return total + n1 * n2 * pr.fallback_params
+
+
+def layout(pr: Probe, n1: int, budget: int, chunk: int | None = None) -> tuple[int, int]:
+    """(panel, chunk): samples whose factors are held, and samples per forward/backward."""
+    work = int(_WORK_SHARE * budget)
+    per_sample = pr.sample_bytes
+    chunk = int(chunk or max(1, min(_MAX_CHUNK, work // (4 * per_sample))))
+    panel = int(max(1, min(n1, (budget - work - 2 * chunk * per_sample) // per_sample)))
+    return panel, chunk
+
+
+def _sub(fm, plan):
+    return _restricted(fm, plan.fallback) if plan.fallback else None
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the structured method did: pair products by form, passes over the samples."""
+
+    forms: dict
+    passes: int
+    panel: int
+    chunk: int
+
+
+def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budget: int,
+                       chunk: int | None = None) -> tuple[dict, Costs]:
+    """Exact NTK blocks from layer factors; returns ({block: (n1, n2)}, Costs)."""
+    if not fm.scalar:
+        raise InputError("output", "must be a scalar output for method='structured'", fm.objective.name)
+    pr = probe(fm, data1, n1)
+    plan = pr.plan
+    sub = _sub(fm, plan)
+    panel, chunk = layout(pr, n1, budget, chunk)
+    work = int(_WORK_SHARE * budget)
+    sel = fm.selection
+    block_of = {}
+    for key, offset in zip(fm.params, sel.offsets):
+        block_of[key] = next(b for b, (s, e) in sel.blocks.items() if s <= offset < e)
+    fb_slices = {}
+    if sub is not None:
+        for k, o, shape in zip(sub.params, sub.selection.offsets, sub.selection.shapes):
+            fb_slices[k] = slice(o, o + shape.numel())
+    out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
+    forms: dict = {}
+    work_elements = max(1, work // fm.itemsize)
+    symmetric = data2 is None
+    passes = np.zeros(n1 + (0 if symmetric else n2), dtype=int)
+
+    def load(data, a0, a1, offset):
+        parts = [_chunk(fm, plan, sub, data, slice(c0, min(a1, c0 + chunk))) for c0 in range(a0, a1, chunk)]
+        passes[offset + a0 : offset + a1] += 1
+        return _join(parts)
+
+    def add(A: Chunk, B: Chunk, rows: slice, cols: slice, mirror: bool):
+        for key, parts_a in A.uses.items():
+            if len(parts_a) != len(B.uses[key]):
+                raise RuntimeError(f"structured NTK: {key} was used {len(parts_a)} and {len(B.uses[key])} times by "
+                                   "two runs of samples (data-dependent control flow); use method='exact'")
+            total = None
+            for fa in parts_a:
+                for fb in B.uses[key]:
+                    k, form = pair_kernel(fa, fb, work_elements)
+                    forms[form] = forms.get(form, 0) + 1
+                    total = k if total is None else total + k
+            _put(out[block_of[key]], total, rows, cols, mirror)
+        for key, cols_fb in fb_slices.items():
+            _put(out[block_of[key]], A.fallback[:, cols_fb] @ B.fallback[:, cols_fb].T, rows, cols, mirror)
+            forms["per-sample"] = forms.get("per-sample", 0) + 1
+
+    for a0 in range(0, n1, panel):
+        a1 = min(n1, a0 + panel)
+        A = load(data1, a0, a1, 0)
+        rows = slice(a0, a1)
+        if symmetric:
+            add(A, A, rows, rows, False)
+            start, stop, src, offset = a1, n1, data1, 0
+        else:
+            start, stop, src, offset = 0, n2, data2, n1
+        for b0 in range(start, stop, chunk):
+            b1 = min(stop, b0 + chunk)
+            B = load(src, b0, b1, offset)
+            add(A, B, rows, slice(b0, b1), symmetric)
+    log.info("structured: panel %d, chunk %d, %d passes at most; pair products %s", panel, chunk,
+             int(passes.max()), forms)
+    return out, Costs(forms, int(passes.max()), panel, chunk)
+
+
+def _put(target: torch.Tensor, G: torch.Tensor, rows: slice, cols: slice, mirror: bool) -> None:
+    target[rows, cols] += G
+    if mirror:
+        target[cols, rows] += G.T
