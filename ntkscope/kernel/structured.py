@@ -78,7 +78,7 @@ class Linear:
     io: bool = False
 
     def materialise(self) -> torch.Tensor:  # (c, numel)
-        eq = "cti,cto->cio" if self.io else "cto,cti->coi"
+        eq = "cti,cto->cio" if self.io else "cti,cto->coi"
         return torch.einsum(eq, self.a, self.delta).reshape(self.a.shape[0], -1)
 
 

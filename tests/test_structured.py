@@ -1,0 +1,181 @@
+"""The structured NTK (per-layer factors) against the per-sample autograd loop, in float64."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ntkscope as ns
+import ntkscope.kernel.structured as st
+from cse_models import GPT, GPTConfig, SparseConfig
+from ntkscope.kernel.objectives import resolve_output
+from reference import causal_jacobian, jacobian_loop, masked_jacobian
+
+RTOL = 1e-10
+
+
+def close(a, b):
+    """Relative error (max entry) of a against b."""
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(params=["auto", "ghost", "materialised"])
+def form(request, monkeypatch):
+    """Run each case with the cost model, and with every pair forced to one form where it has it."""
+    if request.param != "auto":
+        choose = st.pair_choice
+
+        def forced(fa, fb, ca, cb):
+            if request.param == "materialised" or st._ghost_cost(fa, fb) is None:
+                return "materialised", choose(fa, fb, ca, cb)[1]
+            return "ghost", 0.0
+
+        monkeypatch.setattr(st, "pair_choice", forced)
+    return request.param
+
+
+def test_mlp_with_layernorm_embedding_bias(form):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(12, 6, padding_idx=0), nn.LayerNorm(6), nn.Linear(6, 5), nn.Tanh(),
+                          nn.Linear(5, 1))
+
+    def f(m, ids):  # a scalar per sequence: the mean over tokens of the last layer's output
+        return m(ids).mean(dim=(1, 2))
+
+    ids = torch.randint(0, 12, (7, 4))
+    ids[1, 2] = 0  # the padding row's gradient is zero
+    J = jacobian_loop(model, 7, lambda i: f(model, ids[i : i + 1])[0])
+    res = ns.empirical_ntk(model, ids, output=f, method="structured", blocks="param")
+    assert close(res.matrix, J @ J.T) < RTOL
+    torch.testing.assert_close(sum(res.blocks.values()), res.matrix, rtol=1e-12, atol=1e-14)
+
+
+def test_cse_models_gpt_with_tied_embeddings_blocks_and_cross(gpt, lm_batch, form):
+    J = causal_jacobian(gpt, lm_batch)
+    res = ns.empirical_ntk(gpt, lm_batch, method="structured", blocks="layer")
+    assert res.method == "structured" and res.gradient_passes == 1
+    assert close(res.matrix, J @ J.T) < RTOL
+    torch.testing.assert_close(sum(res.blocks.values()), res.matrix, rtol=1e-12, atol=1e-14)
+    names = [n for n, _ in gpt.named_parameters() if n.startswith("transformer.h.0.")]
+    J0 = causal_jacobian(gpt, lm_batch, names)
+    assert close(res.blocks["transformer.h.0"], J0 @ J0.T) < RTOL
+    b1, b2 = ({k: v[:5] for k, v in lm_batch.items()}, {k: v[5:] for k, v in lm_batch.items()})
+    cross = ns.empirical_ntk(gpt, b1, b2, method="structured")
+    assert cross.matrix.shape == (5, 3) and close(cross.matrix, J[:5] @ J[5:].T) < RTOL
+
+
+def test_panels_and_chunks_when_factors_do_not_fit(gpt, lm_batch):
+    full = ns.empirical_ntk(gpt, lm_batch, method="structured")
+    small = ns.empirical_ntk(gpt, lm_batch, method="structured", max_memory=150_000)
+    assert small.gradient_passes > 1 and "panels" in small.reason
+    assert close(small.matrix, full.matrix) < 1e-12
+
+
+def test_hf_gpt2_with_padding(hf_gpt2, lm_batch, form):
+    J = causal_jacobian(hf_gpt2, lm_batch)
+    res = ns.empirical_ntk(hf_gpt2, lm_batch, method="structured")
+    assert close(res.matrix, J @ J.T) < RTOL
+
+
+def test_hf_bert_masked_lm(hf_bert, lm_batch, form):
+    output = ns.LMLoss(objective="masked", mask_token_id=1, mask_prob=0.3, seed=7)
+    J = masked_jacobian(hf_bert, lm_batch, resolve_output(output, hf_bert), F.cross_entropy)
+    res = ns.empirical_ntk(hf_bert, lm_batch, output=output, method="structured")
+    assert close(res.matrix, J @ J.T) < RTOL
+
+
+class Scaled(nn.Module):
+    """A raw parameter used functionally (no module owns it): the structured method has no form for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.randn(3))
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(x) * self.scale)).squeeze(-1)
+
+
+def test_a_parameter_without_a_structured_form_falls_back_and_stays_exact(caplog):
+    torch.manual_seed(0)
+    model = Scaled()
+    X = torch.randn(6, 4)
+    J = jacobian_loop(model, 6, lambda i: model(X[i : i + 1])[0])
+    with caplog.at_level(logging.INFO, logger="ntkscope.kernel.structured"):
+        res = ns.empirical_ntk(model, X, output=lambda m, x: m(x), method="structured", blocks="param")
+    assert "scale" in caplog.text and "per-sample" in caplog.text
+    assert close(res.matrix, J @ J.T) < RTOL
+    J_scale = jacobian_loop(model, 6, lambda i: model(X[i : i + 1])[0], ["scale"])
+    assert close(res.blocks["model.scale"] if "model.scale" in res.blocks else res.blocks["scale"],
+                 J_scale @ J_scale.T) < RTOL
+
+
+def _sparse(kind, n_experts=2):
+    torch.manual_seed(0)
+    extra = {"domains": [f"d{j}" for j in range(n_experts)]} if kind == "demix" else {"proj_dim": 4}
+    sparse = SparseConfig(kind=kind, layers=[1], n_experts=[n_experts], **extra)
+    return GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=16, sparse=sparse)).eval()
+
+
+@pytest.mark.parametrize("kind", ["cse", "switch", "demix"])
+def test_sparse_expert_models_through_the_batched_paths(kind, lm_batch, caplog):
+    model = _sparse(kind)
+    layer = model.transformer.h[1].mlp
+    batch = dict(lm_batch)
+    if kind == "cse":
+        layer.projection.normal_()
+        z = model.module_inputs(batch["input_ids"], batch["attention_mask"], [1])[1] @ layer.projection.T
+        layer.centres.copy_(z[[0, 3]])  # two sequences seed two experts: both get traffic
+    if kind == "switch":
+        layer.capacity_factor = 0.7  # some tokens overflow their expert
+        layer.router.weight.data.normal_()
+    if kind == "demix":
+        batch["domains"] = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+
+    def one(i):
+        sample = {k: v[i : i + 1] for k, v in batch.items()}
+        n = int(sample["attention_mask"].sum())
+        x = sample["input_ids"][:, :n]
+        logits = model(x, None, sample.get("domains")) if kind == "demix" else model(x)
+        return F.cross_entropy(logits[0, :-1], x[0, 1:])
+
+    J = jacobian_loop(model, 8, one)  # gather dispatch, one sequence at a time: the reference
+    with caplog.at_level(logging.WARNING):
+        output = ns.LMLoss(objective="causal")  # DEMix cannot run without domains, so nothing probes it
+        exact = ns.empirical_ntk(model, batch, method="exact", blocks="expert", output=output)
+        structured = ns.empirical_ntk(model, batch, method="structured", blocks="expert", output=output)
+    assert "one sample at a time" not in caplog.text  # vmap ran batched: no per-sample loop
+    assert close(exact.matrix, J @ J.T) < 1e-9
+    assert close(structured.matrix, J @ J.T) < RTOL
+    experts = [k for k in structured.blocks if ".experts." in k]
+    assert len(experts) == 2 and all(float(structured.blocks[k].diag().max()) > 0 for k in experts)
+    assert not layer.per_sample_dispatch  # the user's model is left as it was
+
+
+def test_switch_masked_dispatch_equals_gather_for_one_sequence(lm_batch):
+    model = _sparse("switch", 3)
+    layer = model.transformer.h[1].mlp
+    layer.capacity_factor = 0.8
+    layer.router.weight.data.normal_()
+    x = torch.randn(1, 9, 16)
+    mask = torch.ones(1, 9, dtype=torch.bool)
+    mask[0, 7:] = False
+    gathered = layer(x, mask)
+    layer.per_sample_dispatch = True
+    torch.testing.assert_close(layer(x, mask), gathered)
+
+
+def test_float32_structured_agrees_with_float64(gpt, lm_batch):
+    ref = ns.empirical_ntk(gpt, lm_batch, method="structured").matrix
+    res = ns.empirical_ntk(gpt.float(), lm_batch, method="structured")
+    assert res.matrix.dtype == torch.float32 and close(res.matrix.double(), ref) < 1e-4
+    as64 = ns.empirical_ntk(gpt, lm_batch, method="structured", dtype="float64")
+    assert as64.matrix.dtype == torch.float64 and close(as64.matrix, ref) < 1e-5
+
+
+def test_structured_refuses_a_vector_output(gpt, lm_batch):
+    with pytest.raises(ValueError, match="empirical_ntk: method must support vector outputs"):
+        ns.empirical_ntk(gpt, lm_batch, method="structured", output="logits")
