@@ -21,6 +21,7 @@ import pandas as pd
 from ntkscope import __version__
 from ntkscope.app import commands
 from ntkscope.app.demo import perplexity, run_demo
+from ntkscope.core.checks import InputError
 from ntkscope.kernel.methods import METHODS, method_names, unsupported
 from ntkscope.kernel.objectives import OUTPUTS, SCALAR_OUTPUTS
 from ntkscope.kernel.uncertainty import INTERVALS, Resampling
@@ -148,6 +149,9 @@ GC_COLUMNS = ["n_subset", "abs_gc", "abs_gc_low", "abs_gc_high", "null_low", "nu
 def _gc(args) -> int:
     outputs = [o.strip() for o in args.outputs.split(",")] if args.outputs else None
     if is_run_dir(args.target):
+        if args.device:
+            raise InputError("device", "applies to one checkpoint; a run directory is analysed on the CPU",
+                             args.device, func="ntkscope gc")
         result = commands.gc_run_command(args.target, args.data, n=args.n, output=args.output, method=args.method,
                                          resampling=_resampling(args), seq_len=args.seq_len, seed=args.seed,
                                          tokenizer=args.tokenizer, out=args.out)
@@ -158,7 +162,8 @@ def _gc(args) -> int:
     else:
         result = commands.gc_command(args.target, args.data, by=args.by, bins=args.bins, binning=args.binning,
                                      n=args.n, min_count=args.min_count, params=args.params, output=args.output,
-                                     outputs=outputs, method=args.method, dtype=args.dtype, seq_len=args.seq_len,
+                                     outputs=outputs, method=args.method, dtype=args.dtype, device=args.device,
+                                     seq_len=args.seq_len,
                                      seed=args.seed, resampling=_resampling(args), tokenizer=args.tokenizer,
                                      out=args.out)
         table = pd.DataFrame(result["groups"])
@@ -178,7 +183,8 @@ def _gc(args) -> int:
 
 def _ntk(args) -> int:
     result = commands.ntk_command(args.target, args.data, n=args.n, blocks=args.blocks, params=args.params,
-                                  output=args.output, method=args.method, dtype=args.dtype, seq_len=args.seq_len,
+                                  output=args.output, method=args.method, dtype=args.dtype, device=args.device,
+                                  seq_len=args.seq_len,
                                   seed=args.seed, tokenizer=args.tokenizer, out=args.out)
     print(f"NTK of {result['n']} sentences by {result['method']} ({result['reason']}); trace {result['trace']:.4g}; "
           f"blocks: {len(result['blocks'])}")
@@ -225,7 +231,7 @@ def _add_method_arg(parser, task: str) -> None:
     rows = "; ".join(f"{name}: {spec.summary}" for name, spec in METHODS.items())
     parser.add_argument("--method", default="auto", choices=method_names("eigen"),
                         help=f"how the NTK{' eigenvector' if task == 'eigen' else ''} is computed (default auto: "
-                        f"exact when J fits in memory). {rows}")
+                        f"the cheapest estimate that fits in memory, stated in the log). {rows}")
 
 
 def _add_model_args(parser, n_default: int, task: str) -> None:
@@ -238,6 +244,8 @@ def _add_model_args(parser, n_default: int, task: str) -> None:
                         "not (a mean over the sequence), or a vector output (trace reduction)")
     _add_method_arg(parser, task)
     parser.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: the model's)")
+    parser.add_argument("--device", help="compute device, e.g. cuda or cuda:1 (default cpu); the memory budget is "
+                        "that device's free memory")
     parser.add_argument("--out", help="directory for the results (written atomically)")
     parser.set_defaults(task=task)
 

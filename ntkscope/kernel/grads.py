@@ -124,15 +124,16 @@ def functional_model(model, opts: KernelOptions, *, blocks=None, train=False):
     ``opts.params``; the user's model is left as it was.
 
     The model runs in eval mode (dropout off) unless ``train=True``; a different
-    ``opts.dtype`` is applied to a copy of the model.
+    ``opts.dtype`` or ``opts.device`` is applied to a copy of the model.
     """
     if not isinstance(model, nn.Module):
         raise InputError("model", "must be a torch.nn.Module", type(model).__name__)
     first = next(model.parameters(), None)
     if first is None:
         raise InputError("model", "must have at least one parameter", type(model).__name__)
-    dtype = opts.dtype
-    target = model if dtype is None or dtype == first.dtype else copy.deepcopy(model).to(dtype)
+    dtype, device = opts.dtype, opts.device
+    same = (dtype is None or dtype == first.dtype) and (device is None or _same_device(device, first.device))
+    target = model if same else copy.deepcopy(model).to(device=device, dtype=dtype)
     modes = {m: m.training for m in target.modules()}
     dispatch = {m: m.per_sample_dispatch for m in target.modules() if hasattr(m, "per_sample_dispatch")}
     target.train(train)
@@ -153,6 +154,10 @@ def functional_model(model, opts: KernelOptions, *, blocks=None, train=False):
             m.train(mode)
         for m, flag in dispatch.items():
             m.per_sample_dispatch = flag
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def default_chunk_size(n: int, fm: FunctionalModel, budget: int) -> int:

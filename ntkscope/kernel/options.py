@@ -47,6 +47,9 @@ class KernelOptions:
         A :class:`Method` name, or ``"auto"`` (chosen by memory: :func:`ntkscope.kernel.methods.choose`).
     dtype : torch.dtype or str, optional
         Compute in this dtype on a cast copy of the model ("float64" for reference runs).
+    device : str or torch.device, optional
+        Compute on this device ("cuda", "cuda:1", "cpu") on a copy of the model; the batch is
+        moved there and the memory budget is that device's free memory. Default: the model's device.
     chunk_size : int, optional
         Samples per vmap call (default up to 8, fewer when memory is short).
     max_memory : int, optional
@@ -62,6 +65,7 @@ class KernelOptions:
     params: Any = None
     method: str = "auto"
     dtype: Any = None
+    device: Any = None
     chunk_size: int | None = None
     max_memory: int | None = None
     projection: str = "gaussian"
@@ -84,6 +88,7 @@ class KernelOptions:
         if not isinstance(self.tol, (int, float)) or isinstance(self.tol, bool) or not self.tol > 0:
             raise InputError("tol", "must be a positive number", self.tol)
         object.__setattr__(self, "dtype", _dtype(self.dtype))
+        object.__setattr__(self, "device", _device(self.device))
 
     @classmethod
     def build(cls, options: "KernelOptions | None" = None, *, methods=None, **fields) -> "KernelOptions":
@@ -106,3 +111,21 @@ def _dtype(dtype) -> torch.dtype | None:
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
     raise InputError("dtype", f"must be None, a floating torch.dtype or one of {sorted(DTYPES)}", dtype)
+
+
+def _device(device) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError("device", "must be None, a torch.device or a device string ('cpu', 'cuda', 'cuda:1')",
+                         device) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError("device", "must be a device this machine has; CUDA is not available", str(device))
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise InputError("device", f"must name one of the {torch.cuda.device_count()} CUDA devices", str(device))
+    elif device.type != "cpu":
+        raise InputError("device", "must be 'cpu' or a CUDA device", str(device))
+    return device

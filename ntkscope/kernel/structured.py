@@ -45,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ntkscope.core.checks import InputError
+from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.grads import FunctionalModel, check_finite, jacobian_rows
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.params import ParameterSelection
@@ -544,8 +545,16 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
     symmetric = data2 is None
     passes = np.zeros(n1 + (0 if symmetric else n2), dtype=int)
 
+    panels = range(0, n1, panel)
+    loads = sum(math.ceil((a1 - a0) / chunk) + math.ceil(((n1 - a1) if symmetric else n2) / chunk)
+                for a0, a1 in ((a, min(n1, a + panel)) for a in panels))
+    bar = progress_bar(loads, "structured NTK", "chunk")
+
     def load(data, a0, a1, offset):
-        parts = [_chunk(fm, plan, sub, data, slice(c0, min(a1, c0 + chunk))) for c0 in range(a0, a1, chunk)]
+        parts = []
+        for c0 in range(a0, a1, chunk):
+            parts.append(_chunk(fm, plan, sub, data, slice(c0, min(a1, c0 + chunk))))
+            bar.update(1)
         passes[offset + a0 : offset + a1] += 1
         return _join(parts)
 
@@ -565,7 +574,7 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
             _put(out[block_of[key]], A.fallback[:, cols_fb] @ B.fallback[:, cols_fb].T, rows, cols, mirror)
             forms["per-sample"] = forms.get("per-sample", 0) + 1
 
-    for a0 in range(0, n1, panel):
+    for a0 in panels:
         a1 = min(n1, a0 + panel)
         A = load(data1, a0, a1, 0)
         rows = slice(a0, a1)
@@ -578,6 +587,7 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
             b1 = min(stop, b0 + chunk)
             B = load(src, b0, b1, offset)
             add(A, B, rows, slice(b0, b1), symmetric)
+    bar.close()
     log.info("structured: panel %d, chunk %d, %d passes at most; pair products %s", panel, chunk,
              int(passes.max()), forms)
     return out, Costs(forms, int(passes.max()), panel, chunk)
