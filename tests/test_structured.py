@@ -27,9 +27,9 @@ def form(request, monkeypatch):
     if request.param != "auto":
         choose = st.pair_choice
 
-        def forced(fa, fb, ca, cb):
+        def forced(fa, fb, ca, cb, work):
             if request.param == "materialised" or st._ghost_cost(fa, fb) is None:
-                return "materialised", choose(fa, fb, ca, cb)[1]
+                return "materialised", choose(fa, fb, ca, cb, work)[1]
             return "ghost", 0.0
 
         monkeypatch.setattr(st, "pair_choice", forced)

@@ -159,7 +159,8 @@ def _structured_cost(task, fm, data, n1, n2, chunk, budget, opts, symmetric):
     panel, _ = layout(pr, n1, budget, opts.chunk_size)
     passes = _sample_passes(n1, n2, panel, symmetric)
     fallback = _VMAP_FACTOR * step_cost(fm, data, 1) * passes if pr.plan.fallback else 0.0
-    return step_cost(fm, data, 1) * passes + fallback + pair_cost(pr, n1, n2) / (2 if symmetric else 1)
+    work = int(_WORK_SHARE * budget) // fm.itemsize
+    return step_cost(fm, data, 1) * passes + fallback + pair_cost(pr, n1, n2, work) / (2 if symmetric else 1)
 
 
 def _structured_memory(task, fm, data, n1, n2, chunk, opts, symmetric):
