@@ -89,7 +89,9 @@ def opacus_gram(model, batch):
 
     gsm = GradSampleModule(model, loss_reduction="sum")
     gsm.zero_grad(set_to_none=True)
+    model.train()  # opacus captures activations in training mode only (dropout is 0 here)
     loss_fn(gsm(**batch), batch).sum().backward()
+    model.eval()
     rows = [p.grad_sample.reshape(p.grad_sample.shape[0], -1) for p in model.parameters()
             if p.requires_grad and getattr(p, "grad_sample", None) is not None]
     J = torch.cat(rows, 1)

@@ -161,21 +161,41 @@ def _ghost_cost(fa, fb) -> float | None:
 
 
 def _form_cost(f) -> float:
-    """Multiply-adds to materialise one sample's gradient from ``f``."""
+    """Multiply-adds to materialise one sample's gradient from ``f`` (an Embedding's rows are scattered)."""
     if isinstance(f, Linear):
         return f.a.shape[1] * f.a.shape[-1] * f.delta.shape[-1]
     if isinstance(f, Embed):
-        return f.tokens.shape[1] * f.delta.shape[-1] + f.vocab * f.delta.shape[-1]
+        return f.tokens.shape[1] * f.delta.shape[-1]
     return 0.0
+
+
+def _compact(fa, fb) -> tuple:
+    """A pair with an Embedding use, over the vocabulary rows the Embedding touches (its gradient is zero
+    elsewhere, so the products are the same): both Embeddings' tokens renumbered, or a tied head's
+    cotangent restricted to those rows. Other pairs unchanged."""
+    if isinstance(fa, Embed) and isinstance(fb, Embed):
+        tokens = torch.cat([fa.tokens.reshape(-1), fb.tokens.reshape(-1)])
+        used, inverse = torch.unique(tokens, return_inverse=True)
+        ta, tb = inverse[: fa.tokens.numel()].view_as(fa.tokens), inverse[fa.tokens.numel():].view_as(fb.tokens)
+        return Embed(ta, fa.delta, len(used)), Embed(tb, fb.delta, len(used))
+    if _tied_head(fb, fa):
+        b, a = _compact(fb, fa)
+        return a, b
+    if _tied_head(fa, fb):
+        used, inverse = torch.unique(fa.tokens, return_inverse=True)
+        return Embed(inverse, fa.delta, len(used)), Linear(fb.a, fb.delta[..., used], fb.io)
+    return fa, fb
 
 
 def pair_choice(fa, fb, ca: int, cb: int, work: int) -> tuple[str, float]:
     """("ghost" or "materialised", multiply-adds) for the ``ca x cb`` product of two uses: the cost model.
 
-    Materialised counts the tiles that ``work`` elements allow: B's gradients are formed again
-    for every tile of A's rows."""
-    ta, _ = _tile(0, _numel(fa), ca, cb, work)
-    materialised = ca * _form_cost(fa) + math.ceil(ca / ta) * cb * _form_cost(fb) + ca * cb * _numel(fa)
+    Materialised counts the tiles that ``work`` elements allow (B's gradients are formed again for
+    every tile of A's rows); a pair with an Embedding is formed over the vocabulary rows it touches."""
+    fa_m, fb_m = _compact(fa, fb)
+    numel = _numel(fa_m)
+    ta, _ = _tile(0, numel, ca, cb, work)
+    materialised = ca * _form_cost(fa_m) + math.ceil(ca / ta) * cb * _form_cost(fb_m) + ca * cb * numel
     ghost = _ghost_cost(fa, fb)
     if ghost is not None and ca * cb * ghost < materialised:
         return "ghost", ca * cb * ghost
@@ -222,6 +242,8 @@ def pair_kernel(fa, fb, work_elements: int, *, symmetric: bool = False) -> tuple
     above the diagonal are computed, the others mirrored."""
     ca, cb = _leading(fa), _leading(fb)
     form, _ = pair_choice(fa, fb, ca, cb, work_elements)
+    if form == "materialised":
+        fa, fb = (_compact(fa, fb) if fa is not fb else (_compact(fa, fa)[0],) * 2)
     if form == "ghost":
         per_pair, per_row = 3 * _tokens(fa) * _tokens(fb), 0
     else:
