@@ -179,3 +179,25 @@ def test_float32_structured_agrees_with_float64(gpt, lm_batch):
 def test_structured_refuses_a_vector_output(gpt, lm_batch):
     with pytest.raises(ValueError, match="empirical_ntk: method must support vector outputs"):
         ns.empirical_ntk(gpt, lm_batch, method="structured", output="logits")
+
+
+def test_device_option_is_checked_and_cpu_runs_on_a_copy(gpt, lm_batch):
+    ref = ns.empirical_ntk(gpt, lm_batch, method="structured").matrix
+    res = ns.empirical_ntk(gpt, lm_batch, method="structured", device="cpu")
+    assert close(res.matrix, ref) < 1e-12
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device must be a device this machine has; CUDA is not available"):
+            ns.empirical_ntk(gpt, lm_batch, device="cuda")
+    with pytest.raises(ValueError, match="device must be"):
+        ns.empirical_ntk(gpt, lm_batch, device="tpu:0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["structured", "exact"])
+def test_cuda_kernel_equals_the_cpu_one(gpt, lm_batch, method):
+    ref = ns.empirical_ntk(gpt, lm_batch, method=method).matrix
+    res = ns.empirical_ntk(gpt, lm_batch, method=method, device="cuda")
+    assert res.matrix.device.type == "cuda" and close(res.matrix.cpu(), ref) < 1e-10
+    assert next(gpt.parameters()).device.type == "cpu"  # the user's model stays where it was
+    gc = ns.gradient_consistency(gpt, lm_batch, [0, 1, 2, 3], method=method, device="cuda")
+    assert -1 <= gc.score <= 1

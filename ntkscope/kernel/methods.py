@@ -140,7 +140,7 @@ def _sample_passes(n1: int, n2: int, panel: int, symmetric: bool) -> float:
     panels = math.ceil(n1 / max(1, panel))
     if symmetric:
         return n1 + sum(max(0, n1 - min(n1, (i + 1) * panel)) for i in range(panels))
-    return n1 + panels * n2
+    return n1 + panels * n2 if panels > 1 else n1 + n2
 
 
 def _exact_panel(fm, n1, chunk, budget) -> int:
@@ -156,7 +156,7 @@ def _exact_cost(task, fm, data, n1, n2, chunk, budget, opts, symmetric):
 
 def _structured_cost(task, fm, data, n1, n2, chunk, budget, opts, symmetric):
     pr = probe(fm, data, n1)
-    panel, _ = layout(pr, n1, budget, opts.chunk_size)
+    panel, _, _ = layout(pr, n1, n2, budget, opts.chunk_size, symmetric)
     passes = _sample_passes(n1, n2, panel, symmetric)
     fallback = _VMAP_FACTOR * step_cost(fm, data, 1) * passes if pr.plan.fallback else 0.0
     work = int(_WORK_SHARE * budget) // fm.itemsize

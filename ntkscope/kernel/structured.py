@@ -536,13 +536,21 @@ def pair_cost(pr: Probe, n1: int, n2: int, work: int) -> float:
     return total + n1 * n2 * pr.fallback_params
 
 
-def layout(pr: Probe, n1: int, budget: int, chunk: int | None = None) -> tuple[int, int]:
-    """(panel, chunk): samples whose factors are held, and samples per forward/backward."""
+def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
+           symmetric: bool = True) -> tuple[int, int, int]:
+    """(panel, stream, chunk): samples whose factors are held, samples streamed past each panel at
+    once (a second panel: materialised products then form the panel's gradients once per stream),
+    and samples per forward/backward."""
     work = int(_WORK_SHARE * budget)
     per_sample = pr.sample_bytes
     chunk = int(chunk or max(1, min(_MAX_CHUNK, work // (4 * per_sample))))
-    panel = int(max(1, min(n1, (budget - work - 2 * chunk * per_sample) // per_sample)))
-    return panel, chunk
+    room = max(0, budget - work - 2 * chunk * per_sample) // per_sample
+    if symmetric and n1 <= room:
+        return n1, n1, chunk
+    if not symmetric and n1 + n2 <= room:
+        return n1, n2, chunk
+    half = int(max(1, room // 2))
+    return min(n1, half), half, chunk
 
 
 def _sub(fm, plan):
@@ -567,7 +575,8 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
     pr = probe(fm, data1, n1)
     plan = pr.plan
     sub = _sub(fm, plan)
-    panel, chunk = layout(pr, n1, budget, chunk)
+    symmetric = data2 is None
+    panel, stream, chunk = layout(pr, n1, n2, budget, chunk, symmetric)
     work = int(_WORK_SHARE * budget)
     sel = fm.selection
     block_of = {}
@@ -580,12 +589,16 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
     out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
     forms: dict = {}
     work_elements = max(1, work // fm.itemsize)
-    symmetric = data2 is None
     passes = np.zeros(n1 + (0 if symmetric else n2), dtype=int)
 
-    panels = range(0, n1, panel)
-    loads = sum(math.ceil((a1 - a0) / chunk) + math.ceil(((n1 - a1) if symmetric else n2) / chunk)
-                for a0, a1 in ((a, min(n1, a + panel)) for a in panels))
+    panels = [(a0, min(n1, a0 + panel)) for a0 in range(0, n1, panel)]
+
+    def streams(a1):
+        start, stop = (a1, n1) if symmetric else (0, n2)
+        return [(b0, min(stop, b0 + stream)) for b0 in range(start, stop, stream)]
+
+    loads = sum(math.ceil((a1 - a0) / chunk) + sum(math.ceil((b1 - b0) / chunk) for b0, b1 in streams(a1))
+                for a0, a1 in panels)
     bar = progress_bar(loads, "structured NTK", "chunk")
 
     def load(data, a0, a1, offset):
@@ -618,22 +631,19 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
             _put(out[block_of[key]], A.fallback[:, cols_fb] @ B.fallback[:, cols_fb].T, rows, cols, mirror)
             forms["per-sample"] = forms.get("per-sample", 0) + 1
 
-    for a0 in panels:
-        a1 = min(n1, a0 + panel)
+    src, offset = (data1, 0) if symmetric else (data2, n1)
+    for a0, a1 in panels:
         A = load(data1, a0, a1, 0)
         rows = slice(a0, a1)
         if symmetric:
             add(A, A, rows, rows, False)
-            start, stop, src, offset = a1, n1, data1, 0
-        else:
-            start, stop, src, offset = 0, n2, data2, n1
-        for b0 in range(start, stop, chunk):
-            b1 = min(stop, b0 + chunk)
+        for b0, b1 in streams(a1):
             B = load(src, b0, b1, offset)
             add(A, B, rows, slice(b0, b1), symmetric)
+            del B
     bar.close()
-    log.info("structured: panel %d, chunk %d, %d passes at most; pair products %s", panel, chunk,
-             int(passes.max()), forms)
+    log.info("structured: panel %d, stream %d, chunk %d, %d passes at most; pair products %s", panel, stream,
+             chunk, int(passes.max()), forms)
     return out, Costs(forms, int(passes.max()), panel, chunk)
 
 
