@@ -54,7 +54,20 @@ from ntkscope.kernel.eigen import krylov_top_two  # noqa: E402
 ROWS = []
 
 
+def _trim():
+    """Give freed heap back to the system, so that the next peak is measured from a true baseline."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
 def measure(fn):
+    _trim()
     with PeakRSS() as mem:
         t = time.perf_counter()
         out = fn()

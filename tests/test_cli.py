@@ -32,6 +32,14 @@ def test_user_error_is_one_line_and_exit_code_1(capsys):
     assert len(err.splitlines()) == 1
 
 
+def test_a_bad_memory_budget_is_refused_before_any_work(capsys):
+    from ntkscope.app.cli import main
+
+    assert main(["--quiet", "gc", "CKPT", "--max-memory", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "ntkscope gc: error: ntkscope: max-memory must be a positive number " \
+                                              "of GiB (got 0.0)"
+
+
 def test_usage_error_is_exit_code_2(capsys):
     from ntkscope.app.cli import main
 
@@ -45,6 +53,7 @@ def test_usage_error_is_exit_code_2(capsys):
     (["ntk", "CKPT", "--method", "matrix-free"], "--method matrix-free must form the kernel"),
     (["gc", "CKPT", "--output", "logits"], "--output logits must be a scalar output"),
     (["gc", "CKPT", "--output", "hidden-mean", "--method", "exact"], "--output hidden-mean must be a scalar output"),
+    (["ntk", "CKPT", "--output", "logits", "--method", "structured"], "--method structured must support vector outputs"),
 ])
 def test_the_method_table_refuses_what_cannot_run_before_any_work(args, reason, capsys):
     from ntkscope.app.cli import main

@@ -103,7 +103,8 @@ def test_kernel_options_are_one_validated_object(gpt, lm_batch):
     with pytest.raises(ValueError, match=r"empirical_ntk: options must be fields of KernelOptions .* \(got \['chunk'\]\)"):
         ns.empirical_ntk(gpt, lm_batch, chunk=4)
     with pytest.raises(ValueError, match=r"empirical_ntk: method must form the kernel, one of \['auto', 'exact', "
-                                         r"'projected'\] \('matrix-free' finds eigenpairs without forming it\)"):
+                                         r"'structured', 'projected'\] \('matrix-free' finds eigenpairs without "
+                                         r"forming it\)"):
         ns.empirical_ntk(gpt, lm_batch, options=ns.KernelOptions(method="matrix-free"))
     eig = ns.ntk_top_eigenpair(gpt, lm_batch, options=opts)
     assert eig.method == "dense" and eig.eigenvector.shape == (8,)

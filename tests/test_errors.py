@@ -48,7 +48,7 @@ def test_per_sample_grads_that_do_not_fit(gpt, lm_batch):
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
-    (dict(method="fast"), r"empirical_ntk: method must be one of \['auto', 'exact', 'projected'\] \(got 'fast'\)"),
+    (dict(method="fast"), r"empirical_ntk: method must be one of \['auto', 'exact', 'projected', 'structured'\] \(got 'fast'\)"),
     (dict(chunk_size=0), r"empirical_ntk: chunk_size must be a positive integer or None \(got 0\)"),
     (dict(reduction="mean"), r"empirical_ntk: reduction must be one of"),
     (dict(dtype="float8"), r"empirical_ntk: dtype must be None, a floating torch.dtype"),

@@ -137,6 +137,14 @@ def _plan(args) -> int:
     return 0
 
 
+def _gib(value) -> int | None:
+    if value is None:
+        return None
+    if not value > 0:
+        raise InputError("max-memory", "must be a positive number of GiB", value, func="ntkscope")
+    return int(value * 2**30)
+
+
 def _resampling(args) -> Resampling:
     return Resampling(resamples=args.resamples, null_draws=args.null_draws, confidence=args.confidence,
                       interval=args.interval, seed=args.seed)
@@ -163,7 +171,7 @@ def _gc(args) -> int:
         result = commands.gc_command(args.target, args.data, by=args.by, bins=args.bins, binning=args.binning,
                                      n=args.n, min_count=args.min_count, params=args.params, output=args.output,
                                      outputs=outputs, method=args.method, dtype=args.dtype, device=args.device,
-                                     seq_len=args.seq_len,
+                                     max_memory=_gib(args.max_memory), seq_len=args.seq_len,
                                      seed=args.seed, resampling=_resampling(args), tokenizer=args.tokenizer,
                                      out=args.out)
         table = pd.DataFrame(result["groups"])
@@ -184,7 +192,7 @@ def _gc(args) -> int:
 def _ntk(args) -> int:
     result = commands.ntk_command(args.target, args.data, n=args.n, blocks=args.blocks, params=args.params,
                                   output=args.output, method=args.method, dtype=args.dtype, device=args.device,
-                                  seq_len=args.seq_len,
+                                  max_memory=_gib(args.max_memory), seq_len=args.seq_len,
                                   seed=args.seed, tokenizer=args.tokenizer, out=args.out)
     print(f"NTK of {result['n']} sentences by {result['method']} ({result['reason']}); trace {result['trace']:.4g}; "
           f"blocks: {len(result['blocks'])}")
@@ -246,6 +254,8 @@ def _add_model_args(parser, n_default: int, task: str) -> None:
     parser.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: the model's)")
     parser.add_argument("--device", help="compute device, e.g. cuda or cuda:1 (default cpu); the memory budget is "
                         "that device's free memory")
+    parser.add_argument("--max-memory", type=float, metavar="GIB",
+                        help="memory budget in GiB for the kernel computation (default: half the device's free memory)")
     parser.add_argument("--out", help="directory for the results (written atomically)")
     parser.set_defaults(task=task)
 

@@ -55,7 +55,7 @@ def load_model_and_tokenizer(checkpoint, tokenizer=None, data=None):
     return model, tok
 
 
-def memory_note(model, n: int, params=None, dtype=None, device=None) -> str:
+def memory_note(model, n: int, params=None, dtype=None, device=None, max_memory=None) -> str:
     """The size of J for this analysis, against the memory available on the device."""
     P = select_parameters(model, params, None).n_params
     itemsize = 8 if str(dtype) in ("float64", "torch.float64") else 4
@@ -63,14 +63,15 @@ def memory_note(model, n: int, params=None, dtype=None, device=None) -> str:
     where = device or "cpu"
     return (f"memory: the model is {format_bytes(P * itemsize)}; J would be {n} x {P:,} = {format_bytes(need)} "
             f"({'float64' if itemsize == 8 else 'float32'}); {format_bytes(available_memory_bytes(device))} "
-            f"available on {where}, half of it is the budget; 'auto' estimates each method's memory and time "
-            "next, and picks the cheapest that fits")
+            f"available on {where}; budget "
+            f"{format_bytes(max_memory) if max_memory else 'half of that'}; 'auto' estimates each method's memory "
+            "and time next, and picks the cheapest that fits")
 
 
 def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int = 6, binning: str = "count",
                n: int = 256, min_count: int = 4, params=None, output: str = "loss", outputs=None,
-               method: str = "auto", dtype=None, device=None, seq_len: int = 64, seed: int = 0,
-               resampling: Resampling = Resampling(), tokenizer=None, out=None) -> dict:
+               method: str = "auto", dtype=None, device=None, max_memory: int | None = None, seq_len: int = 64,
+               seed: int = 0, resampling: Resampling = Resampling(), tokenizer=None, out=None) -> dict:
     """GC of each subset (frequency bin or label) against the whole set of ``n`` sentences, with
     intervals, sign confidence, conditioning and the null band; ``outputs`` (several scalar
     outputs) puts them side by side with an ``output`` column.
@@ -88,9 +89,9 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
         return cached
     model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
     ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
-    log.info("%s", memory_note(model, n, params, dtype, device))
+    log.info("%s", memory_note(model, n, params, dtype, device, max_memory))
     common = dict(by=by, bins=bins, binning=binning, min_count=min_count, resampling=resampling, params=params,
-                  method=method, dtype=dtype, device=device, seed=seed)
+                  method=method, dtype=dtype, device=device, max_memory=max_memory, seed=seed)
     if outputs:
         table, hist, skipped = gc_sensitivity(model, ad, outputs=outputs, **common)
     else:
@@ -133,16 +134,16 @@ def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1
 
 
 def ntk_command(checkpoint, data=None, *, n: int = 64, blocks=None, params=None, output: str = "loss",
-                method: str = "auto", dtype=None, device=None, seq_len: int = 64, seed: int = 0, tokenizer=None,
-                out=None) -> dict:
+                method: str = "auto", dtype=None, device=None, max_memory: int | None = None, seq_len: int = 64,
+                seed: int = 0, tokenizer=None, out=None) -> dict:
     """The empirical NTK of ``n`` sentences: ``ntk.npy`` (n, n), ``blocks.npz`` (one kernel per
     block), ``labels.csv`` and ``ntk.png`` (samples ordered by label)."""
     check_output("ntk", out)
     model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
     ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
-    log.info("%s", memory_note(model, n, params, dtype, device))
+    log.info("%s", memory_note(model, n, params, dtype, device, max_memory))
     result_ntk = empirical_ntk(model, ad.batch, output=output, params=params, blocks=blocks, method=method,
-                               dtype=dtype, device=device, seed=seed)
+                               dtype=dtype, device=device, max_memory=max_memory, seed=seed)
     matrix = result_ntk.matrix.detach().cpu().numpy()
     result = {"checkpoint": str(checkpoint), "data": ad.source, "n": n, "method": result_ntk.method,
               "reason": result_ntk.reason, "blocks": list(result_ntk.blocks or {}),
