@@ -45,7 +45,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ntkscope as ns  # noqa: E402
-import ntkscope.kernel.structured as st  # noqa: E402
+import ntkscope.kernel.factors as st  # noqa: E402
 from cse_models import GPT, GPTConfig  # noqa: E402
 from ntk_methods import (PeakRSS, gram_seconds, jacrev_tutorial, loop_and_gram, loss_fn, matmul_rate,  # noqa: E402
                          tokenizer_and_batches, train_step_seconds)
@@ -217,7 +217,7 @@ def long(batches):
         original = st.pair_choice
         if form != "auto":
             def forced(fa, fb, ca, cb, work, form=form):
-                if form == "materialised" or st._ghost_cost(fa, fb) is None:
+                if form == "materialised" or st.ghost_cost(fa, fb) is None:
                     return "materialised", original(fa, fb, ca, cb, work)[1]
                 return "ghost", 0.0
             st.pair_choice = forced

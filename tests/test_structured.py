@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ntkscope as ns
-import ntkscope.kernel.structured as st
+import ntkscope.kernel.factors as st
 from cse_models import GPT, GPTConfig, SparseConfig
 from ntkscope.kernel.objectives import resolve_output
 from reference import causal_jacobian, jacobian_loop, masked_jacobian
@@ -28,7 +28,7 @@ def form(request, monkeypatch):
         choose = st.pair_choice
 
         def forced(fa, fb, ca, cb, work):
-            if request.param == "materialised" or st._ghost_cost(fa, fb) is None:
+            if request.param == "materialised" or st.ghost_cost(fa, fb) is None:
                 return "materialised", choose(fa, fb, ca, cb, work)[1]
             return "ghost", 0.0
 

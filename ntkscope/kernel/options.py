@@ -58,7 +58,9 @@ class KernelOptions:
         Projected method: ``"gaussian"`` or ``"rademacher"``, k columns per block, the RNG
         seed, and the probability at which its error bound is stated.
     tol, ncv
-        Matrix-free method: ARPACK's tolerance and Lanczos basis size.
+        Matrix-free method: the top Ritz pair's relative residual at which Lanczos stops
+        (ARPACK's criterion). ``ncv`` is no longer used: the single Lanczos run grows its
+        basis until both eigenvalues converge (kept so that saved options still load).
     """
 
     output: Any = "loss"

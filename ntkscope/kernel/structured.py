@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from ntkscope.core.checks import InputError
 from ntkscope.core.progress import progress_bar
+from ntkscope.kernel.factors import Dense, Embed, Linear, concat, pair_choice, pair_kernel, rows_of, summed
 from ntkscope.kernel.grads import FunctionalModel, check_finite, jacobian_rows
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.params import ParameterSelection
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 
 _WORK_SHARE = 0.25  # of the budget, for the tiles of pair products
 _MAX_CHUNK = 64  # samples per forward/backward
-_SYMMETRIC_TILES = 4
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -66,212 +66,6 @@ def _supported(module: nn.Module) -> bool:
     if isinstance(module, nn.Embedding):
         return module.max_norm is None and not module.scale_grad_by_freq
     return isinstance(module, (nn.Linear, nn.LayerNorm)) or _is_conv1d(module)
-
-
-# ---- factors: what one use of a parameter contributes to the per-sample gradients of a chunk ----
-
-
-@dataclass
-class Linear:
-    """``grad_i = sum_t delta_it a_it^T``; a (c, T, d_in), delta (c, T, d_out); ``io``: W is (d_in, d_out)."""
-
-    a: torch.Tensor
-    delta: torch.Tensor
-    io: bool = False
-
-    def materialise(self) -> torch.Tensor:  # (c, numel)
-        eq = "cti,cto->cio" if self.io else "cti,cto->coi"
-        return torch.einsum(eq, self.a, self.delta).reshape(self.a.shape[0], -1)
-
-
-@dataclass
-class Embed:
-    """``grad_i = sum_t e_{token_it} delta_it^T``; tokens (c, T) long, delta (c, T, d) (padding rows zeroed)."""
-
-    tokens: torch.Tensor
-    delta: torch.Tensor
-    vocab: int
-
-    def materialise(self) -> torch.Tensor:  # (c, V * d)
-        c, T, d = self.delta.shape
-        rows = (torch.arange(c, device=self.tokens.device)[:, None] * self.vocab + self.tokens).reshape(-1)
-        out = self.delta.new_zeros(c * self.vocab, d).index_add_(0, rows, self.delta.reshape(-1, d))
-        return out.view(c, -1)
-
-
-@dataclass
-class Dense:
-    """A per-sample gradient formed directly: (c, numel)."""
-
-    grads: torch.Tensor
-
-    def materialise(self) -> torch.Tensor:
-        return self.grads
-
-
-def _cat(parts: list):
-    first = parts[0]
-    if isinstance(first, Linear):
-        return Linear(torch.cat([p.a for p in parts]), torch.cat([p.delta for p in parts]), first.io)
-    if isinstance(first, Embed):
-        return Embed(torch.cat([p.tokens for p in parts]), torch.cat([p.delta for p in parts]), first.vocab)
-    return Dense(torch.cat([p.grads for p in parts]))
-
-
-def _rows(f, rows: slice):
-    if isinstance(f, Linear):
-        return Linear(f.a[rows], f.delta[rows], f.io)
-    if isinstance(f, Embed):
-        return Embed(f.tokens[rows], f.delta[rows], f.vocab)
-    return Dense(f.grads[rows])
-
-
-def _numel(f) -> int:
-    if isinstance(f, Linear):
-        return f.a.shape[-1] * f.delta.shape[-1]
-    if isinstance(f, Embed):
-        return f.vocab * f.delta.shape[-1]
-    return f.grads.shape[-1]
-
-
-def _tokens(f) -> int:
-    return f.a.shape[1] if isinstance(f, Linear) else f.tokens.shape[1] if isinstance(f, Embed) else 0
-
-
-# ---- the pair products --------------------------------------------------------------------------
-
-
-def _tied_head(fa, fb) -> bool:
-    """An Embedding use against a Linear use of the same (V, d) weight (a tied output head)."""
-    return isinstance(fa, Embed) and isinstance(fb, Linear) and not fb.io
-
-
-def _ghost_cost(fa, fb) -> float | None:
-    """Multiply-adds of the ghost form for one sample pair, or None when the pair has no ghost form."""
-    Ta, Tb = _tokens(fa), _tokens(fb)
-    if isinstance(fa, Linear) and isinstance(fb, Linear):
-        return Ta * Tb * (fa.a.shape[-1] + fa.delta.shape[-1])
-    if isinstance(fa, Embed) and isinstance(fb, Embed):
-        return Ta * Tb * (fa.delta.shape[-1] + 1)
-    if _tied_head(fa, fb):
-        return Ta * Tb * (fa.delta.shape[-1] + 1)
-    if _tied_head(fb, fa):
-        return Ta * Tb * (fb.delta.shape[-1] + 1)
-    return None
-
-
-def _form_cost(f) -> float:
-    """Multiply-adds to materialise one sample's gradient from ``f`` (an Embedding's rows are scattered)."""
-    if isinstance(f, Linear):
-        return f.a.shape[1] * f.a.shape[-1] * f.delta.shape[-1]
-    if isinstance(f, Embed):
-        return f.tokens.shape[1] * f.delta.shape[-1]
-    return 0.0
-
-
-def _compact(fa, fb) -> tuple:
-    """A pair with an Embedding use, over the vocabulary rows the Embedding touches (its gradient is zero
-    elsewhere, so the products are the same): both Embeddings' tokens renumbered, or a tied head's
-    cotangent restricted to those rows. Other pairs unchanged."""
-    if isinstance(fa, Embed) and isinstance(fb, Embed):
-        tokens = torch.cat([fa.tokens.reshape(-1), fb.tokens.reshape(-1)])
-        used, inverse = torch.unique(tokens, return_inverse=True)
-        ta, tb = inverse[: fa.tokens.numel()].view_as(fa.tokens), inverse[fa.tokens.numel():].view_as(fb.tokens)
-        return Embed(ta, fa.delta, len(used)), Embed(tb, fb.delta, len(used))
-    if _tied_head(fb, fa):
-        b, a = _compact(fb, fa)
-        return a, b
-    if _tied_head(fa, fb):
-        used, inverse = torch.unique(fa.tokens, return_inverse=True)
-        return Embed(inverse, fa.delta, len(used)), Linear(fb.a, fb.delta[..., used], fb.io)
-    return fa, fb
-
-
-def pair_choice(fa, fb, ca: int, cb: int, work: int) -> tuple[str, float]:
-    """("ghost" or "materialised", multiply-adds) for the ``ca x cb`` product of two uses: the cost model.
-
-    Materialised counts the tiles that ``work`` elements allow (B's gradients are formed again for
-    every tile of A's rows); a pair with an Embedding is formed over the vocabulary rows it touches."""
-    fa_m, fb_m = _compact(fa, fb)
-    numel = _numel(fa_m)
-    ta, _ = _tile(0, numel, ca, cb, work)
-    materialised = ca * _form_cost(fa_m) + math.ceil(ca / ta) * cb * _form_cost(fb_m) + ca * cb * numel
-    ghost = _ghost_cost(fa, fb)
-    if ghost is not None and ca * cb * ghost < materialised:
-        return "ghost", ca * cb * ghost
-    return "materialised", materialised
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1]) if t.dim() > 2 else t.reshape(-1)
-
-
-def _ghost(fa, fb) -> torch.Tensor:
-    """The (ca, cb) ghost product of two uses, as (ca Ta, cb Tb) token-pair products summed per sample pair."""
-    if _tied_head(fb, fa):
-        return _ghost(fb, fa).T
-    ca, Ta = fa.delta.shape[:2]
-    cb, Tb = fb.delta.shape[:2]
-    if isinstance(fa, Linear) and isinstance(fb, Linear):
-        left = _flat(fa.a) @ _flat(fb.a).T  # (ca Ta, cb Tb): a_at . a_bs
-        right = _flat(fa.delta) @ _flat(fb.delta).T  # delta_at . delta_bs
-    elif isinstance(fa, Embed) and isinstance(fb, Embed):
-        left = (_flat(fa.tokens)[:, None] == _flat(fb.tokens)[None, :]).to(fa.delta.dtype)
-        right = _flat(fa.delta) @ _flat(fb.delta).T
-    else:  # fa: Embed, fb: the tied head (V, d): sum_{t,s} delta^head_bs[token_at] (delta^emb_at . x^head_bs)
-        left = _flat(fb.delta)[:, _flat(fa.tokens)].T  # (ca Ta, cb Tb)
-        right = _flat(fa.delta) @ _flat(fb.a).T
-    return (left * right).view(ca, Ta, cb, Tb).sum((1, 3))
-
-
-def _tile(per_pair: float, per_row: float, ca: int, cb: int, work: int) -> tuple[int, int]:
-    """Row tiles (ta, tb) whose work tensors (``ta tb per_pair + (ta + tb) per_row`` elements) fit ``work``."""
-    ta, tb = ca, cb
-    while ta * tb * per_pair + (ta + tb) * per_row > work and (ta > 1 or tb > 1):
-        if ta >= tb:
-            ta = (ta + 1) // 2
-        else:
-            tb = (tb + 1) // 2
-    return ta, tb
-
-
-def pair_kernel(fa, fb, work_elements: int, *, symmetric: bool = False) -> tuple[torch.Tensor, str]:
-    """``<grad^a_i, grad^b_j>`` for every pair of rows of two uses of one parameter: (ca, cb) and the form used.
-
-    ``symmetric``: ``fa`` is ``fb`` (a use against itself on the same samples): only the tiles on and
-    above the diagonal are computed, the others mirrored."""
-    ca, cb = _leading(fa), _leading(fb)
-    form, _ = pair_choice(fa, fb, ca, cb, work_elements)
-    if form == "materialised":
-        fa, fb = (_compact(fa, fb) if fa is not fb else (_compact(fa, fa)[0],) * 2)
-    if form == "ghost":
-        per_pair, per_row = 3 * _tokens(fa) * _tokens(fb), 0
-    else:
-        per_pair, per_row = 0, _numel(fa)
-    ta, tb = _tile(per_pair, per_row, ca, cb, work_elements)
-    if symmetric:  # ghost: at least 4 tiles a side, so that the mirrored lower tiles save ~40 %
-        ta = tb = min(ta, tb) if form == "materialised" else max(1, min(ta, tb, math.ceil(ca / _SYMMETRIC_TILES)))
-    out = None
-    for a0 in range(0, ca, ta):
-        A = _rows(fa, slice(a0, a0 + ta))
-        GA = A.materialise() if form == "materialised" else None
-        for b0 in range(a0 if symmetric else 0, cb, tb):
-            if symmetric and b0 == a0:
-                B, GB = A, GA
-            else:
-                B = _rows(fb, slice(b0, b0 + tb))
-                GB = B.materialise() if form == "materialised" else None
-            block = _ghost(A, B) if form == "ghost" else GA @ GB.T
-            if out is None:
-                out = block.new_zeros(ca, cb)
-            out[a0 : a0 + ta, b0 : b0 + tb] = block
-            if symmetric and b0 != a0:
-                out[b0 : b0 + tb, a0 : a0 + ta] = block.T
-    return out, form
-
-
-def _leading(f) -> int:
-    return (f.a if isinstance(f, Linear) else f.tokens if isinstance(f, Embed) else f.grads).shape[0]
 
 
 # ---- capture: one forward and one backward of a chunk -------------------------------------------
@@ -312,7 +106,6 @@ class _Capture:
         self.records = []
         self.c = c
         self.plan = plan
-        self.aligned = True
         self.handles = [m.register_forward_hook(self._hook) for m in plan.modules]
 
     def _hook(self, module, inputs, output):
@@ -398,29 +191,19 @@ def capture(fm: FunctionalModel, plan: Plan, data: dict, c: int, first_row: int 
     return uses, y.detach(), batch_grad
 
 
-def _summed(f) -> torch.Tensor:
-    """Sum over samples of a factor's per-sample gradients, flat (numel,), without forming them one by one."""
-    if isinstance(f, Linear):
-        a, d = f.a.reshape(-1, f.a.shape[-1]), f.delta.reshape(-1, f.delta.shape[-1])
-        return (a.T @ d if f.io else d.T @ a).reshape(-1)
-    if isinstance(f, Embed):
-        return Embed(f.tokens.reshape(1, -1), f.delta.reshape(1, -1, f.delta.shape[-1]), f.vocab).materialise()[0]
-    return f.grads.sum(0)
-
-
 def make_plan(fm: FunctionalModel, data: dict, n: int) -> Plan:
     """Decide which selected parameters are structured, on a probe of the first (up to 2) samples."""
     owners = _owners(fm)
     broadcast = {m for m in owners if isinstance(m, nn.Embedding)}
     plan = Plan(owners, sorted({k for roles in owners.values() for k in roles.values()}), [], broadcast)
     c = min(n, 2)
-    probe = take(data, slice(0, c))
+    first = take(data, slice(0, c))
     with torch.no_grad():
-        plain = fm.outputs(fm.params, probe)
-    uses, y, batch = capture(fm, plan, probe, c, check=True)
+        plain = fm.outputs(fm.params, first)
+    uses, y, batch = capture(fm, plan, first, c, check=True)
     if not torch.allclose(y, plain, rtol=1e-5, atol=1e-6):  # expanding a broadcast embedding changed f
         plan.broadcast = set()
-        uses, y, batch = capture(fm, plan, probe, c, check=True)
+        uses, y, batch = capture(fm, plan, first, c, check=True)
     tol = 1e-8 if fm.dtype == torch.float64 else 1e-4
     scale = max([float(g.abs().max()) for g in batch.values() if g is not None] + [1e-30])
     structured = []
@@ -429,7 +212,7 @@ def make_plan(fm: FunctionalModel, data: dict, n: int) -> Plan:
         if not parts or any(f is None for f in parts):
             plan.reasons[key] = "its layer's input has no sample dimension"
             continue
-        total = sum(_summed(f) for f in parts)
+        total = sum(summed(f) for f in parts)
         g = batch.get(key)
         ref = torch.zeros_like(total) if g is None else g.reshape(-1)
         if not torch.allclose(total, ref, rtol=tol, atol=tol * scale):
@@ -491,7 +274,7 @@ def _chunk(fm, plan, sub, data, rows: slice) -> Chunk:
 def _join(chunks: list) -> Chunk:
     if len(chunks) == 1:
         return chunks[0]
-    uses = {k: [_cat([ch.uses[k][u] for ch in chunks]) for u in range(len(chunks[0].uses[k]))]
+    uses = {k: [concat([ch.uses[k][u] for ch in chunks]) for u in range(len(chunks[0].uses[k]))]
             for k in chunks[0].uses}
     J = None if chunks[0].fallback is None else torch.cat([ch.fallback for ch in chunks])
     return Chunk(uses, J)
@@ -519,7 +302,7 @@ def probe(fm: FunctionalModel, data: dict, n: int) -> Probe:
                 for t in vars(f).values() if torch.is_tensor(t))
     if ch.fallback is not None:
         total += ch.fallback.numel() * ch.fallback.element_size()
-    uses = {k: [_rows(f, slice(0, 1)) for f in parts] for k, parts in ch.uses.items()}
+    uses = {k: [rows_of(f, slice(0, 1)) for f in parts] for k, parts in ch.uses.items()}
     n_fallback = int(sum(fm.params[k].numel() for k in plan.fallback))
     result = Probe(plan, max(1, total // c), uses, n_fallback)
     cache[id(data)] = result

@@ -1,0 +1,242 @@
+"""Layer factors and their pair products: the arithmetic of the structured NTK.
+
+A *factor* is what one use of a parameter (one call of its module) contributes to the
+per-sample gradients of a run of c samples, without forming them:
+
+- :class:`Linear`: inputs a (c, T, d_in) and output cotangents delta (c, T, d_out);
+  ``grad_i = sum_t delta_it a_it^T`` (``io``: HF Conv1D's (d_in, d_out) layout).
+- :class:`Embed`: token ids (c, T) and cotangents (c, T, d); ``grad_i = sum_t e_{token_it} delta_it^T``.
+- :class:`Dense`: per-sample gradients formed directly (c, numel): biases, LayerNorm.
+
+:func:`pair_kernel` gives ``<grad^u_i, grad^v_j>`` for every sample pair of two uses of one
+parameter, in the form :func:`pair_choice` (the cost model) says is cheaper: "ghost",
+``sum_{t,s} (a_it . a_js)(delta_it . delta_js)`` as two token-pair Gram matrices, or
+"materialised", the per-sample gradients formed and multiplied. Pairs with an Embedding are
+formed over the vocabulary rows it touches (:func:`_compact`). Everything here takes valid
+factors; :mod:`ntkscope.kernel.structured` captures them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SYMMETRIC_TILES = 4  # a factor against itself: at least this many tiles a side, lower ones mirrored
+
+
+# ---- factors: what one use of a parameter contributes to the per-sample gradients of a chunk ----
+
+
+@dataclass
+class Linear:
+    """``grad_i = sum_t delta_it a_it^T``; a (c, T, d_in), delta (c, T, d_out); ``io``: W is (d_in, d_out)."""
+
+    a: torch.Tensor
+    delta: torch.Tensor
+    io: bool = False
+
+    def materialise(self) -> torch.Tensor:  # (c, numel)
+        eq = "cti,cto->cio" if self.io else "cti,cto->coi"
+        return torch.einsum(eq, self.a, self.delta).reshape(self.a.shape[0], -1)
+
+
+@dataclass
+class Embed:
+    """``grad_i = sum_t e_{token_it} delta_it^T``; tokens (c, T) long, delta (c, T, d) (padding rows zeroed)."""
+
+    tokens: torch.Tensor
+    delta: torch.Tensor
+    vocab: int
+
+    def materialise(self) -> torch.Tensor:  # (c, V * d)
+        c, T, d = self.delta.shape
+        rows = (torch.arange(c, device=self.tokens.device)[:, None] * self.vocab + self.tokens).reshape(-1)
+        out = self.delta.new_zeros(c * self.vocab, d).index_add_(0, rows, self.delta.reshape(-1, d))
+        return out.view(c, -1)
+
+
+@dataclass
+class Dense:
+    """A per-sample gradient formed directly: (c, numel)."""
+
+    grads: torch.Tensor
+
+    def materialise(self) -> torch.Tensor:
+        return self.grads
+
+
+def concat(parts: list):
+    first = parts[0]
+    if isinstance(first, Linear):
+        return Linear(torch.cat([p.a for p in parts]), torch.cat([p.delta for p in parts]), first.io)
+    if isinstance(first, Embed):
+        return Embed(torch.cat([p.tokens for p in parts]), torch.cat([p.delta for p in parts]), first.vocab)
+    return Dense(torch.cat([p.grads for p in parts]))
+
+
+def rows_of(f, rows: slice):
+    if isinstance(f, Linear):
+        return Linear(f.a[rows], f.delta[rows], f.io)
+    if isinstance(f, Embed):
+        return Embed(f.tokens[rows], f.delta[rows], f.vocab)
+    return Dense(f.grads[rows])
+
+
+def _numel(f) -> int:
+    if isinstance(f, Linear):
+        return f.a.shape[-1] * f.delta.shape[-1]
+    if isinstance(f, Embed):
+        return f.vocab * f.delta.shape[-1]
+    return f.grads.shape[-1]
+
+
+def _tokens(f) -> int:
+    return f.a.shape[1] if isinstance(f, Linear) else f.tokens.shape[1] if isinstance(f, Embed) else 0
+
+
+# ---- the pair products --------------------------------------------------------------------------
+
+
+def _tied_head(fa, fb) -> bool:
+    """An Embedding use against a Linear use of the same (V, d) weight (a tied output head)."""
+    return isinstance(fa, Embed) and isinstance(fb, Linear) and not fb.io
+
+
+def ghost_cost(fa, fb) -> float | None:
+    """Multiply-adds of the ghost form for one sample pair, or None when the pair has no ghost form."""
+    Ta, Tb = _tokens(fa), _tokens(fb)
+    if isinstance(fa, Linear) and isinstance(fb, Linear):
+        return Ta * Tb * (fa.a.shape[-1] + fa.delta.shape[-1])
+    if isinstance(fa, Embed) and isinstance(fb, Embed):
+        return Ta * Tb * (fa.delta.shape[-1] + 1)
+    if _tied_head(fa, fb):
+        return Ta * Tb * (fa.delta.shape[-1] + 1)
+    if _tied_head(fb, fa):
+        return Ta * Tb * (fb.delta.shape[-1] + 1)
+    return None
+
+
+def _form_cost(f) -> float:
+    """Multiply-adds to materialise one sample's gradient from ``f`` (an Embedding's rows are scattered)."""
+    if isinstance(f, Linear):
+        return f.a.shape[1] * f.a.shape[-1] * f.delta.shape[-1]
+    if isinstance(f, Embed):
+        return f.tokens.shape[1] * f.delta.shape[-1]
+    return 0.0
+
+
+def _compact(fa, fb) -> tuple:
+    """A pair with an Embedding use, over the vocabulary rows the Embedding touches (its gradient is zero
+    elsewhere, so the products are the same): both Embeddings' tokens renumbered, or a tied head's
+    cotangent restricted to those rows. Other pairs unchanged."""
+    if isinstance(fa, Embed) and isinstance(fb, Embed):
+        tokens = torch.cat([fa.tokens.reshape(-1), fb.tokens.reshape(-1)])
+        used, inverse = torch.unique(tokens, return_inverse=True)
+        ta, tb = inverse[: fa.tokens.numel()].view_as(fa.tokens), inverse[fa.tokens.numel():].view_as(fb.tokens)
+        return Embed(ta, fa.delta, len(used)), Embed(tb, fb.delta, len(used))
+    if _tied_head(fb, fa):
+        b, a = _compact(fb, fa)
+        return a, b
+    if _tied_head(fa, fb):
+        used, inverse = torch.unique(fa.tokens, return_inverse=True)
+        return Embed(inverse, fa.delta, len(used)), Linear(fb.a, fb.delta[..., used], fb.io)
+    return fa, fb
+
+
+def pair_choice(fa, fb, ca: int, cb: int, work: int) -> tuple[str, float]:
+    """("ghost" or "materialised", multiply-adds) for the ``ca x cb`` product of two uses: the cost model.
+
+    Materialised counts the tiles that ``work`` elements allow (B's gradients are formed again for
+    every tile of A's rows); a pair with an Embedding is formed over the vocabulary rows it touches."""
+    fa_m, fb_m = _compact(fa, fb)
+    numel = _numel(fa_m)
+    ta, _ = _tile(0, numel, ca, cb, work)
+    materialised = ca * _form_cost(fa_m) + math.ceil(ca / ta) * cb * _form_cost(fb_m) + ca * cb * numel
+    ghost = ghost_cost(fa, fb)
+    if ghost is not None and ca * cb * ghost < materialised:
+        return "ghost", ca * cb * ghost
+    return "materialised", materialised
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]) if t.dim() > 2 else t.reshape(-1)
+
+
+def _ghost(fa, fb) -> torch.Tensor:
+    """The (ca, cb) ghost product of two uses, as (ca Ta, cb Tb) token-pair products summed per sample pair."""
+    if _tied_head(fb, fa):
+        return _ghost(fb, fa).T
+    ca, Ta = fa.delta.shape[:2]
+    cb, Tb = fb.delta.shape[:2]
+    if isinstance(fa, Linear) and isinstance(fb, Linear):
+        left = _flat(fa.a) @ _flat(fb.a).T  # (ca Ta, cb Tb): a_at . a_bs
+        right = _flat(fa.delta) @ _flat(fb.delta).T  # delta_at . delta_bs
+    elif isinstance(fa, Embed) and isinstance(fb, Embed):
+        left = (_flat(fa.tokens)[:, None] == _flat(fb.tokens)[None, :]).to(fa.delta.dtype)
+        right = _flat(fa.delta) @ _flat(fb.delta).T
+    else:  # fa: Embed, fb: the tied head (V, d): sum_{t,s} delta^head_bs[token_at] (delta^emb_at . x^head_bs)
+        left = _flat(fb.delta)[:, _flat(fa.tokens)].T  # (ca Ta, cb Tb)
+        right = _flat(fa.delta) @ _flat(fb.a).T
+    return (left * right).view(ca, Ta, cb, Tb).sum((1, 3))
+
+
+def _tile(per_pair: float, per_row: float, ca: int, cb: int, work: int) -> tuple[int, int]:
+    """Row tiles (ta, tb) whose work tensors (``ta tb per_pair + (ta + tb) per_row`` elements) fit ``work``."""
+    ta, tb = ca, cb
+    while ta * tb * per_pair + (ta + tb) * per_row > work and (ta > 1 or tb > 1):
+        if ta >= tb:
+            ta = (ta + 1) // 2
+        else:
+            tb = (tb + 1) // 2
+    return ta, tb
+
+
+def pair_kernel(fa, fb, work_elements: int, *, symmetric: bool = False) -> tuple[torch.Tensor, str]:
+    """``<grad^a_i, grad^b_j>`` for every pair of rows of two uses of one parameter: (ca, cb) and the form used.
+
+    ``symmetric``: ``fa`` is ``fb`` (a use against itself on the same samples): only the tiles on and
+    above the diagonal are computed, the others mirrored."""
+    ca, cb = _leading(fa), _leading(fb)
+    form, _ = pair_choice(fa, fb, ca, cb, work_elements)
+    if form == "materialised":
+        fa, fb = (_compact(fa, fb) if fa is not fb else (_compact(fa, fa)[0],) * 2)
+    if form == "ghost":
+        per_pair, per_row = 3 * _tokens(fa) * _tokens(fb), 0
+    else:
+        per_pair, per_row = 0, _numel(fa)
+    ta, tb = _tile(per_pair, per_row, ca, cb, work_elements)
+    if symmetric:  # ghost: at least 4 tiles a side, so that the mirrored lower tiles save ~40 %
+        ta = tb = min(ta, tb) if form == "materialised" else max(1, min(ta, tb, math.ceil(ca / SYMMETRIC_TILES)))
+    out = None
+    for a0 in range(0, ca, ta):
+        A = rows_of(fa, slice(a0, a0 + ta))
+        GA = A.materialise() if form == "materialised" else None
+        for b0 in range(a0 if symmetric else 0, cb, tb):
+            if symmetric and b0 == a0:
+                B, GB = A, GA
+            else:
+                B = rows_of(fb, slice(b0, b0 + tb))
+                GB = B.materialise() if form == "materialised" else None
+            block = _ghost(A, B) if form == "ghost" else GA @ GB.T
+            if out is None:
+                out = block.new_zeros(ca, cb)
+            out[a0 : a0 + ta, b0 : b0 + tb] = block
+            if symmetric and b0 != a0:
+                out[b0 : b0 + tb, a0 : a0 + ta] = block.T
+    return out, form
+
+
+def _leading(f) -> int:
+    return (f.a if isinstance(f, Linear) else f.tokens if isinstance(f, Embed) else f.grads).shape[0]
+
+
+def summed(f) -> torch.Tensor:
+    """Sum over samples of a factor's per-sample gradients, flat (numel,), without forming them one by one."""
+    if isinstance(f, Linear):
+        a, d = f.a.reshape(-1, f.a.shape[-1]), f.delta.reshape(-1, f.delta.shape[-1])
+        return (a.T @ d if f.io else d.T @ a).reshape(-1)
+    if isinstance(f, Embed):
+        return Embed(f.tokens.reshape(1, -1), f.delta.reshape(1, -1, f.delta.shape[-1]), f.vocab).materialise()[0]
+    return f.grads.sum(0)
