@@ -203,8 +203,8 @@ def gradient_consistency(model, batch, subset, *, labels=None, resampling: Resam
         eigendecompositions only; the matrix-free method reports the conditioning flags but
         no interval or band. ``None``: the point value and conditioning only.
     options, **fields
-        :class:`~ntkscope.KernelOptions` or its fields. ``method``: "auto" (exact when J fits
-        in memory, else matrix-free), "exact", "matrix-free" or "projected".
+        :class:`~ntkscope.KernelOptions` or its fields. ``method``: "auto" (the cheapest
+        estimate that fits in memory), "exact", "structured", "matrix-free" or "projected".
 
     Returns
     -------

@@ -2,10 +2,11 @@
 
 How each is computed is a row of the method table (:mod:`ntkscope.kernel.methods`):
 ``"exact"`` streams per-sample gradients into the Gram matrix (in panels when J does not
-fit), ``"projected"`` sketches each block with a seeded random projection and states the
-Johnson-Lindenstrauss bound, ``"matrix-free"`` (eigenpairs only) runs Lanczos on
-``v -> J (J^T v)``. ``"auto"`` is exact whenever J fits in memory; the choice and the
-reason are stored in the result.
+fit), ``"structured"`` builds the same kernel from each layer's inputs and output cotangents
+(:mod:`ntkscope.kernel.structured`), ``"projected"`` sketches each block with a seeded random
+projection and states the Johnson-Lindenstrauss bound, ``"matrix-free"`` (eigenpairs only)
+runs Lanczos on ``v -> J (J^T v)``. ``"auto"`` takes the cheapest estimate that fits in
+memory; the choice and the estimates behind it are stored in the result.
 
 Shapes: scalar outputs give ``(n1, n2)``; vector outputs with ``reduction="trace"`` give
 ``(n1, n2)`` with ``Theta_ij = sum_k J_ik . J_jk`` (the plain sum: neural-tangents'
@@ -39,7 +40,7 @@ class NTKResult:
     matrix : Tensor of shape (n1, n2), or (K, n1, n2) for ``reduction="diagonal"``
     blocks : dict of str to Tensor, or None
         One kernel per parameter block, same shape as ``matrix``; they sum to it.
-    method : {"exact", "projected"}
+    method : {"exact", "structured", "projected"}
     reason : str
         Why this method ran (asked for, or the memory estimate behind ``"auto"``).
     error_bound : float or None
@@ -88,7 +89,9 @@ def empirical_ntk(model, batch, batch2=None, *, reduction="trace", blocks=None,
     options, **fields
         :class:`~ntkscope.KernelOptions`, or its fields as keywords (``output``, ``params``,
         ``method``, ``dtype``, ``chunk_size``, ``max_memory``, ``projection``,
-        ``projection_dim``, ``seed``, ``confidence``). ``method``: "auto", "exact" or "projected".
+        ``projection_dim``, ``seed``, ``confidence``, ``device``). ``method``: "auto" (the cheapest
+        estimate that fits in memory, in the result's ``reason``), "exact", "structured" (scalar
+        outputs) or "projected".
 
     Returns
     -------
@@ -150,10 +153,10 @@ def ntk_top_eigenpair(model, batch, *, options: KernelOptions | None = None, **f
     model, batch
         As for :func:`empirical_ntk`.
     options, **fields
-        :class:`~ntkscope.KernelOptions` or its fields. ``method``: "auto" (exact, a dense
-        ``eigh`` of the streamed kernel, when J fits in memory, else matrix-free Lanczos with
-        memory O(P + n)), "exact", "matrix-free" or "projected"; ``tol`` and ``ncv`` are
-        ARPACK's tolerance and Lanczos basis size for the matrix-free method.
+        :class:`~ntkscope.KernelOptions` or its fields. ``method``: "auto" (the cheapest
+        estimate that fits in memory: a dense ``eigh`` of an exact or structured kernel, or
+        matrix-free Lanczos with memory O(P + n)), "exact", "structured", "matrix-free" or
+        "projected"; ``tol`` is the matrix-free method's Lanczos tolerance.
 
     Returns
     -------
