@@ -67,12 +67,17 @@ def _place(out: dict, name: str, G: torch.Tensor, r: slice, c: slice, mirror: bo
         out[name][..., c, r] = G.transpose(-1, -2)
 
 
+def exact_panel(fm: FunctionalModel, n1: int, chunk: int, budget: int) -> int:
+    """Rows of J held at once: what fits ``budget`` beside a chunk's working set (at least 1)."""
+    row_bytes = fm.n_outputs * fm.selection.n_params * fm.itemsize
+    return int(min(n1, max(1, (budget - 3 * chunk * row_bytes) // row_bytes)))
+
+
 def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, reduction):
     """Exact NTK blocks, in panels of J rows that fit ``budget`` bytes; returns ({block: kernel}, gradient passes)."""
     sel, K, P = fm.selection, fm.n_outputs, fm.selection.n_params
-    row_bytes = K * P * fm.itemsize
     symmetric = data2 is None
-    panel = int(min(n1, max(0, budget - 3 * chunk * row_bytes) // row_bytes))
+    panel = exact_panel(fm, n1, chunk, budget)
     kshape = (K,) if (K > 1 and reduction == "diagonal") else ()
     out = {b: torch.zeros(*kshape, n1, n2, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
     chunk_buf = torch.empty(chunk, K, P, dtype=fm.dtype, device=fm.device)

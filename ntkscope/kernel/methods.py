@@ -29,6 +29,7 @@ from ntkscope.kernel.eigen import EigenResult, NTKOperator, dense_top_eigenpair,
 from ntkscope.kernel.grads import FunctionalModel
 from ntkscope.kernel.kernels import (
     exact_kernels,
+    exact_panel,
     exact_memory,
     jl_error_bound,
     matrix_free_memory,
@@ -36,7 +37,7 @@ from ntkscope.kernel.kernels import (
     projected_memory,
 )
 from ntkscope.kernel.options import KernelOptions, Method
-from ntkscope.kernel.structured import _WORK_SHARE, layout, pair_cost, probe, structured_kernels
+from ntkscope.kernel.structured import held_bytes, layout, pair_cost, probe, structured_kernels, work_elements
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,8 @@ def _lanczos_eigen(fm, data, n, chunk, budget, opts):
 
 #: A per-sample gradient by vmap costs about two batched forward+backward passes per sample
 #: (measured, benchmarks/README.md: exact = 1.9-2.3 training steps); a matrix-free matvec is one VJP
-#: and one JVP over the batch, about two; Lanczos from the all-ones vector needs about 16 of them.
-_VMAP_FACTOR, _MATVEC_FACTOR, _MATVECS = 2.0, 2.0, 16
+#: and one JVP over the batch, about two; the single Lanczos run from the all-ones vector needs 7-10 of them.
+_VMAP_FACTOR, _MATVEC_FACTOR, _MATVECS = 2.0, 2.0, 10
 
 
 def tokens_per_sample(data: dict) -> int:
@@ -143,13 +144,8 @@ def _sample_passes(n1: int, n2: int, panel: int, symmetric: bool) -> float:
     return n1 + panels * n2 if panels > 1 else n1 + n2
 
 
-def _exact_panel(fm, n1, chunk, budget) -> int:
-    row = fm.n_outputs * fm.selection.n_params * fm.itemsize
-    return int(min(n1, max(1, (budget - 3 * chunk * row) // row)))
-
-
 def _exact_cost(task, fm, data, n1, n2, chunk, budget, opts, symmetric):
-    grads = _sample_passes(n1, n2, _exact_panel(fm, n1, chunk, budget), symmetric)
+    grads = _sample_passes(n1, n2, exact_panel(fm, n1, chunk, budget), symmetric)
     gram = n1 * n2 * fm.n_outputs * fm.selection.n_params / (2 if symmetric else 1)
     return _VMAP_FACTOR * step_cost(fm, data, 1) * grads + gram
 
@@ -159,13 +155,12 @@ def _structured_cost(task, fm, data, n1, n2, chunk, budget, opts, symmetric):
     panel, _, _ = layout(pr, n1, n2, budget, opts.chunk_size, symmetric)
     passes = _sample_passes(n1, n2, panel, symmetric)
     fallback = _VMAP_FACTOR * step_cost(fm, data, 1) * passes if pr.plan.fallback else 0.0
-    work = int(_WORK_SHARE * budget) // fm.itemsize
-    return step_cost(fm, data, 1) * passes + fallback + pair_cost(pr, n1, n2, work) / (2 if symmetric else 1)
+    products = pair_cost(pr, n1, n2, work_elements(budget, fm.itemsize))
+    return step_cost(fm, data, 1) * passes + fallback + products / (2 if symmetric else 1)
 
 
 def _structured_memory(task, fm, data, n1, n2, chunk, opts, symmetric):
-    pr = probe(fm, data, n1)
-    return int((n1 + (0 if symmetric else n2)) * pr.sample_bytes / (1 - _WORK_SHARE))
+    return held_bytes(probe(fm, data, n1), n1, n2, symmetric)
 
 
 def _projected_cost(task, fm, data, n1, n2, chunk, budget, opts, symmetric):

@@ -309,8 +309,19 @@ def probe(fm: FunctionalModel, data: dict, n: int) -> Probe:
     return result
 
 
+def work_elements(budget: int, itemsize: int) -> int:
+    """Elements the tiles of pair products may hold: a fixed share of the budget."""
+    return max(1, int(_WORK_SHARE * budget) // itemsize)
+
+
+def held_bytes(pr: Probe, n1: int, n2: int, symmetric: bool) -> int:
+    """Bytes for the factors of every sample plus the tiles' share: the memory with no panels."""
+    return int((n1 + (0 if symmetric else n2)) * pr.sample_bytes / (1 - _WORK_SHARE))
+
+
 def pair_cost(pr: Probe, n1: int, n2: int, work: int) -> float:
-    """Multiply-adds of all the pair products of an (n1, n2) kernel, by the cost model."""
+    """Multiply-adds of all the pair products of an (n1, n2) kernel, by the cost model
+    (``work``: :func:`work_elements`)."""
     total = 0.0
     for parts in pr.uses.values():
         for fa in parts:
@@ -360,7 +371,6 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
     sub = _sub(fm, plan)
     symmetric = data2 is None
     panel, stream, chunk = layout(pr, n1, n2, budget, chunk, symmetric)
-    work = int(_WORK_SHARE * budget)
     sel = fm.selection
     block_of = {}
     for key, offset in zip(fm.params, sel.offsets):
@@ -371,7 +381,7 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
             fb_slices[k] = slice(o, o + shape.numel())
     out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
     forms: dict = {}
-    work_elements = max(1, work // fm.itemsize)
+    work = work_elements(budget, fm.itemsize)
     passes = np.zeros(n1 + (0 if symmetric else n2), dtype=int)
 
     panels = [(a0, min(n1, a0 + panel)) for a0 in range(0, n1, panel)]
@@ -404,7 +414,7 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
                 for v, fb in enumerate(parts_b):
                     if same and v < u:
                         continue
-                    k, form = pair_kernel(fa, fb, work_elements, symmetric=same and u == v)
+                    k, form = pair_kernel(fa, fb, work, symmetric=same and u == v)
                     if same and v > u:
                         k = k + k.T
                     forms[form] = forms.get(form, 0) + 1
