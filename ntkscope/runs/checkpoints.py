@@ -1,5 +1,6 @@
 """Checkpoints behind one function: a training run's directory (``cse_models``' layout,
-``RUN/checkpoints/step-NNNNNN``), a ``cse_models`` checkpoint, an HF model directory, or
+``RUN/checkpoints/step-NNNNNN``, or a directory of ``stepN`` checkpoints, the names of Pythia's
+training-checkpoint revisions), a ``cse_models`` checkpoint, an HF model directory, or
 a plain state dict (``*.bin`` / ``*.pt``) beside a ``config.json``.
 
 Safe by default: weights come from safetensors, or from ``torch.load(weights_only=True)``,
@@ -22,27 +23,34 @@ from ntkscope.text.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-_STEP = re.compile(r"^step-(\d+)$")
+_STEP = re.compile(r"^step-?(\d+)$")  # cse_models' step-000100, Pythia's step1000
+
+
+def _complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and weights_file(path) is not None
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and _complete(p)]
+    return sorted(found)
 
 
 def is_run_dir(path: str | Path) -> bool:
-    return (Path(path) / "checkpoints").is_dir()
+    """A ``cse_models`` run (``checkpoints/``) or a directory of ``stepN`` checkpoints."""
+    path = Path(path)
+    return (path / "checkpoints").is_dir() or (not (path / "config.json").is_file() and bool(_step_dirs(path)))
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """[(step, path)] of a run's complete checkpoints, in step order."""
+    """[(step, path)] of a run's complete checkpoints (config.json and weights), in step order."""
     run_dir = Path(run_dir)
-    root = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
-    found = []
-    if root.is_dir():
-        for p in root.iterdir():
-            m = _STEP.match(p.name)
-            if m and (p / "config.json").is_file() and (p / "model.safetensors").is_file():
-                found.append((int(m.group(1)), p))
+    found = _step_dirs(run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir)
     if not found:
-        raise FileNotFoundError(f"list_checkpoints: run_dir {run_dir} has no checkpoints "
-                                "(expected checkpoints/step-NNNNNN directories with config.json and model.safetensors)")
-    return sorted(found)
+        raise FileNotFoundError(f"list_checkpoints: run_dir {run_dir} has no checkpoints (expected "
+                                "checkpoints/step-NNNNNN or stepN directories with config.json and weights)")
+    return found
 
 
 def load_checkpoint(path: str | Path):
@@ -82,7 +90,8 @@ def model_vocab_size(model) -> int:
 def checkpoint_tokenizer(path: str | Path, tokenizer=None, data=None):
     """The one tokenizer resolution: ``tokenizer`` when named, else the checkpoint's
     ``tokenizer.json``, else (a ``cse_models`` run or one of its checkpoints) the tokenizer its
-    ``train_config.json`` used, else the BPE of ``data`` when that is a corpus pack
+    ``train_config.json`` used, else a ``tokenizer.json`` beside the checkpoint (a directory
+    of ``stepN`` checkpoints), else the BPE of ``data`` when that is a corpus pack
     (``"default"``: the shipped one). Check it against the model with :func:`check_vocab`."""
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
@@ -96,6 +105,8 @@ def checkpoint_tokenizer(path: str | Path, tokenizer=None, data=None):
             if trained_on.get("tokenizer"):
                 return load_tokenizer(trained_on["tokenizer"])
             return load_pack(trained_on.get("pack")).tokenizer()
+    if (path.parent / "tokenizer.json").is_file():
+        return load_tokenizer(path.parent)
     if data in (None, "default") or Path(data).is_dir():
         return load_pack(None if data in (None, "default") else data).tokenizer()
     raise FileNotFoundError(f"checkpoint_tokenizer: {path} has no tokenizer.json and is not part of a cse_models "

@@ -9,7 +9,8 @@ hidden states at a named point of layer l:
 - ``"attn_input"``: the input of the attention module.
 
 Works on the models of ``cse_models`` (GPT, BERT, with or without sparse layers) and on
-HF GPT-2 and BERT models (e.g. the pretrained MiniLM). Forward hooks pool each point as
+the HF families with a layer layout (GPT-2, BERT e.g. the pretrained MiniLM, GPT-NeoX/Pythia,
+Llama, Qwen2, OLMo; :mod:`ntkscope.runs.families`). Forward hooks pool each point as
 it is computed, so no activation is kept beyond the (n, d) means that were asked for.
 """
 
@@ -78,13 +79,13 @@ def layer_embeddings(model: nn.Module, batch: dict, *, point: str = "block", lay
     current: dict = {}
 
     def make_hook(i):
-        def hook(_module, inputs, output):
-            h = inputs[0] if use_input else output
+        def hook(_module, args, kwargs, output):
+            h = (args[0] if args else kwargs["hidden_states"]) if use_input else output
             h = h[0] if isinstance(h, tuple) else h
             out[i].append(masked_mean(h.float(), current["mask"]).cpu())
         return hook
 
-    hooks = [_resolve(blocks[i], path).register_forward_hook(make_hook(i)) for i in layers]
+    hooks = [_resolve(blocks[i], path).register_forward_hook(make_hook(i), with_kwargs=True) for i in layers]
     start = time.perf_counter()
     try:
         for s in range(0, n, batch_size):

@@ -8,6 +8,10 @@ embeddings, the vocabulary check and the commands go through :func:`family_of` a
 :func:`family_for_config`.
 
 Supporting a new Hugging Face family is one :class:`Family` in :data:`FAMILIES` and its tests.
+Families here: ``cse_models`` GPT/BERT; HF GPT-2, BERT, GPT-NeoX (Pythia), the Llama layout
+(Llama, Mistral, Qwen2, OLMo: pre-norm ``input_layernorm`` / ``post_attention_layernorm``
+around ``self_attn`` / ``mlp``) and OLMo-2 (the same modules, normalised after each
+sub-layer); any other ``transformers`` model loads and has a kernel, but no layer layout.
 
 Points (docs/design.md §3): ``"block"`` the block's output; ``"ffn_input"`` / ``"ffn_output"``
 the feed-forward module's input / output; ``"attn_input"`` the attention module's input.
@@ -36,6 +40,13 @@ _PRE_LN_POINTS = {"block": (None, False), "ffn_input": ("ln_2", False), "ffn_out
                   "attn_input": ("ln_1", False)}
 _BERT_POINTS = {"block": (None, False), "ffn_input": ("intermediate", True), "ffn_output": ("output", False),
                 "attn_input": (None, True)}
+# pre-norm HF decoders (GPT-NeoX, Llama layout): the two norms' outputs are the sub-layers' inputs
+_DECODER_POINTS = {"block": (None, False), "ffn_input": ("post_attention_layernorm", False),
+                   "ffn_output": ("mlp", False), "attn_input": ("input_layernorm", False)}
+# OLMo-2 normalises each sub-layer's output: the sub-layers read the residual stream itself
+_POST_NORM_POINTS = {"block": (None, False), "ffn_input": ("mlp", True), "ffn_output": ("mlp", False),
+                     "attn_input": (None, True)}
+LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "olmo")
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,17 @@ def _load_cse(path: Path, data: dict, weights: Path):
     return load_weights(model, load_state_dict(weights), "load_checkpoint", path).eval()
 
 
+def _model_type(model) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def _hf_family(name: str, model_types: tuple, blocks: Callable, points: dict) -> Family:
+    """A causal HF decoder family recognised by its config's ``model_type``."""
+    return Family(name, is_model=lambda m: is_huggingface(m) and _model_type(m) in model_types,
+                  is_config=lambda d: d.get("model_type") in model_types, load=_load_hf, causal=lambda m: True,
+                  blocks=blocks, points=points, vocab_size=_hf_vocab)
+
+
 def _bert_encoder(model):
     return getattr(model, "encoder", None) or getattr(getattr(model, "bert", None), "encoder", None)
 
@@ -156,6 +178,9 @@ FAMILIES: dict[str, Family] = {
         points=_BERT_POINTS,
         vocab_size=_hf_vocab,
     ),
+    "gpt_neox": _hf_family("gpt_neox", ("gpt_neox",), lambda m: list(m.gpt_neox.layers), _DECODER_POINTS),
+    "llama": _hf_family("llama", LLAMA_LAYOUT, lambda m: list(m.model.layers), _DECODER_POINTS),
+    "olmo2": _hf_family("olmo2", ("olmo2",), lambda m: list(m.model.layers), _POST_NORM_POINTS),
     "hf": Family(  # any other transformers model: loads and has a kernel, but no layer layout here
         "hf",
         is_model=is_huggingface,
@@ -189,7 +214,7 @@ def layer_points(model: nn.Module, point: str) -> tuple[list, str | None, bool]:
     """(the model's blocks, the point's submodule path, read its input?) for ``point``."""
     family = family_of(model)
     if family.blocks is None or point not in family.points:
-        raise InputError("model", "must be a cse_models GPT/BERT or an HF GPT-2/BERT model (a family with a "
-                         "layer layout)", type(model).__name__)
+        with_layout = sorted(name for name, f in FAMILIES.items() if f.blocks is not None)
+        raise InputError("model", f"must be of a family with a layer layout {with_layout}", type(model).__name__)
     path, use_input = family.points[point]
     return family.blocks(model), path, use_input
