@@ -32,6 +32,7 @@ from ntkscope.runs.gc import GROUPINGS
 from ntkscope.text.corpus.pack import build_pack, load_pack
 from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
 from ntkscope.text.frequency import BINNINGS, NORMALISATIONS
+from ntkscope.text.inputs import DataSource, as_source
 
 
 def _print_table(title, frame, digits: int = 3):
@@ -93,8 +94,8 @@ def _corpus_info(args) -> int:
 
 
 def _freq(args) -> int:
-    r = commands.freq_command(args.data, tokenizer=args.tokenizer, normalisation=args.normalisation, bins=args.bins,
-                              out=args.out)
+    r = commands.freq_command(_source(args), tokenizer=args.tokenizer, normalisation=args.normalisation,
+                              bins=args.bins, out=args.out)
     _print_table(f"sentence frequency score by domain ({args.normalisation}, {r['tokenizer'].name}):",
                  r["sentences"].groupby("domain")["score"].describe()[["count", "25%", "50%", "75%"]].reset_index())
     _print_table("percentage of sentences per bin:", r["histogram"])
@@ -109,7 +110,7 @@ def _analysis_options(args) -> dict:
 
 
 def _clusters(args) -> int:
-    r = commands.clusters_command(args.model, args.data, **_analysis_options(args), out=args.out)
+    r = commands.clusters_command(args.model, _source(args), **_analysis_options(args), out=args.out)
     if r["run"]:
         _print_table(f"clusters per checkpoint and layer ({args.point}, n={args.n}):", r["table"])
     else:
@@ -122,7 +123,7 @@ def _clusters(args) -> int:
 
 
 def _plan(args) -> int:
-    r = commands.plan_command(args.run_dir, args.data, **_analysis_options(args), module=args.module,
+    r = commands.plan_command(args.run_dir, _source(args), **_analysis_options(args), module=args.module,
                               tail_fraction=args.tail_fraction, method=args.method, output=args.output,
                               overlap=args.overlap, out=args.out)
     _print_table("separation per checkpoint and layer:", r["separation"].pivot(
@@ -160,15 +161,15 @@ def _gc(args) -> int:
         if args.device:
             raise InputError("device", "applies to one checkpoint; a run directory is analysed on the CPU",
                              args.device, func="ntkscope gc")
-        result = commands.gc_run_command(args.target, args.data, n=args.n, output=args.output, method=args.method,
-                                         resampling=_resampling(args), seq_len=args.seq_len, seed=args.seed,
-                                         tokenizer=args.tokenizer, out=args.out)
+        result = commands.gc_run_command(args.target, _source(args), n=args.n, output=args.output,
+                                         method=args.method, resampling=_resampling(args), seq_len=args.seq_len,
+                                         seed=args.seed, tokenizer=args.tokenizer, out=args.out)
         _print_table(f"GC of the long tail (n_tail={result['n_tail']} of {result['n']}, output {args.output}) at "
                      "each checkpoint:", pd.DataFrame(result["series"])[["step", *GC_COLUMNS[1:]]])
         peak = result["peak"]
         print(f"\n|GC| peaks at step {peak['step']}: {'shown' if peak['shown'] else 'not shown'} ({peak['why']})")
     else:
-        result = commands.gc_command(args.target, args.data, by=args.by, bins=args.bins, binning=args.binning,
+        result = commands.gc_command(args.target, _source(args), by=args.by, bins=args.bins, binning=args.binning,
                                      n=args.n, min_count=args.min_count, params=args.params, output=args.output,
                                      outputs=outputs, method=args.method, dtype=args.dtype, device=args.device,
                                      max_memory=_gib(args.max_memory), seq_len=args.seq_len,
@@ -190,7 +191,7 @@ def _gc(args) -> int:
 
 
 def _ntk(args) -> int:
-    result = commands.ntk_command(args.target, args.data, n=args.n, blocks=args.blocks, params=args.params,
+    result = commands.ntk_command(args.target, _source(args), n=args.n, blocks=args.blocks, params=args.params,
                                   output=args.output, method=args.method, dtype=args.dtype, device=args.device,
                                   max_memory=_gib(args.max_memory), seq_len=args.seq_len,
                                   seed=args.seed, tokenizer=args.tokenizer, out=args.out)
@@ -222,12 +223,26 @@ def _reproduce(args) -> int:
 
 # ---- arguments: one vocabulary across commands --------------------------------------------------
 
-_DATA_HELP = "a corpus pack directory, 'default' (the shipped pack), or a UTF-8 text file (.tsv: label<TAB>text)"
+_DATA_HELP = ("a corpus pack directory, 'default' (the shipped pack), a table with a text column (.jsonl, .csv, .tsv, "
+              ".parquet), a datasets save_to_disk directory, or a UTF-8 text file (a headerless .tsv: label<TAB>text)")
+
+
+def _add_column_args(parser) -> None:
+    parser.add_argument("--text-column", default="text", help="a table's text column (default text)")
+    parser.add_argument("--label-column", help="a table's label column (default: 'label' when there is one)")
+    parser.add_argument("--frequency-from", help="other data whose token counts define sentence frequency, e.g. the "
+                        "training set (default: a pack's train split, or the data itself)")
+
+
+def _source(args) -> DataSource:
+    return as_source(DataSource(None if args.data in (None, "default") else Path(args.data), args.text_column,
+                                args.label_column, args.frequency_from))
 
 
 def _add_data_args(parser, n_default: int) -> None:
     parser.add_argument("--data", "--pack", dest="data", default="default",
                         help=_DATA_HELP + " (--pack is the old name)")
+    _add_column_args(parser)
     parser.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, its run's pack, else the "
                         "data pack's BPE (checked against the model's vocabulary)")
     parser.add_argument("--n", type=int, default=n_default, help=f"sentences to analyse (default {n_default})")
@@ -342,9 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(ntk, 64, "kernel")
     ntk.add_argument("--blocks", choices=["layer", "expert", "param"], help="also keep one kernel per block")
     ntk.set_defaults(run=_ntk)
-    freq = sub.add_parser("freq", help="token counts and sentence frequency scores of a pack or text file",
+    freq = sub.add_parser("freq", help="token counts and sentence frequency scores of a pack, a table or a text file",
                           description="Example: ntkscope freq --tokenizer gpt2 --out freq/")
     freq.add_argument("data", nargs="?", default="default", help=_DATA_HELP)
+    _add_column_args(freq)
     freq.add_argument("--tokenizer", help="default: the pack's BPE")
     freq.add_argument("--normalisation", default="max", choices=NORMALISATIONS)
     freq.add_argument("--bins", type=int, default=10)

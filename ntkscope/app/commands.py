@@ -33,7 +33,8 @@ from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import Record
 from ntkscope.text.frequency import (count_tokens, domain_table, long_tail_subset, score_histogram,
                                      sentence_table)
-from ntkscope.text.sentences import file_rows, load_analysis_data
+from ntkscope.text.inputs import as_source
+from ntkscope.text.sentences import load_analysis_data
 from ntkscope.text.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -79,10 +80,11 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
     Writes ``gc.csv``, ``histogram.csv``, ``result.json`` and ``gc_vs_frequency.png`` to ``out``.
     """
     check_output("gc", out)
-    options = dict(checkpoint=str(checkpoint), data=str(data), by=by, bins=bins, binning=binning, n=n,
+    data = as_source(data)
+    options = dict(checkpoint=str(checkpoint), **data.options(), by=by, bins=bins, binning=binning, n=n,
                    min_count=min_count, params=params, output=output, outputs=outputs, method=method, dtype=dtype,
                    seq_len=seq_len, seed=seed, resampling=dataclasses.asdict(resampling), tokenizer=tokenizer)
-    key = digest(options, paths=[checkpoint, *([data] if data not in (None, "default") else [])])
+    key = digest(options, paths=[checkpoint, *data.files])
     cached = cached_result(out, key)
     if cached:
         log.info("gc: reusing the result in %s (same options and inputs)", out)
@@ -187,21 +189,21 @@ def corpus_info(pack=None, *, tokenizer=None, normalisation: str = "max", bins: 
 
 
 def freq_command(data="default", *, tokenizer=None, normalisation: str = "max", bins: int = 10, out=None) -> dict:
-    """Token counts and sentence frequency scores of a pack or a text file (``ntkscope freq``)."""
+    """Token counts and sentence frequency scores of any data :func:`~ntkscope.text.inputs.as_source`
+    reads (``ntkscope freq``): every sentence of a pack, or of a table's / a file's rows."""
     check_output("freq", out)
-    if data in (None, "default") or Path(data).is_dir():
-        pack = load_pack(None if data in (None, "default") else data)
-        records, reference = pack.records("all"), pack.records("train")
+    data = as_source(data)
+    if data.kind == "pack":
+        pack = data.pack()
+        records = pack.records("all")
         tok = load_tokenizer(tokenizer) if tokenizer else pack.tokenizer()
     else:
-        if not Path(data).exists():
-            raise FileNotFoundError(f"freq: {data} does not exist")
-        records = [Record(t, "file", label, label, f"file:{i}") for i, (t, label) in enumerate(file_rows(Path(data)))]
-        reference = records
+        records = [Record(t, "file", label, label, f"file:{i}") for i, (t, label) in enumerate(data.rows())]
         if not tokenizer:
-            raise ValueError("freq: a text file needs --tokenizer (a tokenizer.json, an HF directory, or 'gpt2')")
+            raise ValueError(f"freq: {data.kind} data needs --tokenizer (a tokenizer.json, an HF directory, or "
+                             "'gpt2')")
         tok = load_tokenizer(tokenizer)
-    counts = count_tokens(reference, tok)
+    counts = count_tokens(data.reference_texts(), tok)
     table = sentence_table(records, tok, counts=counts, normalisation=normalisation)
     hist = score_histogram(table["score"], bins=bins)
     written = _write_tables(out, {"sentence_scores.parquet": table, "histogram.csv": hist,

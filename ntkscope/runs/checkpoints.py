@@ -19,6 +19,7 @@ from pathlib import Path
 from ntkscope.runs.families import family_for_config, family_of
 from ntkscope.runs.weights import STATE_DICT_NAMES, weights_file
 from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.inputs import as_source
 from ntkscope.text.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -107,8 +108,8 @@ def checkpoint_tokenizer(path: str | Path, tokenizer=None, data=None):
             return load_pack(trained_on.get("pack")).tokenizer()
     if (path.parent / "tokenizer.json").is_file():
         return load_tokenizer(path.parent)
-    if data in (None, "default") or Path(data).is_dir():
-        return load_pack(None if data in (None, "default") else data).tokenizer()
+    if as_source(data).kind == "pack":
+        return as_source(data).pack().tokenizer()
     raise FileNotFoundError(f"checkpoint_tokenizer: {path} has no tokenizer.json and is not part of a cse_models "
                             "run; name one with --tokenizer (a tokenizer.json, an HF directory, or 'gpt2')")
 

@@ -1,26 +1,19 @@
-"""Sentences for an analysis: a seeded sample from a corpus pack or a text file, tokenized
-with the model's tokenizer, labelled, and scored by sentence frequency (docs/design.md §2).
-
-- A pack (a directory, or ``default`` for the shipped one): sentences of its validation
-  split; label = domain; frequency counts over its train split.
-- A ``.tsv`` file: ``label<TAB>text`` per line; counts over the file itself.
-- Any other text file (UTF-8): paragraphs split into sentences, label ``text``; counts
-  over the file itself.
+"""Sentences for an analysis: a seeded sample of the data's rows (a corpus pack's validation
+sentences, a table's texts, a text file's sentences: :mod:`ntkscope.text.inputs`),
+tokenized with the model's tokenizer, labelled, and scored by sentence frequency
+(docs/design.md §2).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import torch
 
 from ntkscope.core.checks import check_positive_int, entry, fail
-from ntkscope.text.corpus.pack import load_pack
-from ntkscope.text.corpus.text import paragraphs, read_text, split_sentences
 from ntkscope.text.frequency import count_tokens, sentence_scores, token_frequency
+from ntkscope.text.inputs import as_source
 
 
 @dataclass(frozen=True)
@@ -45,45 +38,29 @@ def encode_texts(tokenizer, texts, max_length: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _pack_rows(pack, split: str) -> list[tuple[str, str]]:
-    return [(s, r.domain) for r in pack.records(split) for s in split_sentences(r.text) if len(s.split()) >= 6]
-
-
-def file_rows(path: Path) -> list[tuple[str, str]]:
-    """(sentence, label) rows of a text file: ``label<TAB>text`` lines of a .tsv, else sentences labelled "text"."""
-    text = read_text(path, func="analysis data")
-    if path.suffix == ".tsv":
-        rows = []
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            label, sep, sentence = line.partition("\t")
-            if not sep or not sentence.strip():
-                raise ValueError(f"analysis data: {path} line {i} is not 'label<TAB>text' (got {line[:60]!r})")
-            rows.append((sentence.strip(), label.strip()))
-        return rows
-    return [(s, "text") for p in paragraphs(text) for s in split_sentences(p) if s.split()]
-
-
 @entry("load_analysis_data")
 def load_analysis_data(data, tokenizer, *, n: int = 256, seq_len: int = 64, seed: int = 0,
                        split: str = "validation") -> AnalysisData:
-    """``n`` sentences of ``data`` (a pack directory, ``"default"``, or a text/TSV file)."""
+    """``n`` rows of ``data``, sampled with ``seed``, in their order in the data.
+
+    Parameters
+    ----------
+    data : DataSource, path, ``"default"`` or None
+        A pack, a table (JSONL, CSV, TSV, Parquet), a ``datasets`` directory or a text file
+        (:class:`~ntkscope.text.inputs.DataSource`; a path reads a table's ``text`` column).
+    tokenizer : TextTokenizer
+    split : a pack's split to sample (its train split gives the frequency counts).
+
+    Returns
+    -------
+    AnalysisData: batch (n, T <= seq_len), labels (text, label, score, n_tokens).
+    """
     check_positive_int("n", n)
     check_positive_int("seq_len", seq_len)
-    path = None if data in (None, "default") else Path(data)
-    if path is not None and not path.exists():
-        raise FileNotFoundError(f"analysis data: {path} does not exist (a corpus pack directory, 'default', "
-                                "or a UTF-8 text / TSV file)")
-    if path is None or path.is_dir():
-        pack = load_pack(path)
-        rows = _pack_rows(pack, split)
-        reference = [r.text for r in pack.records("train")]
-        source = str(pack.path)
-    else:
-        rows = file_rows(path)
-        reference = [t for t, _ in rows]
-        source = str(path)
+    data = as_source(data)
+    rows = data.rows(split)
+    reference = data.reference_texts()
+    source = str(data.pack().path) if data.kind == "pack" else str(data.path)
     if len(rows) < n:
         raise fail("load_analysis_data", "n", f"must be at most the {len(rows)} sentences of {source}", n)
     pick = np.sort(np.random.default_rng(seed).choice(len(rows), n, replace=False))

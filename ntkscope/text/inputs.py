@@ -1,0 +1,229 @@
+"""What ``--data`` names, read one way for every command (docs/design.md §2).
+
+- A corpus pack (a directory with ``manifest.json``, or ``"default"`` for the shipped one):
+  the sentences of one split (at least 6 words), label = domain; sentence frequency counts
+  over its train split.
+- A table, one text per row, read by pandas: JSON lines (``.jsonl``, ``.ndjson``), CSV
+  (``.csv``), TSV with a header (``.tsv``), Parquet (``.parquet``); ``.gz`` compressed
+  text formats too. The text comes from ``text_column`` (default ``"text"``), the label from
+  ``label_column`` (default: a ``"label"`` column when there is one, else ``"text"``).
+- A Hugging Face ``datasets`` directory written by ``save_to_disk``, read by
+  ``datasets.load_from_disk`` (``pip install 'ntkscope[datasets]'``) with the same columns;
+  a ``DatasetDict`` is named by one split's directory (``DIR/validation``).
+- A headerless ``.tsv`` (``label<TAB>text`` lines), and any other UTF-8 text file
+  (paragraphs split into sentences, label ``"text"``).
+
+A table or a file's frequency counts are over its own texts, unless ``frequency_from``
+names other data (e.g. the training set), read by the same rules. Bad files get one line
+naming the file and what is wrong: a missing column, a non-text column, an empty file, a
+malformed line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pandas as pd
+
+from ntkscope.core.checks import InputError
+from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.corpus.text import paragraphs, read_text, split_sentences
+
+log = logging.getLogger(__name__)
+
+_READERS = {".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False),
+            ".ndjson": lambda p: pd.read_json(p, lines=True, dtype=False),
+            ".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False, na_values=[""]),
+            ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False, na_values=[""]),
+            ".parquet": pd.read_parquet}
+TABLE_SUFFIXES = tuple(_READERS)
+_FUNC = "analysis data"
+_HELP = ("a corpus pack directory, 'default', a table (.jsonl, .csv, .tsv, .parquet; optionally .gz) with a text "
+         "column, a datasets save_to_disk directory, or a UTF-8 text file")
+
+
+def _suffix(path: Path) -> str:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Analysis data and how to read it.
+
+    Attributes
+    ----------
+    path : Path or None
+        None for the shipped pack.
+    text_column, label_column : str, str or None
+        For tables and ``datasets`` directories.
+    frequency_from : str or None
+        Other data whose token counts define sentence frequency (read with the same columns).
+    """
+
+    path: Path | None = None
+    text_column: str = "text"
+    label_column: str | None = None
+    frequency_from: str | None = None
+
+    def __str__(self) -> str:
+        return "default" if self.path is None else str(self.path)
+
+    @property
+    def kind(self) -> str:
+        """"pack", "datasets", "table" or "text"."""
+        if self.path is None:
+            return "pack"
+        if self.path.is_dir():
+            datasets = (self.path / "state.json").is_file() or (self.path / "dataset_dict.json").is_file()
+            return "datasets" if datasets else "pack"
+        if _suffix(self.path) in TABLE_SUFFIXES and not _headerless_tsv(self.path, self.text_column):
+            return "table"
+        return "text"
+
+    def options(self) -> dict:
+        """The settings that define the data (for a result's options)."""
+        return {"data": str(self), "text_column": self.text_column, "label_column": self.label_column,
+                "frequency_from": self.frequency_from}
+
+    @property
+    def files(self) -> list[Path]:
+        """The files the data comes from (for a result's digest)."""
+        return [p for p in (self.path, Path(self.frequency_from) if self.frequency_from else None) if p is not None]
+
+    def pack(self):
+        return load_pack(self.path)
+
+    def rows(self, split: str = "validation") -> list[tuple[str, str]]:
+        """(text, label) rows: a pack's sentences of ``split``, a table's rows, a text file's sentences."""
+        kind = self.kind
+        if kind == "pack":
+            pack = self.pack()
+            return [(s, r.domain) for r in pack.records(split) for s in split_sentences(r.text) if len(s.split()) >= 6]
+        if kind in ("table", "datasets"):
+            return _table_rows(self.path, _read_datasets(self.path) if kind == "datasets" else _read_table(self.path),
+                               self.text_column, self.label_column)
+        return _text_rows(self.path)
+
+    def reference_texts(self) -> list[str]:
+        """The texts whose token counts define sentence frequency."""
+        if self.frequency_from is not None:
+            return as_source(self.frequency_from, columns=self).reference_texts()
+        if self.kind == "pack":
+            return [r.text for r in self.pack().records("train")]
+        return [text for text, _ in self.rows()]
+
+
+def as_source(data, *, columns: DataSource | None = None) -> DataSource:
+    """``data`` (a DataSource, a path, ``"default"`` or None) as a :class:`DataSource` that
+    exists; ``columns`` lends its text / label columns to a bare path."""
+    if isinstance(data, DataSource):
+        source = data
+    else:
+        path = None if data in (None, "default") else Path(data)
+        source = DataSource(path) if columns is None else replace(columns, path=path, frequency_from=None)
+    if source.path is not None and not source.path.exists():
+        raise FileNotFoundError(f"{_FUNC}: {source.path} does not exist ({_HELP})")
+    if source.frequency_from is not None and not Path(source.frequency_from).exists():
+        raise FileNotFoundError(f"{_FUNC}: frequency_from {source.frequency_from} does not exist ({_HELP})")
+    return source
+
+
+def _headerless_tsv(path: Path, text_column: str) -> bool:
+    """A ``.tsv`` whose first line does not name ``text_column``: ``label<TAB>text`` lines."""
+    if _suffix(path) != ".tsv" or path.suffix == ".gz":
+        return False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return text_column not in f.readline().rstrip("\r\n").split("\t")
+
+
+def _read_table(path: Path) -> pd.DataFrame:
+    if path.stat().st_size == 0:
+        raise ValueError(f"{_FUNC}: {path} is empty")
+    try:
+        return _READERS[_suffix(path)](path)
+    except pd.errors.EmptyDataError:
+        raise ValueError(f"{_FUNC}: {path} is empty") from None
+    except (ValueError, OSError, UnicodeDecodeError, pd.errors.ParserError) as err:
+        first = (str(err).splitlines() or [type(err).__name__])[0][:160]
+        where = _bad_json_line(path) if _suffix(path) in (".jsonl", ".ndjson") else None
+        raise ValueError(f"{_FUNC}: {path} is not a readable {_suffix(path)[1:]} table "
+                         f"({where or first})") from None
+
+
+def _bad_json_line(path: Path) -> str | None:
+    """Where a JSON-lines file first breaks: the line that is not a JSON object."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"line {i} is not JSON: {err.msg} ({line.strip()[:40]!r})"
+            if not isinstance(value, dict):
+                return f"line {i} is not a JSON object ({line.strip()[:40]!r})"
+    return None
+
+
+def _read_datasets(path: Path) -> pd.DataFrame:
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise ValueError(f"{_FUNC}: {path} is a datasets DatasetDict; name one split's directory "
+                         f"({', '.join(str(path / s) for s in splits)})")
+    try:
+        import datasets  # optional: pip install 'ntkscope[datasets]'
+    except ImportError:
+        raise ImportError(f"{_FUNC}: {path} is a datasets directory; install datasets to read it "
+                          "(pip install 'ntkscope[datasets]')") from None
+    return datasets.load_from_disk(str(path)).to_pandas()
+
+
+def _table_rows(path: Path, frame: pd.DataFrame, text_column: str, label_column: str | None) -> list[tuple[str, str]]:
+    columns = [str(c) for c in frame.columns]
+    for arg, column in (("text_column", text_column), ("label_column", label_column)):
+        if column is not None and column not in columns:
+            raise InputError(arg, f"must name a column of {path} ({', '.join(columns) or 'none'}; --{arg.replace('_', '-')})",
+                             column, func=_FUNC)
+    if label_column is None and "label" in columns and text_column != "label":
+        label_column = "label"
+    if frame.empty:
+        raise ValueError(f"{_FUNC}: {path} has no rows")
+    texts = frame[text_column]
+    missing = texts.isna()
+    bad = [(i, v) for i, (v, m) in enumerate(zip(texts, missing)) if not m and not isinstance(v, str)]
+    if bad:
+        row, value = bad[0]
+        raise ValueError(f"{_FUNC}: {path} column {text_column!r} must hold text; {len(bad)} rows do not, the "
+                         f"first is row {row + 1}: {type(value).__name__} {str(value)[:60]!r}")
+    keep = ~missing & texts.fillna("").str.strip().astype(bool)
+    if not keep.any():
+        raise ValueError(f"{_FUNC}: {path} column {text_column!r} has no non-empty text")
+    if not keep.all():
+        log.warning("%s: %s: %d of %d rows have no text in %r and are left out", _FUNC, path, int((~keep).sum()),
+                    len(frame), text_column)
+    labels = frame[label_column].astype(str) if label_column else pd.Series("text", index=frame.index)
+    return [(t.strip(), label) for t, label in zip(texts[keep], labels[keep])]
+
+
+def _text_rows(path: Path) -> list[tuple[str, str]]:
+    """``label<TAB>text`` lines of a headerless .tsv, else sentences labelled ``"text"``."""
+    text = read_text(path, func=_FUNC)
+    if _suffix(path) == ".tsv":
+        rows = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            label, sep, sentence = line.partition("\t")
+            if not sep or not sentence.strip():
+                raise ValueError(f"{_FUNC}: {path} line {i} is not 'label<TAB>text' (got {line[:60]!r})")
+            rows.append((sentence.strip(), label.strip()))
+        return rows
+    return [(s, "text") for p in paragraphs(text) for s in split_sentences(p) if s.split()]
