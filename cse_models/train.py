@@ -11,7 +11,8 @@ data-parallel run on the same global batch, follow the uninterrupted single-proc
 run. A checkpoint (every ``checkpoint_every`` steps, all kept for later analysis) is a
 directory ``checkpoints/step-NNNNNN`` with ``config.json`` + ``model.safetensors``,
 ``optimizer.safetensors`` and ``trainer_state.json`` (step, scheduler, RNG state):
-nothing is pickled. Metrics go to ``metrics.jsonl``.
+nothing is pickled. Metrics go to ``metrics.jsonl`` (every step), ``metrics.csv`` (one row
+per logging step) and TensorBoard event files (:mod:`cse_models.metrics`).
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ from cse_models.config import GPTConfig
 from cse_models.cse import convert_to_cse
 from cse_models.data import Blocks, global_batch, mask_tokens, pack_blocks, step_generator, text_file_blocks
 from cse_models.experts import DEMixLayer, SwitchFFN
+from cse_models.metrics import MetricsLog
 from cse_models.model import build_model, load_model
-from ntkscope.core.files import (DirectoryLock, atomic_path, load_safetensors, read_json_object, write_json,
-                                 write_text)
+from ntkscope.core.files import DirectoryLock, atomic_path, load_safetensors, read_json_object, write_json
 from ntkscope.core.lm import causal_pairs, lm_loss as token_loss
+from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
 from ntkscope.representation.plan import Plan
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.tokenization import load_tokenizer
@@ -75,6 +77,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     checkpoint_steps: tuple = ()              # extra checkpoints (e.g. dense early ones for GC over training)
     log_every: int = 10
+    tensorboard: bool = True                  # event files in out_dir/tensorboard when tensorboard is installed
     device: str = "auto"
     bf16: bool = True
 
@@ -421,7 +424,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-        _truncate_metrics(out_dir / "metrics.jsonl", start)
+    metrics_log = MetricsLog(out_dir, start, write=rank == 0, tensorboard=cfg.tensorboard)
 
     def wrap(m):
         if not distributed:
@@ -434,8 +437,9 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     per_rank = cfg.batch_size // world
     special = tuple(tokenizer.special_ids)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.bf16)
-    t0, last = time.perf_counter(), None
+    last = None
     end = cfg.stop_at or cfg.steps
+    bar = progress_bar(end, "train", "step", initial=start, hidden=rank != 0)
     for step in range(start, end):
         if convert_at is not None and step == convert_at and sparse.experts_at(sparse.layers[0]) == 0:
             old = {_param_names(model)[id(p)]: s for p, s in opt.state.items()}
@@ -476,32 +480,28 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
         metrics = {"step": step + 1, "loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": lr,
                    "aux": float(aux.detach()), "grad_norm": None if norm is None else float(norm)}
         done = step + 1
-        if done % cfg.log_every == 0 or done == end:
+        logging_step = done % cfg.log_every == 0 or done == end
+        if logging_step:
             metrics["load"] = model.routing_load()
-            rate = (done - start) / (time.perf_counter() - t0)
+        metrics_log.step(metrics, ids.numel() * world)
+        bar.update(1)
+        if logging_step:
+            row = metrics_log.row(metrics["load"])
+            bar.set_postfix(loss=f"{row['loss']:.3f}", refresh=False)
             if rank == 0:
-                eta = (end - done) / max(rate, 1e-9)
-                log.info("step %d/%d loss %.4f ppl %.1f lr %.2e | %.1f steps/s, ETA %dm%02ds%s", done, cfg.steps,
-                         loss, metrics["ppl"], metrics["lr"], rate, eta // 60, eta % 60,
+                log.info("step %d/%d loss %.4f ppl %.1f lr %.2e | %.0f tokens/s%s", done, cfg.steps, row["loss"],
+                         row["ppl"], row["lr"], row["tokens_per_s"],
                          f" | load {metrics['load']}" if metrics["load"] else "")
         if rank == 0:
-            with open(out_dir / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps(metrics) + "\n")
             if done % cfg.checkpoint_every == 0 or done == end or done in cfg.checkpoint_steps:
                 last = save_checkpoint(out_dir / "checkpoints" / f"step-{done:06d}", model, opt, sched, done, cfg)
         for callback in callbacks:
             callback(done, metrics)
+    bar.close()
+    metrics_log.close()
     if distributed:
         dist.barrier()
     return last if last is not None else latest_checkpoint(out_dir)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop logged steps after the checkpoint a run resumes from (they will be redone)."""
-    if not path.is_file():
-        return
-    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    write_text(path, "".join(line + "\n" for line in lines))
 
 
 def main(argv=None) -> int:
@@ -518,7 +518,8 @@ def main(argv=None) -> int:
             cfg.out_dir = args.out_dir
         if args.steps:
             cfg.steps = args.steps
-        last = train(cfg)
+        with logging_redirect_tqdm():  # log lines print above the progress bar
+            last = train(cfg)
     except (ValueError, FileNotFoundError) as err:
         print(f"cse-train: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ntkscope as ns
+from ntkscope.app.cli import main
 from ntkscope.text.sentences import load_analysis_data
 from ntkscope.runs.checkpoints import load_checkpoint
 from ntkscope.text.corpus.pack import DEFAULT_PACK
@@ -169,7 +170,7 @@ def test_a_pickle_that_would_run_code_is_refused_never_run(checkpoints, tmp_path
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
-def test_bad_input_is_one_clear_line_and_leaves_nothing(checkpoints, tmp_path):
+def test_bad_input_is_one_clear_line_and_leaves_nothing(checkpoints, tmp_path, capsys):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "latin1.txt").write_bytes("Une décision de la cour, très longue et détaillée.\n".encode("latin-1") * 30)
     (tmp_path / "short.txt").write_text("One sentence here. And a second one.\n")
@@ -193,11 +194,15 @@ def test_bad_input_is_one_clear_line_and_leaves_nothing(checkpoints, tmp_path):
     }
     if not (Path.home() / ".cache/ntkscope/sources/gpt2.tiktoken").is_file():
         cases.pop("vocabulary mismatch")
-    for name, (args, message) in cases.items():
+    for name, (args, message) in cases.items():  # the first as a user runs it, the rest in process (same main)
         out = tmp_path / f"out-{name.replace(' ', '-')}"
-        proc = run(*args, "--out", out)
-        assert proc.returncode == 1, (name, proc.stderr)
-        lines = proc.stderr.strip().splitlines()
+        if name == "missing path":
+            proc = run(*args, "--out", out)
+            code, err = proc.returncode, proc.stderr
+        else:
+            code, err = main(["-q", *map(str, args), "--out", str(out)]), capsys.readouterr().err
+        assert code == 1, (name, err)
+        lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("ntkscope gc: error:") and message in lines[0], (name, lines)
         assert not out.exists(), name
     assert run("gc").returncode == 2  # usage

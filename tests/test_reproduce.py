@@ -172,13 +172,17 @@ def test_notebooks_run_on_the_committed_run(tmp_path):
     (tables / "tables" / "paper.md").unlink()
     notebooks = sorted((root / "notebooks").glob("*.ipynb"))
     assert {p.stem for p in notebooks} >= {"fig1_long_tail", "fig5_experts", "tables_results", "tables_paper"}
+    # every notebook's cells in order, in one kernel (one start, one torch import); `%reset -f`
+    # empties the namespace between notebooks, so none can lean on another's variables
+    combined = nbformat.v4.new_notebook()
     for path in notebooks:
         nb = nbformat.read(path, as_version=4)
         params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(params) == 1, path
         where, mode = (tables, "tables") if path.stem == "tables_paper" else (run, "tail")
         params[0].source = f"RUN_DIR = {str(where)!r}\nMODE = {mode!r}"
-        NotebookClient(nb, timeout=600, resources={"metadata": {"path": str(tmp_path)}}).execute()
+        combined.cells += [nbformat.v4.new_code_cell("%reset -f"), *(c for c in nb.cells if c.cell_type == "code")]
+    NotebookClient(combined, timeout=600, resources={"metadata": {"path": str(tmp_path)}}).execute()
     for panel in PANELS:
         for fmt in ("png", "pdf"):
             assert (run / "figures" / f"{panel}.{fmt}").stat().st_size > 1000, (panel, fmt)

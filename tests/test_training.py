@@ -1,6 +1,7 @@
 """Training: exact resume after a kill, data-parallel equality, CSE conversion mid-run,
 domain finetuning, the command, and its errors."""
 
+import importlib.util
 import json
 import math
 import os
@@ -8,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -58,6 +61,21 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     resumed = train(config(tmp_path, "killed"))
     a, b = weights(full), weights(resumed)
     assert a.keys() == b.keys() and any(".experts.1." in k for k in a)  # CSE conversion happened (step 6)
+    rows = {name: pd.read_csv(tmp_path / name / "metrics.csv") for name in ("full", "killed")}
+    for table in rows.values():  # one row per logging step (log_every 2), the resumed run's redone rows once
+        assert list(table["step"]) == [2, 4, 6, 8, 10, 12, 14]
+        assert (table["tokens_per_s"] > 0).all() and (table["ppl"] == np.exp(table["loss"])).all()
+        load = table[[c for c in table if c.startswith("load/transformer.h.1.mlp/")]]
+        assert load.loc[table["step"] <= 6].isna().all().all()  # no experts before the conversion
+        np.testing.assert_allclose(load.loc[table["step"] > 6].sum(axis=1), 1.0)
+    np.testing.assert_allclose(rows["full"]["loss"], rows["killed"]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(rows["full"]["loss"], np.mean(np.reshape(losses(tmp_path / "full"), (7, 2)), axis=1))
+    if importlib.util.find_spec("tensorboard") is not None:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "killed" / "tensorboard")).Reload()
+        assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8, 10, 12, 14]  # step 10 purged, redone
+        assert "load/transformer.h.1.mlp/expert_0" in events.Tags()["scalars"]
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert losses(tmp_path / "full") == losses(tmp_path / "killed")  # the log was rewound, not duplicated
@@ -130,7 +148,8 @@ def test_cse_train_command(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "cse_models.train", str(path)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "ETA" in proc.stderr and "last checkpoint:" in proc.stdout
+    assert "tokens/s" in proc.stderr and "last checkpoint:" in proc.stdout
+    assert list(pd.read_csv(tmp_path / "cmd" / "metrics.csv")["step"]) == [2]  # log_every 2: one row
     assert sorted(p.name for p in (tmp_path / "cmd" / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
     with pytest.raises(ValueError, match=r"TrainConfig: checkpoint_steps must be a list of positive integer steps"):
         config(tmp_path, checkpoint_steps=[0])

@@ -22,6 +22,7 @@ from ntkscope import __version__
 from ntkscope.app import commands
 from ntkscope.app.demo import perplexity, run_demo
 from ntkscope.core.checks import InputError
+from ntkscope.core.progress import logging_redirect_tqdm
 from ntkscope.kernel.methods import METHODS, method_names, unsupported
 from ntkscope.kernel.objectives import OUTPUTS, SCALAR_OUTPUTS
 from ntkscope.kernel.uncertainty import INTERVALS, Resampling
@@ -434,7 +435,8 @@ def main(argv=None) -> int:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
-        return args.run(args)
+        with logging_redirect_tqdm():  # log lines print above a progress bar
+            return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:  # user errors; anything else is a bug: keep its traceback
         print(f"ntkscope {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return 1

@@ -28,6 +28,7 @@ import torch
 from scipy.sparse.linalg import LinearOperator
 
 from ntkscope.core.checks import InputError, entry
+from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.grads import FunctionalModel, jvp_rows, vjp_rows
 
 log = logging.getLogger(__name__)
@@ -181,5 +182,10 @@ def lanczos_top_eigenpair(op: NTKOperator, *, tol: float = 1e-6, ncv: int = 4,
         cols = np.stack([op.matvec(e) for e in np.eye(n)], axis=1)
         res = dense_top_eigenpair(0.5 * (cols + cols.T))
         return _result(res.eigenvalue, res.second_eigenvalue, res.eigenvector, "matrix-free", op.matvecs)
-    lam1, lam2, u, _ = krylov_top_two(op.matvec, n, np.ones(n), tol=tol, gap_tol=gap_tol)
+    with progress_bar(None, "matrix-free NTK (Lanczos)", "matvec") as bar:
+        def matvec(v):
+            bar.update(1)
+            return op.matvec(v)
+
+        lam1, lam2, u, _ = krylov_top_two(matvec, n, np.ones(n), tol=tol, gap_tol=gap_tol)
     return _result(lam1, lam2, u, "matrix-free", op.matvecs)

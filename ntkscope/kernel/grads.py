@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ntkscope.core.checks import InputError, entry
 from ntkscope.core.memory import available_memory_bytes, format_bytes
+from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.objectives import (
     CallableOutput,
     Objective,
@@ -290,9 +291,11 @@ def per_sample_grads(model, batch, *, train=False, options: KernelOptions | None
         chunk = opts.chunk_size or default_chunk_size(n, fm, budget)
         flat = torch.empty(n, K, P, dtype=fm.dtype, device=fm.device)  # (n, K, P): J
         outputs = []
-        for start in range(0, n, chunk):
-            rows = slice(start, min(n, start + chunk))
-            outputs.append(jacobian_rows(fm, take(data, rows), flat[rows], start))
+        with progress_bar(n, "per-sample gradients", "sample") as bar:
+            for start in range(0, n, chunk):
+                rows = slice(start, min(n, start + chunk))
+                outputs.append(jacobian_rows(fm, take(data, rows), flat[rows], start))
+                bar.update(rows.stop - rows.start)
         values = torch.cat(outputs)
         grads = {}
         for name, shape, offset in zip(fm.selection.names, fm.selection.shapes, fm.selection.offsets):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from scipy.optimize import brentq
 
+from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.grads import FunctionalModel, jacobian_rows
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.options import KernelOptions
@@ -82,12 +83,16 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
     out = {b: torch.zeros(*kshape, n1, n2, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
     chunk_buf = torch.empty(chunk, K, P, dtype=fm.dtype, device=fm.device)
     passes = np.zeros(n1 + (0 if symmetric else n2), dtype=int)
-    for a0 in range(0, n1, panel):
+    starts = range(0, n1, panel)
+    gradients = n1 + sum(n1 - min(n1, a0 + panel) if symmetric else n2 for a0 in starts)
+    bar = progress_bar(gradients, "exact NTK", "sample")
+    for a0 in starts:
         a1 = min(n1, a0 + panel)
         JA = torch.empty(a1 - a0, K, P, dtype=fm.dtype, device=fm.device)  # (a, K, P) panel of J
         for c0 in range(a0, a1, chunk):
             c1 = min(a1, c0 + chunk)
             jacobian_rows(fm, take(data1, slice(c0, c1)), JA[c0 - a0 : c1 - a0], c0)
+            bar.update(c1 - c0)
         passes[a0:a1] += 1
         rows = slice(a0, a1)
         if symmetric:
@@ -100,9 +105,11 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
             b1 = min(stop, b0 + chunk)
             JB = chunk_buf[: b1 - b0]
             jacobian_rows(fm, take(src, slice(b0, b1)), JB, b0)
+            bar.update(b1 - b0)
             passes[offset + b0 : offset + b1] += 1
             for name, (s, e) in sel.blocks.items():
                 _place(out, name, _gram(JA, JB, slice(s, e), reduction), rows, slice(b0, b1), symmetric)
+    bar.close()
     return out, int(passes.max())
 
 
@@ -145,6 +152,7 @@ def projected_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, reductio
     sel, K, P = fm.selection, fm.n_outputs, fm.selection.n_params
     tiles = _tile_seeds(fm, seed, k)
     buf = torch.empty(chunk, K, P, dtype=fm.dtype, device=fm.device)
+    bar = progress_bar(n1 + (0 if data2 is None else n2), "projected NTK", "sample")
 
     def sketch(data, n):
         Z = {b: torch.zeros(n, K, k, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
@@ -155,10 +163,12 @@ def projected_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, reductio
             for name, cols, tile_seed in tiles:
                 R = _projection_tile(fm, tile_seed, cols.stop - cols.start, k, kind)
                 Z[name][c0:c1] += J[:, :, cols] @ R  # (c, K, rows) @ (rows, k) -> (c, K, k)
+            bar.update(c1 - c0)
         return Z
 
-    Z1 = sketch(data1, n1)
-    Z2 = Z1 if data2 is None else sketch(data2, n2)
+    with bar:
+        Z1 = sketch(data1, n1)
+        Z2 = Z1 if data2 is None else sketch(data2, n2)
     full = slice(0, k)
     return {b: _gram(Z1[b], Z2[b], full, reduction) for b in sel.blocks}
 

@@ -35,6 +35,7 @@ import scipy.linalg
 import scipy.stats
 
 from ntkscope.core.checks import InputError, check_choice, check_fraction, entry
+from ntkscope.core.progress import progress_bar
 
 INTERVALS = ("basic", "bca")
 
@@ -295,13 +296,17 @@ def _bootstrap(K, members, resampling: Resampling):
     if not data:
         return None
 
+    calls = resampling.resamples + (sum(u.size for u in data) if resampling.interval == "bca" else 0)
+    bar = progress_bar(calls, "GC bootstrap", "resample")  # BCa's jackknife adds one call per sample
+
     def statistic(*samples):
+        bar.update(1)
         counts = np.bincount(np.concatenate([*samples, fixed]).astype(np.int64), minlength=n)
         _, subs = _statistics(K, counts, members)
         gc = np.array([s[0] for s in subs])
         return np.concatenate([gc, np.abs(gc), [s[2] for s in subs]])
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), bar:
         warnings.simplefilter("ignore")  # BCa on a degenerate distribution: NaN, handled below
         res = scipy.stats.bootstrap(data, statistic, n_resamples=resampling.resamples, vectorized=False,
                                     confidence_level=resampling.confidence,
@@ -342,7 +347,8 @@ def _null_band(K: np.ndarray, whole: _Direction, size: int, resampling: Resampli
     rng = np.random.default_rng([resampling.seed, 1, size])
     ones = np.ones(n, dtype=np.int64)
     values = []
-    for _ in range(resampling.null_draws):
+    for _ in progress_bar(resampling.null_draws, f"GC null band (size {size})", "draw",
+                          iterable=range(resampling.null_draws)):
         idx = np.sort(rng.choice(n, size=size, replace=False))
         _, ((gc, _, _),) = _statistics(K, ones, [idx], whole)
         values.append(abs(gc))

@@ -23,6 +23,7 @@ from sklearn.metrics import adjusted_rand_score
 
 from ntkscope.core.checks import fail
 from ntkscope.core.files import JsonCache, digest
+from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.consistency import gradient_consistency
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.representation.clusters import LAYER_COLUMNS, ElbowKMeans, layer_separation, random_projection
@@ -37,17 +38,23 @@ COLUMNS = ["step", *LAYER_COLUMNS]
 
 
 class _Progress:
-    """Logs 'what i/n, ETA' over a loop of checkpoints (cached ones count as instant)."""
+    """A progress bar over a loop of checkpoints (cached ones count as instant), and a DEBUG
+    log line 'what i/n, ETA' per checkpoint for log files."""
 
     def __init__(self, what: str, total: int):
-        self.what, self.total, self.start, self.clock, self.done = what, total, time.perf_counter(), time.perf_counter, 0
+        self.what, self.total, self.start, self.done = what, total, time.perf_counter(), 0
+        self.bar = progress_bar(total, what, "checkpoint")
 
     def step(self, label: str) -> None:
         self.done += 1
-        elapsed = self.clock() - self.start
+        self.bar.set_postfix_str(label, refresh=False)
+        self.bar.update(1)
+        elapsed = time.perf_counter() - self.start
         eta = elapsed / self.done * (self.total - self.done)
-        log.info("%s: %d/%d (%s), %.0f s elapsed, ETA %dm%02ds", self.what, self.done, self.total, label, elapsed,
-                 eta // 60, eta % 60)
+        log.debug("%s: %d/%d (%s), %.0f s elapsed, ETA %dm%02ds", self.what, self.done, self.total, label, elapsed,
+                  eta // 60, eta % 60)
+        if self.done == self.total:
+            self.bar.close()
 
 
 def _cache(run_dir, cache_dir) -> JsonCache:

@@ -16,8 +16,6 @@ it is computed, so no activation is kept beyond the (n, d) means that were asked
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +23,9 @@ import torch.nn as nn
 
 from ntkscope.core.checks import InputError, check_choice, check_positive_int, entry
 from ntkscope.core.lm import masked_mean
+from ntkscope.core.progress import progress_bar
 from ntkscope.runs.families import POINTS, layer_points
 
-log = logging.getLogger(__name__)
 
 def _resolve(block: nn.Module, path: str | None) -> nn.Module:
     return block if path is None else block.get_submodule(path)
@@ -57,7 +55,7 @@ def layer_embeddings(model: nn.Module, batch: dict, *, point: str = "block", lay
     batch : {"input_ids": (n, T), "attention_mask": (n, T)} (the mask may be omitted).
     point : one of :data:`POINTS`.
     layers : block indices (default: all blocks).
-    batch_size : sequences per forward pass; progress is logged for long runs.
+    batch_size : sequences per forward pass (a progress bar counts them).
     """
     check_choice("point", point, POINTS)
     check_positive_int("batch_size", batch_size)
@@ -86,7 +84,7 @@ def layer_embeddings(model: nn.Module, batch: dict, *, point: str = "block", lay
         return hook
 
     hooks = [_resolve(blocks[i], path).register_forward_hook(make_hook(i), with_kwargs=True) for i in layers]
-    start = time.perf_counter()
+    bar = progress_bar(n, "layer embeddings", "sequence")
     try:
         for s in range(0, n, batch_size):
             chunk_ids, chunk_mask = ids[s:s + batch_size].to(device), mask[s:s + batch_size].to(device)
@@ -96,10 +94,9 @@ def layer_embeddings(model: nn.Module, batch: dict, *, point: str = "block", lay
             if getattr(sparse, "kind", None) == "demix":  # DEMix needs a domain: embed through expert 0
                 extra["domains"] = torch.zeros(len(chunk_ids), dtype=torch.long, device=device)
             model(input_ids=chunk_ids, attention_mask=chunk_mask, **extra)
-            done = min(n, s + batch_size)
-            if n > 4 * batch_size and (done // batch_size) % 10 == 0:
-                log.info("layer_embeddings: %d/%d sequences (%.0f s)", done, n, time.perf_counter() - start)
+            bar.update(len(chunk_ids))
     finally:
+        bar.close()
         for h in hooks:
             h.remove()
         model.train(was_training)
