@@ -24,8 +24,6 @@ import json
 import logging
 import math
 import os
-import re
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,15 +32,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import yaml
-from safetensors.torch import save_file
 
+from cse_models.checkpointing import (_param_names, _resume_point, carry_optimizer_state, latest_checkpoint,
+                                      load_optimizer_state, save_checkpoint)
 from cse_models.config import GPTConfig
 from cse_models.cse import convert_to_cse
 from cse_models.data import Blocks, global_batch, mask_tokens, pack_blocks, step_generator, text_file_blocks
 from cse_models.experts import DEMixLayer, SwitchFFN
 from cse_models.metrics import MetricsLog
 from cse_models.model import build_model, load_model
-from ntkscope.core.files import DirectoryLock, atomic_path, load_safetensors, read_json_object, write_json
+from ntkscope.core.files import DirectoryLock
 from ntkscope.core.lm import causal_pairs, lm_loss as token_loss
 from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
 from ntkscope.representation.plan import Plan
@@ -172,21 +171,6 @@ def make_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
                               {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
 
 
-def _param_names(model) -> dict:
-    return {id(p): n for n, p in model.named_parameters()}
-
-
-def carry_optimizer_state(old_state: dict, new_model, new_opt) -> None:
-    """Copy AdamW state by parameter name into ``new_opt``; a CSE expert ``...experts.j.X`` takes
-    the state of the dense module's ``...X`` it was copied from."""
-    for group in new_opt.param_groups:
-        for p in group["params"]:
-            name = _param_names(new_model)[id(p)]
-            source = old_state.get(name) or old_state.get(re.sub(r"\.experts\.\d+\.", ".", name))
-            if source is not None:
-                new_opt.state[p] = {k: v.clone() for k, v in source.items()}
-
-
 def lm_loss(model, ids: torch.Tensor, domains: torch.Tensor, step: int, cfg: TrainConfig,
             special_ids=()) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed token loss and the number of predicted tokens: next token (GPT) or masked tokens (BERT)."""
@@ -200,95 +184,6 @@ def lm_loss(model, ids: torch.Tensor, domains: torch.Tensor, step: int, cfg: Tra
         return token_loss(logits.float(), labels, keep, reduction="sum"), keep.sum()
     logits, targets, _ = causal_pairs(model(ids, None, domains), ids)
     return token_loss(logits.float(), targets, reduction="sum"), torch.tensor(targets.numel(), device=ids.device)
-
-
-# ---- checkpoints ----------------------------------------------------------------------------
-
-
-def save_checkpoint(directory: Path, model, opt, sched, step: int, cfg: TrainConfig) -> Path:
-    """Everything to resume exactly, written under a temporary name and renamed."""
-    names = _param_names(model)
-    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
-    tensors = {}
-    for p, state in opt.state.items():
-        for key, value in state.items():
-            tensors[f"{names[id(p)]}::{key}"] = value.detach().cpu().contiguous()
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-              for g in opt.param_groups]
-    state = {"step": step, "param_order": order, "param_groups": groups, "scheduler": sched.state_dict(),
-             "rng_cpu": torch.get_rng_state().tolist(),
-             "rng_cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
-             "train_config": asdict(cfg)}
-    with atomic_path(directory) as tmp:
-        model.save_pretrained(tmp)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
-    return directory
-
-
-def checkpoints_of(out_dir: Path) -> list[Path]:
-    """A run's complete checkpoint directories, oldest first."""
-    return sorted(p for p in (Path(out_dir) / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file()
-                  and not p.name.endswith(".tmp"))
-
-
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    found = checkpoints_of(out_dir)
-    return found[-1] if found else None
-
-
-def _resume_point(out_dir: Path):
-    """(checkpoint, model, optimizer tensors, trainer state) of the newest checkpoint that reads
-    whole, or (None, None, None, None); a damaged one is reported and the one before it tried."""
-    for path in reversed(checkpoints_of(out_dir)):
-        try:
-            state = read_json_object(path / "trainer_state.json", "resume")
-            return path, load_model(path), load_safetensors(path / "optimizer.safetensors", "resume"), state
-        except (ValueError, FileNotFoundError) as err:
-            log.warning("checkpoint %s is damaged (%s); falling back to the one before it", path.name,
-                        " ".join(str(err).split()))
-    return None, None, None, None
-
-
-def branch_from(checkpoint: str | Path, out_dir: str | Path, *, sparse: dict | None) -> Path:
-    """Start run ``out_dir`` from another run's checkpoint (model, optimizer, schedule, RNG),
-    with ``sparse`` as its model's sparse spec: a CSE run that shares a dense run's warm-up
-    exactly (``sparse`` kind "cse" with 0 experts per layer, converted at that step by
-    :func:`train`). Does nothing when ``out_dir`` has checkpoints already; returns the copy."""
-    src, out_dir = Path(checkpoint), Path(out_dir)
-    if not (src / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"branch_from: {src} is not a training checkpoint (no trainer_state.json)")
-    if latest_checkpoint(out_dir) is not None:
-        return latest_checkpoint(out_dir)
-    config = json.loads((src / "config.json").read_text())
-    if config.get("sparse") is not None:
-        raise ValueError(f"branch_from: {src} is a sparse model already ({config['sparse']['kind']}); "
-                         "branch from a dense checkpoint")
-    config["sparse"] = sparse
-    GPTConfig.from_dict(config)  # validates the spec against the model
-    target = out_dir / "checkpoints" / src.name
-    with atomic_path(target) as tmp:
-        shutil.copytree(src, tmp)
-        write_json(tmp / "config.json", config)
-    log.info("run %s starts from %s (step %s)", out_dir, src, src.name)
-    return target
-
-
-def load_optimizer_state(directory: Path, model, opt, sched, tensors=None, state=None) -> int:
-    """Put a checkpoint's optimizer, schedule and RNG state in place; returns its step."""
-    state = state if state is not None else read_json_object(directory / "trainer_state.json", "resume")
-    tensors = tensors if tensors is not None else load_safetensors(directory / "optimizer.safetensors", "resume")
-    params = dict(model.named_parameters())
-    for key, value in tensors.items():
-        name, slot = key.split("::")
-        opt.state[params[name]][slot] = value.to(params[name].device)
-    for group, saved in zip(opt.param_groups, state["param_groups"]):
-        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
-    sched.load_state_dict(state["scheduler"])
-    torch.set_rng_state(torch.tensor(state["rng_cpu"], dtype=torch.uint8))
-    if state["rng_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["rng_cuda"]])
-    return int(state["step"])
 
 
 # ---- the run --------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ _EXPORTS = {
     "sentence_scores": "ntkscope.text.frequency",
     "sentence_table": "ntkscope.text.frequency",
     "token_frequency": "ntkscope.text.frequency",
+    "DataSource": "ntkscope.text.inputs",
+    "as_source": "ntkscope.text.inputs",
     "AnalysisData": "ntkscope.text.sentences",
     "encode_texts": "ntkscope.text.sentences",
     "load_analysis_data": "ntkscope.text.sentences",

@@ -145,3 +145,27 @@ def test_the_size_check_counts_a_models_parameters_from_its_config(spec):
     model = (BERT if bert else GPT)(config)
     assert parameter_count(config) == sum(p.numel() for p in model.parameters())
     assert count_on_meta(lambda: (BERT if bert else GPT)(config)) == parameter_count(config)
+
+
+def test_progress_bars_follow_the_log_level_ci_and_the_switch(monkeypatch, capsys):
+    import logging
+
+    from ntkscope.core.progress import progress_bar, progress_shown
+
+    logger = logging.getLogger("ntkscope")
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("NTKSCOPE_PROGRESS", raising=False)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    assert not progress_shown()  # library use in a script: quiet
+    logger.setLevel(logging.INFO)
+    assert progress_shown()  # the command line's default
+    with progress_bar(5, "chunks", "sample") as bar:
+        bar.update(5)
+    assert "chunks" in capsys.readouterr().err
+    assert not progress_bar(5, "hidden", hidden=True).update(5) and "hidden" not in capsys.readouterr().err
+    for name, value in (("CI", "true"), ("NTKSCOPE_PROGRESS", "0")):
+        monkeypatch.setenv(name, value)
+        assert not progress_shown(), name
+        monkeypatch.delenv(name)
+    logger.setLevel(level)

@@ -6,7 +6,6 @@ command runs on a save_pretrained directory and on a directory of Pythia-style s
 checkpoints."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd

@@ -100,8 +100,8 @@ BAD = {
     "missing column": ("x.jsonl", '{"body": "some text"}\n', [], "text_column must name a column of"),
     "missing label column": ("x.csv", "text\nsome text here\n", ["--label-column", "topic"],
                              "label_column must name a column of"),
-    "wrong type": ("x.jsonl", '{"text": "fine"}\n{"text": 5}\n', [], "column 'text' must hold text; 1 rows do not, "
-                   "the first is row 2: int"),
+    "wrong type": ("x.jsonl", '{"text": "fine"}\n{"text": 5}\n', [], "column 'text' must hold text; row 2 holds int '5' "
+                   "(1 such rows in all)"),
     "empty file": ("x.csv", "", [], "is empty"),
     "header only": ("x.csv", "text,label\n", [], "has no rows"),
     "malformed line": ("x.jsonl", '{"text": "fine"}\n{"text": oops}\n', [], "line 2 is not JSON"),

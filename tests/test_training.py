@@ -201,7 +201,7 @@ def test_cse_branched_from_a_dense_run_shares_its_warm_up_exactly(tmp_path):
     """Known answers. A CSE run branched from a dense run at step 6 equals the CSE run trained
     from scratch with a 6-step warm-up (2 experts there). When DBSCAN finds one cluster (eps
     huge) the one expert is a copy of the dense FFN, so the run must follow the dense run."""
-    from cse_models.train import branch_from
+    from cse_models.checkpointing import branch_from
 
     dense_model = {"n_layer": 2, "n_embd": 32, "n_head": 2}
     dense = train(config(tmp_path, "dense", model=dense_model, steps=10, checkpoint_every=2))
@@ -233,7 +233,7 @@ def test_switch_upcycled_from_a_dense_run(tmp_path):
     weights until then, and from step 6 on copies of the warmed-up FFN as its experts (with their
     AdamW state) and a fresh router; a resumed run ends where an uninterrupted one does."""
     from cse_models.experts import SwitchFFN
-    from cse_models.train import branch_from
+    from cse_models.checkpointing import branch_from
 
     dense_model = {"n_layer": 2, "n_embd": 32, "n_head": 2}
     train(config(tmp_path, "dense", model=dense_model, steps=10, checkpoint_every=2))

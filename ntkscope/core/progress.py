@@ -1,23 +1,34 @@
 """Progress bars for long loops: tqdm (``tqdm.auto``: a widget in a notebook, a text bar in a
-terminal) on stderr. Shown when ntkscope logs at INFO (the command line's default); hidden by
-``-q``, by library use at the default WARNING level, under CI (``$CI`` set, as CI services set
-it) and by ``NTKSCOPE_PROGRESS=0``. A bar is a context manager; ``.update(k)`` advances it."""
+terminal) on stderr. Shown when ntkscope logs at INFO (the command line's default), and in a
+Jupyter notebook unless the ``ntkscope`` logger's level was set above INFO; hidden by ``-q``,
+by library use in a script at the default WARNING level, under CI (``$CI`` set, as CI services
+set it) and by ``NTKSCOPE_PROGRESS=0``. A bar is a context manager; ``.update(k)`` advances it."""
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from tqdm.auto import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: F401  (re-exported: log lines above a bar)
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+__all__ = ["logging_redirect_tqdm", "progress_bar", "progress_shown"]  # logging_redirect_tqdm: log lines above a bar
 
 
 def progress_shown() -> bool:
     """Whether bars are shown now (see the module docstring)."""
-    if os.environ.get("NTKSCOPE_PROGRESS", "").strip() == "0" or os.environ.get("CI", "").strip() not in ("", "0",
-                                                                                                         "false"):
+    ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+    if ci or os.environ.get("NTKSCOPE_PROGRESS", "").strip() == "0":
         return False
-    return logging.getLogger("ntkscope").isEnabledFor(logging.INFO)
+    logger = logging.getLogger("ntkscope")
+    return logger.isEnabledFor(logging.INFO) or (logger.level == logging.NOTSET and _in_notebook())
+
+
+def _in_notebook() -> bool:
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
 
 
 def progress_bar(total: int | None, desc: str, unit: str = "it", iterable=None, *, initial: int = 0,

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from cse_models.train import TrainConfig, branch_from, latest_checkpoint, train
+from cse_models.checkpointing import branch_from, latest_checkpoint
+from cse_models.train import TrainConfig, train
 from ntkscope.reproduction.settings import ReproduceSettings
 
 log = logging.getLogger(__name__)

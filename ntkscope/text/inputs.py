@@ -25,6 +25,7 @@ import gzip
 import json
 import logging
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import pandas as pd
@@ -98,6 +99,11 @@ class DataSource:
         return [p for p in (self.path, Path(self.frequency_from) if self.frequency_from else None) if p is not None]
 
     def pack(self):
+        """The corpus pack (loaded and verified once per DataSource)."""
+        return self._pack
+
+    @cached_property
+    def _pack(self):
         return load_pack(self.path)
 
     def rows(self, split: str = "validation") -> list[tuple[str, str]]:
@@ -201,8 +207,8 @@ def _table_rows(path: Path, frame: pd.DataFrame, text_column: str, label_column:
     bad = [(i, v) for i, (v, m) in enumerate(zip(texts, missing)) if not m and not isinstance(v, str)]
     if bad:
         row, value = bad[0]
-        raise ValueError(f"{_FUNC}: {path} column {text_column!r} must hold text; {len(bad)} rows do not, the "
-                         f"first is row {row + 1}: {type(value).__name__} {str(value)[:60]!r}")
+        raise ValueError(f"{_FUNC}: {path} column {text_column!r} must hold text; row {row + 1} holds "
+                         f"{type(value).__name__} {str(value)[:60]!r} ({len(bad)} such rows in all)")
     keep = ~missing & texts.fillna("").str.strip().astype(bool)
     if not keep.any():
         raise ValueError(f"{_FUNC}: {path} column {text_column!r} has no non-empty text")
