@@ -423,11 +423,54 @@ def _refuse_unsupported(args) -> None:
         sys.exit(2)
 
 
+_DISTRIBUTED_COMMANDS = ("gc", "ntk")
+
+
+def _process_group(args) -> bool:
+    """Under torchrun (``WORLD_SIZE`` > 1): join the process group (nccl on a GPU, else gloo), put
+    each rank on its own GPU, and silence every rank's output but rank 0's. True when joined."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if args.command not in _DISTRIBUTED_COMMANDS:
+        raise InputError("WORLD_SIZE", f"> 1 (torchrun) is for {' and '.join(_DISTRIBUTED_COMMANDS)}",
+                         os.environ["WORLD_SIZE"], func=f"ntkscope {args.command}")
+    if is_run_dir(args.target):
+        raise InputError("target", "must be one checkpoint under torchrun (a run directory is analysed in one "
+                         "process)", args.target, func="ntkscope gc")
+    import torch
+    import torch.distributed as dist
+
+    gpu = str(args.device or "").startswith("cuda")
+    if gpu:
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(args.device)
+    dist.init_process_group("nccl" if gpu else "gloo")
+    if dist.get_rank() != 0:
+        args.quiet = True
+        sys.stdout = open(os.devnull, "w")  # rank 0 prints; every rank computes
+    return True
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _refuse_unsupported(args)
     matplotlib.use("Agg")  # the command writes figures to files; no display
+    try:
+        joined = _process_group(args)
+    except InputError as err:
+        print(f"ntkscope {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    try:
+        return _run(args)
+    finally:
+        if joined:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _run(args) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.quiet:  # transformers (imported later, if at all) reads these: no loading bars, errors only

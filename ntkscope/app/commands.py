@@ -18,6 +18,7 @@ import numpy as np
 
 from ntkscope.core.files import Staging, check_output, digest, write_json, write_table
 from ntkscope.core.memory import available_memory_bytes, format_bytes
+from ntkscope.kernel.distributed import from_rank0, writes
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.params import select_parameters
 from ntkscope.kernel.uncertainty import Resampling
@@ -85,7 +86,7 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
                    min_count=min_count, params=params, output=output, outputs=outputs, method=method, dtype=dtype,
                    seq_len=seq_len, seed=seed, resampling=dataclasses.asdict(resampling), tokenizer=tokenizer)
     key = digest(options, paths=[checkpoint, *data.files])
-    cached = cached_result(out, key)
+    cached = from_rank0(cached_result(out, key))  # every process takes rank 0's decision
     if cached:
         log.info("gc: reusing the result in %s (same options and inputs)", out)
         return cached
@@ -98,6 +99,7 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
         table, hist, skipped = gc_sensitivity(model, ad, outputs=outputs, **common)
     else:
         table, hist, skipped = gc_by_bins(model, ad, output=output, **common)
+    out = out if writes() else None
     result = {"key": key, "options": options, "data": ad.source, "n": n, "groups": table.to_dict("records"),
               "skipped": skipped}
     with Staging(out) as files:
@@ -147,6 +149,7 @@ def ntk_command(checkpoint, data=None, *, n: int = 64, blocks=None, params=None,
     result_ntk = empirical_ntk(model, ad.batch, output=output, params=params, blocks=blocks, method=method,
                                dtype=dtype, device=device, max_memory=max_memory, seed=seed)
     matrix = result_ntk.matrix.detach().cpu().numpy()
+    out = out if writes() else None
     result = {"checkpoint": str(checkpoint), "data": ad.source, "n": n, "method": result_ntk.method,
               "reason": result_ntk.reason, "blocks": list(result_ntk.blocks or {}),
               "trace": float(np.trace(matrix))}
@@ -203,7 +206,7 @@ def freq_command(data="default", *, tokenizer=None, normalisation: str = "max", 
             raise ValueError(f"freq: {data.kind} data needs --tokenizer (a tokenizer.json, an HF directory, or "
                              "'gpt2')")
         tok = load_tokenizer(tokenizer)
-    counts = count_tokens(data.reference_texts(), tok)
+    counts = data.reference_counts(tok)
     table = sentence_table(records, tok, counts=counts, normalisation=normalisation)
     hist = score_histogram(table["score"], bins=bins)
     written = _write_tables(out, {"sentence_scores.parquet": table, "histogram.csv": hist,

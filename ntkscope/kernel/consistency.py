@@ -29,7 +29,8 @@ import torch
 
 from ntkscope.core.checks import InputError, entry
 from ntkscope.kernel.eigen import EigenResult
-from ntkscope.kernel.grads import functional_model, vjp_rows
+from ntkscope.kernel.distributed import weighted_gradient
+from ntkscope.kernel.grads import functional_model
 from ntkscope.kernel.methods import solve_top
 from ntkscope.kernel.ntk import prepare_scalar
 from ntkscope.kernel.objectives import batch_size, take
@@ -146,7 +147,7 @@ def principal_direction(model, batch, *, options: KernelOptions | None = None, *
         data, n, chunk, budget = prepare_scalar(fm, batch, opts)
         eig, _, used = solve_top(fm, data, n, chunk, budget, opts)
         u = torch.as_tensor(eig.eigenvector, dtype=fm.dtype, device=fm.device)
-        g = vjp_rows(fm, data, u, chunk)
+        g = weighted_gradient(fm, data, u, chunk)
         return DirectionResult(g, eig, fm.selection.names, fm.selection.shapes, used)
 
 
@@ -161,8 +162,8 @@ def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptio
             stats = kernel_statistics(K, list(subsets), resampling)
             return [GCResult(label=label, **common, **fields) for fields, label in zip(stats, names)]
         u = torch.as_tensor(whole.eigenvector, dtype=fm.dtype, device=fm.device)
-        g = vjp_rows(fm, data, u, chunk)  # (P,)
-        mean = vjp_rows(fm, data, torch.full((n,), 1.0 / n, dtype=fm.dtype, device=fm.device), chunk)  # (P,)
+        g = weighted_gradient(fm, data, u, chunk)  # (P,)
+        mean = weighted_gradient(fm, data, torch.full((n,), 1.0 / n, dtype=fm.dtype, device=fm.device), chunk)
         cos_ones = float(whole.eigenvector.sum() / n ** 0.5)
         results = []
         for idx, label in zip(subsets, names):
@@ -170,8 +171,9 @@ def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptio
             sub_data = take(data, torch.as_tensor(idx, device=fm.device))
             sub, _, _ = solve_top(fm, sub_data, m, chunk, budget, opts, method="matrix-free")
             u_s = torch.as_tensor(sub.eigenvector, dtype=fm.dtype, device=fm.device)
-            g_s = vjp_rows(fm, sub_data, u_s, chunk)
-            mean_s = vjp_rows(fm, sub_data, torch.full((m,), 1.0 / m, dtype=fm.dtype, device=fm.device), chunk)
+            g_s = weighted_gradient(fm, sub_data, u_s, chunk)
+            ones_s = torch.full((m,), 1.0 / m, dtype=fm.dtype, device=fm.device)
+            mean_s = weighted_gradient(fm, sub_data, ones_s, chunk)
             cos_sub = float(sub.eigenvector.sum() / m ** 0.5)
             flags = () if resampling is None else conditioning_flags(whole.eigengap, cos_ones, sub.eigengap, cos_sub,
                                                                      resampling)

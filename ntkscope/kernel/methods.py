@@ -25,6 +25,7 @@ import torch
 
 from ntkscope.core.checks import InputError
 from ntkscope.core.memory import format_bytes
+from ntkscope.kernel import distributed
 from ntkscope.kernel.eigen import EigenResult, NTKOperator, dense_top_eigenpair, lanczos_top_eigenpair
 from ntkscope.kernel.grads import FunctionalModel
 from ntkscope.kernel.kernels import (
@@ -88,16 +89,20 @@ class MethodSpec:
 
 
 def _exact_blocks(fm, data1, data2, n1, n2, chunk, budget, reduction, opts) -> Blocks:
-    kernels, passes = exact_kernels(fm, data1, data2, n1, n2, chunk, budget, reduction)
+    compute = distributed.exact_kernels if distributed.active() else exact_kernels
+    kernels, passes = compute(fm, data1, data2, n1, n2, chunk, budget, reduction)
     return Blocks(kernels, passes)
 
 
 def _structured_blocks(fm, data1, data2, n1, n2, chunk, budget, reduction, opts) -> Blocks:
-    kernels, costs = structured_kernels(fm, data1, data2, n1, n2, budget, opts.chunk_size)
+    compute = distributed.structured_kernels if distributed.active() else structured_kernels
+    kernels, costs = compute(fm, data1, data2, n1, n2, budget, opts.chunk_size)
     return Blocks(kernels, costs.passes)
 
 
 def _projected_blocks(fm, data1, data2, n1, n2, chunk, budget, reduction, opts) -> Blocks:
+    if distributed.active():  # the same seeded sketch on every rank: correct, not sharded
+        log.warning("projected: every process computes the whole sketch (the method is not sharded)")
     kernels = projected_kernels(fm, data1, data2, n1, n2, chunk, reduction, opts)
     n_vectors = (n1 + n2) ** 2 * fm.n_outputs * len(kernels)
     return Blocks(kernels, 1, jl_error_bound(opts.projection_dim, n_vectors, opts.confidence))
@@ -111,7 +116,8 @@ def _dense_eigen(kernel_fn):
 
 
 def _lanczos_eigen(fm, data, n, chunk, budget, opts):
-    return lanczos_top_eigenpair(NTKOperator(fm, data, n, chunk), tol=opts.tol, ncv=opts.ncv), None
+    operator = (distributed.ShardedNTKOperator if distributed.active() else NTKOperator)(fm, data, n, chunk)
+    return lanczos_top_eigenpair(operator, tol=opts.tol, ncv=opts.ncv), None
 
 
 # ---- the cost model: multiply-adds, compared by "auto" and reported in training steps --------------

@@ -361,29 +361,79 @@ class Costs:
     chunk: int
 
 
+@dataclass
+class Setup:
+    """What every chunk and pair product of one structured kernel shares: the probe and plan, the
+    restricted model of the fallback parameters, which block each parameter feeds, the work size,
+    and the pair products done so far by form."""
+
+    probe: Probe
+    sub: FunctionalModel | None
+    block_of: dict
+    fallback_slices: dict
+    work: int
+    forms: dict = field(default_factory=dict)
+
+
+def setup(fm: FunctionalModel, data, n: int, budget: int) -> Setup:
+    """The plan of the structured method for ``data`` (probed on its first samples)."""
+    if not fm.scalar:
+        raise InputError("output", "must be a scalar output for method='structured'", fm.objective.name)
+    pr = probe(fm, data, n)
+    sub = _sub(fm, pr.plan)
+    sel = fm.selection
+    block_of = {key: next(b for b, (s, e) in sel.blocks.items() if s <= offset < e)
+                for key, offset in zip(fm.params, sel.offsets)}
+    slices = {}
+    if sub is not None:
+        for k, o, shape in zip(sub.params, sub.selection.offsets, sub.selection.shapes):
+            slices[k] = slice(o, o + shape.numel())
+    return Setup(pr, sub, block_of, slices, work_elements(budget, fm.itemsize))
+
+
+def load_factors(fm: FunctionalModel, st: Setup, data, a0: int, a1: int, chunk: int, bar=None) -> Chunk:
+    """The factors (and fallback gradients) of samples ``a0:a1`` of ``data``, ``chunk`` at a time."""
+    parts = []
+    for c0 in range(a0, a1, chunk):
+        parts.append(_chunk(fm, st.probe.plan, st.sub, data, slice(c0, min(a1, c0 + chunk))))
+        if bar is not None:
+            bar.update(1)
+    return _join(parts)
+
+
+def accumulate(out: dict, st: Setup, A: Chunk, B: Chunk, rows: slice, cols: slice, mirror: bool) -> None:
+    """Add the kernel blocks of the samples of ``A`` against those of ``B`` at ``out[block][rows, cols]``
+    (and their transpose at ``[cols, rows]`` with ``mirror``)."""
+    same = A is B  # a panel against itself: each use pair once, each product's lower tiles mirrored
+    for key, parts_a in A.uses.items():
+        parts_b = B.uses[key]
+        if len(parts_a) != len(parts_b):
+            raise RuntimeError(f"structured NTK: {key} was used {len(parts_a)} and {len(parts_b)} times by "
+                               "two runs of samples (data-dependent control flow); use method='exact'")
+        total = None
+        for u, fa in enumerate(parts_a):
+            for v, fb in enumerate(parts_b):
+                if same and v < u:
+                    continue
+                k, form = pair_kernel(fa, fb, st.work, symmetric=same and u == v)
+                if same and v > u:
+                    k = k + k.T
+                st.forms[form] = st.forms.get(form, 0) + 1
+                total = k if total is None else total + k
+        _put(out[st.block_of[key]], total, rows, cols, mirror)
+    for key, cols_fb in st.fallback_slices.items():
+        _put(out[st.block_of[key]], A.fallback[:, cols_fb] @ B.fallback[:, cols_fb].T, rows, cols, mirror)
+        st.forms["per-sample"] = st.forms.get("per-sample", 0) + 1
+
+
 def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budget: int,
                        chunk: int | None = None) -> tuple[dict, Costs]:
     """Exact NTK blocks from layer factors; returns ({block: (n1, n2)}, Costs)."""
-    if not fm.scalar:
-        raise InputError("output", "must be a scalar output for method='structured'", fm.objective.name)
-    pr = probe(fm, data1, n1)
-    plan = pr.plan
-    sub = _sub(fm, plan)
+    st = setup(fm, data1, n1, budget)
     symmetric = data2 is None
-    panel, stream, chunk = layout(pr, n1, n2, budget, chunk, symmetric)
-    sel = fm.selection
-    block_of = {}
-    for key, offset in zip(fm.params, sel.offsets):
-        block_of[key] = next(b for b, (s, e) in sel.blocks.items() if s <= offset < e)
-    fb_slices = {}
-    if sub is not None:
-        for k, o, shape in zip(sub.params, sub.selection.offsets, sub.selection.shapes):
-            fb_slices[k] = slice(o, o + shape.numel())
-    out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
-    forms: dict = {}
-    work = work_elements(budget, fm.itemsize)
+    panel, stream, chunk = layout(st.probe, n1, n2, budget, chunk, symmetric)
+    out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in fm.selection.blocks}
     passes = np.zeros(n1 + (0 if symmetric else n2), dtype=int)
-
     panels = [(a0, min(n1, a0 + panel)) for a0 in range(0, n1, panel)]
 
     def streams(a1):
@@ -393,51 +443,22 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
     loads = sum(math.ceil((a1 - a0) / chunk) + sum(math.ceil((b1 - b0) / chunk) for b0, b1 in streams(a1))
                 for a0, a1 in panels)
     bar = progress_bar(loads, "structured NTK", "chunk")
-
-    def load(data, a0, a1, offset):
-        parts = []
-        for c0 in range(a0, a1, chunk):
-            parts.append(_chunk(fm, plan, sub, data, slice(c0, min(a1, c0 + chunk))))
-            bar.update(1)
-        passes[offset + a0 : offset + a1] += 1
-        return _join(parts)
-
-    def add(A: Chunk, B: Chunk, rows: slice, cols: slice, mirror: bool):
-        same = A is B  # a panel against itself: each use pair once, each product's lower tiles mirrored
-        for key, parts_a in A.uses.items():
-            parts_b = B.uses[key]
-            if len(parts_a) != len(parts_b):
-                raise RuntimeError(f"structured NTK: {key} was used {len(parts_a)} and {len(parts_b)} times by "
-                                   "two runs of samples (data-dependent control flow); use method='exact'")
-            total = None
-            for u, fa in enumerate(parts_a):
-                for v, fb in enumerate(parts_b):
-                    if same and v < u:
-                        continue
-                    k, form = pair_kernel(fa, fb, work, symmetric=same and u == v)
-                    if same and v > u:
-                        k = k + k.T
-                    forms[form] = forms.get(form, 0) + 1
-                    total = k if total is None else total + k
-            _put(out[block_of[key]], total, rows, cols, mirror)
-        for key, cols_fb in fb_slices.items():
-            _put(out[block_of[key]], A.fallback[:, cols_fb] @ B.fallback[:, cols_fb].T, rows, cols, mirror)
-            forms["per-sample"] = forms.get("per-sample", 0) + 1
-
     src, offset = (data1, 0) if symmetric else (data2, n1)
     for a0, a1 in panels:
-        A = load(data1, a0, a1, 0)
+        A = load_factors(fm, st, data1, a0, a1, chunk, bar)
+        passes[a0:a1] += 1
         rows = slice(a0, a1)
         if symmetric:
-            add(A, A, rows, rows, False)
+            accumulate(out, st, A, A, rows, rows, False)
         for b0, b1 in streams(a1):
-            B = load(src, b0, b1, offset)
-            add(A, B, rows, slice(b0, b1), symmetric)
+            B = load_factors(fm, st, src, b0, b1, chunk, bar)
+            passes[offset + b0 : offset + b1] += 1
+            accumulate(out, st, A, B, rows, slice(b0, b1), symmetric)
             del B
     bar.close()
     log.info("structured: panel %d, stream %d, chunk %d, %d passes at most; pair products %s", panel, stream,
-             chunk, int(passes.max()), forms)
-    return out, Costs(forms, int(passes.max()), panel, chunk)
+             chunk, int(passes.max()), st.forms)
+    return out, Costs(st.forms, int(passes.max()), panel, chunk)
 
 
 def _put(target: torch.Tensor, G: torch.Tensor, rows: slice, cols: slice, mirror: bool) -> None:

@@ -33,6 +33,7 @@ import pandas as pd
 from ntkscope.core.checks import InputError
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import paragraphs, read_text, split_sentences
+from ntkscope.text.frequency import TokenCounts, count_tokens
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ _READERS = {".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False),
             ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False, na_values=[""]),
             ".parquet": pd.read_parquet}
 TABLE_SUFFIXES = tuple(_READERS)
+_COUNTS: dict = {}  # (data identity, tokenizer) -> TokenCounts
+_COUNTS_KEPT = 4
 _FUNC = "analysis data"
 _HELP = ("a corpus pack directory, 'default', a table (.jsonl, .csv, .tsv, .parquet; optionally .gz) with a text "
          "column, a datasets save_to_disk directory, or a UTF-8 text file")
@@ -116,6 +119,23 @@ class DataSource:
             return _table_rows(self.path, _read_datasets(self.path) if kind == "datasets" else _read_table(self.path),
                                self.text_column, self.label_column)
         return _text_rows(self.path)
+
+    def _identity(self) -> tuple:
+        """What the data's texts depend on: a pack's version, a file's path, size and time."""
+        if self.kind == "pack":
+            return ("pack", str(self.pack().path), self.pack().manifest.get("version"))
+        stat = self.path.stat()
+        return (self.kind, str(self.path.resolve()), stat.st_size, stat.st_mtime_ns, self.text_column)
+
+    def reference_counts(self, tokenizer) -> TokenCounts:
+        """Token counts of :meth:`reference_texts`, kept for the process (a few, by data and tokenizer)."""
+        source = self if self.frequency_from is None else as_source(self.frequency_from, columns=self)
+        key = (source._identity(), tokenizer.name, tokenizer.vocab_size, tuple(sorted(tokenizer.special_ids)))
+        if key not in _COUNTS:
+            while len(_COUNTS) >= _COUNTS_KEPT:
+                _COUNTS.pop(next(iter(_COUNTS)))
+            _COUNTS[key] = count_tokens(self.reference_texts(), tokenizer)
+        return _COUNTS[key]
 
     def reference_texts(self) -> list[str]:
         """The texts whose token counts define sentence frequency."""

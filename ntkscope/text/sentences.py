@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 
 from ntkscope.core.checks import check_positive_int, entry, fail
-from ntkscope.text.frequency import count_tokens, sentence_scores, token_frequency
+from ntkscope.text.frequency import sentence_scores, token_frequency
 from ntkscope.text.inputs import as_source
 
 
@@ -59,12 +59,11 @@ def load_analysis_data(data, tokenizer, *, n: int = 256, seq_len: int = 64, seed
     check_positive_int("seq_len", seq_len)
     data = as_source(data)
     rows = data.rows(split)
-    reference = data.reference_texts()
     source = str(data.pack().path) if data.kind == "pack" else str(data.path)
     if len(rows) < n:
         raise fail("load_analysis_data", "n", f"must be at most the {len(rows)} sentences of {source}", n)
     pick = np.sort(np.random.default_rng(seed).choice(len(rows), n, replace=False))
     labels = pd.DataFrame([rows[i] for i in pick], columns=["text", "label"])
-    phi = token_frequency(count_tokens(reference, tokenizer))
+    phi = token_frequency(data.reference_counts(tokenizer))
     labels["score"], labels["n_tokens"] = sentence_scores(labels["text"].tolist(), tokenizer, phi)
     return AnalysisData(encode_texts(tokenizer, labels["text"], seq_len), labels, source)

@@ -1,0 +1,261 @@
+"""Kernels across processes with ``torch.distributed``, launched by ``torchrun`` (gloo on CPU,
+nccl on GPU; docs/distributed.md).
+
+Every process holds the same batch (the commands sample it with the same seed). The samples
+are sharded by rank in contiguous runs, sizes as ``numpy.array_split`` gives them (a rank may
+hold none). A rank computes only its shard's rows of J, or its structured factors, and holds
+them as its panel. The kernel is assembled block by block: each rank in turn broadcasts its
+panel, and every rank multiplies its own panel by it; a rank holds its panel and one block in
+flight. Each block pair is computed once (by one of its two ranks, alternating round the
+ring) and the finished n × n kernel is summed over the ranks. The matrix-free operator
+all-reduces ``J^T v`` over the ranks' shards and gathers ``J (J^T v)``; a weighted backward
+``sum_i u_i grad f_i`` sums over ranks. The eigensolvers and GC statistics then run on every
+rank on identical numbers, and only rank 0 writes results.
+
+With no process group (or one process) nothing here is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ntkscope.core.checks import InputError
+from ntkscope.core.memory import format_bytes
+from ntkscope.kernel.eigen import NTKOperator
+from ntkscope.kernel.grads import FunctionalModel, jacobian_rows, jvp_rows, vjp_rows
+from ntkscope.kernel.kernels import _gram, _place
+from ntkscope.kernel.objectives import take
+from ntkscope.kernel.structured import Costs, accumulate, layout, load_factors, setup
+
+log = logging.getLogger(__name__)
+
+
+def world() -> tuple[int, int]:
+    """(rank, number of processes) of the default process group; (0, 1) when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def active() -> bool:
+    """Whether kernels are computed across processes (a process group of 2 or more)."""
+    return world()[1] > 1
+
+
+def writes() -> bool:
+    """Whether this process writes results: the only one, or rank 0."""
+    return world()[0] == 0
+
+
+def from_rank0(obj):
+    """``obj`` as rank 0 has it, on every process (picklable objects; itself without a group)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def shard(n: int, rank: int | None = None, size: int | None = None) -> slice:
+    """The contiguous run of ``n`` samples that ``rank`` holds (``numpy.array_split`` sizes)."""
+    if rank is None or size is None:
+        rank, size = world()
+    bounds = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(n), size)])
+    return slice(int(bounds[rank]), int(bounds[rank + 1]))
+
+
+def _computes(r: int, s: int, size: int) -> bool:
+    """Whether rank ``r`` computes the block pair (r, s): its own, and half the others round the ring."""
+    d = (s - r) % size
+    return d == 0 or 2 * d < size or (2 * d == size and r < s)
+
+
+def _flatten(tree, tensors: list):
+    if torch.is_tensor(tree):
+        tensors.append(tree)
+        return ("tensor", tuple(tree.shape), str(tree.dtype).removeprefix("torch."))
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return ("dataclass", type(tree), {f.name: _flatten(getattr(tree, f.name), tensors)
+                                          for f in dataclasses.fields(tree)})
+    if isinstance(tree, dict):
+        return ("dict", {k: _flatten(v, tensors) for k, v in tree.items()})
+    if isinstance(tree, (list, tuple)):
+        return (type(tree).__name__, [_flatten(v, tensors) for v in tree])
+    return ("leaf", tree)
+
+
+def _unflatten(spec, tensors):
+    kind = spec[0]
+    if kind == "tensor":
+        return next(tensors)
+    if kind == "dataclass":
+        return spec[1](**{k: _unflatten(v, tensors) for k, v in spec[2].items()})
+    if kind == "dict":
+        return {k: _unflatten(v, tensors) for k, v in spec[1].items()}
+    if kind in ("list", "tuple"):
+        items = [_unflatten(v, tensors) for v in spec[1]]
+        return items if kind == "list" else tuple(items)
+    return spec[1]
+
+
+def broadcast_tree(tree, src: int, device):
+    """``tree`` (tensors in dataclasses, dicts, lists; None) of rank ``src``, on every rank: its
+    structure by ``broadcast_object_list``, then each tensor by ``broadcast``."""
+    rank, _ = world()
+    tensors: list = []
+    spec = [_flatten(tree, tensors) if rank == src else None]
+    dist.broadcast_object_list(spec, src=src)
+    spec = spec[0]
+    if rank == src:
+        received = tensors
+    else:
+        shapes: list = []
+        _collect_shapes(spec, shapes)
+        received = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in shapes]
+    for t in received:
+        dist.broadcast(t.contiguous() if rank == src else t, src=src)
+    return tree if rank == src else _unflatten(spec, iter(received))
+
+
+def _collect_shapes(spec, out: list) -> None:
+    kind = spec[0]
+    if kind == "tensor":
+        out.append((spec[1], spec[2]))
+    elif kind == "dataclass":
+        for v in spec[2].values():
+            _collect_shapes(v, out)
+    elif kind == "dict":
+        for v in spec[1].values():
+            _collect_shapes(v, out)
+    elif kind in ("list", "tuple"):
+        for v in spec[1]:
+            _collect_shapes(v, out)
+
+
+def _ring(out: dict, own, own_rows: slice, other_rows, product, data2_shards: bool, device):
+    """Every rank broadcasts its panel in turn; this rank adds ``product(own, panel, rows, cols,
+    mirror)`` for the pairs it computes; then the kernels are summed over the ranks."""
+    rank, size = world()
+    for src in range(size):
+        panel = broadcast_tree(own if src == rank else None, src, device)
+        cols = other_rows[src]
+        if own is None or panel is None or not (data2_shards or _computes(rank, src, size)):
+            continue
+        product(own, panel, own_rows, cols, not data2_shards and src != rank)
+    for k in out.values():
+        dist.all_reduce(k)
+    return out
+
+
+def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, reduction):
+    """:func:`ntkscope.kernel.kernels.exact_kernels` across processes: ({block: kernel}, passes = 1)."""
+
+    rank, size = world()
+    sel, K, P = fm.selection, fm.n_outputs, fm.selection.n_params
+    kshape = (K,) if (K > 1 and reduction == "diagonal") else ()
+    out = {b: torch.zeros(*kshape, n1, n2, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
+
+    def rows_of(data, n, rows):
+        if rows.stop == rows.start:
+            return None
+        J = torch.empty(rows.stop - rows.start, K, P, dtype=fm.dtype, device=fm.device)  # (n_r, K, P)
+        for c0 in range(rows.start, rows.stop, chunk):
+            c1 = min(rows.stop, c0 + chunk)
+            jacobian_rows(fm, take(data, slice(c0, c1)), J[c0 - rows.start : c1 - rows.start], c0)
+        return J
+
+    def product(JA, JB, rows, cols, mirror):
+        for name, (s, e) in sel.blocks.items():
+            _place(out, name, _gram(JA, JB, slice(s, e), reduction), rows, cols, mirror)
+
+    own_rows = shard(n1)
+    largest = shard(max(n1, n2), 0, size).stop  # the largest panel: it is held, and one more is in flight
+    need = (2 * largest + chunk) * K * P * fm.itemsize
+    if need > budget:
+        raise InputError("max_memory", f"must hold two panels of {largest} rows of J ({format_bytes(need)}) across "
+                         f"{size} processes; use more processes or method='structured'", format_bytes(budget))
+    own = rows_of(data1, n1, own_rows)
+    if data2 is None:
+        return _ring(out, own, own_rows, [shard(n1, r, size) for r in range(size)], product, False, fm.device), 1
+    others = [shard(n2, r, size) for r in range(size)]
+    # a cross-kernel: every rank's data2 panel passes every rank's data1 panel
+    for src in range(size):
+        panel = broadcast_tree(rows_of(data2, n2, others[rank]) if src == rank else None, src, fm.device)
+        if own is not None and panel is not None:
+            product(own, panel, own_rows, others[src], False)
+    for k in out.values():
+        dist.all_reduce(k)
+    return out, 1
+
+
+def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budget: int,
+                       chunk: int | None = None) -> tuple[dict, Costs]:
+    """:func:`ntkscope.kernel.structured.structured_kernels` across processes."""
+    rank, size = world()
+    st = setup(fm, data1, n1, budget)
+    _, _, chunk = layout(st.probe, n1, n2, budget, chunk, data2 is None)
+    out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in fm.selection.blocks}
+    own_rows = shard(n1)
+    held = 2 * (shard(max(n1, n2), 0, size).stop) * st.probe.sample_bytes  # the largest panel and one in flight
+    if held > budget:
+        raise InputError("max_memory", f"must hold two panels of {shard(max(n1, n2), 0, size).stop} samples' "
+                         f"factors ({format_bytes(held)}) across {size} processes; use more processes",
+                         format_bytes(budget))
+    own = load_factors(fm, st, data1, own_rows.start, own_rows.stop, chunk) if own_rows.stop > own_rows.start \
+        else None
+
+    def product(A, B, rows, cols, mirror):  # B is A for the rank's own pair: each use pair once
+        accumulate(out, st, A, B, rows, cols, mirror)
+
+    if data2 is None:
+        _ring(out, own, own_rows, [shard(n1, r, size) for r in range(size)], product, False, fm.device)
+    else:
+        others = [shard(n2, r, size) for r in range(size)]
+        mine = others[rank]
+        for src in range(size):
+            B = load_factors(fm, st, data2, mine.start, mine.stop, chunk) if src == rank and mine.stop > mine.start \
+                else None
+            panel = broadcast_tree(B, src, fm.device)
+            if own is not None and panel is not None:
+                accumulate(out, st, own, panel, own_rows, others[src], False)
+        for k in out.values():
+            dist.all_reduce(k)
+    log.info("structured across %d processes: %d samples here, pair products %s", size,
+             own_rows.stop - own_rows.start, st.forms)
+    return out, Costs(st.forms, 1, own_rows.stop - own_rows.start, chunk)
+
+
+class ShardedNTKOperator(NTKOperator):
+    """``v -> J (J^T v)`` with J's rows sharded over the processes: each rank forms ``J_r^T v_r``,
+    they are all-reduced, and the ranks' ``J_r (J^T v)`` are gathered (summed into place)."""
+
+    def _matvec(self, v):
+        self.matvecs += 1
+        fm = self.fm
+        rows = shard(self.n)
+        v = torch.as_tensor(np.asarray(v).reshape(-1), dtype=fm.dtype, device=fm.device)
+        jt_v = weighted_gradient(fm, self.data, v, self.chunk)  # (P,), summed over ranks
+        out = torch.zeros(self.n, dtype=fm.dtype, device=fm.device)
+        if rows.stop > rows.start:
+            out[rows] = jvp_rows(fm, take(self.data, rows), jt_v, self.chunk, rows.stop - rows.start)
+        dist.all_reduce(out)
+        return out.detach().cpu().double().numpy()
+
+
+def weighted_gradient(fm: FunctionalModel, data, weights: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``sum_i w_i grad f(x_i)`` (P,): :func:`~ntkscope.kernel.grads.vjp_rows`, or across processes
+    each rank's shard, summed over the ranks. ``weights``: (n,)."""
+    if not active():
+        return vjp_rows(fm, data, weights, chunk)
+    rows = shard(weights.shape[0])
+    if rows.stop > rows.start:
+        total = vjp_rows(fm, take(data, rows), weights[rows], chunk)
+    else:
+        total = torch.zeros(fm.selection.n_params, dtype=fm.dtype, device=fm.device)
+    dist.all_reduce(total)
+    return total

@@ -1,0 +1,169 @@
+"""NTK, eigenpairs and GC across processes: 2 gloo processes on CPU (torch.multiprocessing)
+equal one process in float64; n is odd, and one case leaves a rank with no samples. The
+command under torchrun writes the same files as one process, and a run whose rank is
+killed ends with an error and no result."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ntkscope as ns
+from ntkscope.app.cli import main
+from ntkscope.kernel.distributed import shard
+from ntkscope.kernel.uncertainty import Resampling
+
+RESAMPLING = Resampling(resamples=30, null_draws=10)
+SUBSET = [0, 2, 3, 6]
+
+
+def _model():
+    from cse_models import GPT, GPTConfig
+
+    previous = torch.get_default_dtype()  # the same weights in every process, whatever its default dtype
+    torch.set_default_dtype(torch.float32)
+    try:
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=16)).double().eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _batch(n):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (n, 9), generator=g)
+    mask = torch.ones_like(ids)
+    if n > 2:
+        mask[1, 5:] = 0
+        mask[n - 1, 3:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _everything():
+    """Every quantity under test, as plain tensors and floats, in one process or across several."""
+    model, batch, other = _model(), _batch(7), _batch(3)
+    out = {}
+    for method in ("exact", "structured"):
+        res = ns.empirical_ntk(model, batch, method=method, blocks="layer", dtype="float64")
+        out[f"{method}/matrix"] = res.matrix
+        out.update({f"{method}/block/{k}": v for k, v in res.blocks.items()})
+        out[f"{method}/cross"] = ns.empirical_ntk(model, batch, other, method=method, dtype="float64").matrix
+        out[f"{method}/one"] = ns.empirical_ntk(model, _batch(1), method=method, dtype="float64").matrix  # rank 1: none
+        eig = ns.ntk_top_eigenpair(model, batch, method=method, dtype="float64")
+        out[f"{method}/eigenvalue"], out[f"{method}/eigenvector"] = eig.eigenvalue, torch.as_tensor(eig.eigenvector)
+        gc = ns.gradient_consistency(model, batch, SUBSET, method=method, dtype="float64", resampling=RESAMPLING)
+        out[f"{method}/gc"] = torch.tensor([gc.score, gc.abs_interval.low, gc.abs_interval.high, gc.null.high,
+                                            gc.mean_gradient])
+    eig = ns.ntk_top_eigenpair(model, batch, method="matrix-free", dtype="float64", tol=1e-10)
+    out["matrix-free/eigenvalue"], out["matrix-free/eigenvector"] = eig.eigenvalue, torch.as_tensor(eig.eigenvector)
+    gc = ns.gradient_consistency(model, batch, SUBSET, method="matrix-free", dtype="float64", resampling=None,
+                                 tol=1e-10)
+    out["matrix-free/gc"] = torch.tensor([gc.score, gc.mean_gradient])
+    out["direction"] = ns.principal_direction(model, batch, method="matrix-free", dtype="float64", tol=1e-10).vector
+    return out
+
+
+def _worker(rank, size, port, path):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    try:
+        result = _everything()
+        if rank == 0:
+            torch.save(result, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_shards_cover_the_samples_in_order():
+    assert [shard(7, r, 2) for r in range(2)] == [slice(0, 4), slice(4, 7)]
+    assert [shard(1, r, 2) for r in range(2)] == [slice(0, 1), slice(1, 1)]  # the second rank holds none
+    assert [shard(5, r, 3) for r in range(3)] == [slice(0, 2), slice(2, 4), slice(4, 5)]
+
+
+def test_two_gloo_processes_equal_one(tmp_path):
+    path = tmp_path / "distributed.pt"
+    mp.spawn(_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
+    got, want = torch.load(path), _everything()
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        g = got[key]
+        if key.endswith("eigenvector") or key == "direction":  # up to sign
+            g = g * torch.sign(torch.dot(torch.as_tensor(g).double().flatten(), torch.as_tensor(value).double().flatten()))
+        tol = 1e-7 if key.startswith("matrix-free") or key == "direction" else 1e-10  # Lanczos to its tolerance
+        torch.testing.assert_close(torch.as_tensor(g).double(), torch.as_tensor(value).double(), rtol=tol, atol=tol,
+                                   msg=key)
+
+
+def _torchrun(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(_free_port()), "-m", "ntkscope", "--", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from cse_models import GPT, GPTConfig
+
+    root = tmp_path_factory.mktemp("dist")
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=2, n_head=2, n_embd=16)).save_pretrained(root / "gpt")
+    return root / "gpt"
+
+
+def test_gc_under_torchrun_writes_what_one_process_writes(checkpoint, tmp_path):
+    args = ["gc", checkpoint, "--n", 33, "--seq-len", 16, "--bins", 3, "--method", "structured", "--dtype", "float64",
+            "--resamples", 40, "--null-draws", 20]
+    proc = _torchrun("-q", *args, "--out", tmp_path / "two")
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert stdout.count("GC of each frequency bin") == 1  # rank 0 prints, once
+    assert main(["-q", *map(str, args), "--out", str(tmp_path / "one")]) == 0  # one process
+    a, b = pd.read_csv(tmp_path / "one" / "gc.csv"), pd.read_csv(tmp_path / "two" / "gc.csv")
+    pd.testing.assert_frame_equal(a, b, rtol=1e-9)
+
+
+def _rank_pid(marker: str, rank: int):
+    """The pid of the torchrun worker of ``rank`` whose command line holds ``marker``, or None."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if marker in (proc / "cmdline").read_bytes().decode(errors="replace") and \
+                    f"RANK={rank}\x00".encode() in (proc / "environ").read_bytes() and \
+                    b"GROUP_RANK=" in (proc / "environ").read_bytes():
+                return int(proc.name)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def test_a_killed_rank_ends_the_run_with_an_error_and_no_result(checkpoint, tmp_path):
+    out = tmp_path / "killed"
+    proc = _torchrun("gc", checkpoint, "--n", 256, "--seq-len", 32, "--method", "exact", "--resamples", 3000,
+                     "--out", out)
+    deadline, pid = time.time() + 120, None
+    while time.time() < deadline and pid is None:
+        time.sleep(0.5)
+        pid = _rank_pid(str(out), 1)
+    assert pid is not None, "rank 1 did not start"
+    time.sleep(10)  # mid-run: the workers are loading, computing the kernel, or resampling
+    assert proc.poll() is None, "the run ended before the kill"
+    os.kill(pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "ChildFailedError" in stderr and "Signal 9 (SIGKILL)" in stderr, stderr[-2000:]
+    assert not out.exists()  # nothing half-written
