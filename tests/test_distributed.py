@@ -167,3 +167,40 @@ def test_a_killed_rank_ends_the_run_with_an_error_and_no_result(checkpoint, tmp_
     assert proc.returncode != 0
     assert "ChildFailedError" in stderr and "Signal 9 (SIGKILL)" in stderr, stderr[-2000:]
     assert not out.exists()  # nothing half-written
+
+
+def _nccl_worker(rank, port, path):
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model, batch = _model(), _batch(7)
+        out = {m: ns.empirical_ntk(model, batch, method=m, dtype="float64", device="cuda").matrix.cpu()
+               for m in ("exact", "structured")}
+        gc = ns.gradient_consistency(model, batch, SUBSET, method="matrix-free", dtype="float64", device="cuda",
+                                     resampling=None, tol=1e-10)
+        out["gc"] = torch.tensor([gc.score, gc.mean_gradient])
+        torch.save(out, path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_nccl_with_one_rank_matches_the_cpu(tmp_path):
+    path = tmp_path / "nccl.pt"
+    mp.spawn(_nccl_worker, args=(_free_port(), str(path)), nprocs=1, join=True)
+    got = torch.load(path)
+    model, batch = _model(), _batch(7)
+    for method in ("exact", "structured"):
+        want = ns.empirical_ntk(model, batch, method=method, dtype="float64").matrix
+        torch.testing.assert_close(got[method], want, rtol=1e-9, atol=1e-12, msg=method)
+    gc = ns.gradient_consistency(model, batch, SUBSET, method="matrix-free", dtype="float64", resampling=None, tol=1e-10)
+    torch.testing.assert_close(got["gc"], torch.tensor([gc.score, gc.mean_gradient]), rtol=1e-7, atol=1e-7)
+
+
+def test_torchrun_takes_gc_and_ntk_on_one_checkpoint_only(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    assert main(["-q", "freq"]) == 1
+    assert "ntkscope freq: error: command must be gc or ntk under torchrun (got 'freq')" in capsys.readouterr().err
+    assert main(["-q", "gc", str(tmp_path / "run")]) == 1
+    assert "target must be one checkpoint under torchrun" in capsys.readouterr().err

@@ -427,16 +427,16 @@ _DISTRIBUTED_COMMANDS = ("gc", "ntk")
 
 
 def _process_group(args) -> bool:
-    """Under torchrun (``WORLD_SIZE`` > 1): join the process group (nccl on a GPU, else gloo), put
-    each rank on its own GPU, and silence every rank's output but rank 0's. True when joined."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    """Under torchrun (``WORLD_SIZE`` and ``LOCAL_RANK`` set, one process or more): join the process
+    group (nccl on a GPU, else gloo), put each rank on its own GPU, and silence every rank's output
+    but rank 0's. True when joined."""
+    if "WORLD_SIZE" not in os.environ or "LOCAL_RANK" not in os.environ:
         return False
     if args.command not in _DISTRIBUTED_COMMANDS:
-        raise InputError("WORLD_SIZE", f"> 1 (torchrun) is for {' and '.join(_DISTRIBUTED_COMMANDS)}",
-                         os.environ["WORLD_SIZE"], func=f"ntkscope {args.command}")
+        raise InputError("command", f"must be {' or '.join(_DISTRIBUTED_COMMANDS)} under torchrun", args.command)
     if is_run_dir(args.target):
         raise InputError("target", "must be one checkpoint under torchrun (a run directory is analysed in one "
-                         "process)", args.target, func="ntkscope gc")
+                         "process)", args.target)
     import torch
     import torch.distributed as dist
 
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
     try:
         joined = _process_group(args)
     except InputError as err:
-        print(f"ntkscope {args.command}: error: {err}", file=sys.stderr)
+        _error(args, err)
         return 1
     try:
         return _run(args)
@@ -481,8 +481,14 @@ def _run(args) -> int:
         with logging_redirect_tqdm():  # log lines print above a progress bar
             return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:  # user errors; anything else is a bug: keep its traceback
-        print(f"ntkscope {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
+        _error(args, err)
         return 1
+
+
+def _error(args, err: Exception) -> None:
+    """A user error as one line on stderr (under torchrun, from rank 0 only: every rank has it)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"ntkscope {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ all-reduces ``J^T v`` over the ranks' shards and gathers ``J (J^T v)``; a weight
 ``sum_i u_i grad f_i`` sums over ranks. The eigensolvers and GC statistics then run on every
 rank on identical numbers, and only rank 0 writes results.
 
-With no process group (or one process) nothing here is used.
+With no process group nothing here is used.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def world() -> tuple[int, int]:
 
 
 def active() -> bool:
-    """Whether kernels are computed across processes (a process group of 2 or more)."""
-    return world()[1] > 1
+    """Whether kernels are computed through the process group (any size: one rank under torchrun
+    runs the same collectives, which checks a backend on one GPU)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def writes() -> bool:
