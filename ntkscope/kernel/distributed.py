@@ -138,16 +138,29 @@ def _collect_shapes(spec, out: list) -> None:
             _collect_shapes(v, out)
 
 
-def _ring(out: dict, own, own_rows: slice, other_rows, product, data2_shards: bool, device):
-    """Every rank broadcasts its panel in turn; this rank adds ``product(own, panel, rows, cols,
-    mirror)`` for the pairs it computes; then the kernels are summed over the ranks."""
+def _ring(out: dict, own, n: int, product, device):
+    """A symmetric kernel: every rank broadcasts its panel in turn; this rank adds ``product(own,
+    panel, rows, cols, mirror)`` for the block pairs it computes; then the kernels are summed over
+    the ranks. The structure travels by pickle, between this job's own processes only."""
     rank, size = world()
     for src in range(size):
         panel = broadcast_tree(own if src == rank else None, src, device)
-        cols = other_rows[src]
-        if own is None or panel is None or not (data2_shards or _computes(rank, src, size)):
+        if own is None or panel is None or not _computes(rank, src, size):
             continue
-        product(own, panel, own_rows, cols, not data2_shards and src != rank)
+        product(own, panel, shard(n, rank, size), shard(n, src, size), src != rank)
+    for k in out.values():
+        dist.all_reduce(k)
+    return out
+
+
+def _cross(out: dict, own, n1: int, n2: int, panel_of, product, device):
+    """A cross-kernel: every rank's panel of the second set (``panel_of(rows)``, None when empty)
+    passes every rank's own panel; then the kernels are summed over the ranks."""
+    rank, size = world()
+    for src in range(size):
+        panel = broadcast_tree(panel_of(shard(n2, rank, size)) if src == rank else None, src, device)
+        if own is not None and panel is not None:
+            product(own, panel, shard(n1, rank, size), shard(n2, src, size), False)
     for k in out.values():
         dist.all_reduce(k)
     return out
@@ -155,13 +168,12 @@ def _ring(out: dict, own, own_rows: slice, other_rows, product, data2_shards: bo
 
 def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, reduction):
     """:func:`ntkscope.kernel.kernels.exact_kernels` across processes: ({block: kernel}, passes = 1)."""
-
     rank, size = world()
     sel, K, P = fm.selection, fm.n_outputs, fm.selection.n_params
     kshape = (K,) if (K > 1 and reduction == "diagonal") else ()
     out = {b: torch.zeros(*kshape, n1, n2, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
 
-    def rows_of(data, n, rows):
+    def rows_of(data, rows):
         if rows.stop == rows.start:
             return None
         J = torch.empty(rows.stop - rows.start, K, P, dtype=fm.dtype, device=fm.device)  # (n_r, K, P)
@@ -180,18 +192,10 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
     if need > budget:
         raise InputError("max_memory", f"must hold two panels of {largest} rows of J ({format_bytes(need)}) across "
                          f"{size} processes; use more processes or method='structured'", format_bytes(budget))
-    own = rows_of(data1, n1, own_rows)
+    own = rows_of(data1, own_rows)
     if data2 is None:
-        return _ring(out, own, own_rows, [shard(n1, r, size) for r in range(size)], product, False, fm.device), 1
-    others = [shard(n2, r, size) for r in range(size)]
-    # a cross-kernel: every rank's data2 panel passes every rank's data1 panel
-    for src in range(size):
-        panel = broadcast_tree(rows_of(data2, n2, others[rank]) if src == rank else None, src, fm.device)
-        if own is not None and panel is not None:
-            product(own, panel, own_rows, others[src], False)
-    for k in out.values():
-        dist.all_reduce(k)
-    return out, 1
+        return _ring(out, own, n1, product, fm.device), 1
+    return _cross(out, own, n1, n2, lambda rows: rows_of(data2, rows), product, fm.device), 1
 
 
 def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budget: int,
@@ -214,18 +218,10 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
         accumulate(out, st, A, B, rows, cols, mirror)
 
     if data2 is None:
-        _ring(out, own, own_rows, [shard(n1, r, size) for r in range(size)], product, False, fm.device)
+        _ring(out, own, n1, product, fm.device)
     else:
-        others = [shard(n2, r, size) for r in range(size)]
-        mine = others[rank]
-        for src in range(size):
-            B = load_factors(fm, st, data2, mine.start, mine.stop, chunk) if src == rank and mine.stop > mine.start \
-                else None
-            panel = broadcast_tree(B, src, fm.device)
-            if own is not None and panel is not None:
-                accumulate(out, st, own, panel, own_rows, others[src], False)
-        for k in out.values():
-            dist.all_reduce(k)
+        _cross(out, own, n1, n2, lambda rows: load_factors(fm, st, data2, rows.start, rows.stop, chunk)
+               if rows.stop > rows.start else None, product, fm.device)
     log.info("structured across %d processes: %d samples here, pair products %s", size,
              own_rows.stop - own_rows.start, st.forms)
     return out, Costs(st.forms, 1, own_rows.stop - own_rows.start, chunk)
