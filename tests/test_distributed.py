@@ -153,7 +153,7 @@ def _rank_pid(marker: str, rank: int):
 
 def test_a_killed_rank_ends_the_run_with_an_error_and_no_result(checkpoint, tmp_path):
     out = tmp_path / "killed"
-    proc = _torchrun("gc", checkpoint, "--n", 256, "--seq-len", 32, "--method", "exact", "--resamples", 3000,
+    proc = _torchrun("gc", checkpoint, "--n", 256, "--seq-len", 32, "--method", "exact", "--resamples", 10000,
                      "--out", out)
     deadline, pid = time.time() + 120, None
     while time.time() < deadline and pid is None:
