@@ -90,52 +90,37 @@ def _flatten(tree, tensors: list):
     return ("leaf", tree)
 
 
-def _unflatten(spec, tensors):
+def _unflatten(spec, leaf):
+    """The tree ``spec`` describes, each tensor from ``leaf(spec)`` in :func:`_flatten`'s order."""
     kind = spec[0]
     if kind == "tensor":
-        return next(tensors)
+        return leaf(spec)
     if kind == "dataclass":
-        return spec[1](**{k: _unflatten(v, tensors) for k, v in spec[2].items()})
+        return spec[1](**{k: _unflatten(v, leaf) for k, v in spec[2].items()})
     if kind == "dict":
-        return {k: _unflatten(v, tensors) for k, v in spec[1].items()}
+        return {k: _unflatten(v, leaf) for k, v in spec[1].items()}
     if kind in ("list", "tuple"):
-        items = [_unflatten(v, tensors) for v in spec[1]]
+        items = [_unflatten(v, leaf) for v in spec[1]]
         return items if kind == "list" else tuple(items)
     return spec[1]
 
 
 def broadcast_tree(tree, src: int, device):
     """``tree`` (tensors in dataclasses, dicts, lists; None) of rank ``src``, on every rank: its
-    structure by ``broadcast_object_list``, then each tensor by ``broadcast``."""
+    structure by ``broadcast_object_list``, then each tensor by ``broadcast`` into place."""
     rank, _ = world()
     tensors: list = []
     spec = [_flatten(tree, tensors) if rank == src else None]
     dist.broadcast_object_list(spec, src=src)
-    spec = spec[0]
-    if rank == src:
-        received = tensors
-    else:
-        shapes: list = []
-        _collect_shapes(spec, shapes)
-        received = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in shapes]
-    for t in received:
+    if rank != src:
+        def empty(leaf):
+            tensors.append(torch.empty(leaf[1], dtype=getattr(torch, leaf[2]), device=device))
+            return tensors[-1]
+
+        tree = _unflatten(spec[0], empty)
+    for t in tensors:
         dist.broadcast(t.contiguous() if rank == src else t, src=src)
-    return tree if rank == src else _unflatten(spec, iter(received))
-
-
-def _collect_shapes(spec, out: list) -> None:
-    kind = spec[0]
-    if kind == "tensor":
-        out.append((spec[1], spec[2]))
-    elif kind == "dataclass":
-        for v in spec[2].values():
-            _collect_shapes(v, out)
-    elif kind == "dict":
-        for v in spec[1].values():
-            _collect_shapes(v, out)
-    elif kind in ("list", "tuple"):
-        for v in spec[1]:
-            _collect_shapes(v, out)
+    return tree
 
 
 def _ring(out: dict, own, n: int, product, device):
