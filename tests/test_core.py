@@ -168,4 +168,8 @@ def test_progress_bars_follow_the_log_level_ci_and_the_switch(monkeypatch, capsy
         monkeypatch.setenv(name, value)
         assert not progress_shown(), name
         monkeypatch.delenv(name)
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.setenv("NTKSCOPE_PROGRESS", "1")  # forced on, above CI and the level
+    logger.setLevel(logging.WARNING)
+    assert progress_shown()
     logger.setLevel(level)

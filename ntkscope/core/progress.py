@@ -2,7 +2,8 @@
 terminal) on stderr. Shown when ntkscope logs at INFO (the command line's default), and in a
 Jupyter notebook unless the ``ntkscope`` logger's level was set above INFO; hidden by ``-q``,
 by library use in a script at the default WARNING level, under CI (``$CI`` set, as CI services
-set it) and by ``NTKSCOPE_PROGRESS=0``. A bar is a context manager; ``.update(k)`` advances it."""
+set it) and by ``NTKSCOPE_PROGRESS=0``; ``NTKSCOPE_PROGRESS=1`` shows them whatever the rest.
+A bar is a context manager; ``.update(k)`` advances it."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ __all__ = ["logging_redirect_tqdm", "progress_bar", "progress_shown"]  # logging
 
 def progress_shown() -> bool:
     """Whether bars are shown now (see the module docstring)."""
-    ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
-    if ci or os.environ.get("NTKSCOPE_PROGRESS", "").strip() == "0":
+    switch = os.environ.get("NTKSCOPE_PROGRESS", "").strip()
+    if switch in ("0", "1"):
+        return switch == "1"
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false"):
         return False
     logger = logging.getLogger("ntkscope")
     return logger.isEnabledFor(logging.INFO) or (logger.level == logging.NOTSET and _in_notebook())
