@@ -1,10 +1,11 @@
-"""The ntkscope command as a user runs it."""
+"""The ntkscope command as a user runs it (a new process), or its same main() in this process."""
 
 import subprocess
 import sys
 
 import pandas as pd
 import pytest
+from commandline import in_process
 
 
 def _run(*args):
@@ -82,7 +83,7 @@ def test_the_command_line_choices_come_from_the_tables():
 
 
 def test_corpus_info_on_the_default_pack_writes_its_tables(tmp_path):
-    proc = _run("--quiet", "corpus", "info", "--out", str(tmp_path))
+    proc = in_process("corpus", "info", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert "the 20 largest categories" in proc.stdout and "percentage of sentences per score bin" in proc.stdout
     domains = pd.read_csv(tmp_path / "domain_table.csv")
@@ -101,11 +102,11 @@ def test_corpus_build_from_real_excerpts_and_its_errors(tmp_path):
     proc = _run("--quiet", "corpus", "build", str(tmp_path / "p"), "--vocab-size", "400", "--share", "0.1", *args)
     assert proc.returncode == 0, proc.stderr
     assert "long-tail share: asked 10.00%" in proc.stdout
-    again = _run("--quiet", "corpus", "build", str(tmp_path / "p"), *args)
+    again = in_process("corpus", "build", str(tmp_path / "p"), *args)  # the rest in process: the same main()
     assert again.returncode == 1 and "exists; pass overwrite=True (--force)" in again.stderr
-    bad = _run("--quiet", "corpus", "build", str(tmp_path / "q"), "--share", "1.2", *args)
+    bad = in_process("corpus", "build", str(tmp_path / "q"), "--share", "1.2", *args)
     assert bad.returncode == 1
     assert bad.stderr.strip() == ("ntkscope corpus: error: build_pack: share must be a number strictly "
                                   "between 0 and 1 (got 1.2)")
-    listing = _run("corpus", "sources", "--root", str(tmp_path), "--data-dir", str(tmp_path))
+    listing = in_process("corpus", "sources", "--root", str(tmp_path), "--data-dir", str(tmp_path))
     assert listing.returncode == 0 and "missing: apt-get update && apt-get install -y dict-gcide" in listing.stdout

