@@ -21,7 +21,7 @@ from ntkscope.kernel.objectives import sample_outputs, take
 from ntkscope.representation.router import fit_router
 from ntkscope.reproduction.settings import ReproduceSettings
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
-from ntkscope.runs.dynamics import STABILITY_COLUMNS, cluster_dynamics, gc_series, router_dynamics
+from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_dynamics
 from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.gc import gc_sensitivity
 from ntkscope.text.frequency import bin_indices, domain_table, long_tail_subset, score_histogram

@@ -38,9 +38,10 @@ from ntkscope.core.checks import fail
 from ntkscope.core.files import DirectoryLock, atomic_path, check_output, write_json, write_text
 from ntkscope.plotting import save_figure
 from ntkscope.representation.plan import Plan, make_plan
-from ntkscope.reproduction import analyses, paper, training
+from ntkscope.reproduction import paper, training
 from ntkscope.reproduction.panels import FIGURES, PANELS, STAGES
 from ntkscope.reproduction.settings import ReproduceSettings, settings_for
+from ntkscope.runs.dynamics import STABILITY_COLUMNS
 from cse_models.train import TrainConfig, fitting_sample, load_data
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.sentences import load_analysis_data
@@ -151,7 +152,7 @@ class Reproduction:
         s = self.settings
         limit = int(s.max_warmup_fraction * s.steps)
         gc = t["gc_over_steps"][t["gc_over_steps"]["step"] <= limit]
-        stability = t["router_dynamics"][analyses.STABILITY_COLUMNS]
+        stability = t["router_dynamics"][STABILITY_COLUMNS]
         plan = make_plan(t["dynamics"], gc, top_k=s.sparse_layers, overlap=s.stable_overlap,
                          stability=stability[stability["step"] <= limit])
         plan.save(path)
