@@ -63,6 +63,12 @@ def _everything():
         gc = ns.gradient_consistency(model, batch, SUBSET, method=method, dtype="float64", resampling=RESAMPLING)
         out[f"{method}/gc"] = torch.tensor([gc.score, gc.abs_interval.low, gc.abs_interval.high, gc.null.high,
                                             gc.mean_gradient])
+    projected = {"method": "projected", "dtype": "float64", "projection_dim": 24, "seed": 3}
+    res = ns.empirical_ntk(model, batch, blocks="layer", **projected)  # the same seeded R on every rank
+    out["projected/matrix"] = res.matrix
+    out.update({f"projected/block/{k}": v for k, v in res.blocks.items()})
+    out["projected/cross"] = ns.empirical_ntk(model, batch, other, **projected).matrix
+    out["projected/one"] = ns.empirical_ntk(model, _batch(1), **projected).matrix
     eig = ns.ntk_top_eigenpair(model, batch, method="matrix-free", dtype="float64", tol=1e-10)
     out["matrix-free/eigenvalue"], out["matrix-free/eigenvector"] = eig.eigenvalue, torch.as_tensor(eig.eigenvector)
     gc = ns.gradient_consistency(model, batch, SUBSET, method="matrix-free", dtype="float64", resampling=None,
@@ -77,10 +83,31 @@ def _worker(rank, size, port, path):
     torch.set_num_threads(1)
     try:
         result = _everything()
+        rows = _rows_formed(lambda: ns.empirical_ntk(_model(), _batch(7), method="projected", dtype="float64"))
+        every = [None] * size
+        dist.all_gather_object(every, rows)
         if rank == 0:
-            torch.save(result, path)
+            torch.save({**result, "rows formed per rank": every}, path)
     finally:
         dist.destroy_process_group()
+
+
+def _rows_formed(call) -> int:
+    """How many rows of J this process formed during ``call()`` (the sketch's per-sample gradients)."""
+    from ntkscope.kernel import kernels
+
+    count, original = [0], kernels.jacobian_rows
+
+    def counted(fm, data, out, first_row=0):
+        count[0] += out.shape[0]
+        return original(fm, data, out, first_row)
+
+    kernels.jacobian_rows = counted
+    try:
+        call()
+    finally:
+        kernels.jacobian_rows = original
+    return count[0]
 
 
 def _free_port() -> int:
@@ -99,6 +126,7 @@ def test_two_gloo_processes_equal_one(tmp_path):
     path = tmp_path / "distributed.pt"
     mp.spawn(_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
     got, want = torch.load(path), _everything()
+    assert got.pop("rows formed per rank") == [4, 3]  # projected is sharded: each rank sketches its own samples
     assert got.keys() == want.keys()
     for key, value in want.items():
         g = got[key]

@@ -4,7 +4,8 @@ nccl on GPU; docs/distributed.md).
 Every process holds the same batch (the commands sample it with the same seed). The samples
 are sharded by rank in contiguous runs, sizes as ``numpy.array_split`` gives them (a rank may
 hold none). A rank computes only its shard's rows of J, or its structured factors, and holds
-them as its panel. The kernel is assembled block by block: each rank in turn broadcasts its
+them as its panel (the projected method's sketches are small, (n, K, k), and are summed over
+the ranks whole). The kernel is assembled block by block: each rank in turn broadcasts its
 panel, and every rank multiplies its own panel by it; a rank holds its panel and one block in
 flight. Each block pair is computed once (by one of its two ranks, alternating round the
 ring) and the finished n × n kernel is summed over the ranks. The matrix-free operator
@@ -28,7 +29,9 @@ from ntkscope.core.checks import InputError
 from ntkscope.core.memory import format_bytes
 from ntkscope.kernel.eigen import NTKOperator
 from ntkscope.kernel.grads import FunctionalModel, jacobian_rows, jvp_rows, vjp_rows
-from ntkscope.kernel.kernels import _gram, _place
+from ntkscope.core.progress import progress_bar
+from ntkscope.kernel.kernels import _gram, _place, projected_sketch
+from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.structured import Costs, accumulate, layout, load_factors, setup
 
@@ -181,6 +184,32 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
     if data2 is None:
         return _ring(out, own, n1, product, fm.device), 1
     return _cross(out, own, n1, n2, lambda rows: rows_of(data2, rows), product, fm.device), 1
+
+
+def projected_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, reduction, opts: KernelOptions) -> dict:
+    """:func:`ntkscope.kernel.kernels.projected_kernels` across processes: each rank sketches its
+    shard's samples with the same seeded R (a sample's sketch is its row of J times R, whichever
+    process forms it); the sketches, (n, K, k) per block, are summed into place over the ranks,
+    and every rank forms the Gram matrices from them."""
+    rank, size = world()
+    sel, K, k = fm.selection, fm.n_outputs, opts.projection_dim
+
+    def sketch(data, n, bar):
+        rows = shard(n)
+        Z = {b: torch.zeros(n, K, k, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
+        if rows.stop > rows.start:
+            for b, part in projected_sketch(fm, data, rows, chunk, opts, bar).items():
+                Z[b][rows] = part
+        for z in Z.values():
+            dist.all_reduce(z)
+        return Z
+
+    own = sum(r.stop - r.start for r in (shard(n1), None if data2 is None else shard(n2)) if r is not None)
+    with progress_bar(own, "projected NTK (rank 0's shard)", "sample", hidden=rank != 0) as bar:
+        Z1 = sketch(data1, n1, bar)
+        Z2 = Z1 if data2 is None else sketch(data2, n2, bar)
+    log.info("projected across %d processes: %d samples sketched here", size, own)
+    return {b: _gram(Z1[b], Z2[b], slice(0, k), reduction) for b in sel.blocks}
 
 
 def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budget: int,

@@ -148,29 +148,29 @@ def projected_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, reductio
     at a time), so memory does not grow with P k; the tiles are regenerated for every chunk of
     samples. The entries are the same i.i.d. draws however the samples are chunked, so the JL
     bound (:func:`jl_error_bound`) holds unchanged."""
-    k, kind, seed = opts.projection_dim, opts.projection, opts.seed
-    sel, K, P = fm.selection, fm.n_outputs, fm.selection.n_params
-    tiles = _tile_seeds(fm, seed, k)
-    buf = torch.empty(chunk, K, P, dtype=fm.dtype, device=fm.device)
-    bar = progress_bar(n1 + (0 if data2 is None else n2), "projected NTK", "sample")
+    with progress_bar(n1 + (0 if data2 is None else n2), "projected NTK", "sample") as bar:
+        Z1 = projected_sketch(fm, data1, slice(0, n1), chunk, opts, bar)
+        Z2 = Z1 if data2 is None else projected_sketch(fm, data2, slice(0, n2), chunk, opts, bar)
+    full = slice(0, opts.projection_dim)
+    return {b: _gram(Z1[b], Z2[b], full, reduction) for b in fm.selection.blocks}
 
-    def sketch(data, n):
-        Z = {b: torch.zeros(n, K, k, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
-        for c0 in range(0, n, chunk):
-            c1 = min(n, c0 + chunk)
-            J = buf[: c1 - c0]
-            jacobian_rows(fm, take(data, slice(c0, c1)), J, c0)
-            for name, cols, tile_seed in tiles:
-                R = _projection_tile(fm, tile_seed, cols.stop - cols.start, k, kind)
-                Z[name][c0:c1] += J[:, :, cols] @ R  # (c, K, rows) @ (rows, k) -> (c, K, k)
-            bar.update(c1 - c0)
-        return Z
 
-    with bar:
-        Z1 = sketch(data1, n1)
-        Z2 = Z1 if data2 is None else sketch(data2, n2)
-    full = slice(0, k)
-    return {b: _gram(Z1[b], Z2[b], full, reduction) for b in sel.blocks}
+def projected_sketch(fm: FunctionalModel, data, rows: slice, chunk: int, opts: KernelOptions, bar) -> dict:
+    """``{block: J_b R_b}`` for the samples ``rows`` of ``data``, each (len(rows), K, k): a sample's
+    sketch depends on its own row of J and the seeded tiles of R only, whichever rows are asked."""
+    k, sel, K, P = opts.projection_dim, fm.selection, fm.n_outputs, fm.selection.n_params
+    tiles = _tile_seeds(fm, opts.seed, k)
+    buf = torch.empty(min(chunk, rows.stop - rows.start), K, P, dtype=fm.dtype, device=fm.device)
+    Z = {b: torch.zeros(rows.stop - rows.start, K, k, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
+    for c0 in range(rows.start, rows.stop, chunk):
+        c1 = min(rows.stop, c0 + chunk)
+        J = buf[: c1 - c0]
+        jacobian_rows(fm, take(data, slice(c0, c1)), J, c0)
+        for name, cols, tile_seed in tiles:
+            R = _projection_tile(fm, tile_seed, cols.stop - cols.start, k, opts.projection)
+            Z[name][c0 - rows.start : c1 - rows.start] += J[:, :, cols] @ R  # (c, K, rows) @ (rows, k) -> (c, K, k)
+        bar.update(c1 - c0)
+    return Z
 
 
 def exact_memory(fm: FunctionalModel, n1: int, n2: int, chunk: int) -> int:

@@ -101,9 +101,8 @@ def _structured_blocks(fm, data1, data2, n1, n2, chunk, budget, reduction, opts)
 
 
 def _projected_blocks(fm, data1, data2, n1, n2, chunk, budget, reduction, opts) -> Blocks:
-    if distributed.active():  # the same seeded sketch on every rank: correct, not sharded
-        log.warning("projected: every process computes the whole sketch (the method is not sharded)")
-    kernels = projected_kernels(fm, data1, data2, n1, n2, chunk, reduction, opts)
+    compute = distributed.projected_kernels if distributed.active() else projected_kernels
+    kernels = compute(fm, data1, data2, n1, n2, chunk, reduction, opts)
     n_vectors = (n1 + n2) ** 2 * fm.n_outputs * len(kernels)
     return Blocks(kernels, 1, jl_error_bound(opts.projection_dim, n_vectors, opts.confidence))
 
