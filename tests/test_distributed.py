@@ -86,10 +86,32 @@ def _worker(rank, size, port, path):
         rows = _rows_formed(lambda: ns.empirical_ntk(_model(), _batch(7), method="projected", dtype="float64"))
         every = [None] * size
         dist.all_gather_object(every, rows)
+        sub = _in_subpanels()
         if rank == 0:
-            torch.save({**result, "rows formed per rank": every}, path)
+            torch.save({**result, "rows formed per rank": every, "sub-panels": sub}, path)
     finally:
         dist.destroy_process_group()
+
+
+def _in_subpanels() -> dict:
+    """Exact and structured kernels (with blocks, and a cross-kernel) with each rank's shard cut
+    into sub-panels of m = 1 and 2 samples, as a budget too small for a whole shard cuts it,
+    with the passes they took."""
+    from ntkscope.kernel import distributed
+
+    model, batch, other = _model(), _batch(7), _batch(3)
+    original, out = distributed._subpanel_size, {}
+    try:
+        for m in (1, 2):
+            distributed._subpanel_size = lambda largest, fits, what, m=m: min(largest, m)
+            for method in ("exact", "structured"):
+                res = ns.empirical_ntk(model, batch, method=method, blocks="layer", dtype="float64")
+                out[f"{m}/{method}/matrix"], out[f"{m}/{method}/passes"] = res.matrix, res.gradient_passes
+                out.update({f"{m}/{method}/block/{k}": v for k, v in res.blocks.items()})
+                out[f"{m}/{method}/cross"] = ns.empirical_ntk(model, batch, other, method=method, dtype="float64").matrix
+    finally:
+        distributed._subpanel_size = original
+    return out
 
 
 def _rows_formed(call) -> int:
@@ -120,6 +142,12 @@ def test_shards_cover_the_samples_in_order():
     assert [shard(7, r, 2) for r in range(2)] == [slice(0, 4), slice(4, 7)]
     assert [shard(1, r, 2) for r in range(2)] == [slice(0, 1), slice(1, 1)]  # the second rank holds none
     assert [shard(5, r, 3) for r in range(3)] == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    from ntkscope.kernel.distributed import _subpanel_size, _subpanels
+
+    # a whole shard when two fit the budget, else what fits, at least one sample
+    assert [_subpanel_size(4, fits, "exact") for fits in (9, 4, 3, 0, -2)] == [4, 4, 3, 1, 1]
+    assert _subpanels(7, 3, 2) == [[slice(0, 3), slice(3, 4)], [slice(4, 7)]]
+    assert _subpanels(1, 3, 2) == [[slice(0, 1)], []]
 
 
 def test_two_gloo_processes_equal_one(tmp_path):
@@ -127,6 +155,12 @@ def test_two_gloo_processes_equal_one(tmp_path):
     mp.spawn(_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
     got, want = torch.load(path), _everything()
     assert got.pop("rows formed per rank") == [4, 3]  # projected is sharded: each rank sketches its own samples
+    sub = got.pop("sub-panels")  # shards of 4 and 3 samples in sub-panels of 1 and 2: 4 and 2 passes
+    assert {k: v for k, v in sub.items() if k.endswith("passes")} == {
+        f"{m}/{method}/passes": 4 // m for m in (1, 2) for method in ("exact", "structured")}
+    for key, value in sub.items():
+        if not key.endswith("passes"):
+            torch.testing.assert_close(value, want[key.split("/", 1)[1]], rtol=1e-10, atol=1e-10, msg=key)
     assert got.keys() == want.keys()
     for key, value in want.items():
         g = got[key]

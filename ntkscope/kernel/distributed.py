@@ -7,7 +7,8 @@ hold none). A rank computes only its shard's rows of J, or its structured factor
 them as its panel (the projected method's sketches are small, (n, K, k), and are summed over
 the ranks whole). The kernel is assembled block by block: each rank in turn broadcasts its
 panel, and every rank multiplies its own panel by it; a rank holds its panel and one block in
-flight. Each block pair is computed once (by one of its two ranks, alternating round the
+flight (when two panels do not fit the memory budget, shards are cut into sub-panels that are
+formed again in each of several passes: :func:`_ring`). Each block pair is computed once (by one of its two ranks, alternating round the
 ring) and the finished n × n kernel is summed over the ranks. The matrix-free operator
 all-reduces ``J^T v`` over the ranks' shards and gathers ``J (J^T v)``; a weighted backward
 ``sum_i u_i grad f_i`` sums over ranks. The eigensolvers and GC statistics then run on every
@@ -20,13 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ntkscope.core.checks import InputError
-from ntkscope.core.memory import format_bytes
 from ntkscope.kernel.eigen import NTKOperator
 from ntkscope.kernel.grads import FunctionalModel, jacobian_rows, jvp_rows, vjp_rows
 from ntkscope.core.progress import progress_bar
@@ -126,44 +126,100 @@ def broadcast_tree(tree, src: int, device):
     return tree
 
 
-def _ring(out: dict, own, n: int, product, device):
-    """A symmetric kernel: every rank broadcasts its panel in turn; this rank adds ``product(own,
-    panel, rows, cols, mirror)`` for the block pairs it computes; then the kernels are summed over
-    the ranks. The structure travels by pickle, between this job's own processes only."""
-    rank, size = world()
-    for src in range(size):
-        panel = broadcast_tree(own if src == rank else None, src, device)
-        if own is None or panel is None or not _computes(rank, src, size):
-            continue
-        product(own, panel, shard(n, rank, size), shard(n, src, size), src != rank)
-    for k in out.values():
-        dist.all_reduce(k)
-    return out
+def _subpanels(n: int, m: int, size: int) -> list[list[slice]]:
+    """Every rank's shard of ``n`` samples cut into runs of at most ``m``: ``[rank][k]`` is a slice."""
+    cuts = []
+    for r in range(size):
+        rows = shard(n, r, size)
+        cuts.append([slice(a, min(rows.stop, a + m)) for a in range(rows.start, rows.stop, m)])
+    return cuts
 
 
-def _cross(out: dict, own, n1: int, n2: int, panel_of, product, device):
-    """A cross-kernel: every rank's panel of the second set (``panel_of(rows)``, None when empty)
-    passes every rank's own panel; then the kernels are summed over the ranks."""
+def _ring(out: dict, n: int, m: int, load, product, device) -> int:
+    """A symmetric kernel from sub-panels of at most ``m`` samples; returns the passes.
+
+    In pass ``a`` every rank holds its ``a``-th sub-panel A (``load(rows)``). Each rank in turn
+    forms each of its sub-panels and broadcasts it, and a rank adds ``product(A, B, rows, cols,
+    mirror)`` for the pairs it computes: another rank's, as :func:`_computes` assigns them, and
+    its own sub-panels from the ``a``-th on (the ``a``-th is A itself). A sub-panel that no
+    other rank needs in a pass is not broadcast. When a shard fits (``m`` at least the largest
+    shard) there is one pass, in which each rank forms and broadcasts its panel once. A rank
+    holds A and one sub-panel in flight; the kernels are then summed over the ranks. The
+    structure travels by pickle, between this job's own processes only."""
     rank, size = world()
-    for src in range(size):
-        panel = broadcast_tree(panel_of(shard(n2, rank, size)) if src == rank else None, src, device)
-        if own is not None and panel is not None:
-            product(own, panel, shard(n1, rank, size), shard(n2, src, size), False)
+    cuts = _subpanels(n, m, size)
+    passes = max(len(c) for c in cuts)
+    for a in range(passes):
+        def uses(r, src, q, a=a):  # rank r multiplies its a-th sub-panel by src's q-th in this pass
+            return a < len(cuts[r]) and (q >= a if r == src else _computes(r, src, size))
+
+        rows = cuts[rank][a] if a < len(cuts[rank]) else None
+        A = load(rows) if rows is not None else None
+        for src in range(size):
+            for q, cols in enumerate(cuts[src]):
+                others = any(uses(r, src, q) for r in range(size) if r != src)
+                if src == rank and (others or uses(rank, src, q)):
+                    B = A if q == a else load(cols)
+                    if others:
+                        broadcast_tree(B, src, device)
+                elif others:
+                    B = broadcast_tree(None, src, device)
+                else:
+                    continue
+                if uses(rank, src, q):
+                    product(A, B, rows, cols, B is not A)
+                del B
     for k in out.values():
         dist.all_reduce(k)
-    return out
+    return passes
+
+
+def _cross(out: dict, n1: int, n2: int, m: int, load1, load2, product, device) -> int:
+    """A cross-kernel from sub-panels of at most ``m`` samples of each set; returns the passes.
+    In pass ``a`` every rank holds its ``a``-th sub-panel of the first set, and every rank's
+    sub-panels of the second set pass it (formed by their rank, broadcast when another rank
+    needs them); then the kernels are summed over the ranks."""
+    rank, size = world()
+    cuts1, cuts2 = _subpanels(n1, m, size), _subpanels(n2, m, size)
+    passes = max(len(c) for c in cuts1)
+    for a in range(passes):
+        rows = cuts1[rank][a] if a < len(cuts1[rank]) else None
+        A = load1(rows) if rows is not None else None
+        for src in range(size):
+            others = any(a < len(cuts1[r]) for r in range(size) if r != src)
+            for cols in cuts2[src]:
+                if others:
+                    B = broadcast_tree(load2(cols) if src == rank else None, src, device)
+                elif src == rank and A is not None:
+                    B = load2(cols)
+                else:
+                    continue
+                if A is not None:
+                    product(A, B, rows, cols, False)
+                del B
+    for k in out.values():
+        dist.all_reduce(k)
+    return passes
+
+
+def _subpanel_size(largest: int, fits: int, what: str) -> int:
+    """Samples per sub-panel: the whole largest shard when two fit, else ``fits`` (at least 1)."""
+    m = int(min(largest, max(1, fits)))
+    if m < largest:
+        log.info("%s: a shard of %d samples does not fit twice in the memory budget; it is formed in "
+                 "sub-panels of %d samples, each formed again in every pass (%d passes)", what, largest, m,
+                 math.ceil(largest / m))
+    return m
 
 
 def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, reduction):
-    """:func:`ntkscope.kernel.kernels.exact_kernels` across processes: ({block: kernel}, passes = 1)."""
-    rank, size = world()
+    """:func:`ntkscope.kernel.kernels.exact_kernels` across processes: ({block: kernel}, passes)."""
+    _, size = world()
     sel, K, P = fm.selection, fm.n_outputs, fm.selection.n_params
     kshape = (K,) if (K > 1 and reduction == "diagonal") else ()
     out = {b: torch.zeros(*kshape, n1, n2, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
 
     def rows_of(data, rows):
-        if rows.stop == rows.start:
-            return None
         J = torch.empty(rows.stop - rows.start, K, P, dtype=fm.dtype, device=fm.device)  # (n_r, K, P)
         for c0 in range(rows.start, rows.stop, chunk):
             c1 = min(rows.stop, c0 + chunk)
@@ -174,16 +230,12 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
         for name, (s, e) in sel.blocks.items():
             _place(out, name, _gram(JA, JB, slice(s, e), reduction), rows, cols, mirror)
 
-    own_rows = shard(n1)
-    largest = shard(max(n1, n2), 0, size).stop  # the largest panel: it is held, and one more is in flight
-    need = (2 * largest + chunk) * K * P * fm.itemsize
-    if need > budget:
-        raise InputError("max_memory", f"must hold two panels of {largest} rows of J ({format_bytes(need)}) across "
-                         f"{size} processes; use more processes or method='structured'", format_bytes(budget))
-    own = rows_of(data1, own_rows)
+    row = K * P * fm.itemsize  # held: a sub-panel, one in flight and a chunk's working set
+    m = _subpanel_size(shard(max(n1, n2), 0, size).stop, (budget // row - chunk) // 2, "exact")
     if data2 is None:
-        return _ring(out, own, n1, product, fm.device), 1
-    return _cross(out, own, n1, n2, lambda rows: rows_of(data2, rows), product, fm.device), 1
+        return out, _ring(out, n1, m, lambda rows: rows_of(data1, rows), product, fm.device)
+    return out, _cross(out, n1, n2, m, lambda rows: rows_of(data1, rows), lambda rows: rows_of(data2, rows),
+                       product, fm.device)
 
 
 def projected_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, reduction, opts: KernelOptions) -> dict:
@@ -215,30 +267,25 @@ def projected_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, reductio
 def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budget: int,
                        chunk: int | None = None) -> tuple[dict, Costs]:
     """:func:`ntkscope.kernel.structured.structured_kernels` across processes."""
-    rank, size = world()
+    _, size = world()
     st = setup(fm, data1, n1, budget)
     _, _, chunk = layout(st.probe, n1, n2, budget, chunk, data2 is None)
     out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in fm.selection.blocks}
-    own_rows = shard(n1)
-    held = 2 * (shard(max(n1, n2), 0, size).stop) * st.probe.sample_bytes  # the largest panel and one in flight
-    if held > budget:
-        raise InputError("max_memory", f"must hold two panels of {shard(max(n1, n2), 0, size).stop} samples' "
-                         f"factors ({format_bytes(held)}) across {size} processes; use more processes",
-                         format_bytes(budget))
-    own = load_factors(fm, st, data1, own_rows.start, own_rows.stop, chunk) if own_rows.stop > own_rows.start \
-        else None
+    m = _subpanel_size(shard(max(n1, n2), 0, size).stop, budget // (2 * st.probe.sample_bytes), "structured")
 
-    def product(A, B, rows, cols, mirror):  # B is A for the rank's own pair: each use pair once
+    def product(A, B, rows, cols, mirror):  # B is A for a sub-panel's own pair: each use pair once
         accumulate(out, st, A, B, rows, cols, mirror)
 
+    def load(data):
+        return lambda rows: load_factors(fm, st, data, rows.start, rows.stop, chunk)
+
     if data2 is None:
-        _ring(out, own, n1, product, fm.device)
+        passes = _ring(out, n1, m, load(data1), product, fm.device)
     else:
-        _cross(out, own, n1, n2, lambda rows: load_factors(fm, st, data2, rows.start, rows.stop, chunk)
-               if rows.stop > rows.start else None, product, fm.device)
-    log.info("structured across %d processes: %d samples here, pair products %s", size,
-             own_rows.stop - own_rows.start, st.forms)
-    return out, Costs(st.forms, 1, own_rows.stop - own_rows.start, chunk)
+        passes = _cross(out, n1, n2, m, load(data1), load(data2), product, fm.device)
+    log.info("structured across %d processes: %d samples here in sub-panels of %d, pair products %s", size,
+             shard(n1).stop - shard(n1).start, m, st.forms)
+    return out, Costs(st.forms, passes, m, chunk)
 
 
 class ShardedNTKOperator(NTKOperator):
