@@ -7,12 +7,12 @@ hold none). A rank computes only its shard's rows of J, or its structured factor
 them as its panel (the projected method's sketches are small, (n, K, k), and are summed over
 the ranks whole). The kernel is assembled block by block: each rank in turn broadcasts its
 panel, and every rank multiplies its own panel by it; a rank holds its panel and one block in
-flight (when two panels do not fit the memory budget, shards are cut into sub-panels that are
-formed again in each of several passes: :func:`_ring`). Each block pair is computed once (by one of its two ranks, alternating round the
-ring) and the finished n × n kernel is summed over the ranks. The matrix-free operator
-all-reduces ``J^T v`` over the ranks' shards and gathers ``J (J^T v)``; a weighted backward
-``sum_i u_i grad f_i`` sums over ranks. The eigensolvers and GC statistics then run on every
-rank on identical numbers, and only rank 0 writes results.
+flight. When two panels do not fit the memory budget, shards are cut into sub-panels that are
+formed again in each of several passes (:func:`_ring`). Each block pair is computed once (by
+one of its two ranks, alternating round the ring) and the finished n × n kernel is summed over
+the ranks. The matrix-free operator all-reduces ``J^T v`` over the ranks' shards and gathers
+``J (J^T v)``; a weighted backward ``sum_i u_i grad f_i`` sums over ranks. The eigensolvers
+and GC statistics then run on every rank on identical numbers, and only rank 0 writes results.
 
 With no process group nothing here is used.
 """
@@ -27,12 +27,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.eigen import NTKOperator
 from ntkscope.kernel.grads import FunctionalModel, jacobian_rows, jvp_rows, vjp_rows
-from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.kernels import _gram, _place, projected_sketch
-from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.objectives import take
+from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.structured import Costs, accumulate, layout, load_factors, setup
 
 log = logging.getLogger(__name__)
