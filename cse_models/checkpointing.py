@@ -22,16 +22,18 @@ from ntkscope.core.files import atomic_path, load_safetensors, read_json_object,
 log = logging.getLogger(__name__)
 
 
-def _param_names(model) -> dict:
+def param_names(model) -> dict:
+    """{id(parameter): its name in ``model``}."""
     return {id(p): n for n, p in model.named_parameters()}
 
 
 def carry_optimizer_state(old_state: dict, new_model, new_opt) -> None:
     """Copy AdamW state by parameter name into ``new_opt``; a CSE expert ``...experts.j.X`` takes
     the state of the dense module's ``...X`` it was copied from."""
+    names = param_names(new_model)
     for group in new_opt.param_groups:
         for p in group["params"]:
-            name = _param_names(new_model)[id(p)]
+            name = names[id(p)]
             source = old_state.get(name) or old_state.get(re.sub(r"\.experts\.\d+\.", ".", name))
             if source is not None:
                 new_opt.state[p] = {k: v.clone() for k, v in source.items()}
@@ -39,7 +41,7 @@ def carry_optimizer_state(old_state: dict, new_model, new_opt) -> None:
 
 def save_checkpoint(directory: Path, model, opt, sched, step: int, cfg) -> Path:
     """Everything to resume exactly, written under a temporary name and renamed."""
-    names = _param_names(model)
+    names = param_names(model)
     order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
     tensors = {}
     for p, state in opt.state.items():
@@ -69,7 +71,7 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _resume_point(out_dir: Path):
+def resume_point(out_dir: Path):
     """(checkpoint, model, optimizer tensors, trainer state) of the newest checkpoint that reads
     whole, or (None, None, None, None); a damaged one is reported and the one before it tried."""
     for path in reversed(checkpoints_of(out_dir)):

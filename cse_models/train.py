@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from cse_models.checkpointing import (_param_names, _resume_point, carry_optimizer_state, latest_checkpoint,
-                                      load_optimizer_state, save_checkpoint)
+from cse_models.checkpointing import (carry_optimizer_state, latest_checkpoint, load_optimizer_state, param_names,
+                                      resume_point, save_checkpoint)
 from cse_models.config import GPTConfig
 from cse_models.cse import convert_to_cse
 from cse_models.data import Blocks, global_batch, mask_tokens, pack_blocks, step_generator, text_file_blocks
@@ -290,7 +290,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
         raise ValueError(f"train: the corpus is too small for the batch: {len(blocks)} blocks of "
                          f"{cfg.data.get('seq_len', 64)} tokens, batch_size={cfg.batch_size}")
     torch.manual_seed(cfg.seed)
-    resume, model, opt_tensors, trainer_state = _resume_point(out_dir)
+    resume, model, opt_tensors, trainer_state = resume_point(out_dir)
     model = model if resume else _build_model(cfg, tokenizer.vocab_size)
     model.to(device).train()
     if model.config.vocab_size < tokenizer.vocab_size:
@@ -337,7 +337,8 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     bar = progress_bar(end, "train", "step", initial=start, hidden=rank != 0)
     for step in range(start, end):
         if convert_at is not None and step == convert_at and sparse.experts_at(sparse.layers[0]) == 0:
-            old = {_param_names(model)[id(p)]: s for p, s in opt.state.items()}
+            names = param_names(model)
+            old = {names[id(p)]: s for p, s in opt.state.items()}
             if sparse.kind == "cse":
                 _convert(model, blocks, cfg, device)
             else:

@@ -15,7 +15,6 @@ import torch
 from commandline import in_process
 
 import ntkscope as ns
-from ntkscope.app.cli import main
 from ntkscope.text.sentences import load_analysis_data
 from ntkscope.runs.checkpoints import load_checkpoint
 from ntkscope.text.corpus.pack import DEFAULT_PACK
@@ -63,8 +62,8 @@ def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
     assert pd.read_csv(out / "histogram.csv")["count"].sum() == 48
     assert "versus_null" in proc.stdout and "null band of 200 random subsets" in proc.stdout
     mtime = (out / "result.json").stat().st_mtime_ns
-    again = in_process("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--binning", "width", "--out", out,
-                "--dtype", "float64")
+    again = in_process("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--binning", "width",
+                       "--out", out, "--dtype", "float64")
     assert again.returncode == 0 and (out / "result.json").stat().st_mtime_ns == mtime  # reused, not recomputed
 
 
@@ -100,7 +99,7 @@ def test_gc_by_label_and_over_a_run(tmp_path):
     assert "|GC| peaks at step" in proc.stdout
     assert (tmp_path / "over" / "gc_over_steps.png").stat().st_size > 1000
     labels = in_process("gc", run_dir / "checkpoints" / "step-000004", "--by", "label", "--n", 64, "--seq-len", 24,
-                 "--min-count", 3, "--out", tmp_path / "by-label")
+                        "--min-count", 3, "--out", tmp_path / "by-label")
     assert labels.returncode == 0, labels.stderr
     assert "general" in set(pd.read_csv(tmp_path / "by-label" / "gc.csv")["label"])
 
@@ -108,7 +107,7 @@ def test_gc_by_label_and_over_a_run(tmp_path):
 def test_ntk_command_on_hf_gpt2_equals_the_library(checkpoints, tmp_path):
     out = tmp_path / "ntk"
     proc = in_process("ntk", checkpoints / "hf-gpt2", "--tokenizer", PACK_TOKENIZER, "--n", 12, "--seq-len", 20,
-               "--blocks", "layer", "--dtype", "float64", "--out", out)
+                      "--blocks", "layer", "--dtype", "float64", "--out", out)
     assert proc.returncode == 0, proc.stderr
     matrix = np.load(out / "ntk.npy")
     model = load_checkpoint(checkpoints / "hf-gpt2")
@@ -128,7 +127,7 @@ def test_ntk_on_the_real_minilm(tmp_path):
     model_dir = Path(MINILM.origin).parent / "model"
     glob = "encoder.layer.5.output.LayerNorm.*"
     proc = in_process("ntk", model_dir, "--output", "hidden-mean", "--params", glob, "--n", 6, "--seq-len", 32,
-               "--dtype", "float64", "--out", tmp_path)
+                      "--dtype", "float64", "--out", tmp_path)
     assert proc.returncode == 0, proc.stderr
     model = load_checkpoint(model_dir)
     ad = load_analysis_data("default", ns.load_tokenizer(model_dir), n=6, seq_len=32, seed=0)
@@ -171,7 +170,7 @@ def test_a_pickle_that_would_run_code_is_refused_never_run(checkpoints, tmp_path
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
-def test_bad_input_is_one_clear_line_and_leaves_nothing(checkpoints, tmp_path, capsys):
+def test_bad_input_is_one_clear_line_and_leaves_nothing(checkpoints, tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "latin1.txt").write_bytes("Une décision de la cour, très longue et détaillée.\n".encode("latin-1") * 30)
     (tmp_path / "short.txt").write_text("One sentence here. And a second one.\n")
@@ -197,13 +196,9 @@ def test_bad_input_is_one_clear_line_and_leaves_nothing(checkpoints, tmp_path, c
         cases.pop("vocabulary mismatch")
     for name, (args, message) in cases.items():  # the first as a user runs it, the rest in process (same main)
         out = tmp_path / f"out-{name.replace(' ', '-')}"
-        if name == "missing path":
-            proc = run(*args, "--out", out)
-            code, err = proc.returncode, proc.stderr
-        else:
-            code, err = main(["-q", *map(str, args), "--out", str(out)]), capsys.readouterr().err
-        assert code == 1, (name, err)
-        lines = err.strip().splitlines()
+        proc = (run if name == "missing path" else in_process)(*args, "--out", out)
+        assert proc.returncode == 1, (name, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("ntkscope gc: error:") and message in lines[0], (name, lines)
         assert not out.exists(), name
     assert in_process("gc").returncode == 2  # usage

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from cse_models import SparseConfig, load_model
+from cse_models.checkpointing import branch_from
 from cse_models.config import GPTConfig
 from cse_models.demix import DomainPrior, estimate_prior, mixture_log_probs, sequence_posterior
 from cse_models.experts import CSELayer, DEMixLayer
 from cse_models.model import active_parameter_count, build_model, parameter_count
-from cse_models.checkpointing import branch_from
 from cse_models.train import TrainConfig, global_batch, lm_loss, load_data, train
 from ntkscope.reproduction import paper, training
 from ntkscope.reproduction.settings import settings_for

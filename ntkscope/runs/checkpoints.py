@@ -108,8 +108,9 @@ def checkpoint_tokenizer(path: str | Path, tokenizer=None, data=None):
             return load_pack(trained_on.get("pack")).tokenizer()
     if (path.parent / "tokenizer.json").is_file():
         return load_tokenizer(path.parent)
-    if as_source(data).kind == "pack":
-        return as_source(data).pack().tokenizer()
+    source = as_source(data)
+    if source.kind == "pack":
+        return source.pack().tokenizer()
     raise FileNotFoundError(f"checkpoint_tokenizer: {path} has no tokenizer.json and is not part of a cse_models "
                             "run; name one with --tokenizer (a tokenizer.json, an HF directory, or 'gpt2')")
 

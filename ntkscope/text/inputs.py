@@ -79,9 +79,9 @@ class DataSource:
     def __str__(self) -> str:
         return "default" if self.path is None else str(self.path)
 
-    @property
+    @cached_property
     def kind(self) -> str:
-        """"pack", "datasets", "table" or "text"."""
+        """"pack", "datasets", "table" or "text" (looked at once per DataSource)."""
         if self.path is None:
             return "pack"
         if self.path.is_dir():
@@ -134,7 +134,7 @@ class DataSource:
         if key not in _COUNTS:
             while len(_COUNTS) >= _COUNTS_KEPT:
                 _COUNTS.pop(next(iter(_COUNTS)))
-            _COUNTS[key] = count_tokens(self.reference_texts(), tokenizer)
+            _COUNTS[key] = count_tokens(source.reference_texts(), tokenizer)
         return _COUNTS[key]
 
     def reference_texts(self) -> list[str]:

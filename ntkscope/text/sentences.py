@@ -7,6 +7,7 @@ tokenized with the model's tokenizer, labelled, and scored by sentence frequency
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 import torch
