@@ -7,9 +7,11 @@ output ``centred-true-logit``:
 
 - ``kernel``        the exact NTK of the n sentences (per-sample gradients + Gram): what every
                     GC needs anyway
-- ``statistics``    :func:`ntkscope.kernel_gc` on that kernel: 200 basic bootstrap resamples and
-                    200 null draws per bin size, conditioning and flags (``--interval bca`` adds
-                    the jackknife: n more eigendecompositions)
+- ``statistics``    :func:`ntkscope.kernel_gc` on that kernel: the default jackknife (at most 200
+                    deletions, 40 half-samples) and 200 null draws per bin size, conditioning and
+                    flags; "+ controls" adds the homogeneous (gradient neighbours) and matched
+                    nulls; the bootstrap's basic (200 resamples) and BCa (n more
+                    eigendecompositions) for comparison
 - ``naive resample`` anchor: what a user without the kernel identity would do for one
                     bootstrap resample, the exact NTK of a resampled batch; x200 for an interval
 
@@ -65,17 +67,22 @@ def main() -> None:
         groups = [np.flatnonzero(which == b) for b in range(6)]
         ntk, t_kernel = timed(lambda: ns.empirical_ntk(model, data.batch, output=OUTPUT, method="exact"))
         K = ntk.matrix.double().numpy()
-        _, t_basic = timed(lambda: ns.kernel_gc(K, groups))
+        _, t_jack = timed(lambda: ns.kernel_gc(K, groups))
+        lengths = data.batch["attention_mask"].sum(1).double().numpy()
+        _, t_controls = timed(lambda: ns.kernel_gc(K, groups, controls=ns.Controls(matched={"length": lengths})))
+        _, t_basic = timed(lambda: ns.kernel_gc(K, groups, resampling=ns.Resampling(interval="basic")))
         _, t_bca = timed(lambda: ns.kernel_gc(K, groups, resampling=ns.Resampling(interval="bca")))
         resample = torch.as_tensor(np.random.default_rng(0).integers(0, n, n))
         _, t_naive = timed(lambda: ns.empirical_ntk(model, take(data.batch, resample),
                                                      output=OUTPUT, method="exact"))
         for method, seconds, note in (
                 ("kernel", t_kernel, f"P={sum(p.numel() for p in model.parameters()):,}"),
+                ("statistics (jackknife, default)", t_jack, f"{t_jack / t_kernel:.1%} of the kernel"),
+                ("statistics + controls", t_controls, f"{t_controls / t_kernel:.1%} of the kernel"),
                 ("statistics (basic)", t_basic, f"{t_basic / t_kernel:.1%} of the kernel"),
                 ("statistics (bca)", t_bca, f"{t_bca / t_kernel:.1%} of the kernel"),
                 ("naive resample", t_naive, f"one resample; x200 = {200 * t_naive:.0f} s, "
-                                            f"{200 * t_naive / t_basic:.0f}x the basic statistics")):
+                                            f"{200 * t_naive / t_jack:.0f}x the default statistics")):
             rows.append({"n": n, "method": method, "seconds": round(seconds, 2), "note": note})
             print(rows[-1], flush=True)
     table = pd.DataFrame(rows)

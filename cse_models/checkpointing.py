@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from cse_models.config import GPTConfig
 from cse_models.model import load_model
-from ntkscope.core.files import atomic_path, load_safetensors, read_json_object, write_json
+from ntkscope.core.files import atomic_path, load_safetensors, read_json_object, strict_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def save_checkpoint(directory: Path, model, opt, sched, step: int, cfg) -> Path:
     with atomic_path(directory) as tmp:
         model.save_pretrained(tmp)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
-        (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
+        (tmp / "trainer_state.json").write_text(strict_json(state) + "\n")
     return directory
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ntkscope.core.files import write_table, write_text
+from ntkscope.core.files import strict_json, write_table, write_text
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class MetricsLog:
         self.tokens += tokens
         if self.write:
             with open(self.out_dir / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps(metrics) + "\n")
+                fh.write(strict_json(metrics) + "\n")
 
     def row(self, load: dict) -> dict:
         """Close the logging window at the last step: its row (also written), given the routing

@@ -41,7 +41,7 @@ from cse_models.data import Blocks, global_batch, mask_tokens, pack_blocks, step
 from cse_models.experts import DEMixLayer, SwitchFFN
 from cse_models.metrics import MetricsLog
 from cse_models.model import build_model, load_model
-from ntkscope.core.files import DirectoryLock
+from ntkscope.core.files import DirectoryLock, write_json
 from ntkscope.core.lm import causal_pairs, lm_loss as token_loss
 from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
 from ntkscope.representation.plan import Plan
@@ -318,7 +318,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
                   cfg.upcycle.get("at") if upcyclable else None)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        write_json(out_dir / "train_config.json", asdict(cfg))
     metrics_log = MetricsLog(out_dir, start, write=rank == 0, tensorboard=cfg.tensorboard)
 
     def wrap(m):

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ntkscope.core.files import atomic_path
-from ntkscope.kernel.ntk import cosine_kernel
+
 
 def _pyplot():
     """matplotlib.pyplot, imported on first drawing (it costs half a second); the backend is the
@@ -74,118 +74,171 @@ def _flagged(table):
     return table["flags"].fillna("").astype(str).str.len() > 0 if "flags" in table else table["gc"] != table["gc"]
 
 
-def _gc_panel(ax, table, histogram):
-    """Bars: % of sentences per bin; |GC| per bin with its interval against the null band;
-    mean-gradient consistency with its interval. Hollow markers: a flagged direction."""
-    centres = (histogram["left"] + histogram["right"]) / 2
-    ax.bar(centres, histogram["percent"], width=(histogram["right"] - histogram["left"]) * 0.95, color="#e3e9f3",
-           label="% of sentences")
-    ax.set_ylabel("% of sentences")
-    ax2 = ax.twinx()
-    ax.set_zorder(ax2.get_zorder() - 1)
-    ax.patch.set_visible(False)
-    x = ((table["left"] + table["right"]) / 2).to_numpy()
-    if table["null_high"].notna().any():
-        ax2.bar(x, table["null_high"] - table["null_low"], bottom=table["null_low"],
-                width=(table["right"] - table["left"]) * 0.95, color="#95a5a6", alpha=0.35,
-                label="null: |GC| of random subsets")
+#: the null bands drawn, in order: (name in a gc table's columns, label, colour)
+_NULLS = (("", "random subsets", "#95a5a6"), ("homogeneous", "homogeneous subsets (ordinary text)", "#5dade2"))
+
+
+def _band_columns(name: str) -> tuple:
+    stem = f"null_{name}_" if name else "null_"
+    return f"{stem}low", f"{stem}median", f"{stem}high"
+
+
+def _gc_panel(ax, strip, table, histogram):
+    """One output: per bin, each null band as a box (random, homogeneous), |GC| with its
+    interval and the mean-gradient consistency with its interval, side by side; hollow markers:
+    a flagged direction. ``strip``: a thin axis below with the share of sentences per bin."""
+    x = np.arange(len(table))
+    width = 0.16
+    for k, (name, label, colour) in enumerate(_NULLS):
+        low, _, high = _band_columns(name)
+        if low in table and table[low].notna().any():
+            ax.bar(x - 0.3 + k * width, table[high] - table[low], bottom=table[low], width=width, color=colour,
+                   alpha=0.45, label=f"null: |GC| of {label}")
     y = table["abs_gc"].to_numpy()
     err = [y - table["abs_gc_low"].fillna(table["abs_gc"]), table["abs_gc_high"].fillna(table["abs_gc"]) - y]
-    ax2.errorbar(x, y, yerr=err, fmt="-", color="#c0392b", capsize=3, lw=1.2, label="|GC| of the bin, interval")
+    ax.errorbar(x + 0.05, y, yerr=err, fmt="none", ecolor="#c0392b", capsize=3, lw=1.2)
     flagged = _flagged(table).to_numpy()
-    ax2.scatter(x[~flagged], y[~flagged], color="#c0392b", zorder=3, label="direction well defined")
-    ax2.scatter(x[flagged], y[flagged], facecolor="white", edgecolor="#c0392b", zorder=3,
-                label="direction flagged (eigengap, cos(u,1) or sign)")
+    ax.scatter(x[~flagged] + 0.05, y[~flagged], color="#c0392b", zorder=3, s=22, label="|GC| of the bin, interval")
+    ax.scatter(x[flagged] + 0.05, y[flagged], facecolor="white", edgecolor="#c0392b", zorder=3, s=22,
+               label="|GC|, direction flagged")
     m = table["mean_gradient"].to_numpy()
     merr = [m - table["mean_gradient_low"].fillna(table["mean_gradient"]),
             table["mean_gradient_high"].fillna(table["mean_gradient"]) - m]
-    ax2.errorbar(x, m, yerr=merr, fmt="^--", color="#2c3e50", ms=5, capsize=2, lw=1,
-                 label="mean-gradient consistency")
-    ax2.set_ylabel("consistency with the whole set")
-    ax2.set_ylim(_lowest(table, ["abs_gc", "mean_gradient", "null_low"]), 1.02)
-    ax.set_xlabel("sentence frequency score (mean count/max count of its tokens)")
-    return ax2
+    ax.errorbar(x + 0.25, m, yerr=merr, fmt="^", color="#2c3e50", ms=4, capsize=2, lw=1,
+                label="mean-gradient consistency")
+    ax.set_ylabel("consistency with the whole set")
+    columns = ["abs_gc_low", "mean_gradient_low"] + [_band_columns(n)[0] for n, _, _ in _NULLS]
+    ax.set_ylim(_lowest(table, [c for c in columns if c in table]), 1.01)
+    ax.set_xticks(x)
+    ax.tick_params(labelbottom=False)
+    strip.bar(x, histogram["percent"].to_numpy()[: len(x)], width=0.6, color="#b8c5d9")
+    strip.set_ylabel("%", fontsize=7)
+    strip.set_xticks(x, [f"{lo:.2f}-{hi:.2f}" for lo, hi in zip(table["left"], table["right"])], fontsize=7)
+    strip.tick_params(axis="y", labelsize=6)
+    strip.set_xlabel("frequency score bin (rarest left); strip: % of sentences per bin")
 
 
-def gc_vs_frequency(table, histogram, *, title: str = ""):
+def gc_vs_frequency(table, histogram, *, title: str = "", chosen: str | None = None):
     """Figure 2(a). Per frequency bin (``table``: a :func:`ntkscope.gc_by_bins` table; with an
-    ``output`` column, one panel per output): |GC| with its bootstrap interval over the shaded
-    null band of random subsets of the bin's size, and the mean-gradient consistency; bars:
-    % of sentences per bin (``histogram``: :func:`ntkscope.score_histogram`, the same bins)."""
+    ``output`` column, one panel per output, ``chosen`` marked as the one the text reads): |GC|
+    with its finite-n interval beside the null bands of random and of homogeneous subsets of
+    the bin's size, and the mean-gradient consistency; a strip below: % of sentences per bin
+    (``histogram``: :func:`ntkscope.score_histogram`, the same bins)."""
     plt = _pyplot()
     outputs = list(dict.fromkeys(table["output"])) if "output" in table else [None]
-    fig, axes = plt.subplots(1, len(outputs), figsize=(6.4 * len(outputs), 4.2), squeeze=False)
-    for ax, name in zip(axes[0], outputs):
-        ax2 = _gc_panel(ax, table if name is None else table[table["output"] == name], histogram)
-        ax.set_title(f"output: {name}" if name else "")
+    fig, axes = plt.subplots(2, len(outputs), figsize=(5.2 * len(outputs), 4.6), squeeze=False,
+                             gridspec_kw={"height_ratios": [5, 1]})
+    for k, name in enumerate(outputs):
+        rows = (table if name is None else table[table["output"] == name]).sort_values("left")
+        _gc_panel(axes[0, k], axes[1, k], rows.reset_index(drop=True), histogram)
+        axes[0, k].set_title(f"output: {name}" + (" (read in the text)" if name == chosen else "") if name else "",
+                             fontsize=9)
     fig.suptitle(title or "GC against sentence frequency")
-    handles = [h for a in (axes[0][0], ax2) for h in a.get_legend_handles_labels()[0]]
-    fig.legend(handles, [h.get_label() for h in handles], loc="lower center", ncol=3, fontsize=7,
-               bbox_to_anchor=(0.5, -0.02))
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, bbox_to_anchor=(0.5, -0.01))
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     return fig
 
 
 def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: str = ""):
-    """Figure 3(a). ``frame``: a :func:`ntkscope.gc_series` table. |GC| of the long tail with its
-    interval (band) over the null band; filled markers where the signed GC is confident (its
-    value is printed beside), hollow where the direction is flagged; the mean-gradient
-    consistency; the plan's warm-up (``warmup``, chosen by ``rule``) as a dashed line."""
+    """Figure 3(a). ``frame``: a :func:`ntkscope.gc_series` table (a ``draw`` column: several
+    independent draws of analysis sentences). Top: |GC| of the long tail and the random null
+    band, per draw. Bottom: the excess |GC| - null median (mean over draws) with its
+    +-1.645 standard-error band (:func:`ntkscope.representation.plan.excess_series`), the null
+    bands in the same coordinates (random; homogeneous where measured); hollow: flagged steps
+    (left out of the peak test); the plan's warm-up (``warmup``, chosen by ``rule``) dashed."""
+    from ntkscope.representation.plan import excess_series
+
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.8, 3.8))
-    steps = frame["step"].to_numpy()
-    if frame["null_high"].notna().any():
-        ax.fill_between(steps, frame["null_low"], frame["null_high"], color="#95a5a6", alpha=0.3,
-                        label="null: |GC| of random subsets")
-    if frame["abs_gc_low"].notna().any():
-        ax.fill_between(steps, frame["abs_gc_low"], frame["abs_gc_high"], color="#e6b0aa", alpha=0.6,
-                        label="|GC| interval")
-    ax.plot(steps, frame["abs_gc"], "-", color="#c0392b", lw=1.2, label="|GC| of the long tail")
-    flagged = _flagged(frame).to_numpy()
-    ax.scatter(steps[~flagged], frame["abs_gc"][~flagged], color="#c0392b", zorder=3, s=18,
-               label="direction well defined")
-    ax.scatter(steps[flagged], frame["abs_gc"][flagged], facecolor="white", edgecolor="#c0392b", zorder=3, s=18,
-               label="direction flagged")
-    ax.plot(steps, frame["mean_gradient"], "^--", color="#2c3e50", ms=3, lw=1, label="mean-gradient consistency")
-    if warmup is not None:
-        ax.axvline(warmup, color="#7d3c98", ls="--", lw=1, label=f"warm-up: step {warmup}" + (f" ({rule})" if rule
-                                                                                              else ""))
+    fig, (top, ax) = plt.subplots(2, 1, figsize=(7.2, 5.6), sharex=True, gridspec_kw={"height_ratios": [2, 3]})
+    frame = frame if "draw" in frame else frame.assign(draw=0)
+    for d, rows in frame.groupby("draw"):
+        steps = rows["step"].to_numpy()
+        top.fill_between(steps, rows["null_low"], rows["null_high"], color="#95a5a6", alpha=0.15,
+                         label="random null band" if d == 0 else None)
+        top.plot(steps, rows["abs_gc"], "-", color="#c0392b", lw=1, alpha=0.8,
+                 label="|GC| of the long tail, per draw" if d == 0 else None)
+    top.set_ylabel("|GC|")
+    top.set_ylim(_lowest(frame, ["abs_gc", "null_low"]), 1.01)
+    top.legend(fontsize=7, loc="lower right")
+    series = excess_series(frame)
+    steps = series["step"].to_numpy()
+    mean = frame.groupby("step")
+    for name, label, colour in _NULLS:
+        low, median, high = _band_columns(name)
+        if low in frame and frame[low].notna().any():
+            ax.fill_between(steps, (mean[low].mean() - mean["null_median"].mean()).to_numpy(),
+                            (mean[high].mean() - mean["null_median"].mean()).to_numpy(), color=colour, alpha=0.25,
+                            label=f"null band: {label}")
+    ax.fill_between(steps, series["excess"] - 1.645 * series["excess_se"],
+                    series["excess"] + 1.645 * series["excess_se"], color="#e6b0aa", alpha=0.7,
+                    label="excess +- 1.645 SE" + (f" ({int(series['draws'].max())} draws)"
+                                                  if series["draws"].max() > 1 else ""))
+    ax.plot(steps, series["excess"], "-", color="#c0392b", lw=1.2)
+    flagged = (series["flags"] != "").to_numpy()
+    ax.scatter(steps[~flagged], series["excess"][~flagged], color="#c0392b", zorder=3, s=16,
+               label="|GC| - random null median")
+    ax.scatter(steps[flagged], series["excess"][flagged], facecolor="white", edgecolor="#c0392b", zorder=3, s=16,
+               label="flagged (left out of the peak test)")
+    ax.axhline(0, color="black", lw=0.6)
+    for a in (top, ax):
+        if warmup is not None:
+            a.axvline(warmup, color="#7d3c98", ls="--", lw=1,
+                      label=f"warm-up: step {warmup}" + (f" ({rule})" if rule else "") if a is ax else None)
     ax.set_xlabel("training step")
-    ax.set_ylabel("consistency with the whole set")
-    ax.set_ylim(_lowest(frame, ["abs_gc", "mean_gradient", "null_low"]), 1.02)
-    ax.set_title(title or "GC of the long-tail subset over training")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set_ylabel("excess over the random null")
+    top.set_title(title or "GC of the long-tail subset over training", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    fig.tight_layout()
     return fig
 
 
 def layer_dynamics(table, router=None):
     """Figure 3(b, c), one line per layer over training steps. ``table``: :func:`ntkscope.cluster_dynamics`
-    (the paper's elbow K beside the silhouette K, which is 1 when no K reaches a silhouette of
-    0.25; the best silhouette; the inter-cluster distance). ``router``: :func:`ntkscope.router_dynamics`
-    with domains (the router's clusters, the pure tail clusters, the tail share in them, and the
-    tail domains' kNN lift), drawn as a second row when given."""
+    (the paper's elbow K, dotted, beside the silhouette K, which is 1 when no K reaches a
+    silhouette of 0.25; the best silhouette; the inter-cluster distance, and the same distance
+    over the mean cluster radius). ``router``: :func:`ntkscope.router_dynamics` with domains (the
+    router's clusters, the pure tail clusters, the tail share in them, and the tail domains' kNN
+    lift), drawn as a second row when given. K is an integer: integer ticks, the layers' lines
+    nudged apart so that equal values do not hide each other."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _pyplot()
     rows_n = 2 if router is not None else 1
-    fig, axes = plt.subplots(rows_n, 3, figsize=(13, 3.4 * rows_n), squeeze=False)
+    fig, axes = plt.subplots(rows_n, 4, figsize=(16, 3.5 * rows_n), squeeze=False)
+    layers = sorted(table["layer"].unique())
+    nudge = {layer: 0.08 * (i - (len(layers) - 1) / 2) for i, layer in enumerate(layers)}
     for layer, rows in table.groupby("layer"):
-        line, = axes[0, 0].plot(rows["step"], rows["k_silhouette"], "o-", ms=3, label=f"layer {layer}")
-        axes[0, 0].plot(rows["step"], rows["k"], ":", color=line.get_color(), lw=1)
+        line, = axes[0, 0].plot(rows["step"], rows["k_silhouette"] + nudge[layer], "o-", ms=3, label=f"layer {layer}")
+        axes[0, 0].plot(rows["step"], rows["k"] + nudge[layer], ":", color=line.get_color(), lw=1)
         axes[0, 1].plot(rows["step"], rows["silhouette"], "o-", ms=3, label=f"layer {layer}")
         axes[0, 2].plot(rows["step"], rows["inter_distance"], "o-", ms=3, label=f"layer {layer}")
+        if "separation" in rows:
+            axes[0, 3].plot(rows["step"], rows["separation"], "o-", ms=3, label=f"layer {layer}")
+    axes[0, 0].yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0, 0].plot([], [], "k-", lw=1, label="silhouette K")
+    axes[0, 0].plot([], [], "k:", lw=1, label="elbow K (paper)")
     axes[0, 1].axhline(0.25, color="grey", lw=0.8, ls="--")
-    panels = [(axes[0, 0], "K (solid: silhouette, 1 = none; dotted: elbow)", "(b) number of clusters"),
+    panels = [(axes[0, 0], "K (nudged per layer)", "(b) number of clusters"),
               (axes[0, 1], "best mean silhouette (K-Means)", "(b') silhouette; < 0.25: no structure"),
-              (axes[0, 2], "inter-cluster distance (projected space)", "(c) distance between elbow centres")]
+              (axes[0, 2], "inter-cluster distance (projected space)", "(c) distance between elbow centres"),
+              (axes[0, 3], "distance / mean cluster radius", "(c') separation: distance over radius")]
     if router is not None:
         tail = [c.split(" ", 1)[1] for c in router.columns if c.startswith("tail_share ")]
         for layer, rows in router.groupby("layer"):
-            line, = axes[1, 0].plot(rows["step"], rows["n_clusters"], "o-", ms=3, label=f"layer {layer}")
-            axes[1, 0].plot(rows["step"], rows["n_pure_tail"], "s--", ms=3, color=line.get_color(), lw=1)
+            line, = axes[1, 0].plot(rows["step"], rows["n_clusters"] + nudge.get(layer, 0), "o-", ms=3,
+                                    label=f"layer {layer}")
+            axes[1, 0].plot(rows["step"], rows["n_pure_tail"] + nudge.get(layer, 0), "s--", ms=3,
+                            color=line.get_color(), lw=1)
             axes[1, 1].plot(rows["step"], rows["tail_share"], "o-", ms=3, label=f"layer {layer}")
             lift = rows[[f"knn_lift {d}" for d in tail]].mean(axis=1) if tail else rows["n_clusters"] * np.nan
             axes[1, 2].plot(rows["step"], lift, "o-", ms=3, label=f"layer {layer}")
+        axes[1, 0].yaxis.set_major_locator(MaxNLocator(integer=True))
+        axes[1, 0].plot([], [], "k-", lw=1, label="clusters")
+        axes[1, 0].plot([], [], "ks--", ms=3, lw=1, label="pure tail clusters")
         axes[1, 2].axhline(1.0, color="grey", lw=0.8, ls="--")
-        panels += [(axes[1, 0], "clusters (solid); pure tail clusters (dashed)", "router's clusters"),
+        axes[1, 3].axis("off")
+        panels += [(axes[1, 0], "count (nudged per layer)", "router's clusters"),
                    (axes[1, 1], "tail share in pure clusters of their domain", "the long tail in its own clusters"),
                    (axes[1, 2], f"kNN lift, mean of {', '.join(tail) or 'tail'} (1 = chance)",
                     "separability of the tail (routing space)")]
@@ -193,7 +246,7 @@ def layer_dynamics(table, router=None):
         ax.set_xlabel("training step")
         ax.set_ylabel(ylabel, fontsize=8)
         ax.set_title(title, fontsize=9)
-    axes[0, 2].legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
@@ -270,8 +323,9 @@ def perplexity_vs_frequency(sentences, by_bin, *, title: str = ""):
 
 
 def cse_schematic():
-    """Figure 4(a): the CSE layer (docs/design.md §4), drawn: sequence embedding, projection M,
-    nearest scaled cluster centre, the chosen expert (a copy of the warmed-up FFN)."""
+    """Figure 4(a): the CSE layer (docs/design.md §4), drawn as the router runs it: sequence
+    embedding, centred and projected to the routing space ``z = normalise(M (v - mu))``, the
+    nearest radius-scaled HDBSCAN cluster centre, the chosen expert (a copy of the warmed-up FFN)."""
     plt = _pyplot()
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
     fig, ax = plt.subplots(figsize=(8, 3.4))
@@ -287,12 +341,12 @@ def cse_schematic():
         ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=10, color="#2c3e50", lw=1, **kw))
 
     box(0.1, 1.7, 1.5, 1.0, "token states\nx (B, T, d)\n(after LN)")
-    box(2.1, 2.7, 1.7, 0.9, "sequence embedding\nv = mean over\nreal tokens")
-    box(4.3, 2.7, 1.6, 0.9, "v' = M v\nM: d' x d random\nprojection")
-    box(6.4, 2.7, 1.8, 0.9, "expert j = argmin\n||v' - c_j|| / r_j\n(DBSCAN centres)")
+    box(2.1, 2.7, 1.7, 0.9, "sequence\nembedding v: mean\nover real tokens")
+    box(4.05, 2.7, 2.05, 0.9, "z = normalise(M(v-mu))\nmu: fitting mean\nM: d' x d projection")
+    box(6.4, 2.7, 1.8, 0.9, "expert j = argmin\n||z - c_j|| / r_j\n(HDBSCAN clusters)")
     arrow((1.6, 2.45), (2.1, 3.1))
-    arrow((3.8, 3.15), (4.3, 3.15))
-    arrow((5.9, 3.15), (6.4, 3.15))
+    arrow((3.8, 3.15), (4.05, 3.15))
+    arrow((6.1, 3.15), (6.4, 3.15))
     colours = ["#c9d6ea", "#f5cba7", "#d5f5e3"]
     for j, y in enumerate((0.2, 0.95, 1.7)):
         box(6.6, y, 1.4, 0.55, f"FFN expert {j}", colours[j])
@@ -302,47 +356,34 @@ def cse_schematic():
     box(8.6, 0.9, 1.3, 0.9, "output\n(B, T, d)")
     for y in (0.48, 1.22, 1.97):
         arrow((8.0, y), (8.6, 1.35))
-    ax.text(5.0, 0.2, "after each step: c_j <- a c_j + (1 - a) v'  (no router parameters)", ha="center",
+    ax.text(5.0, 0.2, "after each step: winning c_j <- a c_j + (1 - a) z  (no router parameters)", ha="center",
             fontsize=7.5, style="italic")
     ax.set_title("The CSE layer: each sequence goes to the expert of its nearest cluster", fontsize=10)
     return fig
 
 
-def expert_kernels(kernels: dict, summary, *, normalise: bool = True):
-    """Figure 5(b, c). ``kernels``: {"expert E": (n_E, n_E), "index E": rows of the batch,
-    "dense": (n, n)}; ``summary``: expert, n, cse_expert_cosine, dense_cosine. Left: each
-    expert's kernel on its own sentences; right: the dense model's kernel on the whole
-    batch, ordered by expert. ``normalise``: plot Θ_ij / sqrt(Θ_ii Θ_jj) (cosine)."""
+def expert_kernels(summary):
+    """Figure 5(b, c) as a statistic. ``summary``: expert, n, output, cse_expert_cosine,
+    dense_cosine and their ``_se`` (:func:`ntkscope.reproduction.analyses.expert_kernels`). Per
+    expert: the mean off-diagonal cosine of the NTK of the expert's parameters on the sentences
+    routed to it, beside the dense FFN's on the same sentences, each +- 1.645 jackknife standard
+    errors; a dotted line: the dense FFN's on the whole batch."""
     plt = _pyplot()
-
-    def prep(k):
-        return cosine_kernel(k) if normalise else np.asarray(k, dtype=np.float64)
-
-    experts = sorted(int(name.split()[1]) for name in kernels if name.startswith("expert "))
-    fig = plt.figure(figsize=(10, 4.2))
-    grid = fig.add_gridspec(len(experts), 2, width_ratios=[1, 2.2])
-    vmin, vmax = (-1, 1) if normalise else (None, None)
-    stats = summary.set_index(summary["expert"].astype(str))
-    for row, e in enumerate(experts):
-        ax = fig.add_subplot(grid[row, 0])
-        ax.imshow(prep(kernels[f"expert {e}"]), cmap="RdBu_r", vmin=vmin, vmax=vmax)
-        ax.set_xticks([])
-        ax.set_yticks([])
-        ax.set_ylabel(f"expert {e}\nn={len(kernels[f'index {e}'])}", fontsize=7)
-        if row == 0:
-            ax.set_title("(b) each CSE expert's NTK\non its own sentences", fontsize=8)
-    order = np.concatenate([np.asarray(kernels[f"index {e}"]) for e in experts])
-    ax = fig.add_subplot(grid[:, 1])
-    image = ax.imshow(prep(kernels["dense"])[np.ix_(order, order)], cmap="RdBu_r", vmin=vmin, vmax=vmax)
-    edges = np.cumsum([len(kernels[f"index {e}"]) for e in experts])[:-1]
-    for x in edges:
-        ax.axhline(x - 0.5, color="black", lw=0.6)
-        ax.axvline(x - 0.5, color="black", lw=0.6)
-    ax.set_xlabel("sentences, ordered by CSE expert")
-    ax.set_yticks([])
-    within = ", ".join(f"e{e}: {stats.loc[str(e), 'cse_expert_cosine']:.2f} vs {stats.loc[str(e), 'dense_cosine']:.2f}"
-                       for e in experts if str(e) in stats.index)
-    ax.set_title(f"(c) dense baseline's NTK (same layer's FFN)\nmean cosine within expert, CSE vs dense: {within}",
-                 fontsize=8)
-    fig.colorbar(image, ax=ax, shrink=0.8, label="Θ_ij / sqrt(Θ_ii Θ_jj)" if normalise else "Θ(x_i, x_j)")
+    rows = summary[summary["expert"].astype(str) != "all"].reset_index(drop=True)
+    whole = summary[summary["expert"].astype(str) == "all"]
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(rows) + 2), 3.6))
+    x = np.arange(len(rows))
+    for shift, column, colour, label in ((-0.12, "cse_expert_cosine", "#c0392b", "CSE expert's NTK"),
+                                         (0.12, "dense_cosine", "#2c3e50", "dense FFN's NTK, same sentences")):
+        se = rows[f"{column}_se"].fillna(0) if f"{column}_se" in rows else 0 * rows[column]  # older tables: none
+        ax.errorbar(x + shift, rows[column], yerr=1.645 * se, fmt="o", color=colour, capsize=3, ms=5, label=label)
+    if len(whole):
+        ax.axhline(float(whole["dense_cosine"].iloc[0]), color="#2c3e50", ls=":", lw=1,
+                   label="dense FFN's NTK, whole batch")
+    ax.set_xticks(x, [f"expert {e}\nn={n}" for e, n in zip(rows["expert"], rows["n"])], fontsize=8)
+    ax.set_ylabel("mean off-diagonal cosine Θ_ij / sqrt(Θ_ii Θ_jj)", fontsize=8)
+    output = rows["output"].iloc[0] if "output" in rows and len(rows) else "loss"
+    ax.set_title(f"(b, c) how alike each expert's sentences pull its parameters (output: {output})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
     return fig

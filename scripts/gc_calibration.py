@@ -1,24 +1,27 @@
-"""Does a GC interval cover what more data would give? A calibration on a real checkpoint.
+"""Do GC's intervals cover what they claim? Planted pools with a known answer, and a real checkpoint.
 
+    python scripts/gc_calibration.py planted [--n 192] [--draws 100] [--out docs/gc-calibration-planted.csv]
     python scripts/gc_calibration.py CHECKPOINT [--pool 768] [--n 192] [--draws 40]
-        [--outputs centred-true-logit,true-logit,loss] [--out calibration.csv]
+        [--outputs centred-true-logit,true-logit,loss] [--out docs/gc-calibration.csv]
 
-A pool of ``--pool`` analysis sentences (the shipped pack's validation split, seed 7) is
-scored once: its exact NTK, per output. Its per-bin |GC| (6 equal-count bins) is the value to
-cover. Each of ``--draws`` random ``--n``-sentence subsets of the pool stands for a fresh
-analysis batch: its bins, its |GC| and its interval (basic and BCa) are computed from its own
-kernel (a sub-matrix of the pool's) by :func:`ntkscope.kernel_gc`, as ``ntkscope gc`` would.
-Coverage is the share of (draw, bin) pairs whose |GC| interval holds the pool's value; the
-spread of |GC| over draws is the sampling noise the intervals should describe. The pool's
-own value is itself an estimate, closer to the large-sample value (GC rises with the subset
-size), so coverage here is of a 4x larger analysis, not of an infinite one.
+**planted**: :class:`ntkscope.PlantedPool` pools (low and high GC, small and large tail groups,
+few and many noisy dimensions); for each interval method (the jackknife, the bootstrap's basic)
+:func:`ntkscope.interval_calibration` gives, per group, the coverage of the finite-n target (the
+mean |GC| of independent draws of the same sizes), the median width over the draw-to-draw sd,
+the jackknife's bias against the true one and the large-sample estimate's coverage where claimed.
 
-Measured results and what they mean: docs/gc-outputs.md.
+**CHECKPOINT**: a pool of ``--pool`` analysis sentences (the shipped pack's validation split,
+seed 7) is scored once: its exact NTK, per output. Each of ``--draws`` random ``--n``-sentence
+subsets of the pool stands for a fresh analysis batch: its 6 equal-count bins, their |GC| and
+intervals from its own kernel (a sub-matrix of the pool's), as ``ntkscope gc`` computes them.
+The finite-n target of a bin is the mean |GC| of that bin over the other draws; coverage is the
+share of (draw, bin) pairs whose interval holds it. Results and what they mean: docs/gc-calibration.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 
@@ -31,14 +34,41 @@ from ntkscope.text.frequency import bin_edges, bin_of
 
 log = logging.getLogger("gc_calibration")
 
+POOLS = {
+    "high GC, 10 % tail": ns.PlantedPool(noise=0.15),
+    "noisy, 10 % tail": ns.PlantedPool(noise=0.4),
+    "30 % tail": ns.PlantedPool(shares=(0.3, 0.35, 0.35), noise=0.3),
+    "512 noisy dimensions": ns.PlantedPool(dim=512, noise=0.1),
+    "biased: 256 dimensions": ns.PlantedPool(dim=256, noise=0.25),
+    "biased: very noisy": ns.PlantedPool(noise=0.8),
+}
+METHODS = {"jackknife": ns.Resampling(null_draws=0), "basic": ns.Resampling(null_draws=0, interval="basic")}
+
+
+def planted(n: int, draws: int, pools=None) -> pd.DataFrame:
+    """One row per (pool, interval method, group): interval_calibration's columns (``pools``:
+    names of :data:`POOLS`, default all)."""
+    frames = []
+    for name, pool in POOLS.items():
+        if pools and name not in pools:
+            continue
+        for method, resampling in METHODS.items():
+            start = time.perf_counter()
+            table = ns.interval_calibration(pool, n, draws=draws, truth_draws=4 * draws, resampling=resampling)
+            table.insert(0, "method", method)
+            table.insert(0, "pool", name)
+            frames.append(table)
+            log.info("%s, %s: %.0f s", name, method, time.perf_counter() - start)
+    return pd.concat(frames, ignore_index=True)
+
 
 def _bins(scores: np.ndarray, bins: int) -> list:
     which = bin_of(scores, bin_edges(scores, bins, kind="count"))
     return [np.flatnonzero(which == b) for b in range(bins)]
 
 
-def calibrate(checkpoint, *, outputs, pool: int, n: int, draws: int, bins: int = 6, seed: int = 0) -> pd.DataFrame:
-    """One row per (output, draw, bin): abs_gc, pool_abs_gc, the basic and BCa |GC| intervals, flags."""
+def real(checkpoint, *, outputs, pool: int, n: int, draws: int, bins: int = 6, seed: int = 0) -> pd.DataFrame:
+    """One row per (output, method, draw, bin): abs_gc, its interval, flags, and the target."""
     pack = load_pack()
     data = ns.load_analysis_data(str(pack.path), pack.tokenizer(), n=pool, seq_len=48, seed=7)
     model = ns.load_checkpoint(checkpoint)
@@ -48,51 +78,62 @@ def calibrate(checkpoint, *, outputs, pool: int, n: int, draws: int, bins: int =
         start = time.perf_counter()
         K = ns.empirical_ntk(model, data.batch, output=output, method="exact").matrix.double().numpy()
         log.info("%s: the pool's kernel (%d x %d) in %.0f s", output, pool, pool, time.perf_counter() - start)
-        truth = [abs(r.score) for r in ns.kernel_gc(K, _bins(scores, bins), resampling=None)]
         rng = np.random.default_rng(seed)
         for draw in range(draws):
             idx = np.sort(rng.choice(pool, n, replace=False))
             Ks, groups = K[np.ix_(idx, idx)], _bins(scores[idx], bins)
-            basic = ns.kernel_gc(Ks, groups, resampling=ns.Resampling(null_draws=0, seed=draw))
-            bca = ns.kernel_gc(Ks, groups, resampling=ns.Resampling(null_draws=0, seed=draw, interval="bca"))
-            for b, (r, s) in enumerate(zip(basic, bca)):
-                rows.append(dict(output=output, draw=draw, bin=b, abs_gc=abs(r.score), pool_abs_gc=truth[b],
-                                 basic_low=r.abs_interval.low, basic_high=r.abs_interval.high,
-                                 bca_low=s.abs_interval.low, bca_high=s.abs_interval.high, flags=" ".join(r.flags)))
+            for method, resampling in METHODS.items():
+                for b, r in enumerate(ns.kernel_gc(Ks, groups, resampling=dataclasses.replace(resampling, seed=draw))):
+                    rows.append(dict(output=output, method=method, draw=draw, bin=b, abs_gc=abs(r.score),
+                                     low=r.abs_interval.low, high=r.abs_interval.high, flags=" ".join(r.flags)))
             log.info("%s: draw %d/%d", output, draw + 1, draws)
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    jk = table[table["method"] == "jackknife"]
+    sums = jk.groupby(["output", "bin"])["abs_gc"].agg(["sum", "count"])
+    key = pd.MultiIndex.from_frame(table[["output", "bin"]])
+    total, count = sums["sum"].reindex(key).to_numpy(), sums["count"].reindex(key).to_numpy()
+    table["target"] = (total - table["abs_gc"].to_numpy()) / (count - 1)  # the mean over the other draws
+    return table
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
-    """Per output: coverage of the pool's |GC| by each interval, their mean widths, the spread of |GC|
-    over draws (mean over bins of the standard deviation), and the share of flagged (draw, bin) pairs."""
+    """Per output and method: coverage of the target, median width over the draw-to-draw sd, the
+    share of intervals of the form [point, 1], and the share of flagged (draw, bin) pairs."""
     out = []
-    for output, t in table.groupby("output", sort=False):
-        row = {"output": output}
-        for kind in ("basic", "bca"):
-            row[f"{kind}_coverage"] = float(((t[f"{kind}_low"] <= t.pool_abs_gc) & (t.pool_abs_gc <= t[f"{kind}_high"]))
-                                            .mean())
-            row[f"{kind}_width"] = float((t[f"{kind}_high"] - t[f"{kind}_low"]).mean())
-        row["spread_over_draws"] = float(t.groupby("bin")["abs_gc"].std().mean())
-        row["flagged"] = float((t["flags"].fillna("") != "").mean())
-        out.append(row)
+    for (output, method), t in table.groupby(["output", "method"], sort=False):
+        sd = t.groupby("bin")["abs_gc"].transform("std")
+        out.append({"output": output, "method": method,
+                    "coverage": float(((t["low"] <= t["target"]) & (t["target"] <= t["high"])).mean()),
+                    "median_width_over_sd": float(((t["high"] - t["low"]) / sd).median()),
+                    "point_to_1": float(((t["low"] == t["abs_gc"]) & (t["high"] >= 1.0)).mean()),
+                    "flagged": float((t["flags"].fillna("") != "").mean())})
     return pd.DataFrame(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint")
+    parser.add_argument("checkpoint", help="'planted', or a checkpoint")
     parser.add_argument("--pool", type=int, default=768)
     parser.add_argument("--n", type=int, default=192)
-    parser.add_argument("--draws", type=int, default=40)
+    parser.add_argument("--draws", type=int)
     parser.add_argument("--outputs", default="centred-true-logit,true-logit,loss")
-    parser.add_argument("--out", help="the per-draw table (CSV)")
+    parser.add_argument("--pools", help="planted: pool names, comma-separated (default all)")
+    parser.add_argument("--append", action="store_true", help="planted: add the rows to --out's table")
+    parser.add_argument("--out", help="the table (CSV)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    table = calibrate(args.checkpoint, outputs=args.outputs.split(","), pool=args.pool, n=args.n, draws=args.draws)
+    if args.checkpoint == "planted":
+        table = planted(args.n, args.draws or 100, args.pools.split(",") if args.pools else None)
+        if args.append and args.out:
+            table = pd.concat([pd.read_csv(args.out), table], ignore_index=True)
+        shown = table
+    else:
+        table = real(args.checkpoint, outputs=args.outputs.split(","), pool=args.pool, n=args.n,
+                     draws=args.draws or 40)
+        shown = summary(table)
     if args.out:
-        table.to_csv(args.out, index=False)
-    print(summary(table).to_markdown(index=False, floatfmt=".3f"))
+        ns.save_table(table, args.out)
+    print(shown.to_markdown(index=False, floatfmt=".3f"))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ process (kills, the first run of a command as a user types it) use ``subprocess`
 import contextlib
 import io
 import subprocess
+from pathlib import Path
 
 from ntkscope.app.cli import main
 
@@ -19,3 +20,14 @@ def in_process(*args) -> subprocess.CompletedProcess:
         except SystemExit as exit_:  # argparse's usage errors
             code = exit_.code
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def _refuse(constant):
+    raise ValueError(f"not RFC 8259 JSON: {constant}")
+
+
+def strict_json_load(path):
+    """A JSON file parsed as a strict reader would: NaN, Infinity and -Infinity refused."""
+    import json
+
+    return json.loads(Path(path).read_text(), parse_constant=_refuse)

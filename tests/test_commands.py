@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from commandline import in_process
+from commandline import in_process, strict_json_load
 
 import ntkscope as ns
 from ntkscope.text.sentences import load_analysis_data
@@ -47,20 +47,24 @@ def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
     proc = run("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--binning", "width", "--out", out,
                "--dtype", "float64")
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["gc.csv", "gc_vs_frequency.png", "histogram.csv", "result.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["gc.csv", "gc_vs_frequency.pdf", "gc_vs_frequency.png",
+                                                     "histogram.csv", "result.json"]
     table = pd.read_csv(out / "gc.csv")
     model = load_checkpoint(checkpoints / "gpt")
     ad = load_analysis_data("default", ns.load_tokenizer(PACK_TOKENIZER), n=48, seq_len=24, seed=0)
     scores = ad.labels["score"].to_numpy()
     edges = np.histogram(scores, bins=4)[1]  # equal-width bins, as numpy draws them
     labels = np.array([f"bin {b}" for b in np.clip(np.searchsorted(edges, scores, side="right") - 1, 0, 3)])
-    expected = ns.gradient_consistency_groups(model, ad.batch, labels, min_count=4, dtype="float64").to_frame()
+    expected = ns.gradient_consistency_groups(model, ad.batch, labels, min_count=4, dtype="float64",
+                                              output="centred-true-logit").to_frame()  # gc's default output
     merged = table.merge(expected, on="label", suffixes=("", "_library"))
     assert len(merged) == len(expected) >= 2
     for column in ("gc", "abs_gc_low", "abs_gc_high", "null_low", "null_high", "sign_confidence", "mean_gradient"):
         np.testing.assert_allclose(merged[column], merged[f"{column}_library"], rtol=1e-10)  # same seed, same draws
     assert pd.read_csv(out / "histogram.csv")["count"].sum() == 48
-    assert "versus_null" in proc.stdout and "null band of 200 random subsets" in proc.stdout
+    assert "versus_null" in proc.stdout and "null bands of 200 subsets each" in proc.stdout
+    assert {"versus_homogeneous", "versus_matched-length", "versus_matched-loss", "abs_gc_bias"} <= set(table.columns)
+    strict_json_load(out / "result.json")  # RFC 8259: no NaN
     mtime = (out / "result.json").stat().st_mtime_ns
     again = in_process("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--binning", "width",
                        "--out", out, "--dtype", "float64")
@@ -98,6 +102,7 @@ def test_gc_by_label_and_over_a_run(tmp_path):
     assert {"abs_gc_low", "abs_gc_high", "null_low", "null_high", "sign_confidence", "flags"} <= set(series.columns)
     assert "|GC| peaks at step" in proc.stdout
     assert (tmp_path / "over" / "gc_over_steps.png").stat().st_size > 1000
+    assert (tmp_path / "over" / "gc_over_steps.pdf").read_bytes()[:4] == b"%PDF"
     labels = in_process("gc", run_dir / "checkpoints" / "step-000004", "--by", "label", "--n", 64, "--seq-len", 24,
                         "--min-count", 3, "--out", tmp_path / "by-label")
     assert labels.returncode == 0, labels.stderr

@@ -9,6 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ntkscope as ns
+from ntkscope.representation.plan import excess_series
+from ntkscope.kernel import replicates as R
 from ntkscope.kernel import uncertainty as U
 from ntkscope.kernel.objectives import resolve_output
 from tests.reference import jacobian_loop, masked_jacobian
@@ -60,7 +62,7 @@ def test_resampled_kernels_are_weighted_not_duplicated():
     K = J @ J.T
     counts = np.array([2, 0, 1, 3, 0, 1, 1, 0, 1])
     members = [np.array([0, 3, 5]), np.array([6, 7, 8])]
-    whole, subs = U._statistics(K, counts, members)
+    whole, subs = R.statistics(K, counts, members)
     rows = np.repeat(np.arange(9), counts)  # the resample, written out
     Kd = K[np.ix_(rows, rows)]
     vals, vecs = np.linalg.eigh(Kd)
@@ -167,7 +169,7 @@ def test_token_values_reduce_like_the_loss():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(resamples=-1), r"Resampling: resamples must be a non-negative integer \(got -1\)"),
     (dict(confidence=1.0), r"Resampling: confidence must be a number strictly between 0 and 1"),
-    (dict(interval="percentile"), r"Resampling: interval must be one of \['basic', 'bca'\]"),
+    (dict(interval="percentile"), r"Resampling: interval must be one of \['basic', 'bca', 'jackknife'\]"),
     (dict(max_eigengap=2), r"Resampling: max_eigengap must be a number in \[0, 1\]"),
 ])
 def test_resampling_refuses_bad_settings(kwargs, message):
@@ -193,21 +195,40 @@ def _series(abs_gc, se=0.01, null_median=0.5, flags=""):
                          "flags": flags})
 
 
-def test_gc_peak_is_shown_only_beyond_the_noise_against_the_null_and_well_defined():
-    clear = _series([0.6, 0.9, 0.6])
-    assert ns.gc_peak(clear) == {"step": 20, "shown": True,
-                                 "why": "rise and fall beyond the noise and against the null, direction well defined"}
+def test_gc_peak_is_read_on_the_excess_over_the_null_from_unflagged_checkpoints_only():
+    clear = ns.gc_peak(_series([0.6, 0.9, 0.6]))
+    assert clear["step"] == 20 and clear["shown"] and clear["on"] == "excess over the random null"
+    assert clear["rise_z"] == pytest.approx(0.3 / (0.01 * np.sqrt(2)), rel=1e-3) and clear["left_out"] == []
     noisy = ns.gc_peak(_series([0.6, 0.9, 0.85], se=[0.01, 0.02, 0.03]))  # fall 0.05 < 1.645 * 0.036
-    assert not noisy["shown"] and "the fall to the last (0.050) is within 1.645 standard errors (0.059)" in noisy["why"]
-    trend = ns.gc_peak(_series([0.6, 0.9, 0.6], null_median=[0.5, 0.95, 0.5]))  # random subsets peak too, more
-    assert not trend["shown"] and "against the null's median, the rise from the first checkpoint is not seen" \
-        in trend["why"]
-    flagged = ns.gc_peak(_series([0.6, 0.9, 0.6], flags=["", "eigengap sign", ""]))
-    assert not flagged["shown"] and "its direction is flagged (eigengap sign)" in flagged["why"]
+    assert not noisy["shown"] and "the excess's fall to the last (step 30: 0.050) is within 1.645 standard errors " \
+        "(0.059)" in noisy["why"]
+    # random subsets peak as much: a global alignment event, no peak of the tail's own
+    event = ns.gc_peak(_series([0.6, 0.9, 0.6], null_median=[0.5, 0.8, 0.5]))
+    assert not event["shown"] and "no rise and fall" in event["why"]
+    # the flagged checkpoint is left out: the rise is measured from the next one
+    flagged = ns.gc_peak(_series([0.3, 0.62, 0.9, 0.6], flags=["eigengap sign", "", "", ""]))
+    assert flagged["left_out"] == [10] and flagged["shown"] and flagged["step"] == 30
+    from_flag = ns.gc_peak(_series([0.3, 0.89, 0.9, 0.6], flags=["eigengap", "", "", ""]))
+    assert not from_flag["shown"] and "rise from the first unflagged checkpoint (step 20: 0.010)" in from_flag["why"]
+    peak_flagged = ns.gc_peak(_series([0.6, 0.9, 0.6, 0.55], flags=["", "eigengap", "", ""]))
+    assert peak_flagged["step"] != 20
     rising = ns.gc_peak(_series([0.6, 0.7, 0.9]))
-    assert not rising["shown"] and "at the last checkpoint" in rising["why"]
+    assert not rising["shown"] and "at the last unflagged checkpoint" in rising["why"]
     with pytest.raises(ValueError, match=r"gc_peak: gc must be a gc_series table with columns"):
         ns.gc_peak(pd.DataFrame({"step": [1], "gc": [0.5]}))
+
+
+def test_gc_peak_takes_independent_draws_as_a_second_source_of_noise():
+    one = _series([0.6, 0.9, 0.6])
+    agree = pd.concat([one.assign(draw=d) for d in range(3)], ignore_index=True)
+    assert ns.gc_peak(agree)["shown"] and ns.gc_peak(agree)["draws"] == 3
+    # the draws disagree far more than each draw's own standard error says: the peak is not shown
+    spread = pd.concat([_series(v).assign(draw=d) for d, v in enumerate([[0.6, 0.9, 0.6], [0.9, 0.6, 0.6],
+                                                                         [0.6, 0.6, 0.9]])], ignore_index=True)
+    assert not ns.gc_peak(spread)["shown"]
+    series = excess_series(spread)
+    assert series["excess"].tolist() == pytest.approx([0.2, 0.2, 0.2])
+    assert series["excess_se"].iloc[0] == pytest.approx(np.std([0.1, 0.4, 0.1], ddof=1) / np.sqrt(3))
 
 
 def test_plan_falls_back_to_stable_clusters_then_to_the_window_end():
@@ -227,3 +248,113 @@ def test_plan_falls_back_to_stable_clusters_then_to_the_window_end():
     clear = ns.make_plan(separation, _series([0.6, 0.9, 0.6]), top_k=1,
                          stability=lambda layers: pytest.fail("not needed when the peak is shown"))
     assert clear.warmup_steps == 20 and clear.warmup_rule == "gc-peak" and clear.layers == [0]
+
+
+# ---- calibration against planted pools, and the controls ----------------------------------------
+
+
+def test_jackknife_matches_an_explicit_leave_one_out_loop():
+    rng = np.random.default_rng(5)
+    J = rng.normal(size=(14, 6)) + np.r_[2.0, 1.0, 0, 0, 0, 0]
+    K = J @ J.T
+    members = [np.arange(0, 5), np.arange(5, 9)]
+    jk = R.jackknife(K, members, budget=100, halves=0, seed=0)
+
+    def gc(rows, sub):  # |cos| of the two top right singular vectors, from J itself
+        top = lambda A: np.linalg.svd(A)[2][0]  # noqa: E731
+        return abs(top(J[rows]) @ top(J[sub]))
+
+    point = np.array([gc(np.arange(14), m) for m in members])
+    strata = [np.arange(0, 5), np.arange(5, 9), np.arange(9, 14)]
+    var, bias = np.zeros(2), np.zeros(2)
+    for unit in strata:
+        reps = np.array([[gc(np.delete(np.arange(14), i), np.setdiff1d(m, [i])) for m in members] for i in unit])
+        g = len(unit)
+        var += (g - 1) / g * ((reps - reps.mean(0)) ** 2).sum(0)
+        bias += (g - 1) * (reps.mean(0) - point)
+    np.testing.assert_allclose(jk.point[2:4], point, atol=1e-10)
+    np.testing.assert_allclose(jk.se[2:4], np.sqrt(var), atol=1e-10)
+    np.testing.assert_allclose(jk.bias[2:4], bias, atol=1e-10)
+    assert jk.deletions == 14
+
+
+@pytest.mark.parametrize("pool", [ns.PlantedPool(noise=0.15), ns.PlantedPool(noise=0.4),
+                                  pytest.param(ns.PlantedPool(shares=(0.3, 0.35, 0.35), noise=0.3),
+                                               marks=pytest.mark.slow)],
+                         ids=["high-gc", "noisy", "large-tail"])
+def test_the_interval_covers_the_finite_n_target_on_planted_pools(pool):
+    # the target: the mean |GC| of independent draws of the same sizes; 100 draws: sd of coverage 0.03
+    table = ns.interval_calibration(pool, 96, draws=100, truth_draws=200,
+                                    resampling=ns.Resampling(null_draws=0, resamples=48, half_samples=0))
+    assert table["target"].min() < 0.45 and table["target"].max() > 0.75  # low and high GC in every pool
+    assert table["coverage"].between(0.80, 0.98).all(), table
+    assert (table["median_width_over_sd"] <= 4).all(), table
+
+
+def test_the_large_sample_estimate_covers_the_known_limit_where_claimed():
+    pool = ns.PlantedPool(noise=0.15)  # the limit is known exactly (PlantedPool.large_sample_gc)
+    table = ns.interval_calibration(pool, 96, draws=50, truth_draws=100,
+                                    resampling=ns.Resampling(null_draws=0, resamples=48, half_samples=20))
+    np.testing.assert_allclose(table["large_sample"], pool.large_sample_gc(), atol=1e-12)
+    claimed = table["claimed"] * 50
+    assert claimed.sum() >= 10, table  # claimed in some draws, refused in the others (bias not O(1/n))
+    covered = (table["large_coverage"].fillna(0) * claimed).sum() / claimed.sum()
+    assert covered >= 0.8, table
+
+
+def _sources(n=120, seed=0):
+    """Gradients of three sources: ordinary A and B (45 % each, own directions) and a tail T (10 %)."""
+    pool = ns.PlantedPool(shares=(0.1, 0.45, 0.45), strength=(2.0, 1.0, 1.0), noise=0.25)
+    J = pool.draw(n, np.random.default_rng(seed))
+    return J @ J.T, pool.labels(n)
+
+
+def test_a_homogeneous_group_is_below_the_random_null_and_within_the_homogeneous_one():
+    K, labels = _sources()
+    a, b = np.flatnonzero(labels == 1), np.flatnonzero(labels == 2)
+    rng = np.random.default_rng(1)
+    group = np.sort(rng.choice(a, 24, replace=False))  # one ordinary source, no tail
+    tail = np.flatnonzero(labels == 0)
+    for controls in (ns.Controls(homogeneous=[a, b]), ns.Controls()):  # pools, then gradient neighbours
+        res_group, res_tail = ns.kernel_gc(K, [group, tail], controls=controls)
+        assert res_group.versus_null == "below" and res_group.versus("homogeneous") == "within", res_group.controls
+        assert res_tail.versus_null == "below" and res_tail.versus("homogeneous") == "below"
+        assert res_group.row()["versus_homogeneous"] == "within"
+    with pytest.raises(ValueError, match=r"control must be 'random' or one of this result's controls"):
+        res_group.versus("length")
+
+
+def test_a_matched_null_keeps_the_subsets_counts_per_covariate_bin():
+    from ntkscope.kernel.nulls import matched_band
+
+    K, labels = _sources()
+    length = np.arange(120) % 10  # a covariate the tail shares with nothing
+    tail = np.flatnonzero(labels == 0)
+    whole, _ = R.statistics(K, np.ones(120, dtype=np.int64), [tail])
+    seen = []
+    real_statistics = R.statistics
+
+    def spy(K_, counts, members, whole_=None):
+        seen.append(members[0])
+        return real_statistics(K_, counts, members, whole_)
+
+    import ntkscope.kernel.nulls as N
+    N.statistics, before = spy, N.statistics
+    try:
+        band = matched_band(K, whole, tail, length.astype(float), 5, draws=20, confidence=0.9, seed=0)
+    finally:
+        N.statistics = before
+    bins = np.searchsorted(np.unique(np.quantile(length, np.linspace(0, 1, 6)[1:-1])), length, side="right")
+    assert band.draws == 20 and len(seen) == 20
+    for drawn in seen:
+        np.testing.assert_array_equal(np.bincount(bins[drawn], minlength=5), np.bincount(bins[tail], minlength=5))
+
+
+def test_controls_refuse_bad_input():
+    K, _ = _sources()
+    with pytest.raises(ValueError, match=r"kernel_gc: controls.homogeneous must be pools of at least 2 indices"):
+        ns.kernel_gc(K, [[0, 1]], controls=ns.Controls(homogeneous=[[0, 500]]))
+    with pytest.raises(ValueError, match=r"kernel_gc: controls.matched\['length'\] must hold one finite value"):
+        ns.kernel_gc(K, [[0, 1]], controls=ns.Controls(matched={"length": np.ones(3)}))
+    with pytest.raises(ValueError, match=r"Controls: quantiles must be a positive integer"):
+        ns.Controls(quantiles=0)

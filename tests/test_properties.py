@@ -118,7 +118,7 @@ def test_empirical_ntk_and_gc(gpt, n, T, chunk_size, dtype, method, output, data
 
 @SETTINGS
 @given(n=st.integers(4, 24), rank=st.integers(1, 6), seed=st.integers(0, 10_000), groups=st.integers(1, 3),
-       interval=st.sampled_from(["basic", "bca"]))
+       interval=st.sampled_from(["jackknife", "basic", "bca"]))
 def test_kernel_gc_intervals_hold_their_point(n, rank, seed, groups, interval):
     rng = np.random.default_rng(seed)
     J = rng.normal(size=(n, rank)) @ rng.normal(size=(rank, 7))  # PSD, rank <= rank: often lambda_2 = 0
@@ -126,7 +126,8 @@ def test_kernel_gc_intervals_hold_their_point(n, rank, seed, groups, interval):
     subsets = [s for s in np.array_split(order, groups) if len(s) >= 2]
     try:
         results = ns.kernel_gc(J @ J.T, subsets, resampling=ns.Resampling(resamples=20, null_draws=20, seed=seed,
-                                                                           interval=interval))
+                                                                           interval=interval, half_samples=5),
+                               controls=ns.Controls(matched={"order": np.arange(n, dtype=float)}))
     except ValueError as err:
         assert str(err).startswith("kernel_gc: "), err
         return
@@ -134,3 +135,6 @@ def test_kernel_gc_intervals_hold_their_point(n, rank, seed, groups, interval):
         assert r.interval.low <= r.score <= r.interval.high and -1 <= r.interval.low and r.interval.high <= 1
         assert r.abs_interval.low <= abs(r.score) <= r.abs_interval.high
         assert 0 <= r.sign_confidence <= 1 and r.versus_null in ("above", "below", "within", "n/a")
+        assert all(r.versus(name) in ("above", "below", "within", "n/a") for name in r.controls)
+        if r.large_sample == "claimed":
+            assert r.abs_large_interval.low <= r.abs_large <= r.abs_large_interval.high

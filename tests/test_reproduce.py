@@ -30,7 +30,7 @@ def test_smoke_run_writes_every_figure_table_and_the_manifest(smoke):
         for fmt in ("png", "pdf"):
             path = run / "figures" / f"{panel}.{fmt}"
             assert path.stat().st_size > 1000, path
-            assert manifest["files"][f"figures/{panel}.{fmt}"] == ntkscope.reproduction.pipeline._sha256(path)
+            assert manifest["files"][f"figures/{panel}.{fmt}"] == ntkscope.reproduction.pipeline.sha256_file(path)
     results = pd.read_csv(run / "tables" / "results.csv")
     assert list(results["model"]) == ["GPT dense", "GPT/legal", "GPT/biomedical", "Switch", "CSE/MoF"]
     assert np.isfinite(results["perplexity"]).all() and (results["perplexity"] > 1).all()

@@ -29,11 +29,16 @@ from ntkscope.kernel.uncertainty import INTERVALS, Resampling
 from ntkscope.reproduction import reproduce
 from ntkscope.runs.checkpoints import is_run_dir
 from ntkscope.runs.families import POINTS
-from ntkscope.runs.gc import GROUPINGS
+from ntkscope.runs.gc import GC_OUTPUT, GROUPINGS
 from ntkscope.text.corpus.pack import build_pack, load_pack
 from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
 from ntkscope.text.frequency import BINNINGS, NORMALISATIONS
 from ntkscope.text.inputs import DataSource, as_source
+
+
+def _columns(frame, columns):
+    """The columns of ``frame`` among ``columns``, in that order (a table holds the controls it measured)."""
+    return frame[[c for c in columns if c in frame.columns]]
 
 
 def _print_table(title, frame, digits: int = 3):
@@ -49,7 +54,7 @@ def _demo(args) -> int:
           f"(perplexity {perplexity(final):.1f} per BPE token)")
     cols = ["by", "label", "mean_frequency_score", *GC_COLUMNS]
     _print_table(f"gradient consistency of each group against the whole analysis batch (n={args.n}, output "
-                 f"{result.output}):", result.table[cols])
+                 f"{result.output}):", _columns(result.table, cols))
     print(f"\ndone in {result.seconds:.0f} s")
     if args.out:
         result.table.to_csv(args.out, index=False)
@@ -130,7 +135,7 @@ def _plan(args) -> int:
     _print_table("separation per checkpoint and layer:", r["separation"].pivot(
         index="step", columns="layer", values="separation").reset_index())
     _print_table(f"|GC| of the long tail (lowest {args.tail_fraction:.0%} frequency scores, n={r['n_tail']}, output "
-                 f"{args.output}):", r["gc"][["step", *GC_COLUMNS[1:]]])
+                 f"{args.output}):", _columns(r["gc"], ["step", "draw", "excess", "excess_se", *GC_COLUMNS[1:]]))
     plan = r["plan"]
     peak = plan.evidence["gc_peak"]
     print(f"\n|GC| peak at step {peak['step']}: {'shown' if peak['shown'] else 'not shown'} ({peak['why']})")
@@ -152,8 +157,9 @@ def _resampling(args) -> Resampling:
                       interval=args.interval, seed=args.seed)
 
 
-GC_COLUMNS = ["n_subset", "abs_gc", "abs_gc_low", "abs_gc_high", "null_low", "null_high", "versus_null", "gc_signed",
-              "sign_confidence", "mean_gradient", "flags"]
+GC_COLUMNS = ["n_subset", "abs_gc", "abs_gc_low", "abs_gc_high", "null_low", "null_high", "versus_null",
+              "versus_homogeneous", "versus_matched-length", "versus_matched-loss", "gc_signed", "sign_confidence",
+              "mean_gradient", "flags"]
 
 
 def _gc(args) -> int:
@@ -166,7 +172,8 @@ def _gc(args) -> int:
                                          method=args.method, resampling=_resampling(args), seq_len=args.seq_len,
                                          seed=args.seed, tokenizer=args.tokenizer, out=args.out)
         _print_table(f"GC of the long tail (n_tail={result['n_tail']} of {result['n']}, output {args.output}) at "
-                     "each checkpoint:", pd.DataFrame(result["series"])[["step", *GC_COLUMNS[1:]]])
+                     "each checkpoint:", _columns(pd.DataFrame(result["series"]), ["step", "excess", "excess_se",
+                                                                                   *GC_COLUMNS[1:]]))
         peak = result["peak"]
         print(f"\n|GC| peaks at step {peak['step']}: {'shown' if peak['shown'] else 'not shown'} ({peak['why']})")
     else:
@@ -175,15 +182,18 @@ def _gc(args) -> int:
                                      outputs=outputs, method=args.method, dtype=args.dtype, device=args.device,
                                      max_memory=_gib(args.max_memory), seq_len=args.seq_len,
                                      seed=args.seed, resampling=_resampling(args), tokenizer=args.tokenizer,
-                                     out=args.out)
+                                     homogeneous_label=args.homogeneous_label, out=args.out)
         table = pd.DataFrame(result["groups"])
         cols = [c for c in ("output", "label", "left", "right", *GC_COLUMNS) if c in table]
         _print_table(f"GC of each {'frequency bin' if args.by == 'frequency-bins' else 'label'} against the whole "
                      f"set (n={result['n']}, {result['data']}; {args.confidence:.0%} {args.interval} intervals of "
-                     f"{args.resamples} resamples; null band of {args.null_draws} random subsets of each size):",
+                     f"{args.resamples} replicates; null bands of {args.null_draws} subsets each: random, "
+                     f"homogeneous, matched on length and loss):",
                      table[cols])
-        print("\n|GC| is read against the null band (versus_null); gc_signed is blank where the sign is not "
-              "confident; flags name an ill-defined direction (docs/design.md §1.1)")
+        print("\n|GC| is read against each null band (versus_*: random, homogeneous, matched); gc_signed is blank "
+              "where the sign is not confident; flags name an ill-defined direction (docs/design.md §1.1)")
+        for warning in result["warnings"]:
+            print(f"\nwarning: {warning}")
         if result["skipped"]:
             print(f"\nskipped (fewer than --min-count {args.min_count} sentences): {json.dumps(result['skipped'])}")
     if args.out:
@@ -258,14 +268,15 @@ def _add_method_arg(parser, task: str) -> None:
                         f"the cheapest estimate that fits in memory, stated in the log). {rows}")
 
 
-def _add_model_args(parser, n_default: int, task: str) -> None:
+def _add_model_args(parser, n_default: int, task: str, output: str = "loss") -> None:
     parser.add_argument("target", metavar="CHECKPOINT", help="a cse_models checkpoint, an HF model directory, or "
                         "(gc only) a training run directory")
     _add_data_args(parser, n_default)
     parser.add_argument("--params", nargs="+", help="parameter name globs, e.g. 'transformer.h.1.*' (default: all)")
-    parser.add_argument("--output", default="loss", choices=list(OUTPUTS),
-                        help="f(x): the sequence's mean token loss (default), the true token's logit, centred or "
-                        "not (a mean over the sequence), or a vector output (trace reduction)")
+    parser.add_argument("--output", default=output, choices=list(OUTPUTS),
+                        help=f"f(x): the sequence's mean token loss, the true token's logit, centred or not (a mean "
+                        f"over the sequence), or a vector output (trace reduction); default {output} "
+                        "(docs/gc-outputs.md)")
     _add_method_arg(parser, task)
     parser.add_argument("--dtype", choices=["float32", "float64"], help="compute dtype (default: the model's)")
     parser.add_argument("--device", help="compute device, e.g. cuda or cuda:1 (default cpu); the memory budget is "
@@ -336,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc = sub.add_parser("gc", help="gradient consistency of frequency bins or labels against the whole set",
                         description="Examples: ntkscope gc runs/toy-dense/checkpoints/step-001000 --out gc/  |  "
                         "ntkscope gc runs/toy-dense --out gc-over-steps/ (every checkpoint of a run)")
-    _add_model_args(gc, 256, "eigen")
+    _add_model_args(gc, 256, "eigen", output=GC_OUTPUT)
     gc.add_argument("--by", default="frequency-bins", choices=GROUPINGS,
                     help="subsets: frequency-score bins (default) or the data's labels")
     gc.add_argument("--bins", type=int, default=6, help="frequency bins (default 6)")
@@ -345,12 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--min-count", type=int, default=4, help="smallest subset analysed (default 4)")
     gc.add_argument("--outputs", help="several scalar outputs side by side, comma-separated, e.g. "
                     f"{','.join(SCALAR_OUTPUTS)} (a sensitivity view; overrides --output)")
-    gc.add_argument("--resamples", type=int, default=200, help="bootstrap resamples per GC (default 200; 0: none)")
+    gc.add_argument("--resamples", type=int, default=200,
+                    help="replicates per GC: jackknife deletions at most, or bootstrap resamples (default 200; 0: none)")
     gc.add_argument("--null-draws", type=int, default=200,
-                    help="random subsets behind the null band (default 200; 0: none)")
+                    help="subsets behind each null band (default 200; 0: none)")
     gc.add_argument("--confidence", type=float, default=0.9, help="interval and null band level (default 0.9)")
-    gc.add_argument("--interval", default="basic", choices=INTERVALS,
-                    help="bootstrap interval: basic (default) or bca (n more eigendecompositions)")
+    gc.add_argument("--interval", default="jackknife", choices=INTERVALS,
+                    help="jackknife (default: the finite-n interval, its bias and the large-sample estimate; "
+                    "docs/gc-calibration.md), or the bootstrap's basic or bca, kept for comparison")
+    gc.add_argument("--homogeneous-label", metavar="LABEL",
+                    help="the label of ordinary text the homogeneous null draws from (default: the nearest "
+                    "neighbours of random sentences in gradient space)")
     gc.set_defaults(run=_gc)
     ntk = sub.add_parser("ntk", help="the empirical NTK of a set of sentences, as .npy and a heatmap",
                          description="Example: ntkscope ntk runs/toy-dense/checkpoints/step-001000 --n 64 "
@@ -380,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_analysis_args(plan)
     plan.add_argument("--module", default="ffn", choices=["ffn", "attn"])
     plan.add_argument("--tail-fraction", type=float, default=1 / 3, help="long tail: lowest-score share (default 1/3)")
-    plan.add_argument("--output", default="loss", choices=list(SCALAR_OUTPUTS), help="f(x) for GC (default loss)")
+    plan.add_argument("--output", default=GC_OUTPUT, choices=list(SCALAR_OUTPUTS),
+                      help=f"f(x) for GC (default {GC_OUTPUT}; docs/gc-outputs.md)")
     plan.add_argument("--overlap", type=float, default=0.8,
                       help="adjusted Rand index between neighbouring checkpoints' router clusters above which they "
                       "count as stable (the warm-up's fallback rule; default 0.8)")

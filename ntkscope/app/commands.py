@@ -29,7 +29,7 @@ from ntkscope.runs.checkpoints import (check_vocab, checkpoint_tokenizer, is_run
                                        load_checkpoint)
 from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_dynamics
 from ntkscope.runs.embeddings import layer_embeddings
-from ntkscope.runs.gc import gc_by_bins, gc_sensitivity
+from ntkscope.runs.gc import GC_OUTPUT, gc_by_bins, gc_sensitivity
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import Record
 from ntkscope.text.frequency import (count_tokens, domain_table, long_tail_subset, score_histogram,
@@ -39,6 +39,9 @@ from ntkscope.text.sentences import load_analysis_data
 from ntkscope.text.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+#: every figure a command writes, as PNG and PDF
+FORMATS = ("png", "pdf")
 
 
 def cached_result(out: Path | None, key: str) -> dict | None:
@@ -71,12 +74,15 @@ def memory_note(model, n: int, params=None, dtype=None, device=None, max_memory=
 
 
 def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int = 6, binning: str = "count",
-               n: int = 256, min_count: int = 4, params=None, output: str = "loss", outputs=None,
+               n: int = 256, min_count: int = 4, params=None, output: str = GC_OUTPUT, outputs=None,
                method: str = "auto", dtype=None, device=None, max_memory: int | None = None, seq_len: int = 64,
-               seed: int = 0, resampling: Resampling = Resampling(), tokenizer=None, out=None) -> dict:
+               seed: int = 0, resampling: Resampling = Resampling(), tokenizer=None, homogeneous_label=None,
+               out=None) -> dict:
     """GC of each subset (frequency bin or label) against the whole set of ``n`` sentences, with
-    intervals, sign confidence, conditioning and the null band; ``outputs`` (several scalar
-    outputs) puts them side by side with an ``output`` column.
+    intervals, bias, sign confidence, conditioning and the null bands (random, homogeneous:
+    ``homogeneous_label``'s sentences or gradient-space neighbours, matched on length and loss);
+    ``outputs`` (several scalar outputs) puts them side by side with an ``output`` column. A
+    table whose every row is flagged is kept, with a warning in ``result["warnings"]``.
 
     Writes ``gc.csv``, ``histogram.csv``, ``result.json`` and ``gc_vs_frequency.png`` to ``out``.
     """
@@ -84,7 +90,8 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
     data = as_source(data)
     options = dict(checkpoint=str(checkpoint), **data.options(), by=by, bins=bins, binning=binning, n=n,
                    min_count=min_count, params=params, output=output, outputs=outputs, method=method, dtype=dtype,
-                   seq_len=seq_len, seed=seed, resampling=dataclasses.asdict(resampling), tokenizer=tokenizer)
+                   seq_len=seq_len, seed=seed, resampling=dataclasses.asdict(resampling), tokenizer=tokenizer,
+                   homogeneous_label=homogeneous_label)
     key = digest(options, paths=[checkpoint, *data.files])
     cached = from_rank0(cached_result(out, key))  # every process takes rank 0's decision
     if cached:
@@ -94,26 +101,42 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
     ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
     log.info("%s", memory_note(model, n, params, dtype, device, max_memory))
     common = dict(by=by, bins=bins, binning=binning, min_count=min_count, resampling=resampling, params=params,
-                  method=method, dtype=dtype, device=device, max_memory=max_memory, seed=seed)
+                  method=method, dtype=dtype, device=device, max_memory=max_memory, seed=seed,
+                  homogeneous=homogeneous_label)
     if outputs:
         table, hist, skipped = gc_sensitivity(model, ad, outputs=outputs, **common)
     else:
         table, hist, skipped = gc_by_bins(model, ad, output=output, **common)
     out = out if writes() else None
     result = {"key": key, "options": options, "data": ad.source, "n": n, "groups": table.to_dict("records"),
-              "skipped": skipped}
+              "skipped": skipped, "warnings": flag_warnings(table)}
+    for warning in result["warnings"]:
+        log.warning("gc: %s", warning)
     with Staging(out) as files:
         table.to_csv(files.path("gc.csv"), index=False)
         hist.to_csv(files.path("histogram.csv"), index=False)
         if by == "frequency-bins":
             save_figure(gc_vs_frequency(table, hist, title=f"{Path(checkpoint).name}: GC against sentence "
-                                        f"frequency (n={n})"), files.path("gc_vs_frequency.png"))
+                                        f"frequency (n={n})"), files.path("gc_vs_frequency.png"), formats=FORMATS)
         write_json(files.path("result.json"), result)
     result["files"] = files.written
     return result
 
 
-def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1 / 3, output: str = "loss",
+def flag_warnings(table) -> list:
+    """One warning per output whose every row is flagged: its directions are not to be read."""
+    out = []
+    by = table.groupby("output") if "output" in table.columns else [(None, table)]
+    for output, rows in by:
+        flags = rows["flags"].fillna("")
+        if len(rows) and (flags != "").all():
+            out.append(f"every row{f' of output {output}' if output else ''} is flagged "
+                       f"({', '.join(sorted({f for fl in flags for f in fl.split()}))}): its directions are ill-defined "
+                       "and its |GC| is not to be read; try another --output (docs/gc-outputs.md)")
+    return out
+
+
+def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1 / 3, output: str = GC_OUTPUT,
                    method: str = "auto", resampling: Resampling = Resampling(), seq_len: int = 64, seed: int = 0,
                    tokenizer=None, out=None) -> dict:
     """GC of the long-tail subset (lowest frequency scores) against the whole set at every
@@ -131,7 +154,7 @@ def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1
     with Staging(out) as files:
         frame.to_csv(files.path("gc_over_steps.csv"), index=False)
         save_figure(gc_over_steps(frame, warmup=peak["step"] if peak["shown"] else None, rule="gc-peak"),
-                    files.path("gc_over_steps.png"))
+                    files.path("gc_over_steps.png"), formats=FORMATS)
         write_json(files.path("result.json"), result)
     result["files"] = files.written
     return result
@@ -159,7 +182,7 @@ def ntk_command(checkpoint, data=None, *, n: int = 64, blocks=None, params=None,
             np.savez(files.path("blocks.npz"), **{k: v.detach().cpu().numpy() for k, v in result_ntk.blocks.items()})
         ad.labels.to_csv(files.path("labels.csv"), index=False)
         save_figure(ntk_heatmap(matrix, ad.labels["label"], title=f"NTK of {Path(checkpoint).name} (n={n})"),
-                    files.path("ntk.png"))
+                    files.path("ntk.png"), formats=FORMATS)
         write_json(files.path("result.json"), result)
     result["files"] = files.written
     return result
@@ -242,7 +265,7 @@ def clusters_command(target, data="default", *, tokenizer=None, n: int = 256, se
 
 def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_len: int = 64,
                  point: str = "block", k_max: int = 10, projection_dim: int = 64, top_k: int = 2, seed: int = 0,
-                 module: str = "ffn", tail_fraction: float = 1 / 3, method: str = "auto", output: str = "loss",
+                 module: str = "ffn", tail_fraction: float = 1 / 3, method: str = "auto", output: str = GC_OUTPUT,
                  overlap: float = 0.8, router: dict | None = None, out="plan.json") -> dict:
     """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``:
     the long tail's GC peak when its statistics show one, else the earliest checkpoint whose

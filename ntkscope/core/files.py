@@ -21,6 +21,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -82,9 +83,28 @@ def _jsonable(value):
     return value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else str(value)
 
 
+def _finite(value):
+    """``value`` with every NaN or infinity (Python or NumPy) as None, NumPy scalars as Python ones."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def strict_json(data, *, indent: int | None = None) -> str:
+    """RFC 8259 JSON text of ``data``: NaN and infinities as ``null`` (strict parsers reject
+    ``NaN``), NumPy scalars as numbers, anything else unknown (paths, dtypes) as its string."""
+    return json.dumps(_finite(data), indent=indent, default=_jsonable, allow_nan=False)
+
+
 def write_json(path: str | os.PathLike, data, *, indent: int | None = 2) -> Path:
-    """JSON with a final newline (``indent=None``: one line, no newline); NumPy scalars as numbers."""
-    text = json.dumps(data, indent=indent, default=_jsonable)
+    """Strict JSON (:func:`strict_json`) with a final newline (``indent=None``: one line, no newline)."""
+    text = strict_json(data, indent=indent)
     return write_text(path, text + "\n" if indent is not None else text)
 
 

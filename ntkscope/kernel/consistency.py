@@ -12,7 +12,7 @@ When the whole set's kernel Theta is at hand (methods ``"exact"`` and
     GC(X') = u^T Theta[:, S] u' / sqrt(lambda lambda')
 
 and every subset costs only an eigendecomposition of ``Theta[S, S]``; so do its bootstrap
-interval, sign confidence and null band (:mod:`ntkscope.kernel.uncertainty`). The
+interval, bias, sign confidence and null bands (:mod:`ntkscope.kernel.uncertainty`). The
 matrix-free method computes the two directions, and the two mean gradients, by weighted
 backward passes; without a kernel it reports the point value, the conditioning and the
 mean-gradient consistency, and no interval or null band.
@@ -35,6 +35,7 @@ from ntkscope.kernel.methods import solve_top
 from ntkscope.kernel.ntk import prepare_scalar
 from ntkscope.kernel.objectives import batch_size, take
 from ntkscope.kernel.options import KernelOptions
+from ntkscope.kernel.nulls import Controls, check_controls
 from ntkscope.kernel.uncertainty import (GCResult, Resampling, check_resampling, conditioning_flags,
                                          kernel_statistics)
 
@@ -151,7 +152,7 @@ def principal_direction(model, batch, *, options: KernelOptions | None = None, *
         return DirectionResult(g, eig, fm.selection.names, fm.selection.shapes, used)
 
 
-def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptions, resampling) -> list:
+def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptions, resampling, controls) -> list:
     """GC of each index array in ``subsets`` against the whole batch; the whole set is solved once."""
     with functional_model(model, opts) as fm:
         data, n, chunk, budget = prepare_scalar(fm, batch, opts)
@@ -159,7 +160,7 @@ def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptio
         common = dict(method=used, dtype=fm.dtype, output=fm.objective.name)
         if kernel is not None:
             K = kernel.detach().double().cpu().numpy()  # (n, n)
-            stats = kernel_statistics(K, list(subsets), resampling)
+            stats = kernel_statistics(K, list(subsets), resampling, controls)
             return [GCResult(label=label, **common, **fields) for fields, label in zip(stats, names)]
         u = torch.as_tensor(whole.eigenvector, dtype=fm.dtype, device=fm.device)
         g = weighted_gradient(fm, data, u, chunk)  # (P,)
@@ -187,7 +188,8 @@ def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptio
 
 @entry("gradient_consistency")
 def gradient_consistency(model, batch, subset, *, labels=None, resampling: Resampling | None = Resampling(),
-                         options: KernelOptions | None = None, **fields) -> GCResult:
+                         controls: Controls | None = None, options: KernelOptions | None = None,
+                         **fields) -> GCResult:
     """Gradient consistency ``GC(X') = cos(g(X), g(X'))`` of a subset of ``batch``.
 
     Parameters
@@ -199,11 +201,14 @@ def gradient_consistency(model, batch, subset, *, labels=None, resampling: Resam
     labels : array-like of shape (n,), optional
         One label per sample; ``subset`` is then the label of X'.
     resampling : Resampling or None
-        The bootstrap interval, sign confidence, null band and flag thresholds
-        (:class:`~ntkscope.Resampling`; default 200 resamples, 200 null draws, 90 %, basic,
-        seed 0). They come from the kernel (methods "exact" and "projected") and cost
-        eigendecompositions only; the matrix-free method reports the conditioning flags but
-        no interval or band. ``None``: the point value and conditioning only.
+        The interval, bias, sign confidence, null band and flag thresholds
+        (:class:`~ntkscope.Resampling`; default: jackknife of at most 200 deletions, 200 null
+        draws, 90 %, seed 0). They come from the kernel (methods "exact" and "projected") and
+        cost eigendecompositions only; the matrix-free method reports the conditioning flags
+        but no interval or band. ``None``: the point value and conditioning only.
+    controls : Controls or None
+        Null bands beside the random one (:class:`~ntkscope.Controls`: homogeneous pools or
+        gradient-space neighbours, covariate-matched draws); kernel methods only.
     options, **fields
         :class:`~ntkscope.KernelOptions` or its fields. ``method``: "auto" (the cheapest
         estimate that fits in memory), "exact", "structured", "matrix-free" or "projected".
@@ -215,21 +220,23 @@ def gradient_consistency(model, batch, subset, *, labels=None, resampling: Resam
     opts = KernelOptions.build(options, **fields)
     check_resampling(resampling)
     n = batch_size(batch)
+    controls = check_controls(controls, n)
     idx = subset_indices(subset, n, labels)
-    (result,) = _gc_many(model, batch, [idx], [subset if labels is not None else None], opts, resampling)
+    (result,) = _gc_many(model, batch, [idx], [subset if labels is not None else None], opts, resampling, controls)
     return result
 
 
 @entry("gradient_consistency_groups")
 def gradient_consistency_groups(model, batch, labels, *, min_count=2, resampling: Resampling | None = Resampling(),
-                                options: KernelOptions | None = None, **fields) -> GCGroups:
+                                controls: Controls | None = None, options: KernelOptions | None = None,
+                                **fields) -> GCGroups:
     """GC of every group of ``labels`` (e.g. frequency bins, domains) against the whole batch.
 
     The whole set's NTK and eigenvector are computed once. Groups with fewer than
-    ``min_count`` samples (at least 2) are skipped and reported. The bootstrap resamples
-    every group within itself (and the rest of the set within itself), so all groups' intervals
-    come from the same resamples. ``resampling``, ``options`` / ``**fields`` as for
-    :func:`gradient_consistency`.
+    ``min_count`` samples (at least 2) are skipped and reported. The jackknife (or bootstrap)
+    leaves out (resamples) every group within itself and the rest of the set within itself, so
+    all groups' intervals come from the same replicates. ``resampling``, ``controls``,
+    ``options`` / ``**fields`` as for :func:`gradient_consistency`.
 
     Returns
     -------
@@ -243,6 +250,7 @@ def gradient_consistency_groups(model, batch, labels, *, min_count=2, resampling
         raise InputError("labels", f"must have one label per sample, shape ({n},)", labels.shape)
     if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 2:
         raise InputError("min_count", "must be an integer >= 2", min_count)
+    controls = check_controls(controls, n)
     kept, skipped = [], {}
     for label in sorted(set(labels.tolist()), key=str):
         idx = np.flatnonzero(labels == label)
@@ -252,5 +260,5 @@ def gradient_consistency_groups(model, batch, labels, *, min_count=2, resampling
             skipped[label] = int(idx.size)
     if not kept:
         raise InputError("labels", f"has no group with at least min_count={min_count} samples; group sizes", skipped)
-    results = _gc_many(model, batch, [i for _, i in kept], [lab for lab, _ in kept], opts, resampling)
+    results = _gc_many(model, batch, [i for _, i in kept], [lab for lab, _ in kept], opts, resampling, controls)
     return GCGroups({r.label: r for r in results}, skipped)

@@ -9,35 +9,37 @@ eigendecompositions, not gradients:
 - **mean-gradient consistency**: the cosine between the subset's mean gradient and the whole
   set's, ``1_S^T Theta[S, :] 1 / sqrt(1_S^T Theta[S, S] 1_S 1^T Theta 1)``, whose sign means
   something;
-- **a bootstrap interval** (``scipy.stats.bootstrap``, basic or BCa) that resamples the whole set
-  stratified by subset: each subset is resampled within itself, the rest of the set within
-  itself, and the whole set is their union. A resample with counts ``c`` has the kernel
-  ``P Theta P^T``; its top eigenvector is ``P a`` with ``C^(1/2) Theta C^(1/2) v = lambda v``,
-  ``a = C^(-1/2) v``, so ``g* = (C^(1/2) v)^T J`` and only the distinct samples enter the
-  eigendecomposition. Each resample keeps the sign convention of its own eigenvectors, so a
-  coin-toss sign shows up as a low **sign confidence** (the share of resamples whose GC has the
-  point value's sign);
-- **a null band**: ``|GC|`` of random subsets of the same size, against the same whole set.
+- **the interval of the finite-n quantity** (default: the stratified jackknife,
+  :mod:`ntkscope.kernel.replicates`): where the GC of an independent analysis set of the same
+  sizes would fall on average, ``point +- z se``. That is the quantity a null band is compared
+  at. GC at finite n is biased against its large-sample value (noise pulls a cosine towards
+  0), so the result also carries the jackknife's **bias** and, where the bias is O(1/n) (the
+  half-sample check agrees), a **large-sample estimate** with its interval;
+- **null bands** (:mod:`ntkscope.kernel.nulls`): |GC| of random subsets of the same size, and,
+  with :class:`~ntkscope.kernel.nulls.Controls`, of homogeneous and covariate-matched subsets.
 
-``|GC|`` is the headline, always against the null band; the signed value is reported only
-when its sign is confident; a **flag** names each diagnostic past its threshold (:class:`Resampling`).
+``|GC|`` is the headline, always against a null band; the signed value is reported only when
+its sign is confident; a **flag** names each diagnostic past its threshold (:class:`Resampling`).
+Calibration against planted pools and real kernels: docs/gc-calibration.md.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-import scipy.linalg
 import scipy.stats
 
 from ntkscope.core.checks import InputError, check_choice, check_fraction, entry
-from ntkscope.core.progress import progress_bar
+from ntkscope.kernel import replicates
+from ntkscope.kernel.nulls import (NO_BAND, Controls, NullBand, check_controls, homogeneous_band, matched_band,
+                                   random_band)
 
-INTERVALS = ("basic", "bca")
+INTERVALS = ("jackknife", "basic", "bca")
+
+__all__ = ["Controls", "GCResult", "Interval", "NullBand", "Resampling", "kernel_gc", "kernel_statistics"]
 
 
 @dataclass(frozen=True)
@@ -47,16 +49,24 @@ class Resampling:
     Parameters
     ----------
     resamples : int
-        Bootstrap resamples (0: no interval, no sign confidence).
+        Replicates: the jackknife's deletions at most (delete-1 up to this many samples, then
+        delete-a-group, at least 2 groups per stratum), or the bootstrap's resamples
+        (0: no interval, no sign confidence, no bias).
     null_draws : int
-        Random subsets behind the null band (0: no band).
+        Subsets behind each null band (0: no band).
     confidence : float
-        Level of the interval and of the null band (two-sided).
-    interval : {"basic", "bca"}
-        ``scipy.stats.bootstrap``'s ``"basic"`` or ``"BCa"``. BCa adds one jackknife
-        eigendecomposition per sample (n of them).
+        Level of the intervals and of the null bands (two-sided).
+    interval : {"jackknife", "basic", "bca"}
+        "jackknife" (the default; calibrated in docs/gc-calibration.md): ``point +- z se`` with
+        the stratified jackknife's standard error, plus its bias and the large-sample estimate.
+        "basic" / "bca": ``scipy.stats.bootstrap``'s intervals, kept for comparison; their
+        resamples hold about 63 % distinct samples, so they describe a smaller sample than the
+        point's (mostly ``[point, 1]`` near GC = 1).
+    half_samples : int
+        Stratified half-samples that check the jackknife's bias is O(1/n) (jackknife only; 0:
+        the large-sample estimate is not claimed).
     seed : int
-        Seeds the resamples and the null draws; recorded with every result.
+        Seeds the replicates and the null draws; recorded with every result.
     max_eigengap, min_cos_ones, min_sign_confidence : float
         Flag thresholds: ``lambda_2 / lambda_1`` above, ``|cos(u, 1)|`` below (whole set or
         subset), sign confidence below. The starting points measured on the quick reproduction
@@ -66,7 +76,8 @@ class Resampling:
     resamples: int = 200
     null_draws: int = 200
     confidence: float = 0.9
-    interval: str = "basic"
+    interval: str = "jackknife"
+    half_samples: int = 40
     seed: int = 0
     max_eigengap: float = 0.5
     min_cos_ones: float = 0.3
@@ -74,7 +85,7 @@ class Resampling:
 
     @entry("Resampling")
     def __post_init__(self):
-        for name in ("resamples", "null_draws", "seed"):
+        for name in ("resamples", "null_draws", "half_samples", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InputError(name, "must be a non-negative integer", value)
@@ -84,6 +95,11 @@ class Resampling:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise InputError(name, "must be a number in [0, 1]", value)
+
+    @property
+    def z(self) -> float:
+        """The two-sided normal quantile of ``confidence`` (1.645 at 0.9)."""
+        return float(scipy.stats.norm.ppf((1 + self.confidence) / 2))
 
 
 class Interval(NamedTuple):
@@ -95,17 +111,7 @@ class Interval(NamedTuple):
         return self.high - self.low
 
 
-class NullBand(NamedTuple):
-    """Quantiles of ``|GC|`` over ``draws`` random subsets of one size: (1 - c)/2, 1/2, (1 + c)/2."""
-
-    low: float
-    median: float
-    high: float
-    draws: int
-
-
 _NAN = Interval(math.nan, math.nan)
-_NO_NULL = NullBand(math.nan, math.nan, math.nan, 0)
 
 
 @dataclass(frozen=True)
@@ -123,23 +129,39 @@ class GCResult:
     mean_gradient : float
         Cosine between the subset's and the whole set's mean gradients.
     interval, abs_interval, mean_gradient_interval : Interval
-        Bootstrap intervals of the score, of ``|score|`` and of ``mean_gradient`` (NaN
-        without a kernel or with ``resamples=0``); each contains its point value.
+        Intervals of the score, of ``|score|`` and of ``mean_gradient`` as finite-n quantities:
+        where the value of an independent analysis set of the same sizes falls on average
+        (NaN without a kernel or with ``resamples=0``); each contains its point value.
     abs_se : float
-        Bootstrap standard deviation of ``|score|``: the noise to compare two GCs of the same
-        size by (the interval also carries the bootstrap's bias towards larger samples).
+        Standard error of ``|score|`` (jackknife; bootstrap standard deviation with a
+        bootstrap interval): the draw-to-draw noise to compare two GCs of the same sizes by.
+    abs_bias : float
+        Jackknife estimate of the finite-n bias of ``|score|`` (finite-n mean minus
+        large-sample value; negative: more data would give a larger |GC|). NaN unless jackknife.
+        Trust it only where :attr:`large_sample` is "claimed": where the bias is not O(1/n)
+        (few samples per direction, many noisy dimensions) it can be off by several times, and
+        even in sign (docs/gc-calibration.md).
+    abs_large, abs_large_interval : float, Interval
+        The large-sample estimate ``|score| - abs_bias`` and its interval, where
+        :attr:`large_sample` is "claimed"; NaN where not.
+    large_sample : str
+        "claimed", or why the large-sample estimate is not: the half-sample check finds the
+        bias is not O(1/n), the estimate leaves [0, 1], or no jackknife ran.
     sign_confidence : float
-        Share of resamples whose score has the point value's sign.
+        Jackknife: ``Phi(|score| / se)``, the chance an independent draw keeps the sign (normal
+        approximation). Bootstrap: the share of resamples whose score has the point's sign.
     null : NullBand
         ``|GC|`` of random subsets of ``n_subset`` samples.
+    controls : dict of name to NullBand
+        The other nulls (:class:`~ntkscope.kernel.nulls.Controls`): "homogeneous",
+        "matched-<covariate>".
     flags : tuple of str
         Diagnostics past their :class:`Resampling` threshold: "eigengap", "eigengap-subset",
         "cos-ones", "cos-ones-subset", "sign". Any of them: :attr:`ill_defined`.
     extended : bool
-        An interval was extended to reach its point value, because the bootstrap distribution
-        lay almost wholly on one side of it (a bias larger than the spread, e.g. near GC = 1).
-        Also set when BCa was undefined for that reason and the basic interval of the same
-        resamples took its place.
+        A bootstrap interval was extended to reach its point value (the bootstrap distribution
+        lay almost wholly on one side of it), or BCa was undefined and the basic interval of the
+        same resamples took its place. Never set by the jackknife.
     n, n_subset : int
     method : str
         "exact", "matrix-free", "projected" or "kernel" (:func:`kernel_gc`).
@@ -167,7 +189,12 @@ class GCResult:
     mean_gradient_interval: Interval = _NAN
     sign_confidence: float = math.nan
     abs_se: float = math.nan
-    null: NullBand = _NO_NULL
+    abs_bias: float = math.nan
+    abs_large: float = math.nan
+    abs_large_interval: Interval = _NAN
+    large_sample: str = "no jackknife"
+    null: NullBand = NO_BAND
+    controls: dict = field(default_factory=dict)
     flags: tuple = ()
     extended: bool = False
     resampling: Resampling | None = field(default=None, repr=False)
@@ -185,136 +212,67 @@ class GCResult:
 
     @property
     def versus_null(self) -> str:
-        """``|score|`` against the null band: "above", "below" or "within" ("n/a" without a band).
+        """``|score|`` against the random null band: "above", "below" or "within" ("n/a" without a band).
 
         A permutation test at level ``1 - confidence``: the point value against the values that
         random subsets of the same size give on the same kernel. The band already holds the
         sampling noise of a subset of this size, so the point is what is compared (the
         interval answers another question: how the score would move with other data)."""
-        if self.null.draws == 0:
-            return "n/a"
-        value = abs(self.score)
-        if value > self.null.high:
-            return "above"
-        if value < self.null.low:
-            return "below"
-        return "within"
+        return self.null.versus(abs(self.score))
+
+    def versus(self, control: str = "random") -> str:
+        """``|score|`` against the band of ``control`` ("random", "homogeneous", "matched-length", ...)."""
+        if control == "random":
+            return self.versus_null
+        if control not in self.controls:
+            raise InputError("control", f"must be 'random' or one of this result's controls {list(self.controls)}",
+                             control)
+        return self.controls[control].versus(abs(self.score))
+
+    @property
+    def excess(self) -> float:
+        """``|score|`` minus the random null's median: how far the subset is from a random one of its size."""
+        return abs(self.score) - self.null.median if self.null.draws else math.nan
+
+    @property
+    def excess_se(self) -> float:
+        """Standard error of :attr:`excess`: ``abs_se`` and the null median's own, combined."""
+        return math.sqrt(self.abs_se ** 2 + self.null.median_se ** 2) if self.null.draws else math.nan
 
     def row(self) -> dict:
-        """One flat table row of every field (intervals and band as ``*_low`` / ``*_high``)."""
-        return dict(
+        """One flat table row of every field (intervals and bands as ``*_low`` / ``*_high``)."""
+        row = dict(
             label=self.label, gc=self.score, gc_low=self.interval.low, gc_high=self.interval.high,
             abs_gc=abs(self.score), abs_gc_low=self.abs_interval.low, abs_gc_high=self.abs_interval.high,
-            abs_gc_se=self.abs_se,
+            abs_gc_se=self.abs_se, abs_gc_bias=self.abs_bias, abs_gc_large=self.abs_large,
+            abs_gc_large_low=self.abs_large_interval.low, abs_gc_large_high=self.abs_large_interval.high,
+            large_sample=self.large_sample,
             null_low=self.null.low, null_median=self.null.median, null_high=self.null.high,
-            versus_null=self.versus_null, sign_confidence=self.sign_confidence, gc_signed=self.signed,
+            versus_null=self.versus_null, excess=self.excess, excess_se=self.excess_se)
+        for name, band in self.controls.items():
+            row.update({f"null_{name}_low": band.low, f"null_{name}_median": band.median,
+                        f"null_{name}_high": band.high, f"versus_{name}": band.versus(abs(self.score))})
+        row.update(
+            sign_confidence=self.sign_confidence, gc_signed=self.signed,
             mean_gradient=self.mean_gradient, mean_gradient_low=self.mean_gradient_interval.low,
             mean_gradient_high=self.mean_gradient_interval.high, flags=" ".join(self.flags), extended=self.extended,
             n_subset=self.n_subset, n=self.n, eigenvalue=self.eigenvalue, eigenvalue_subset=self.eigenvalue_subset,
             eigengap=self.eigengap, eigengap_subset=self.eigengap_subset, cos_ones=self.cos_ones,
             cos_ones_subset=self.cos_ones_subset, method=self.method,
+            interval_method=self.resampling.interval if self.resampling else None,
             resamples=self.resampling.resamples if self.resampling else 0,
             seed=self.resampling.seed if self.resampling else None)
+        return row
 
 
-# ---- the statistic on a (weighted) kernel --------------------------------------------------------
+# ---- the statistics of a kernel ------------------------------------------------------------------
 
 
-class _Direction(NamedTuple):
-    weights: np.ndarray  # (k,) w with g = w^T J[rows]: sqrt(c) * v, oriented so that sum(w) > 0
-    eigenvalue: float
-    eigengap: float
-    cos_ones: float
-
-
-def _direction(K: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> _Direction:
-    """Top eigenvector of the kernel of ``rows`` repeated ``counts`` times (docstring of the module)."""
-    root = np.sqrt(counts)
-    M = root[:, None] * K[np.ix_(rows, rows)] * root[None, :]
-    k = len(rows)
-    vals, vecs = scipy.linalg.eigh(M, subset_by_index=[max(0, k - 2), k - 1])
-    w = root * vecs[:, -1]
-    total = w.sum()
-    if total < 0 or (total == 0 and w[np.flatnonzero(w)[:1]].sum() < 0):
-        w = -w
-    lam1 = float(vals[-1])
-    gap = float(max(vals[0], 0.0) / lam1) if k > 1 and lam1 > 0 else 0.0
-    return _Direction(w, lam1, gap, float(w.sum() / math.sqrt(counts.sum())))
-
-
-def _cosine(K: np.ndarray, rows_a, a: np.ndarray, norm_a: float, rows_b, b: np.ndarray, norm_b: float) -> float:
-    """``(a^T J[rows_a]) . (b^T J[rows_b]) / (norm_a norm_b)``, clipped to [-1, 1]."""
-    if norm_a <= 0 or norm_b <= 0:
-        return math.nan
-    value = a @ K[np.ix_(rows_a, rows_b)] @ b / (norm_a * norm_b)
-    return float(min(1.0, max(-1.0, value)))
-
-
-def _mean_norm(K: np.ndarray, rows, counts) -> float:
-    return math.sqrt(max(float(counts @ K[np.ix_(rows, rows)] @ counts), 0.0))
-
-
-def _statistics(K: np.ndarray, counts: np.ndarray, members: list, whole: _Direction | None = None) -> tuple:
-    """(whole direction, [(gc, subset direction, mean-gradient consistency)] per subset) for
-    sample ``counts`` (n,) and subsets given as member index arrays."""
-    rows = np.flatnonzero(counts)
-    c = counts[rows].astype(np.float64)
-    if whole is None:
-        whole = _direction(K, rows, c)
-    whole_mean = _mean_norm(K, rows, c)
-    out = []
-    for idx in members:
-        sub_rows = idx[counts[idx] > 0]
-        sc = counts[sub_rows].astype(np.float64)
-        sub = _direction(K, sub_rows, sc)
-        gc = _cosine(K, rows, whole.weights, math.sqrt(max(whole.eigenvalue, 0)), sub_rows, sub.weights,
-                     math.sqrt(max(sub.eigenvalue, 0)))
-        mean = _cosine(K, rows, c, whole_mean, sub_rows, sc, _mean_norm(K, sub_rows, sc))
-        out.append((gc, sub, mean))
-    return whole, out
-
-
-def _strata(n: int, members: list) -> list:
-    """Disjoint resampling units: the samples that belong to the same subsets (for disjoint
-    groups: each group, then the rest of the set). Every subset is a union of units, so it keeps
-    its size in every resample."""
-    belongs = np.zeros((n, len(members)), dtype=bool)
-    for j, idx in enumerate(members):
-        belongs[idx, j] = True
-    _, unit = np.unique(belongs, axis=0, return_inverse=True)
-    return [np.flatnonzero(unit.reshape(-1) == u) for u in range(unit.max() + 1)]
-
-
-def _bootstrap(K, members, resampling: Resampling):
-    """Intervals (3k,) of [gc, |gc|, mean-gradient] per subset and the (3k, B) bootstrap
-    distribution, or None when no unit has 2 samples to resample. A unit of one sample stays
-    fixed (scipy resamples samples of at least 2)."""
-    n = K.shape[0]
-    units = _strata(n, members)
-    fixed = np.concatenate([u for u in units if u.size == 1] or [np.zeros(0, dtype=int)])
-    data = [u for u in units if u.size > 1]
-    if not data:
-        return None
-
-    calls = resampling.resamples + (sum(u.size for u in data) if resampling.interval == "bca" else 0)
-    bar = progress_bar(calls, "GC bootstrap", "resample")  # BCa's jackknife adds one call per sample
-
-    def statistic(*samples):
-        bar.update(1)
-        counts = np.bincount(np.concatenate([*samples, fixed]).astype(np.int64), minlength=n)
-        _, subs = _statistics(K, counts, members)
-        gc = np.array([s[0] for s in subs])
-        return np.concatenate([gc, np.abs(gc), [s[2] for s in subs]])
-
-    with warnings.catch_warnings(), bar:
-        warnings.simplefilter("ignore")  # BCa on a degenerate distribution: NaN, handled below
-        res = scipy.stats.bootstrap(data, statistic, n_resamples=resampling.resamples, vectorized=False,
-                                    confidence_level=resampling.confidence,
-                                    method="BCa" if resampling.interval == "bca" else "basic",
-                                    rng=np.random.default_rng([resampling.seed, 0]))
-    dist = np.atleast_2d(res.bootstrap_distribution)
-    low, high = np.atleast_1d(res.confidence_interval.low), np.atleast_1d(res.confidence_interval.high)
-    return low, high, dist
+def _clipped(point: float, low: float, high: float, bounds=(-1.0, 1.0)) -> Interval:
+    """``[low, high]`` clipped to the statistic's range (NaN bounds: the point alone)."""
+    if math.isnan(low) or math.isnan(high):
+        return Interval(point, point)
+    return Interval(float(max(bounds[0], min(low, point))), float(min(bounds[1], max(high, point))))
 
 
 def _defined(point: float, low: float, high: float, values: np.ndarray, confidence: float) -> tuple:
@@ -330,67 +288,109 @@ def _defined(point: float, low: float, high: float, values: np.ndarray, confiden
     return 2 * point - q_high, 2 * point - q_low, True
 
 
-def _contain(point: float, low: float, high: float, bounds=(-1.0, 1.0)) -> tuple[Interval, bool]:
-    """Clip to the statistic's range and extend to the point value if needed (True when extended)."""
-    if math.isnan(low) or math.isnan(high):
-        return Interval(point, point), False
-    low, high = max(bounds[0], low), min(bounds[1], high)
-    extended = not low <= point <= high
-    return Interval(min(low, point), max(high, point)), extended
+def _from_bootstrap(points: np.ndarray, k: int, j: int, boot, r: Resampling) -> dict:
+    """The interval fields of subset ``j`` of ``k`` from the bootstrap ``(low, high, dist)``."""
+    low, high, dist = boot
+    fields, extended = {}, False
+    names = (("interval", (-1.0, 1.0)), ("abs_interval", (0.0, 1.0)), ("mean_gradient_interval", (-1.0, 1.0)))
+    for (name, bounds), row in zip(names, (j, k + j, 2 * k + j)):
+        lo, hi, replaced = _defined(points[row], low[row], high[row], dist[row], r.confidence)
+        interval = _clipped(points[row], lo, hi, bounds)
+        extended = extended or replaced or not (lo <= points[row] <= hi if not math.isnan(lo) else True)
+        fields[name] = interval
+    fields["abs_se"] = float(np.nanstd(dist[k + j], ddof=1))
+    agree = np.sign(dist[j]) == np.sign(points[j])
+    fields["sign_confidence"] = float(agree[np.isfinite(dist[j])].mean())
+    fields["extended"] = bool(extended)
+    fields["large_sample"] = "not estimated by the bootstrap"
+    return fields
 
 
-def _null_band(K: np.ndarray, whole: _Direction, size: int, resampling: Resampling) -> NullBand:
-    """|GC| of ``null_draws`` random subsets of ``size`` samples against the whole set's direction."""
-    n = K.shape[0]
-    if resampling.null_draws == 0 or size >= n:
-        return _NO_NULL
-    rng = np.random.default_rng([resampling.seed, 1, size])
-    ones = np.ones(n, dtype=np.int64)
-    values = []
-    for _ in progress_bar(resampling.null_draws, f"GC null band (size {size})", "draw",
-                          iterable=range(resampling.null_draws)):
-        idx = np.sort(rng.choice(n, size=size, replace=False))
-        _, ((gc, _, _),) = _statistics(K, ones, [idx], whole)
-        values.append(abs(gc))
-    tail = (1 - resampling.confidence) / 2
-    low, median, high = np.quantile(values, [tail, 0.5, 1 - tail])
-    return NullBand(float(low), float(median), float(high), resampling.null_draws)
+def _large_sample(point: float, bias: float, half_bias: float, half_se: float, se: float, z: float) -> str:
+    """"claimed" when the jackknife's bias is O(1/n): the half-sample mean sits as far from the
+    point as the jackknife's bias says (a half-sample has half the samples, so its O(1/n) bias
+    is twice the point's: the difference equals the bias), within the larger of ``z`` Monte
+    Carlo errors of the half-samples, 50 % of the bias and half a standard error; and the
+    corrected value stays in [0, 1]. Else why not."""
+    if math.isnan(half_bias):
+        return "no half-samples to check the bias"
+    tolerance = max(z * half_se, 0.5 * abs(bias), 0.5 * se)
+    if abs(half_bias - bias) > tolerance:
+        return f"bias not O(1/n): half-samples {half_bias:+.3f}, jackknife {bias:+.3f}"
+    if not 0.0 <= point - bias <= 1.0:
+        return f"the corrected value {point - bias:.3f} leaves [0, 1]"
+    return "claimed"
 
 
-def kernel_statistics(K: np.ndarray, members: list, resampling: Resampling | None) -> list[dict]:
+def _from_jackknife(jk: replicates.Jackknife, k: int, j: int, r: Resampling) -> dict:
+    """The interval, bias and large-sample fields of subset ``j`` of ``k`` from the jackknife."""
+    z = r.z
+    p, se = jk.point, jk.se
+    fields = {"interval": _clipped(p[j], p[j] - z * se[j], p[j] + z * se[j]),
+              "abs_interval": _clipped(p[k + j], p[k + j] - z * se[k + j], p[k + j] + z * se[k + j], (0.0, 1.0)),
+              "mean_gradient_interval": _clipped(p[2 * k + j], p[2 * k + j] - z * se[2 * k + j],
+                                                 p[2 * k + j] + z * se[2 * k + j]),
+              "abs_se": float(se[k + j]), "abs_bias": float(jk.bias[k + j])}
+    fields["sign_confidence"] = 1.0 if se[j] == 0 else float(scipy.stats.norm.cdf(abs(p[j]) / se[j]))
+    claim = _large_sample(p[k + j], jk.bias[k + j], jk.half_bias[k + j], jk.half_se[k + j], se[k + j], z)
+    fields["large_sample"] = claim
+    if claim == "claimed":
+        large = float(p[k + j] - jk.bias[k + j])
+        spread = z * math.sqrt(2) * se[k + j]  # the bias estimate is about as noisy as the point (calibration)
+        fields["abs_large"] = large
+        fields["abs_large_interval"] = _clipped(large, large - spread, large + spread, (0.0, 1.0))
+    return fields
+
+
+def kernel_statistics(K: np.ndarray, members: list, resampling: Resampling | None,
+                      controls: Controls | None = None) -> list[dict]:
     """The GCResult fields of each subset (member index arrays, sorted, >= 2 each) of a valid
-    float64 kernel ``K`` (n, n); ``resampling=None``: the point values and conditioning only."""
+    float64 kernel ``K`` (n, n), with checked ``controls`` (:func:`~ntkscope.kernel.nulls.check_controls`);
+    ``resampling=None``: the point values and conditioning only."""
     n = K.shape[0]
-    whole, subs = _statistics(K, np.ones(n, dtype=np.int64), members)
+    whole, subs = replicates.statistics(K, np.ones(n, dtype=np.int64), members)
     k = len(members)
-    intervals = None
-    if resampling is not None and resampling.resamples > 0:
-        intervals = _bootstrap(K, members, resampling)
-    nulls = {}
+    points = np.concatenate([[s[0] for s in subs], [abs(s[0]) for s in subs], [s[2] for s in subs]])
+    r = resampling
+    jk = boot = None
+    if r is not None and r.resamples > 0:
+        if r.interval == "jackknife":
+            jk = replicates.jackknife(K, members, budget=r.resamples, halves=r.half_samples, seed=r.seed)
+        else:
+            boot = replicates.bootstrap(K, members, resamples=r.resamples, confidence=r.confidence,
+                                        method=r.interval, seed=r.seed)
+    bands = {}
     out = []
     for j, (idx, (gc, sub, mean)) in enumerate(zip(members, subs)):
         fields = dict(score=gc, eigenvalue=whole.eigenvalue, eigengap=whole.eigengap, cos_ones=whole.cos_ones,
                       eigenvalue_subset=sub.eigenvalue, eigengap_subset=sub.eigengap, cos_ones_subset=sub.cos_ones,
-                      mean_gradient=mean, n=n, n_subset=len(idx), resampling=resampling)
+                      mean_gradient=mean, n=n, n_subset=len(idx), resampling=r)
         flags = []
-        if resampling is not None:
-            if intervals is not None:
-                low, high, dist = intervals
-                bounds = [_defined(point, low[r], high[r], dist[r], resampling.confidence)
-                          for point, r in ((gc, j), (abs(gc), k + j), (mean, 2 * k + j))]
-                fields["interval"], e1 = _contain(gc, *bounds[0][:2])
-                fields["abs_interval"], e2 = _contain(abs(gc), *bounds[1][:2], (0.0, 1.0))
-                fields["mean_gradient_interval"], e3 = _contain(mean, *bounds[2][:2])
-                e1 = e1 or any(b[2] for b in bounds)
-                fields["abs_se"] = float(np.nanstd(dist[k + j], ddof=1))
-                agree = np.sign(dist[j]) == np.sign(gc)
-                fields["sign_confidence"] = float(agree[np.isfinite(dist[j])].mean())
-                fields["extended"] = bool(e1 or e2 or e3)
-            if len(idx) not in nulls:
-                nulls[len(idx)] = _null_band(K, whole, len(idx), resampling)
-            fields["null"] = nulls[len(idx)]
-            flags = list(conditioning_flags(whole.eigengap, whole.cos_ones, sub.eigengap, sub.cos_ones, resampling,
+        if r is not None:
+            if jk is not None:
+                fields.update(_from_jackknife(jk, k, j, r))
+            elif boot is not None:
+                fields.update(_from_bootstrap(points, k, j, boot, r))
+            options = dict(draws=r.null_draws, confidence=r.confidence, seed=r.seed)
+            size = len(idx)
+            if ("random", size) not in bands:
+                bands["random", size] = random_band(K, whole, size, **options)
+            fields["null"] = bands["random", size]
+            if controls is not None:
+                found = {}
+                if "homogeneous" in controls.names():  # pools: one band per size; neighbours: per subset
+                    key = ("homogeneous", size) if controls.homogeneous is not None else ("homogeneous", j)
+                    if key not in bands:
+                        bands[key] = homogeneous_band(K, whole, idx, controls, **options)
+                    found["homogeneous"] = bands[key]
+                for name, covariate in controls.matched.items():
+                    found[f"matched-{name}"] = matched_band(K, whole, idx, covariate, controls.quantiles, **options)
+                fields["controls"] = found
+            flags = list(conditioning_flags(whole.eigengap, whole.cos_ones, sub.eigengap, sub.cos_ones, r,
                                             fields.get("sign_confidence", math.nan)))
+            if flags and fields.get("large_sample") == "claimed":  # an ill-defined direction has no O(1/n) bias
+                fields.update(large_sample=f"the direction is flagged ({' '.join(flags)})", abs_large=math.nan,
+                              abs_large_interval=_NAN)
         fields["flags"] = tuple(flags)
         out.append(fields)
     return out
@@ -412,7 +412,8 @@ def check_resampling(resampling) -> None:
 
 
 @entry("kernel_gc")
-def kernel_gc(kernel, subsets, *, resampling: Resampling | None = Resampling()) -> list[GCResult]:
+def kernel_gc(kernel, subsets, *, resampling: Resampling | None = Resampling(),
+              controls: Controls | None = None) -> list[GCResult]:
     """GC of each subset against the whole set, with its uncertainty, from a kernel alone.
 
     Parameters
@@ -423,6 +424,8 @@ def kernel_gc(kernel, subsets, *, resampling: Resampling | None = Resampling()) 
         Each of at least 2 distinct indices in [0, n).
     resampling : Resampling or None
         ``None``: point values, conditioning and mean-gradient consistency only.
+    controls : Controls or None
+        Null bands beside the random one (homogeneous, covariate-matched).
 
     Returns
     -------
@@ -449,4 +452,5 @@ def kernel_gc(kernel, subsets, *, resampling: Resampling | None = Resampling()) 
         members.append(np.sort(idx))
     if not members:
         raise InputError("subsets", "must hold at least one subset", [])
-    return [GCResult(method="kernel", **fields) for fields in kernel_statistics(K, members, resampling)]
+    controls = check_controls(controls, n)
+    return [GCResult(method="kernel", **fields) for fields in kernel_statistics(K, members, resampling, controls)]

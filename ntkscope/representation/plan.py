@@ -5,8 +5,9 @@
   at least ``min_fraction`` of the best. Scores are taken at the checkpoint closest to the
   warm-up's end when a series is given (that is when CSE layers are built).
 - Warm-up, by the first rule that decides (the plan records which, with its evidence):
-  1. ``"gc-peak"``: the checkpoint where the long tail's |GC| peaks, when its statistics show a
-     peak: a rise and a fall beyond the noise and against the null (:func:`gc_peak`);
+  1. ``"gc-peak"``: the checkpoint where the long tail's |GC| stands highest over its random
+     null, when the statistics show a peak on that excess: a rise and a fall beyond the noise,
+     unflagged checkpoints only (:func:`gc_peak`);
   2. ``"stable-clusters"``: else the earliest checkpoint whose router clusters, at every chosen
      layer, have the same count as at the next checkpoint and an adjusted Rand index with it
      of at least ``overlap`` (:func:`stable_step`; the table comes from
@@ -63,51 +64,79 @@ class Plan:
         return cls(**data)
 
 
+def excess_series(gc: pd.DataFrame) -> pd.DataFrame:
+    """Per checkpoint: step, excess (|GC| minus the random null's median), its standard error,
+    abs_gc, null_median, flags and draws. With a ``draw`` column (independent draws of analysis
+    sentences), the mean over draws, and the larger of two standard errors of that mean: the
+    spread between draws and the within-draw one (``excess_se``, else ``abs_gc_se``); a step is
+    flagged when any draw is."""
+    gc = gc.copy()
+    gc["excess"] = gc["abs_gc"] - gc["null_median"]
+    if "excess_se" not in gc.columns:
+        gc["excess_se"] = gc["abs_gc_se"]
+    gc["flags"] = gc["flags"].where(gc["flags"].map(lambda f: isinstance(f, str)), "")
+    if "draw" not in gc.columns:
+        gc["draw"] = 0
+    rows = []
+    for step, g in gc.groupby("step", sort=True):
+        d = len(g)
+        within = float((g["excess_se"] ** 2).mean())
+        between = float(g["excess"].var(ddof=1)) if d > 1 else 0.0
+        flags = " ".join(sorted({f for fl in g["flags"] for f in fl.split()}))
+        rows.append({"step": int(step), "excess": float(g["excess"].mean()),
+                     "excess_se": math.sqrt(max(within, between) / d), "abs_gc": float(g["abs_gc"].mean()),
+                     "null_median": float(g["null_median"].mean()), "flags": flags, "draws": d})
+    return pd.DataFrame(rows)
+
+
 @entry("gc_peak")
 def gc_peak(gc: pd.DataFrame, *, z: float = 1.645) -> dict:
-    """The checkpoint where |GC| of the long tail peaks, and whether the statistics show it.
+    """The checkpoint where the long tail's |GC| stands highest over its null, and whether the
+    statistics show it.
 
     ``gc``: a :func:`ntkscope.gc_series` table (columns step, abs_gc, abs_gc_se, null_median,
-    flags), one row per checkpoint. The peak is shown when all four hold:
+    flags; optional excess_se and draw), one row per checkpoint and draw. Read on the **excess**
+    ``|GC| - null median`` (:func:`excess_series`), so that a global alignment event, which lifts
+    random subsets as much, is no peak. Flagged checkpoints are left out. The peak is shown when:
 
-    1. it is neither the first nor the last checkpoint;
-    2. its direction is well defined (no flag at the peak);
-    3. the rise from the first checkpoint and the fall to the last each exceed ``z`` standard
-       errors of the difference, ``z sqrt(se_peak^2 + se_other^2)`` (bootstrap standard
-       deviations of |GC|; z = 1.645: one-sided 95 %);
-    4. it stands out of the null: |GC| minus the null band's median also rises from the first
-       checkpoint to the peak and falls after it, so the peak is not just the whole set's trend
-       that random subsets of the same size follow too.
+    1. it is neither the first nor the last unflagged checkpoint;
+    2. the excess rises from the first unflagged checkpoint to it and falls from it to the last,
+       each by more than ``z`` standard errors of the difference, ``z sqrt(se_peak^2 +
+       se_other^2)`` (z = 1.645: one-sided 95 %).
 
-    Returns {"step", "shown", "why"}.
+    Returns {"step", "shown", "why", "on": "excess over the random null", "rise_z", "fall_z",
+    "draws", "left_out": [flagged steps]}.
     """
     missing = [c for c in GC_COLUMNS if gc is None or c not in gc.columns]
     if gc is None or len(gc) == 0 or missing:
         raise fail("gc_peak", "gc", f"must be a gc_series table with columns {list(GC_COLUMNS)}, one row per "
                    "checkpoint", None if gc is None else list(gc.columns))
-    gc = gc.sort_values("step").reset_index(drop=True)
-    at = int(gc["abs_gc"].idxmax())
-    peak = gc.iloc[at]
+    series = excess_series(gc)
+    flagged = series["flags"] != ""
+    out = {"on": "excess over the random null", "draws": int(series["draws"].max()),
+           "left_out": [int(s) for s in series.loc[flagged, "step"]], "rise_z": None, "fall_z": None}
+    usable = series[~flagged].reset_index(drop=True)
+    if len(usable) < 3:
+        return {"step": None, "shown": False, "why": f"fewer than 3 unflagged checkpoints ({len(usable)})", **out}
+    at = int(usable["excess"].idxmax())
+    peak = usable.iloc[at]
     step = int(peak["step"])
-    if at in (0, len(gc) - 1):
-        return {"step": step, "shown": False, "why": f"the largest |GC| is at the {'first' if at == 0 else 'last'} "
-                                                     "checkpoint (no rise and fall)"}
+    if at in (0, len(usable) - 1):
+        return {"step": step, "shown": False, "why": f"the largest excess is at the {'first' if at == 0 else 'last'} "
+                                                     "unflagged checkpoint (no rise and fall)", **out}
     reasons = []
-    flags = peak["flags"] if isinstance(peak["flags"], str) else ""
-    if flags:
-        reasons.append(f"its direction is flagged ({flags})")
-    excess = gc["abs_gc"] - gc["null_median"]
-    for name, row, i in (("rise from the first checkpoint", gc.iloc[0], 0), ("fall to the last", gc.iloc[-1], len(gc) - 1)):
-        change = peak["abs_gc"] - row["abs_gc"]
-        noise = z * math.sqrt(peak["abs_gc_se"] ** 2 + row["abs_gc_se"] ** 2)
-        if not change > noise:
-            reasons.append(f"the {name} ({change:.3f}) is within {z:g} standard errors ({noise:.3f})")
-        if not excess[at] > excess[i]:
-            reasons.append(f"against the null's median, the {name} is not seen (|GC| - null median "
-                           f"{excess[at]:.3f} at the peak, {excess[i]:.3f} there)")
+    for name, key, row in (("rise from the first unflagged checkpoint", "rise_z", usable.iloc[0]),
+                           ("fall to the last", "fall_z", usable.iloc[-1])):
+        change = peak["excess"] - row["excess"]
+        se = math.sqrt(peak["excess_se"] ** 2 + row["excess_se"] ** 2)
+        out[key] = round(change / se, 3) if se > 0 else None
+        if not change > z * se:
+            reasons.append(f"the excess's {name} (step {int(row['step'])}: {change:.3f}) is within {z:g} standard "
+                           f"errors ({z * se:.3f})")
     shown = not reasons
     return {"step": step, "shown": shown, "why": "; ".join(reasons) if reasons else
-            "rise and fall beyond the noise and against the null, direction well defined"}
+            f"the excess over the random null rises and falls beyond {z:g} standard errors, unflagged checkpoints only",
+            **out}
 
 
 @entry("stable_step")

@@ -25,6 +25,7 @@ from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_dynamics
 from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.gc import gc_sensitivity
 from ntkscope.text.frequency import bin_indices, domain_table, long_tail_subset, score_histogram
+from ntkscope.text.corpus.text import split_sentences
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,28 @@ def long_tail(pack, dense_last: Path, data, settings: ReproduceSettings) -> dict
     return {"domain_sizes": sizes, "perplexity": sentences, "perplexity_by_bin": by_bin}
 
 
-def gc_by_frequency(dense_last: Path, data, settings: ReproduceSettings) -> dict:
+def source_pools(pack, data, settings: ReproduceSettings) -> list:
+    """The homogeneous null's pools: per source of the ordinary domain (``settings.homogeneous_domain``:
+    gcide, wordnet, ...), the indices of ``data``'s sentences from it (each source a single kind of
+    text, stricter than the domain as a whole, which is most of any random subset)."""
+    source = {}
+    for r in pack.records("validation"):
+        if r.domain == settings.homogeneous_domain:
+            for sentence in split_sentences(r.text):
+                source.setdefault(sentence, r.source)
+    which = np.array([source.get(t, "") for t in data.labels["text"]])
+    return [np.flatnonzero(which == s) for s in sorted(set(which) - {""}) if (which == s).sum() >= 2]
+
+
+def gc_by_frequency(dense_last: Path, data, pools: list, settings: ReproduceSettings) -> dict:
     """Figure 2(a): gc_outputs (every output of ``settings.gc_outputs`` side by side, one
     :meth:`~ntkscope.GCResult.row` per bin and output, by :func:`ntkscope.runs.gc.gc_sensitivity`),
     gc_by_bin (the rows of ``settings.gc_output``) and the histogram of the same bins."""
     outputs = list(dict.fromkeys([settings.gc_output, *settings.gc_outputs]))
     table, hist, _ = gc_sensitivity(load_checkpoint(dense_last), data, outputs=outputs, bins=settings.bins,
                                     binning=settings.binning, min_count=settings.min_count,
-                                    resampling=settings.resampling(), seed=settings.seed)
+                                    resampling=settings.resampling(), seed=settings.seed,
+                                    homogeneous=pools or None)
     chosen = table[table["output"] == settings.gc_output].drop(columns="output").reset_index(drop=True)
     return {"gc_by_bin": chosen, "histogram": hist, "gc_outputs": table}
 
@@ -72,17 +87,27 @@ def router_options(settings: ReproduceSettings) -> dict:
             "min_samples": settings.min_samples, "max_experts": settings.max_experts, "seed": settings.seed}
 
 
-def training_dynamics(dense_dir: Path, data, fitting, settings: ReproduceSettings) -> dict:
-    """Figure 3: gc_over_steps (a :func:`ntkscope.gc_series` table: step, |GC| and its interval,
-    the null band, sign confidence, mean-gradient consistency, flags, ...) of the long tail (the
-    lowest ``tail_fraction`` of frequency scores) for ``settings.gc_output``; dynamics (step,
+def training_dynamics(dense_dir: Path, draws: list, pools: list, fitting, settings: ReproduceSettings) -> dict:
+    """Figure 3: gc_over_steps (a :func:`ntkscope.gc_series` table per draw of analysis sentences
+    in ``draws``, with the homogeneous null's ``pools`` of each (:func:`source_pools`), stacked
+    with a ``draw`` column: step, |GC| and its interval, the null bands, the
+    excess over the random null, sign confidence, mean-gradient consistency, flags, ...) of the
+    long tail (the lowest ``tail_fraction`` of frequency scores) for ``settings.gc_output``;
+    dynamics (step,
     layer, elbow k, knee strength, silhouette K, inter_distance, ...) of the analysis sentences
     over every dense checkpoint; and router_dynamics (:func:`ntkscope.router_dynamics`: the
     router's clusters of the fitting sample ``fitting`` at every layer, their purity, tail share,
     kNN lift and silhouette per domain, stability) at every ``checkpoint_every`` steps. Cached
     per checkpoint in the run."""
-    tail = long_tail_subset(data.labels["score"], settings.tail_fraction)
-    gc = gc_series(dense_dir, data.batch, tail, output=settings.gc_output, resampling=settings.resampling())
+    series = []
+    for d, (data, pool) in enumerate(zip(draws, pools)):
+        tail = long_tail_subset(data.labels["score"], settings.tail_fraction)
+        frame = gc_series(dense_dir, data.batch, tail, output=settings.gc_output, resampling=settings.resampling(),
+                          pools=pool or None)
+        frame.insert(0, "draw", d)
+        series.append(frame)
+    gc = pd.concat(series, ignore_index=True)
+    data = draws[0]
     dynamics = cluster_dynamics(dense_dir, data.batch, point="ffn_input", k_max=settings.k_max,
                                 projection_dim=settings.projection_dim, seed=settings.seed)
     steps = [s for s, _ in list_checkpoints(dense_dir) if s % settings.checkpoint_every == 0]
@@ -164,35 +189,49 @@ def routing(cse_last: Path, warmup_checkpoint: Path, held_out, fitting, layer: i
     return {"fit_points": fit_points, "routing": frame, "routing_summary": summary.reset_index()}
 
 
-def _mean_off_diagonal(matrix: np.ndarray) -> float:
-    n = len(matrix)
-    return float((matrix.sum() - np.trace(matrix)) / (n * (n - 1))) if n > 1 else float("nan")
+def mean_cosine(kernel: np.ndarray) -> tuple[float, float]:
+    """(mean off-diagonal cosine ``Θ_ij / sqrt(Θ_ii Θ_jj)`` of ``kernel`` (n, n), its
+    leave-one-sentence-out jackknife standard error); NaN below 2 (3 for the error) sentences."""
+    C = cosine_kernel(kernel)
+    n = len(C)
+    if n < 2:
+        return float("nan"), float("nan")
+    total, trace = float(C.sum()), float(np.trace(C))
+    point = (total - trace) / (n * (n - 1))
+    if n < 3:
+        return point, float("nan")
+    left = (total - 2 * C.sum(1) + np.diag(C) - (trace - np.diag(C))) / ((n - 1) * (n - 2))
+    return point, float(np.sqrt((n - 1) / n * ((left - left.mean()) ** 2).sum()))
 
 
-def expert_kernels(cse_last: Path, dense_last: Path, data, layer: int) -> dict:
-    """Figure 5(b, c): the empirical NTK (loss output, exact) of each CSE expert of ``layer``
-    over its parameters, on the analysis sentences routed to it; and of the dense model over its
-    FFN at the same layer, on the whole batch. kernels: {"expert E": (n_E, n_E), "dense": (n, n)};
-    expert_ntk: per expert, n and the mean off-diagonal cosine (Θ_ij / sqrt(Θ_ii Θ_jj)) of
-    the expert's kernel and of the dense kernel on the same sentences."""
+def expert_kernels(cse_last: Path, dense_last: Path, data, layer: int, output: str) -> dict:
+    """Figure 5(b, c): the empirical NTK (``output``, exact) of each CSE expert of ``layer`` over
+    its parameters, on the analysis sentences routed to it; and of the dense model over its FFN at
+    the same layer, on the whole batch. kernels: {"expert E": (n_E, n_E), "index E": rows,
+    "dense": (n, n)}; expert_ntk: per expert, n, and the mean off-diagonal cosine of the expert's
+    kernel and of the dense kernel on the same sentences, each with its jackknife standard
+    error (:func:`mean_cosine`): do an expert's sentences pull its parameters more alike than
+    the dense FFN's? The row "all": the dense kernel on the whole batch."""
     dense = load_checkpoint(dense_last).eval()
-    full = empirical_ntk(dense, data.batch, params=f"transformer.h.{layer}.mlp.*", method="exact")
+    full = empirical_ntk(dense, data.batch, params=f"transformer.h.{layer}.mlp.*", method="exact", output=output)
     dense_k = full.matrix.double().numpy()
     cse, router = _router_of(cse_last, layer)
     _, experts = _route(cse, router, data.batch, layer)
     kernels, rows = {"dense": dense_k}, []
     for e in sorted(set(experts.tolist())):
         idx = np.flatnonzero(experts == e)
-        if len(idx) < 2:
+        if len(idx) < 3:
             continue
         sub = take(data.batch, torch.as_tensor(idx))
-        k = empirical_ntk(cse, sub, params=f"transformer.h.{layer}.mlp.experts.{e}.*", method="exact")
+        k = empirical_ntk(cse, sub, params=f"transformer.h.{layer}.mlp.experts.{e}.*", method="exact", output=output)
         kernels[f"expert {e}"] = k.matrix.double().numpy()
         kernels[f"index {e}"] = idx
-        rows.append((str(e), len(idx), _mean_off_diagonal(cosine_kernel(kernels[f"expert {e}"])),
-                     _mean_off_diagonal(cosine_kernel(dense_k[np.ix_(idx, idx)]))))
-    rows.append(("all", len(dense_k), np.nan, _mean_off_diagonal(cosine_kernel(dense_k))))
-    summary = pd.DataFrame(rows, columns=["expert", "n", "cse_expert_cosine", "dense_cosine"])
+        rows.append((str(e), len(idx), *mean_cosine(kernels[f"expert {e}"]),
+                     *mean_cosine(dense_k[np.ix_(idx, idx)])))
+    rows.append(("all", len(dense_k), np.nan, np.nan, *mean_cosine(dense_k)))
+    summary = pd.DataFrame(rows, columns=["expert", "n", "cse_expert_cosine", "cse_expert_cosine_se", "dense_cosine",
+                                          "dense_cosine_se"])
+    summary.insert(2, "output", output)
     return {"expert_ntk": summary, "kernels": kernels}
 
 

@@ -48,14 +48,15 @@ STAGES: dict[str, Stage] = {
     "fig1": Stage(("domain_sizes", "perplexity", "perplexity_by_bin"), lambda rep: analyses.long_tail(
         rep.pack, rep.dense(), rep.data(rep.settings.n_perplexity), rep.settings), "fig1"),
     "fig2a": Stage(("gc_by_bin", "histogram", "gc_outputs"), lambda rep: analyses.gc_by_frequency(
-        rep.dense(), rep.data(), rep.settings), "fig2a"),
+        rep.dense(), rep.data(), analyses.source_pools(rep.pack, rep.data(), rep.settings), rep.settings), "fig2a"),
     "routing": Stage(("fit_points", "routing", "routing_summary"), _routing, "routing"),
     "fig3": Stage(("gc_over_steps", "dynamics", "router_dynamics"), lambda rep: analyses.training_dynamics(
-        rep.dense_run(), rep.data(), rep.fitting(), rep.settings), "fig3"),
+        rep.dense_run(), rep.data_draws(), [analyses.source_pools(rep.pack, d, rep.settings) for d in rep.data_draws()],
+        rep.fitting(), rep.settings), "fig3"),
     "fig4": Stage(("snapshot_points", "snapshot_clusters"), lambda rep: analyses.snapshots(
         rep.dense_run(), rep.fitting(), rep.plan().layers[0], rep.settings), "fig4"),
     "fig5bc": Stage(("expert_ntk", "kernels"), lambda rep: analyses.expert_kernels(
-        rep.cse(), rep.dense(), rep.data(), rep.plan().layers[0]), "fig5bc"),
+        rep.cse(), rep.dense(), rep.data(), rep.plan().layers[0], rep.settings.gc_output), "fig5bc"),
     "tables": Stage(("results", "seeds", "seeds_summary"), lambda rep: analyses.results(
         rep.runs(), rep.seed_runs(), rep.pack, rep.settings), "tables"),
     "paper": Stage(("paper_runs", "table_gpt", "table_bert", "general_tasks", "table_tests"), paper.paper_tables,
@@ -77,11 +78,10 @@ PANELS: dict[str, Panel] = {
                    lambda rep, t: plotting.domain_sizes(t["domain_sizes"])),
     "fig1b": Panel("fig1", 'plotting.perplexity_vs_frequency(t["perplexity"], t["perplexity_by_bin"])',
                    lambda rep, t: plotting.perplexity_vs_frequency(t["perplexity"], t["perplexity_by_bin"])),
-    "fig2a": Panel("fig2", 'plotting.gc_vs_frequency(t["gc_by_bin"], t["histogram"], title=...)',
+    "fig2a": Panel("fig2", 'plotting.gc_vs_frequency(t["gc_outputs"], t["histogram"], chosen=..., title=...)',
                    lambda rep, t: plotting.gc_vs_frequency(
-                       t["gc_by_bin"], t["histogram"],
-                       title=f"dense GPT ({rep.settings.mode}): GC against sentence frequency "
-                             f"(output: {rep.settings.gc_output})")),
+                       t["gc_outputs"], t["histogram"], chosen=rep.settings.gc_output,
+                       title=f"dense GPT ({rep.settings.mode}): GC against sentence frequency, three outputs")),
     "fig2b": Panel("fig2", 'plotting.cluster_view(t["fit_points"], colour_by="cluster", title=...)',
                    lambda rep, t: plotting.cluster_view(
                        t["fit_points"], colour_by="cluster",
@@ -106,6 +106,6 @@ PANELS: dict[str, Panel] = {
                        t["routing"], colour_by="expert",
                        title=f"CSE layer {rep.plan().layers[0]}: the expert each held-out block is routed to "
                              f"({_n(t['routing']['expert'].nunique(), 'expert')} used)")),
-    "fig5bc": Panel("fig5", 'plotting.expert_kernels(t["kernels"], t["expert_ntk"])',
-                    lambda rep, t: plotting.expert_kernels(t["kernels"], t["expert_ntk"])),
+    "fig5bc": Panel("fig5", 'plotting.expert_kernels(t["expert_ntk"])',
+                    lambda rep, t: plotting.expert_kernels(t["expert_ntk"])),
 }

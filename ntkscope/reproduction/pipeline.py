@@ -148,17 +148,22 @@ class Reproduction:
         path = self.run_dir / "plan.json"
         if path.is_file():
             return Plan.load(path)
+        plan = self.measured_plan()
+        plan.save(path)
+        log.info("plan: CSE layers %s, warm-up %s steps (%s: %s)", plan.layers, plan.warmup_steps, plan.warmup_rule,
+                 plan.evidence.get("gc_peak", {}).get("why", ""))
+        return plan
+
+    def measured_plan(self) -> Plan:
+        """The plan the current rules make from Figure 3's tables (measured on first use), within
+        ``max_warmup_fraction`` of the steps; :meth:`plan` saves it once and keeps it."""
         t = self.tables("fig3")
         s = self.settings
         limit = int(s.max_warmup_fraction * s.steps)
         gc = t["gc_over_steps"][t["gc_over_steps"]["step"] <= limit]
         stability = t["router_dynamics"][STABILITY_COLUMNS]
-        plan = make_plan(t["dynamics"], gc, top_k=s.sparse_layers, overlap=s.stable_overlap,
+        return make_plan(t["dynamics"], gc, top_k=s.sparse_layers, overlap=s.stable_overlap,
                          stability=stability[stability["step"] <= limit])
-        plan.save(path)
-        log.info("plan: CSE layers %s, warm-up %s steps (%s: %s)", plan.layers, plan.warmup_steps, plan.warmup_rule,
-                 plan.evidence.get("gc_peak", {}).get("why", ""))
-        return plan
 
     def warmup_checkpoint(self) -> Path:
         """The dense checkpoint at the planned warm-up (where CSE's router is fitted)."""
@@ -206,13 +211,18 @@ class Reproduction:
 
     # ---- data and tables ----------------------------------------------------------------------
 
-    def data(self, n: int | None = None):
-        """``n`` (default ``settings.n``) validation sentences, tokenized and scored."""
-        n = n or self.settings.n
-        if n not in self._data:
-            self._data[n] = load_analysis_data(self.pack_path, self.pack.tokenizer(), n=n,
-                                               seq_len=self.settings.seq_len, seed=self.settings.seed)
-        return self._data[n]
+    def data(self, n: int | None = None, seed: int | None = None):
+        """``n`` (default ``settings.n``) validation sentences drawn with ``seed`` (default the
+        settings' seed), tokenized and scored."""
+        n, seed = n or self.settings.n, self._seed(seed)
+        if (n, seed) not in self._data:
+            self._data[n, seed] = load_analysis_data(self.pack_path, self.pack.tokenizer(), n=n,
+                                                     seq_len=self.settings.seq_len, seed=seed)
+        return self._data[n, seed]
+
+    def data_draws(self) -> list:
+        """``settings.gc_draws`` independent draws of analysis sentences (the first is :meth:`data`)."""
+        return [self.data(seed=self.settings.seed + d) for d in range(self.settings.gc_draws)]
 
     def _blocks(self, split: str, n: int | None) -> dict:
         """{"batch": {"input_ids", "attention_mask"}, "domains"} of ``split``'s blocks: the seeded
@@ -298,11 +308,13 @@ class Reproduction:
         return [folder / "results.csv", md, folder / "seeds_summary.csv", seeds]
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file's bytes (a manifest's ``files`` entries)."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _environment() -> dict:
+def environment() -> dict:
+    """What made a run: ntkscope's version and commit, torch, Python and the machine."""
     try:  # the code's commit, when ntkscope runs from a git checkout
         commit = subprocess.run(["git", "-C", str(Path(ntkscope.__file__).parent), "rev-parse", "HEAD"],
                                 capture_output=True, text=True, timeout=10).stdout.strip() or None
@@ -345,9 +357,9 @@ def _reproduce(rep: Reproduction, start: float) -> dict:
         "mode": rep.settings.mode, "settings": rep.settings.to_dict(), "pack": rep.pack_path,
         "pack_version": rep.pack.manifest.get("version"),
         "plan": plan,
-        "environment": _environment(), "seconds_this_call": round(time.perf_counter() - start, 1),
+        "environment": environment(), "seconds_this_call": round(time.perf_counter() - start, 1),
         "seconds_per_stage": timings, "seconds_total": round(sum(timings.values()), 1),
-        "files": {str(p.relative_to(rep.run_dir)): _sha256(p) for p in sorted(written)
+        "files": {str(p.relative_to(rep.run_dir)): sha256_file(p) for p in sorted(written)
                   + sorted((rep.run_dir / "tables").glob("*.csv")) + sorted((rep.run_dir / "tables").glob("*.npz"))},
     }
     write_json(rep.run_dir / "manifest.json", manifest)

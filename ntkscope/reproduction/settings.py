@@ -39,7 +39,10 @@ class ReproduceSettings:
     on the full schedule to step ``compare_until`` (0: to the end; else a dense checkpoint step).
     GC: ``gc_output`` is the scalar output the figures use (``gc_outputs`` are compared side by
     side in ``gc_outputs.csv``); ``binning`` "count" (equal-count bins) or "width";
-    ``gc_resamples`` bootstrap resamples and ``gc_null_draws`` random subsets per GC;
+    ``gc_resamples`` jackknife deletions at most and ``gc_null_draws`` subsets per null band;
+    the homogeneous null draws from the sentences of ``homogeneous_domain`` (ordinary text);
+    Figure 3(a)'s series is measured on ``gc_draws`` independent draws of analysis sentences
+    (seeds ``seed .. seed + gc_draws - 1``), a second source of noise for the peak test;
     ``stable_overlap``: the adjusted Rand index between neighbouring checkpoints' router
     clusters above which they count as stable (the warm-up's fallback rule).
     Paper tables (docs/tables.md): ``table_archs`` ("gpt", "bert"; empty: none) each train, per
@@ -90,6 +93,8 @@ class ReproduceSettings:
     binning: str = "count"
     gc_resamples: int = 200
     gc_null_draws: int = 200
+    homogeneous_domain: str = "general"
+    gc_draws: int = 1
     stable_overlap: float = 0.8
     probe_seeds: int = 5
     table_archs: tuple = ()
@@ -105,7 +110,7 @@ class ReproduceSettings:
         return dataclasses.asdict(self)
 
     def resampling(self) -> Resampling:
-        """The GC statistics' settings: ``gc_resamples``, ``gc_null_draws``, ``seed``."""
+        """The GC statistics' settings: ``gc_resamples`` (jackknife), ``gc_null_draws``, ``seed``."""
         return Resampling(resamples=self.gc_resamples, null_draws=self.gc_null_draws, seed=self.seed)
 
     def replace(self, **changes) -> "ReproduceSettings":
@@ -124,7 +129,7 @@ PRESETS = {
         early_every=10, early_until=200),
     "tail": ReproduceSettings(
         mode="tail", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=1600, checkpoint_every=100,
-        early_every=25, early_until=300, seeds=3, compare_until=600),
+        early_every=25, early_until=300, seeds=3, compare_until=600, gc_draws=3),
     "tables": ReproduceSettings(
         mode="tables", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=400, checkpoint_every=400,
         finetune_steps=40, seeds=3, table_archs=("gpt", "bert"), table_layers=(2, 3), table_warmup=75,

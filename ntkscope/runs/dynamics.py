@@ -31,6 +31,7 @@ from ntkscope.representation.router import fit_router
 from ntkscope.representation.structure import cluster_purity, domain_silhouette, knn_lift
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
 from ntkscope.runs.embeddings import layer_embeddings
+from ntkscope.runs.gc import MATCHES, analysis_controls
 
 log = logging.getLogger(__name__)
 
@@ -92,25 +93,32 @@ def cluster_dynamics(run_dir, batch: dict, *, point: str = "block", layers=None,
 
 
 def gc_series(run_dir, batch: dict, subset, *, output: str = "loss", method: str = "auto",
-              resampling: Resampling | None = Resampling(), steps=None, cache_dir=None) -> pd.DataFrame:
+              resampling: Resampling | None = Resampling(), pools=None, match=MATCHES, steps=None,
+              cache_dir=None) -> pd.DataFrame:
     """Gradient consistency of ``subset`` (indices into the batch: the long tail) against the
     whole batch at each checkpoint: one :meth:`~ntkscope.GCResult.row` per step (step, gc and
-    its interval, abs_gc and its interval, the null band, versus_null, sign_confidence,
-    mean_gradient, flags, eigengaps, cos_ones, ...). Cached like :func:`cluster_dynamics`."""
+    its interval, abs_gc and its interval, bias, the null bands and versus each, the excess over
+    the random null's median and its standard error, sign_confidence, mean_gradient, flags,
+    eigengaps, cos_ones, ...). The controls are :func:`~ntkscope.runs.gc.analysis_controls`'
+    (``pools``: homogeneous index arrays; ``match``: covariates), measured at each checkpoint.
+    Cached like :func:`cluster_dynamics`."""
     checkpoints = list_checkpoints(run_dir)
     if steps is not None:
         checkpoints = [(s, p) for s, p in checkpoints if s in set(steps)]
     cache = _cache(run_dir, cache_dir)
     subset = [int(i) for i in subset]
     settings = None if resampling is None else dataclasses.asdict(resampling)
-    key = digest({"what": "gc", "format": 2, "subset": subset, "method": method, "output": output, "resampling": settings},
-                 arrays=batch)
+    pools = None if pools is None else [sorted(int(i) for i in pool) for pool in pools]
+    key = digest({"what": "gc", "format": 3, "subset": subset, "method": method, "output": output, "resampling": settings,
+                  "pools": pools, "match": list(match)}, arrays=batch)
     rows = []
     progress = _Progress("gc_series", len(checkpoints))
     for step, path in checkpoints:
         def compute(path=path, step=step):
-            res = gradient_consistency(load_checkpoint(path), batch, subset, method=method, output=output,
-                                       resampling=resampling)
+            model = load_checkpoint(path)
+            controls = None if resampling is None else analysis_controls(model, batch, pools=pools, match=match)
+            res = gradient_consistency(model, batch, subset, method=method, output=output, resampling=resampling,
+                                       controls=controls)
             return [{"step": step, **res.row()}]
         rows.extend(cache.get(f"step-{step:06d}", key, compute))
         progress.step(f"step {step}")

@@ -1,19 +1,61 @@
 """Gradient consistency of frequency bins or labels of analysis sentences, with intervals and
-the null band, as a table (the CSE paper's Figure 2(a); ``ntkscope gc``), for one output or
-several side by side."""
+null bands, as a table (the CSE paper's Figure 2(a); ``ntkscope gc``), for one output or
+several side by side.
+
+The nulls of analysis sentences (:func:`analysis_controls`): random subsets; homogeneous ones
+(one ordinary label's sentences, or nearest neighbours in gradient space); random subsets
+matched on length and on loss."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pandas as pd
+import torch
 
 from ntkscope.core.checks import InputError, check_choice, entry
 from ntkscope.kernel.consistency import gradient_consistency_groups
-from ntkscope.kernel.objectives import SCALAR_OUTPUTS
+from ntkscope.kernel.nulls import Controls
+from ntkscope.kernel.objectives import SCALAR_OUTPUTS, sample_outputs
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.text.frequency import BINNINGS, bin_edges, bin_of, score_histogram
 
 GROUPINGS = ("frequency-bins", "label")
+MATCHES = ("length", "loss")
+#: the output ``ntkscope gc``, ``plan`` and the reproduction differentiate by default: the
+#: best-conditioned of the three measured (docs/gc-outputs.md); the loss's direction is a coin toss
+GC_OUTPUT = "centred-true-logit"
+
+log = logging.getLogger(__name__)
+
+
+def analysis_controls(model, batch, *, pools=None, match=MATCHES) -> Controls:
+    """The nulls beside the random one for ``batch`` (a dict with ``attention_mask``, or a tensor):
+    homogeneous ``pools`` (index arrays of ordinary text; None: gradient-space neighbours) and
+    random subsets matched on each of ``match``: "length" (tokens; a dict batch only) and
+    "loss" (each sample's loss under ``model``, one forward pass)."""
+    covariates = {}
+    if "length" in match and isinstance(batch, dict) and "attention_mask" in batch:
+        covariates["length"] = batch["attention_mask"].sum(1).double().cpu().numpy()
+    if "loss" in match:
+        with torch.no_grad():
+            covariates["loss"] = sample_outputs(model, batch).double().cpu().numpy()
+    return Controls(homogeneous=pools, matched=covariates)
+
+
+def _controls(controls, model, data, homogeneous):
+    if controls != "auto":
+        return controls
+    pools = None
+    if isinstance(homogeneous, str):
+        labels = data.labels["label"].to_numpy()
+        if not (labels == homogeneous).any():
+            raise InputError("homogeneous", f"must be one of the data's labels {sorted(set(labels))}", homogeneous)
+        pools = [np.flatnonzero(labels == homogeneous)]
+    elif homogeneous is not None:
+        pools = list(homogeneous)
+    return analysis_controls(model, data.batch, pools=pools)
 
 
 def _groups(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd.DataFrame]:
@@ -26,13 +68,16 @@ def _groups(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd.Data
 
 @entry("gc_by_bins")
 def gc_by_bins(model, data, *, by: str = "frequency-bins", bins: int = 6, binning: str = "count", min_count: int = 4,
-               resampling: Resampling | None = Resampling(), **options) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+               resampling: Resampling | None = Resampling(), controls="auto", homogeneous=None,
+               **options) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """GC of each subset of ``data`` (an :class:`~ntkscope.AnalysisData`) against the whole set.
 
     ``by``: frequency bins of the score ("bin k"; ``binning`` "count": equal-count, the
     default, or "width": equal-width) or the data's labels. ``resampling``: the intervals and
-    null band (:class:`~ntkscope.Resampling`). ``options``: :class:`~ntkscope.KernelOptions`
-    fields. Returns (table: one :meth:`~ntkscope.GCResult.row` per group, with left and right
+    random null (:class:`~ntkscope.Resampling`). ``controls``: "auto" (the homogeneous null from
+    ``homogeneous``: a label of the data, or pools of indices, one ordinary source each; without
+    it, from gradient-space neighbours; and nulls matched on length and loss:
+    :func:`analysis_controls`), a :class:`~ntkscope.Controls`, or None. ``options``: :class:`~ntkscope.KernelOptions` fields. Returns (table: one :meth:`~ntkscope.GCResult.row` per group, with left and right
     for bins and mean_frequency_score; the histogram of the scores in the same bins;
     {skipped label: size}).
     """
@@ -40,8 +85,9 @@ def gc_by_bins(model, data, *, by: str = "frequency-bins", bins: int = 6, binnin
     check_choice("binning", binning, BINNINGS)
     labels, hist = _groups(data, by, bins, binning)
     scores = data.labels["score"].to_numpy()
+    controls = _controls(controls, model, data, homogeneous) if resampling is not None else None
     groups = gradient_consistency_groups(model, data.batch, labels, min_count=min_count, resampling=resampling,
-                                         **options)
+                                         controls=controls, **options)
     table = groups.to_frame()
     table["mean_frequency_score"] = [float(scores[labels == lab].mean()) for lab in table["label"]]
     if by == "frequency-bins":

@@ -1,0 +1,354 @@
+"""The numbers README.md and docs/ quote about a committed run, computed from the files the run wrote.
+
+A quoted number sits between markers that name its claim::
+
+    the three rarest bins lie below it (|GC| <!--claim:tail.fig2a.abs_gc.0-->0.838<!--/claim-->, ...)
+
+(the markers do not show in rendered Markdown). :func:`claims` computes every claim from the
+committed runs (``figures/tail``, ``figures/tables``, ``docs/router-table.csv``);
+:func:`render` rewrites the text between markers from them (``python -m
+ntkscope.reproduction.claims README.md docs/*.md``), and :func:`mismatches` lists the markers
+whose text differs or whose claim is unknown (the test that keeps the README honest).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ntkscope.core.files import write_text
+from ntkscope.representation.plan import gc_peak, stable_step
+from ntkscope.runs.dynamics import STABILITY_COLUMNS as STABILITY
+
+MARKER = re.compile(r"<!--claim:([\w.\-]+)-->(.*?)<!--/claim-->", re.S)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Tables:
+    """A run folder's tables (``tables/NAME.csv``) and JSON files, read once each."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self._cache = {}
+
+    def __getitem__(self, name: str):
+        if name not in self._cache:
+            path = self.folder / (name if name.endswith(".json") or name.endswith(".csv") else f"tables/{name}.csv")
+            self._cache[name] = json.loads(path.read_text()) if path.suffix == ".json" else pd.read_csv(path)
+        return self._cache[name]
+
+
+def _f(value: float, digits: int = 3) -> str:
+    return f"{value:.{digits}f}"
+
+
+def _range(values, digits: int = 2, unit: str = "") -> str:
+    """"a–b" of the rounded minimum and maximum (one value when they round equal; "a to b",
+    with typographic minus signs, when a bound is negative)."""
+    low, high = _f(float(np.min(values)), digits), _f(float(np.max(values)), digits)
+    if low == high:
+        return f"{low}{unit}".replace("-", "−")
+    if low.startswith("-") or high.startswith("-"):
+        return f"{low} to {high}{unit}".replace("-", "−")
+    return f"{low}–{high}{unit}"
+
+
+def _signed_range(values, digits: int = 1) -> str:
+    return f"+{float(np.min(values)):.{digits}f} to +{float(np.max(values)):.{digits}f}"
+
+
+def _steps(values) -> str:
+    return ", ".join(str(int(v)) for v in values) or "none"
+
+
+# ---- the tail run -------------------------------------------------------------------------------
+
+
+def _fig2a(t: Tables) -> dict:
+    gc = t["gc_by_bin"].sort_values("left").reset_index(drop=True)
+    out = {"tail.fig2a.n": str(int(gc["n"].iloc[0])), "tail.fig2a.bins": str(len(gc)),
+           "tail.fig2a.bin_size": _range(gc["n_subset"], 0)}
+    for k, row in gc.iterrows():
+        out[f"tail.fig2a.abs_gc.{k}"] = _f(row["abs_gc"])
+        out[f"tail.fig2a.interval.{k}"] = f"[{_f(row['abs_gc_low'])}, {_f(row['abs_gc_high'])}]"
+        out[f"tail.fig2a.mean_gradient.{k}"] = _f(row["mean_gradient"])
+    out["tail.fig2a.null_random"] = f"{_range(gc['null_low'], 3)} to {_range(gc['null_high'], 3)}"
+    out["tail.fig2a.null_homogeneous"] = (f"{_range(gc['null_homogeneous_low'], 3)} to "
+                                          f"{_range(gc['null_homogeneous_high'], 3)}")
+    for name in ("null", "homogeneous", "matched-length", "matched-loss"):
+        column = "versus_null" if name == "null" else f"versus_{name}"
+        for verdict in ("below", "within", "above"):
+            out[f"tail.fig2a.{verdict}.{name}"] = _steps(np.flatnonzero(gc[column] == verdict))
+    flagged = gc["flags"].fillna("").astype(str) != ""
+    out["tail.fig2a.flagged"] = _steps(np.flatnonzero(flagged))
+    out["tail.fig2a.flags"] = ", ".join(sorted({f for fl in gc["flags"].fillna("") for f in str(fl).split()})) or "none"
+    m = gc["mean_gradient"]
+    out["tail.fig2a.mean_gradient.max_bin"] = str(int(m.idxmax()))
+    out["tail.fig2a.mean_gradient.max"] = _f(m.max())
+    out["tail.fig2a.se_range"] = _range(gc["abs_gc_se"], 3)
+    out["tail.fig2a.bias_range"] = _range(gc["abs_gc_bias"], 3)
+    outputs = t["gc_outputs"]
+    for output, rows in outputs.groupby("output"):
+        rows = rows.sort_values("left")
+        out[f"tail.fig2a.{output}.below"] = _steps(np.flatnonzero(rows["versus_null"] == "below"))
+        out[f"tail.fig2a.{output}.flagged"] = str(int((rows["flags"].fillna("").astype(str) != "").sum()))
+        out[f"tail.fig2a.{output}.abs_gc"] = _range(rows["abs_gc"], 3)
+    return out
+
+
+def _fig3a(t: Tables) -> dict:
+    gc = t["gc_over_steps"]
+    peak = gc_peak(gc)
+    out = {"tail.fig3a.draws": str(int(gc["draw"].nunique())) if "draw" in gc else "1",
+           "tail.fig3a.checkpoints": str(int(gc["step"].nunique())),
+           "tail.fig3a.peak.step": str(peak["step"]), "tail.fig3a.peak.shown": "shown" if peak["shown"] else "not shown",
+           "tail.fig3a.peak.rise_z": "n/a" if peak["rise_z"] is None else _f(peak["rise_z"], 2),
+           "tail.fig3a.peak.fall_z": "n/a" if peak["fall_z"] is None else _f(peak["fall_z"], 2),
+           "tail.fig3a.peak.left_out": _steps(peak["left_out"])}
+    mean = gc.groupby("step")[["abs_gc", "null_median", "null_low", "null_high"]].mean()
+    excess = mean["abs_gc"] - mean["null_median"]
+    for step in (int(mean.index.min()), 75, int(mean.index.max())):
+        if step in mean.index:
+            out[f"tail.fig3a.abs_gc.{step}"] = _f(mean.at[step, "abs_gc"])
+            out[f"tail.fig3a.null_median.{step}"] = _f(mean.at[step, "null_median"])
+            out[f"tail.fig3a.excess.{step}"] = f"{excess.at[step]:+.3f}"
+    out["tail.fig3a.null_median.max_step"] = str(int(mean["null_median"].idxmax()))
+    out["tail.fig3a.excess.max_step"] = str(int(excess.idxmax()))
+    out["tail.fig3a.below_random"] = str(int((mean["abs_gc"] < mean["null_low"]).sum()))
+    rechecked = t.folder / "plan_rechecked.json"
+    if rechecked.is_file():
+        plan = t["plan_rechecked.json"]
+        out["tail.plan_rechecked.rule"] = str(plan["warmup_rule"])
+        out["tail.plan_rechecked.warmup"] = str(plan["warmup_steps"])
+        out["tail.plan_rechecked.layers"] = ", ".join(str(x) for x in plan["layers"])
+    if "versus_homogeneous" in gc:
+        below = gc.groupby("step")["versus_homogeneous"].apply(lambda v: (v == "below").all())
+        out["tail.fig3a.below_homogeneous"] = str(int(below.sum()))
+    return out
+
+
+def _router(t: Tables) -> dict:
+    r = t["router_dynamics"]
+    out = {}
+    for domain in ("biomedical", "legal"):
+        pure = r[r[f"tail_share {domain}"] > 0]
+        first = pure.groupby("layer")["step"].min()
+        for layer in sorted(r["layer"].unique()):
+            out[f"tail.router.first_{domain}.layer{layer}"] = str(int(first[layer])) if layer in first else "never"
+        out[f"tail.router.first_{domain}"] = str(int(first.min())) if len(first) else "never"
+        out[f"tail.router.{domain}_every_layer_by"] = (str(int(first.max())) if len(first) == r["layer"].nunique()
+                                                       else "never")
+    first_any = min([int(v) for k, v in out.items() if k.startswith("tail.router.first_") and v != "never"],
+                    default=None)
+    before = r[r["step"] < first_any] if first_any is not None else r
+    out["tail.router.clusters_before_tail"] = _range(before["n_clusters"], 0)
+    out["tail.router.ari_range"] = _range(r["overlap_next"].dropna(), 2)
+    plan = t["plan.json"]
+    stable = stable_step(r[STABILITY], plan["layers"], overlap=0.8)
+    out["tail.router.stable_step"] = "none" if stable is None else str(stable)
+    legal = r[r["tail_share legal"] > 0].sort_values("step")
+    if len(legal):
+        out["tail.router.first_legal_layers"] = ", ".join(str(int(x)) for x in
+                                                           sorted(legal[legal["step"] == legal["step"].min()]["layer"]))
+        out["tail.router.first_legal_share"] = f"{100 * legal['tail_share legal'].iloc[0]:.0f} %"
+    kept = r.groupby("step")["tail_share biomedical"].apply(lambda v: (v > 0).all()).sort_index()
+    from_step = next((s for i, s in enumerate(kept.index) if kept.iloc[i:].all()), None)
+    out["tail.router.biomedical_kept_from"] = "never" if from_step is None else str(int(from_step))
+    every = out["tail.router.biomedical_every_layer_by"]
+    if every != "never":
+        out["tail.router.share_when_every_layer"] = _range(r[r["step"] == int(every)]["tail_share"], 2)
+    end = r[r["step"] == r["step"].max()]
+    out["tail.router.end_step"] = str(int(r["step"].max()))
+    out["tail.router.end_biomedical"] = _range(100 * end["tail_share biomedical"], 0, " %")
+    out["tail.router.end_tail_share"] = _range(end["tail_share"], 2)
+    lift = [c for c in r.columns if c in ("knn_lift legal", "knn_lift biomedical")]
+    start = r[r["step"] == r["step"].min()]
+    out["tail.router.start_step"] = str(int(r["step"].min()))
+    out["tail.router.lift_start"] = _range(start[lift].to_numpy(), 0)
+    out["tail.router.lift_end"] = _range(end[lift].to_numpy(), 0)
+    return out
+
+
+def _fig3b(t: Tables) -> dict:
+    d = t["dynamics"]
+    steps = sorted(d["step"].unique())
+    one = d.groupby("step")["k_silhouette"].apply(lambda k: (k == 1).all())
+    from_step = next((s for i, s in enumerate(steps) if one[steps[i:]].all()), None)
+    early = d[d["step"] < (from_step or steps[-1] + 1)]
+    out = {"tail.fig3b.elbow_k3": f"{int((d['k'] == 3).sum())} of {len(d)}",
+           "tail.fig3b.silhouette_one_from": str(from_step) if from_step is not None else "never",
+           "tail.fig3b.silhouette_early_max": _f(float(early["silhouette"].max()), 2)}
+    if from_step is not None:
+        out["tail.fig3b.silhouette_late"] = _range(d[d["step"] >= from_step]["silhouette"], 2)
+    return out
+
+
+def _fig3c(t: Tables) -> dict:
+    d = t["dynamics"]
+    first, last = d[d["step"] == d["step"].min()], d[d["step"] == d["step"].max()]
+    mean = d.groupby("step")["separation"].mean()
+    return {"tail.fig3c.first_step": str(int(d["step"].min())), "tail.fig3c.last_step": str(int(d["step"].max())),
+            "tail.fig3c.distance.first": _range(first["inter_distance"], 1),
+            "tail.fig3c.distance.last": _range(last["inter_distance"], 1),
+            "tail.fig3c.separation.peak_step": str(int(mean.idxmax())),
+            "tail.fig3c.separation.peak": _f(float(mean.max()), 2),
+            "tail.fig3c.separation.last": _range(last["separation"], 2)}
+
+
+def _fig1(t: Tables) -> dict:
+    b = t["perplexity_by_bin"].sort_values("bin").reset_index(drop=True)
+    out = {"tail.fig1.n": str(int(b["n"].sum()))}
+    for name, k in (("first", 0), ("second", 1), ("second_last", len(b) - 2), ("last", len(b) - 1)):
+        out[f"tail.fig1.{name}.median"] = _f(float(b["median_perplexity"].iloc[k]), 0)
+        out[f"tail.fig1.{name}.n"] = str(int(b["n"].iloc[k]))
+    return out
+
+
+def _fig4(t: Tables) -> dict:
+    c = t["snapshot_clusters"]
+    c = c[c["cluster"] >= 0]
+    steps = sorted(c["step"].unique())
+    out = {"tail.fig4.steps": ", ".join(str(int(s)) for s in steps[:-1]) + f" and {int(steps[-1])}"}
+    for step in steps:
+        rows = c[c["step"] == step]
+        key = f"tail.fig4.{int(step)}"
+        out[f"{key}.clusters"] = str(len(rows))
+        pure = rows[rows["share biomedical"] >= 0.8].sort_values("size", ascending=False)
+        out[f"{key}.pure_biomedical"] = (f"{int(pure['size'].iloc[0])} blocks, {100 * pure['share biomedical'].iloc[0]:.0f} %"
+                                         if len(pure) else "none")
+        legal = rows.sort_values("share legal", ascending=False).iloc[0]
+        out[f"{key}.most_legal"] = f"{int(legal['size'])} blocks, {100 * legal['share legal']:.0f} % legal"
+    return out
+
+
+def _fitting(t: Tables) -> dict:
+    domains = t["fit_points"]["domain"].value_counts()
+    return {f"tail.fitting.{d}": str(int(domains.get(d, 0))) for d in ("general", "legal", "biomedical")} | \
+        {"tail.fitting.n": str(int(domains.sum()))}
+
+
+# ---- the tables run and the router table --------------------------------------------------------
+
+
+def _general_tasks(t: Tables) -> dict:
+    g = t["general_tasks"]
+    tuned = g[g["model"].str.contains(r"/(?:legal|biomedical)$") & g["ppl_general change mean"].notna()]
+    out = {}
+    for arch in ("gpt", "bert"):
+        rows = tuned[tuned["arch"] == arch]
+        out[f"tables.general.{arch}.tuned_change"] = _signed_range(rows["ppl_general change mean"])
+        base = g[(g["arch"] == arch) & (g["model"] == g["against"])]["ppl_general mean"]
+        out[f"tables.general.{arch}.base"] = _f(float(base.iloc[0]), 0)
+    return out
+
+
+def _timings(t: Tables) -> dict:
+    timings = t["timings.json"]
+
+    def seconds(pattern: str) -> list:
+        return [v for k, v in timings.items() if re.fullmatch(pattern, k)]
+
+    dense = seconds(r"train table-\w+-dense-seed\d")
+    branches = seconds(r"train table-\w+-(switch|cse-mof|cse-moa|demix)-seed\d")
+    tuned = seconds(r"train table-\w+-\w+-(legal|biomedical)-seed\d")
+    return {"tables.timings.dense": _range(dense, 0, " s"), "tables.timings.branches": _range(branches, 0, " s"),
+            "tables.timings.branches_but_max": _range(sorted(branches)[:-1], 0, " s"),
+            "tables.timings.branch_max": _f(max(branches), 0) + " s", "tables.timings.tuned": _range(tuned, 0, " s")}
+
+
+def _router_table(table: pd.DataFrame) -> dict:
+    out = {}
+    knee = table[table["rule"] == "dbscan-knee"]
+    out["docs.router.knee.clusters"] = _range(knee["n_clusters"], 0)
+    for step in sorted(knee["step"].unique()):
+        out[f"docs.router.knee.clusters.{step}"] = _range(knee[knee["step"] == step]["n_clusters"], 0)
+    dense = table[(table["step"] == table["step"].max()) & (table["representation"] == "centred-cosine")
+                  & (table["rule"] != "dbscan-knee")]
+    out["docs.router.density_tail_share"] = _range(dense["tail_share"], 2)
+    out["docs.router.density_tail_share.nonzero"] = _range(dense[dense["tail_share"] > 0]["tail_share"], 2)
+    lost = dense[dense["rule"].str.contains("min_cluster_size=30") & (dense["proj_dim"] == 32)]
+    out["docs.router.hdbscan30_32"] = _f(float(lost["tail_share"].iloc[0]), 2)
+    legal = knee[knee["step"] == 800]["tail_share legal"].max()
+    out["docs.router.knee.legal_800"] = f"{100 * legal:.0f} %"
+    return out
+
+
+def _calibration(planted: pd.DataFrame, real: pd.DataFrame | None) -> dict:
+    """docs/gc-calibration.md: the planted pools per interval method, and the real kernels."""
+    out = {}
+    for method, rows in planted.groupby("method"):
+        out[f"docs.calibration.{method}.coverage"] = _range(rows["coverage"], 2)
+        out[f"docs.calibration.{method}.width"] = _range(rows["median_width_over_sd"], 1)
+        biased = rows["pool"].str.startswith("biased")
+        out[f"docs.calibration.{method}.biased_coverage"] = _range(rows[biased]["coverage"], 2)
+        out[f"docs.calibration.{method}.other_coverage"] = _range(rows[~biased]["coverage"], 2)
+        out[f"docs.calibration.{method}.below_80"] = f"{int((rows['coverage'] < 0.8).sum())} of {len(rows)}"
+    jk = planted[planted["method"] == "jackknife"]
+    out["docs.calibration.pools"] = str(jk["pool"].nunique())
+    out["docs.calibration.groups"] = str(len(jk))
+    out["docs.calibration.true_bias"] = _range(jk["true_bias"], 3)
+    out["docs.calibration.biased_true_bias"] = _range(jk[jk["pool"].str.startswith("biased")]["true_bias"], 3)
+    out["docs.calibration.bias_estimate"] = _range(jk["mean_bias_estimate"], 3)
+    claimed = jk[jk["claimed"] > 0]
+    weight = claimed["claimed"]
+    out["docs.calibration.claimed_share"] = _range(jk["claimed"], 2)
+    out["docs.calibration.large_coverage"] = _f(float((claimed["large_coverage"] * weight).sum() / weight.sum()), 2)
+    out["docs.calibration.large_coverage_range"] = _range(claimed["large_coverage"], 2)
+    if real is not None:
+        for (output, method), rows in real.groupby(["output", "method"]):
+            sd = rows.groupby("bin")["abs_gc"].transform("std")
+            covered = ((rows["low"] <= rows["target"]) & (rows["target"] <= rows["high"])).mean()
+            key = f"docs.calibration.real.{output}.{method}"
+            out[f"{key}.coverage"] = _f(float(covered), 2)
+            out[f"{key}.width"] = _f(float(((rows["high"] - rows["low"]) / sd).median()), 1)
+            out[f"{key}.point_to_1"] = f"{100 * float(((rows['low'] == rows['abs_gc']) & (rows['high'] >= 1)).mean()):.0f} %"
+            out[f"{key}.flagged"] = f"{100 * float((rows['flags'].fillna('') != '').mean()):.0f} %"
+        out["docs.calibration.real.draws"] = str(int(real["draw"].nunique()))
+    return out
+
+
+def claims(root: str | Path = ROOT) -> dict:
+    """Every claim name -> its text, computed from the committed runs under ``root``."""
+    root = Path(root)
+    tail, tables = Tables(root / "figures/tail"), Tables(root / "figures/tables")
+    makers: list[tuple[Callable, Tables]] = [(_fig1, tail), (_fig2a, tail), (_fig3a, tail), (_fig3b, tail), (_fig3c, tail), (_fig4, tail), (_router, tail), (_fitting, tail),
+                                             (_general_tasks, tables), (_timings, tables)]
+    out = {}
+    for make, folder in makers:
+        out.update(make(folder))
+    out.update(_router_table(pd.read_csv(root / "docs/router-table.csv")))
+    planted, real = root / "docs/gc-calibration-planted.csv", root / "docs/gc-calibration.csv"
+    if planted.is_file():
+        out.update(_calibration(pd.read_csv(planted), pd.read_csv(real) if real.is_file() else None))
+    return out
+
+
+def render(text: str, values: dict) -> str:
+    """``text`` with every marker's content replaced by its claim (unknown claims left as they are)."""
+    return MARKER.sub(lambda m: f"<!--claim:{m[1]}-->{values.get(m[1], m[2])}<!--/claim-->", text)
+
+
+def mismatches(text: str, values: dict) -> list[tuple[str, str, str | None]]:
+    """(claim, quoted text, computed text or None when unknown) for each marker that disagrees."""
+    return [(m[1], m[2], values.get(m[1])) for m in MARKER.finditer(text) if values.get(m[1]) != m[2]]
+
+
+def main(paths) -> int:
+    values = claims()
+    for path in map(Path, paths):
+        text = path.read_text()
+        new = render(text, values)
+        if new != text:
+            write_text(path, new)
+            print(f"rendered {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,65 @@
+"""Numbers quoted in README.md and docs/ about the committed runs are the numbers in their tables,
+and every JSON file the project writes or commits is strict RFC 8259 JSON."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from commandline import strict_json_load
+
+from ntkscope.core.files import strict_json, write_json
+from ntkscope.reproduction.claims import MARKER, claims, mismatches, render
+
+ROOT = Path(__file__).resolve().parents[1]
+QUOTING = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.fixture(scope="module")
+def values():
+    return claims(ROOT)
+
+
+def test_every_quoted_number_is_its_tables(values):
+    found = 0
+    for path in QUOTING:
+        text = path.read_text()
+        found += len(MARKER.findall(text))
+        assert mismatches(text, values) == [], f"{path.name}: quoted (claim, text, table) differ; run " \
+                                               "python -m ntkscope.reproduction.claims README.md docs/*.md"
+    assert found >= 40
+
+
+def test_a_table_that_changes_is_caught(values, tmp_path):
+    for folder in ("figures/tail", "figures/tables"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("*.png", "*.pdf", "*.npz"))
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "docs/router-table.csv", tmp_path / "docs")
+    table = pd.read_csv(tmp_path / "figures/tail/tables/gc_by_bin.csv")
+    first = table["left"].idxmin()
+    table.loc[first, "abs_gc"] += 0.01
+    table.to_csv(tmp_path / "figures/tail/tables/gc_by_bin.csv", index=False)
+    changed = claims(tmp_path)
+    text = (ROOT / "README.md").read_text()
+    assert [m[0] for m in mismatches(text, changed)] and "tail.fig2a.abs_gc.0" in [m[0] for m in mismatches(text, changed)]
+    assert mismatches(render(text, changed), changed) == []
+    assert mismatches("<!--claim:no.such-->1<!--/claim-->", values) == [("no.such", "1", None)]
+
+
+def test_every_committed_json_file_is_strict():
+    files = [p for p in (ROOT / "figures").rglob("*.json")]
+    assert len(files) >= 6
+    for path in files:
+        strict_json_load(path)
+
+
+def test_strict_json_writes_null_for_nan_and_infinities(tmp_path):
+    data = {"a": math.nan, "b": [1.0, math.inf, -math.inf], "c": np.float32("nan"), "d": np.float64(2.5),
+            "e": (np.int64(3), None), "f": Path("x")}
+    assert json.loads(strict_json(data)) == {"a": None, "b": [1.0, None, None], "c": None, "d": 2.5, "e": [3, None],
+                                             "f": "x"}
+    path = write_json(tmp_path / "r.json", data)
+    assert strict_json_load(path)["b"] == [1.0, None, None]
