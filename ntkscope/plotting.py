@@ -109,8 +109,7 @@ def _gc_panel(ax, strip, table, histogram):
     ax.set_ylabel("consistency with the whole set")
     columns = ["abs_gc_low", "mean_gradient_low"] + [_band_columns(n)[0] for n, _, _ in _NULLS]
     ax.set_ylim(_lowest(table, [c for c in columns if c in table]), 1.01)
-    ax.set_xticks(x)
-    ax.tick_params(labelbottom=False)
+    ax.set_xticks(x, [f"bin {k}" for k in x], fontsize=7)
     strip.bar(x, histogram["percent"].to_numpy()[: len(x)], width=0.6, color="#b8c5d9")
     strip.set_ylabel("%", fontsize=7)
     strip.set_xticks(x, [f"{lo:.2f}-{hi:.2f}" for lo, hi in zip(table["left"], table["right"])], fontsize=7)
@@ -159,6 +158,7 @@ def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: st
         top.plot(steps, rows["abs_gc"], "-", color="#c0392b", lw=1, alpha=0.8,
                  label="|GC| of the long tail, per draw" if d == 0 else None)
     top.set_ylabel("|GC|")
+    top.tick_params(labelbottom=True)
     top.set_ylim(_lowest(frame, ["abs_gc", "null_low"]), 1.01)
     top.legend(fontsize=7, loc="lower right")
     series = excess_series(frame)
@@ -246,7 +246,8 @@ def layer_dynamics(table, router=None):
         ax.set_xlabel("training step")
         ax.set_ylabel(ylabel, fontsize=8)
         ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 

@@ -166,7 +166,9 @@ def test_two_gloo_processes_equal_one(tmp_path):
         g = got[key]
         if key.endswith("eigenvector") or key == "direction":  # up to sign
             g = g * torch.sign(torch.dot(torch.as_tensor(g).double().flatten(), torch.as_tensor(value).double().flatten()))
-        tol = 1e-7 if key.startswith("matrix-free") or key == "direction" else 1e-10  # Lanczos to its tolerance
+        # Lanczos to its tolerance; GC's eigenvectors of 4-sample sub-kernels turn kernels equal to 1e-10 into
+        # values equal to about 1e-8 (measured 2e-8), their conditioning
+        tol = 1e-7 if key.startswith("matrix-free") or key == "direction" or key.endswith("/gc") else 1e-10
         torch.testing.assert_close(torch.as_tensor(g).double(), torch.as_tensor(value).double(), rtol=tol, atol=tol,
                                    msg=key)
 

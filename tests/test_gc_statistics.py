@@ -358,3 +358,21 @@ def test_controls_refuse_bad_input():
         ns.kernel_gc(K, [[0, 1]], controls=ns.Controls(matched={"length": np.ones(3)}))
     with pytest.raises(ValueError, match=r"Controls: quantiles must be a positive integer"):
         ns.Controls(quantiles=0)
+
+
+def test_the_experts_mean_cosine_and_its_jackknife_against_a_leave_one_out_loop():
+    from ntkscope.reproduction.analyses import mean_cosine
+
+    rng = np.random.default_rng(2)
+    J = rng.normal(size=(9, 4)) + 1.0
+    K = J @ J.T
+    C = K / np.sqrt(np.outer(np.diag(K), np.diag(K)))
+
+    def off(M):
+        return (M.sum() - np.trace(M)) / (len(M) * (len(M) - 1))
+
+    left = np.array([off(np.delete(np.delete(C, i, 0), i, 1)) for i in range(9)])
+    point, se = mean_cosine(K)
+    assert point == pytest.approx(off(C), abs=1e-12)
+    assert se == pytest.approx(np.sqrt(8 / 9 * ((left - left.mean()) ** 2).sum()), abs=1e-12)
+    assert np.isnan(mean_cosine(K[:2, :2])[1]) and np.isnan(mean_cosine(K[:1, :1])[0])

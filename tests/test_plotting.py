@@ -52,6 +52,10 @@ def test_every_figure_is_labelled_and_saves(pack, tmp_path):
         "fig3bc-router": plotting.layer_dynamics(dynamics, router),
         "fig4b": plotting.cluster_view(points),
         "fig5b": plotting.ntk_heatmap(rng.normal(size=(10, 10)), ["a"] * 4 + ["b"] * 6),
+        "fig5bc": plotting.expert_kernels(pd.DataFrame(
+            {"expert": ["0", "1", "all"], "n": [12, 8, 20], "output": "centred-true-logit",
+             "cse_expert_cosine": [0.4, 0.2, np.nan], "cse_expert_cosine_se": [0.05, 0.04, np.nan],
+             "dense_cosine": [0.3, 0.25, 0.28], "dense_cosine_se": [0.03, 0.05, 0.02]})),
     }
     for name, fig in figures.items():
         assert _labelled(fig), name

@@ -117,8 +117,10 @@ def _fig3a(t: Tables) -> dict:
         if step in mean.index:
             out[f"tail.fig3a.abs_gc.{step}"] = _f(mean.at[step, "abs_gc"])
             out[f"tail.fig3a.null_median.{step}"] = _f(mean.at[step, "null_median"])
-            out[f"tail.fig3a.excess.{step}"] = f"{excess.at[step]:+.3f}"
+            out[f"tail.fig3a.excess.{step}"] = f"{excess.at[step]:+.3f}".replace("-", "−")
     out["tail.fig3a.null_median.max_step"] = str(int(mean["null_median"].idxmax()))
+    unflagged = [s for s in excess.index if s not in set(peak["left_out"])]
+    out["tail.fig3a.excess_range"] = _range(excess[unflagged], 3)
     out["tail.fig3a.excess.max_step"] = str(int(excess.idxmax()))
     out["tail.fig3a.below_random"] = str(int((mean["abs_gc"] < mean["null_low"]).sum()))
     rechecked = t.folder / "plan_rechecked.json"
@@ -160,9 +162,8 @@ def _router(t: Tables) -> dict:
     kept = r.groupby("step")["tail_share biomedical"].apply(lambda v: (v > 0).all()).sort_index()
     from_step = next((s for i, s in enumerate(kept.index) if kept.iloc[i:].all()), None)
     out["tail.router.biomedical_kept_from"] = "never" if from_step is None else str(int(from_step))
-    every = out["tail.router.biomedical_every_layer_by"]
-    if every != "never":
-        out["tail.router.share_when_every_layer"] = _range(r[r["step"] == int(every)]["tail_share"], 2)
+    if from_step is not None:
+        out["tail.router.share_when_kept"] = _range(r[r["step"] == int(from_step)]["tail_share"], 2)
     end = r[r["step"] == r["step"].max()]
     out["tail.router.end_step"] = str(int(r["step"].max()))
     out["tail.router.end_biomedical"] = _range(100 * end["tail_share biomedical"], 0, " %")
