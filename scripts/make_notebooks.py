@@ -55,19 +55,23 @@ NOTEBOOKS = {
     ],
     "fig2_gradient_consistency": [
         "# Figure 2: gradient consistency and frequency; a CSE layer's clusters\n\n(a) GC of each frequency bin "
-        "against the whole analysis set, on the dense GPT's last checkpoint, over the histogram of sentences per "
-        "bin. (b) The fitting sample (training blocks) at the first CSE layer's input at the warm-up, in the "
+        "against the whole analysis set, on the dense GPT's last checkpoint, for three outputs: |GC| with its "
+        "finite-n interval beside the null bands of random and of homogeneous subsets (docs/design.md §1.1), "
+        "the mean-gradient consistency, and a strip with the share of sentences per bin. (b) The fitting sample (training blocks) at the first CSE layer's input at the warm-up, in the "
         "router's space (centred, L2-normalised; 2-D PCA), coloured by the clusters the router was built from "
         "(HDBSCAN), with each cluster's domain make-up.",
         PARAMETERS, SETUP,
-        't = rep.tables("fig2")\nt["gc_by_bin"]',
+        't = rep.tables("fig2")\nt["gc_by_bin"][["label", "abs_gc", "abs_gc_low", "abs_gc_high", "versus_null", '
+        '"versus_homogeneous", "versus_matched-length", "versus_matched-loss", "flags"]]',
         save("fig2a"),
         save("fig2b"),
     ],
     "fig3_training_dynamics": [
         "# Figure 3: over training\n\n(a) GC of the long-tail subset (the third of the analysis sentences with the "
-        "lowest frequency scores) at every dense checkpoint, with its interval and the null band; the warm-up is its "
-        "peak when the statistics show one, else the earliest checkpoint with stable router clusters. (b) Per "
+        "lowest frequency scores) at every dense checkpoint, on independent draws of analysis sentences, and its "
+        "excess over the random null with the null bands in the same coordinates; a warm-up is the excess's "
+        "peak when the statistics show one (unflagged checkpoints only), else the earliest checkpoint with stable "
+        "router clusters. (b) Per "
         "layer: the silhouette K (1 = no structure) beside the paper's elbow K, the best silhouette, and (c) the "
         "distance between elbow centres; second row: the router's clusters of the fitting sample, the pure "
         "tail clusters, the tail share in them and the tail domains' kNN lift.",
@@ -76,7 +80,8 @@ NOTEBOOKS = {
         save("fig3a"),
         't["router_dynamics"]',
         save("fig3bc"),
-        "rep.plan()",
+        "rep.plan()  # the plan the CSE runs were built with",
+        "ntkscope.gc_peak(t[\"gc_over_steps\"])  # the peak test on the excess over the null",
     ],
     "fig4_cse_layer": [
         "# Figure 4: the CSE layer; cluster snapshots\n\n(a) The layer, drawn. (b) The fitting sample at one "

@@ -129,7 +129,7 @@ def gc_peak(gc: pd.DataFrame, *, z: float = 1.645) -> dict:
                            ("fall to the last", "fall_z", usable.iloc[-1])):
         change = peak["excess"] - row["excess"]
         se = math.sqrt(peak["excess_se"] ** 2 + row["excess_se"] ** 2)
-        out[key] = round(change / se, 3) if se > 0 else None
+        out[key] = round(float(change / se), 3) if se > 0 else None
         if not change > z * se:
             reasons.append(f"the excess's {name} (step {int(row['step'])}: {change:.3f}) is within {z:g} standard "
                            f"errors ({z * se:.3f})")
