@@ -228,6 +228,38 @@ def _fig4(t: Tables) -> dict:
     return out
 
 
+PROBES = ("biomedical-go-ontology", "clinical-hpo-organ-system", "general-wordnet-lexname", "legal-licence-category")
+
+
+def _tail_tables(t: Tables) -> dict:
+    """The README's copies of Tables 1-2's analogue and the seeds comparison, a row per claim
+    (the cells between the row's outer bars)."""
+    out = {}
+    for i, row in t["results"].iterrows():
+        cells = [row["model"], *(_f(row[c], 1) for c in ("perplexity", "ppl biomedical", "ppl general", "ppl legal")),
+                 *(str(row[c]) for c in PROBES), _f(row["average"])]
+        out[f"tail.table.results.{i}"] = " | ".join(cells)
+    for i, row in t["seeds_summary"].iterrows():
+        def cell(column, digits):
+            return f"{_f(row[f'{column} mean'], digits)} ± {_f(row[f'{column} std'], digits)}"
+        cells = [row["model"], *(cell(c, 1) for c in ("perplexity", "ppl biomedical", "ppl general", "ppl legal")),
+                 *(cell(c, 3) for c in (*PROBES, "average"))]
+        out[f"tail.table.seeds.{i}"] = " | ".join(cells)
+    return out
+
+
+def _paper_tables(t: Tables) -> dict:
+    """Our columns of the README's Tables 1-2 (test, legal, biomedical, general perplexity and
+    the probe average, mean ± std over seeds), a row per claim; the paper's columns are quotes."""
+    out = {}
+    for arch in ("bert", "gpt"):
+        for i, row in t[f"table_{arch}"].iterrows():
+            cells = [f"{_f(row[f'{c} mean'], d)} ± {_f(row[f'{c} std'], d)}" for c, d in
+                     (("perplexity", 1), ("ppl legal", 1), ("ppl biomedical", 1), ("ppl general", 1), ("average", 3))]
+            out[f"tables.table.{arch}.{i}"] = " | ".join(cells)
+    return out
+
+
 def _fitting(t: Tables) -> dict:
     domains = t["fit_points"]["domain"].value_counts()
     return {f"tail.fitting.{d}": str(int(domains.get(d, 0))) for d in ("general", "legal", "biomedical")} | \
@@ -319,7 +351,8 @@ def claims(root: str | Path = ROOT) -> dict:
     root = Path(root)
     tail, tables = Tables(root / "figures/tail"), Tables(root / "figures/tables")
     makers: list[tuple[Callable, Tables]] = [(_fig1, tail), (_fig2a, tail), (_fig3a, tail), (_fig3b, tail), (_fig3c, tail), (_fig4, tail), (_router, tail), (_fitting, tail),
-                                             (_general_tasks, tables), (_timings, tables)]
+                                             (_general_tasks, tables), (_timings, tables),
+                                             (_tail_tables, tail), (_paper_tables, tables)]
     out = {}
     for make, folder in makers:
         out.update(make(folder))
