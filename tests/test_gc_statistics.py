@@ -376,3 +376,19 @@ def test_the_experts_mean_cosine_and_its_jackknife_against_a_leave_one_out_loop(
     assert point == pytest.approx(off(C), abs=1e-12)
     assert se == pytest.approx(np.sqrt(8 / 9 * ((left - left.mean()) ** 2).sum()), abs=1e-12)
     assert np.isnan(mean_cosine(K[:2, :2])[1]) and np.isnan(mean_cosine(K[:1, :1])[0])
+
+
+def test_analysis_controls_match_on_length_and_the_outputs_own_loss(hf_bert, gpt, lm_batch):
+    from ntkscope.runs.gc import analysis_controls
+
+    masked = ns.LMLoss(objective="masked", mask_token_id=1, mask_prob=0.3, seed=7, value="centred-true-logit")
+    controls = analysis_controls(hf_bert, lm_batch, output=masked)  # the masked objective's own mask settings
+    expected = ns.sample_outputs(hf_bert, lm_batch, output=ns.LMLoss(objective="masked", mask_token_id=1,
+                                                                      mask_prob=0.3, seed=7))
+    np.testing.assert_allclose(controls.matched["loss"], expected.double().numpy())
+    np.testing.assert_array_equal(controls.matched["length"], lm_batch["attention_mask"].sum(1).numpy())
+    assert controls.names() == ["homogeneous", "matched-length", "matched-loss"]
+    assert "loss" not in analysis_controls(gpt, lm_batch, output=_f).matched  # not a language model's output
+    res = ns.gradient_consistency(gpt, lm_batch, [0, 2, 3, 6], controls=analysis_controls(gpt, lm_batch),
+                                  resampling=ns.Resampling(resamples=20, null_draws=20))
+    assert set(res.controls) == {"homogeneous", "matched-length", "matched-loss"}

@@ -116,7 +116,8 @@ def gc_series(run_dir, batch: dict, subset, *, output: str = "loss", method: str
     for step, path in checkpoints:
         def compute(path=path, step=step):
             model = load_checkpoint(path)
-            controls = None if resampling is None else analysis_controls(model, batch, pools=pools, match=match)
+            controls = None if resampling is None else analysis_controls(model, batch, pools=pools, match=match,
+                                                                         output=output)
             res = gradient_consistency(model, batch, subset, method=method, output=output, resampling=resampling,
                                        controls=controls)
             return [{"step": step, **res.row()}]

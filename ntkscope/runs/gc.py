@@ -8,7 +8,7 @@ matched on length and on loss."""
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 
 import numpy as np
 import pandas as pd
@@ -17,7 +17,7 @@ import torch
 from ntkscope.core.checks import InputError, check_choice, entry
 from ntkscope.kernel.consistency import gradient_consistency_groups
 from ntkscope.kernel.nulls import Controls
-from ntkscope.kernel.objectives import SCALAR_OUTPUTS, sample_outputs
+from ntkscope.kernel.objectives import SCALAR_OUTPUTS, LMLoss, sample_outputs
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.text.frequency import BINNINGS, bin_edges, bin_of, score_histogram
 
@@ -27,24 +27,32 @@ MATCHES = ("length", "loss")
 #: best-conditioned of the three measured (docs/gc-outputs.md); the loss's direction is a coin toss
 GC_OUTPUT = "centred-true-logit"
 
-log = logging.getLogger(__name__)
+
+def _loss_of(output):
+    """The loss under the same objective as ``output`` (an LMLoss keeps its mask settings), or
+    None for outputs that are not a language model's (callables, vector outputs)."""
+    if isinstance(output, LMLoss):
+        return dataclasses.replace(output, value="loss")
+    return "loss" if output in SCALAR_OUTPUTS else None
 
 
-def analysis_controls(model, batch, *, pools=None, match=MATCHES) -> Controls:
+def analysis_controls(model, batch, *, pools=None, match=MATCHES, output="loss") -> Controls:
     """The nulls beside the random one for ``batch`` (a dict with ``attention_mask``, or a tensor):
     homogeneous ``pools`` (index arrays of ordinary text; None: gradient-space neighbours) and
     random subsets matched on each of ``match``: "length" (tokens; a dict batch only) and
-    "loss" (each sample's loss under ``model``, one forward pass)."""
+    "loss" (each sample's loss under ``model`` and ``output``'s objective, one forward pass;
+    not for outputs that are not a language model's)."""
     covariates = {}
     if "length" in match and isinstance(batch, dict) and "attention_mask" in batch:
         covariates["length"] = batch["attention_mask"].sum(1).double().cpu().numpy()
-    if "loss" in match:
+    loss = _loss_of(output)
+    if "loss" in match and loss is not None:
         with torch.no_grad():
-            covariates["loss"] = sample_outputs(model, batch).double().cpu().numpy()
+            covariates["loss"] = sample_outputs(model, batch, output=loss).double().cpu().numpy()
     return Controls(homogeneous=pools, matched=covariates)
 
 
-def _controls(controls, model, data, homogeneous):
+def _controls(controls, model, data, homogeneous, output):
     if controls != "auto":
         return controls
     pools = None
@@ -55,7 +63,7 @@ def _controls(controls, model, data, homogeneous):
         pools = [np.flatnonzero(labels == homogeneous)]
     elif homogeneous is not None:
         pools = list(homogeneous)
-    return analysis_controls(model, data.batch, pools=pools)
+    return analysis_controls(model, data.batch, pools=pools, output=output)
 
 
 def _groups(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd.DataFrame]:
@@ -77,7 +85,8 @@ def gc_by_bins(model, data, *, by: str = "frequency-bins", bins: int = 6, binnin
     random null (:class:`~ntkscope.Resampling`). ``controls``: "auto" (the homogeneous null from
     ``homogeneous``: a label of the data, or pools of indices, one ordinary source each; without
     it, from gradient-space neighbours; and nulls matched on length and loss:
-    :func:`analysis_controls`), a :class:`~ntkscope.Controls`, or None. ``options``: :class:`~ntkscope.KernelOptions` fields. Returns (table: one :meth:`~ntkscope.GCResult.row` per group, with left and right
+    :func:`analysis_controls`), a :class:`~ntkscope.Controls`, or None. ``options``:
+    :class:`~ntkscope.KernelOptions` fields. Returns (table: one :meth:`~ntkscope.GCResult.row` per group, with left and right
     for bins and mean_frequency_score; the histogram of the scores in the same bins;
     {skipped label: size}).
     """
@@ -85,7 +94,9 @@ def gc_by_bins(model, data, *, by: str = "frequency-bins", bins: int = 6, binnin
     check_choice("binning", binning, BINNINGS)
     labels, hist = _groups(data, by, bins, binning)
     scores = data.labels["score"].to_numpy()
-    controls = _controls(controls, model, data, homogeneous) if resampling is not None else None
+    given = options.get("options")
+    output = options.get("output", given.output if given is not None else "loss")
+    controls = _controls(controls, model, data, homogeneous, output) if resampling is not None else None
     groups = gradient_consistency_groups(model, data.batch, labels, min_count=min_count, resampling=resampling,
                                          controls=controls, **options)
     table = groups.to_frame()
