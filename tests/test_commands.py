@@ -207,3 +207,14 @@ def test_bad_input_is_one_clear_line_and_leaves_nothing(checkpoints, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("ntkscope gc: error:") and message in lines[0], (name, lines)
         assert not out.exists(), name
     assert in_process("gc").returncode == 2  # usage
+
+
+def test_an_output_flagged_in_every_row_warns_and_keeps_its_rows():
+    from ntkscope.app.commands import flag_warnings
+
+    table = pd.DataFrame({"output": ["loss", "loss", "centred-true-logit", "centred-true-logit"],
+                          "flags": ["eigengap cos-ones", "sign", "", np.nan]})
+    warnings = flag_warnings(table)
+    assert len(warnings) == 1 and warnings[0].startswith("every row of output loss is flagged (cos-ones, eigengap, sign)")
+    assert flag_warnings(table.drop(columns="output").iloc[:2])[0].startswith("every row is flagged")
+    assert flag_warnings(table.iloc[2:]) == []

@@ -392,3 +392,12 @@ def test_analysis_controls_match_on_length_and_the_outputs_own_loss(hf_bert, gpt
     res = ns.gradient_consistency(gpt, lm_batch, [0, 2, 3, 6], controls=analysis_controls(gpt, lm_batch),
                                   resampling=ns.Resampling(resamples=20, null_draws=20))
     assert set(res.controls) == {"homogeneous", "matched-length", "matched-loss"}
+
+
+def test_planted_pools_refuse_bad_settings():
+    with pytest.raises(ValueError, match=r"PlantedPool: shares must be positive and sum to 1"):
+        ns.PlantedPool(shares=(0.5, 0.6), strength=(1.0, 1.0))
+    with pytest.raises(ValueError, match=r"PlantedPool: dim must be a positive integer \(got 0\)"):
+        ns.PlantedPool(dim=0)
+    with pytest.raises(ValueError, match=r"interval_calibration: n must be an integer of at least 2 samples per group"):
+        ns.interval_calibration(ns.PlantedPool(), 4)

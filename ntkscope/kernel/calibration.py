@@ -59,6 +59,10 @@ class PlantedPool:
                              (len(self.shares), len(self.strength)))
         if not math.isclose(sum(self.shares), 1.0) or min(self.shares) <= 0:
             raise InputError("shares", "must be positive and sum to 1", self.shares)
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
+            raise InputError("dim", "must be a positive integer", self.dim)
+        if not self.noise >= 0:
+            raise InputError("noise", "must be a non-negative number", self.noise)
 
     def directions(self) -> tuple[np.ndarray, np.ndarray]:
         """(shared direction s (P,), group directions d (k, P)), each of unit length."""
@@ -112,6 +116,8 @@ def interval_calibration(pool: PlantedPool, n: int, *, draws: int = 100, truth_d
     """
     if not isinstance(pool, PlantedPool):
         raise InputError("pool", "must be a PlantedPool", type(pool).__name__)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2 * len(pool.shares):
+        raise InputError("n", f"must be an integer of at least 2 samples per group ({2 * len(pool.shares)})", n)
     rng = np.random.default_rng([seed, 7])
     groups = _groups(pool.labels(n))
     truth = np.array([[abs(r.score) for r in kernel_gc(J @ J.T, groups, resampling=None)]
