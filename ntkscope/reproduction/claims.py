@@ -260,6 +260,66 @@ def _paper_tables(t: Tables) -> dict:
     return out
 
 
+def _slug(value) -> str:
+    return re.sub(r"[^\w\-]", "_", str(value))
+
+
+def cells(prefix: str, table: pd.DataFrame, key: str) -> dict:
+    """Every cell of ``table`` as a claim ``PREFIX.ROW.COLUMN`` (ROW: the ``key`` column's value,
+    COLUMN: the column's name, each with every character but letters, digits, ``_`` and ``-`` as
+    ``_``): perplexities with 1 decimal, other numbers with 3, text as it is; and for each pair
+    ``X mean`` / ``X std`` a claim ``PREFIX.ROW.X`` of "mean ± std" (a column named X itself
+    becomes ``X_value``)."""
+    out = {}
+    pairs = {_slug(c[:-5]) for c in table.columns if c.endswith(" mean") and f"{c[:-5]} std" in table.columns}
+    for row in table.to_dict("records"):  # keeps each column's type: integers stay integers
+        name = f"{prefix}.{_slug(row[key])}"
+        for column, value in row.items():
+            digits = 1 if ("ppl" in column or "perplexity" in column) else 3
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+                text = str(value)
+            elif isinstance(value, (int, np.integer)):
+                text = str(int(value))
+            else:
+                text = _f(float(value), digits)
+            slug = _slug(column)
+            out[f"{name}.{slug}_value" if slug in pairs else f"{name}.{slug}"] = text  # a pair's name is its "mean ± std"
+            if column.startswith("share ") and isinstance(value, float):
+                out[f"{name}.{_slug(column)}_pct"] = f"{100 * value:.0f} %"
+            if column.endswith(" mean") and f"{column[:-5]} std" in row:
+                out[f"{name}.{_slug(column[:-5])}"] = f"{text} ± {_f(float(row[column[:-5] + ' std']), digits)}"
+    return out
+
+
+def _original_run(t: Tables) -> dict:
+    """Figures 2b and 5 and the tables' prose: the original run's CSE, Switch and finetuned models."""
+    out = cells("tail.results", t["results"], "model") | cells("tail.seeds", t["seeds_summary"], "model")
+    out |= cells("tail.routing", t["routing_summary"], "expert") | cells("tail.expert_ntk", t["expert_ntk"], "expert")
+    fit = t["fit_points"]
+    sizes = fit[fit["cluster"] >= 0].groupby("cluster").size().sort_values(ascending=False)
+    out["tail.fit.clusters"] = str(len(sizes))
+    out["tail.fit.sizes"] = ", ".join(str(int(v)) for v in sizes)
+    big = fit[fit["cluster"].isin(sizes.index[:2])]
+    shares = pd.crosstab(big["cluster"], big["domain"], normalize="index")
+    out["tail.fit.tail_in_big"] = _range(100 * shares[["legal", "biomedical"]].to_numpy(), 0, " %")
+    routing = t["routing_summary"]
+    out["tail.routing.n"] = str(int(routing["n"].sum()))
+    out["tail.routing.experts"] = str(len(routing))
+    for domain in ("legal", "biomedical"):
+        out[f"tail.routing.total_{domain}"] = str(int(routing[f"n {domain}"].sum()))
+    return out
+
+
+def _paper_cells(t: Tables) -> dict:
+    out = cells("tables.gpt", t["table_gpt"], "model") | cells("tables.bert", t["table_bert"], "model")
+    general = t["general_tasks"]
+    out |= cells("tables.general", general.assign(row=general["arch"] + "-" + general["model"]), "row")
+    tests = t["table_tests"]
+    out["tables.tests.n"] = str(len(tests))
+    out["tables.tests.shown"] = str(int((tests["verdict"] != "not shown").sum()))
+    return out
+
+
 def _fitting(t: Tables) -> dict:
     domains = t["fit_points"]["domain"].value_counts()
     return {f"tail.fitting.{d}": str(int(domains.get(d, 0))) for d in ("general", "legal", "biomedical")} | \
@@ -352,7 +412,8 @@ def claims(root: str | Path = ROOT) -> dict:
     tail, tables = Tables(root / "figures/tail"), Tables(root / "figures/tables")
     makers: list[tuple[Callable, Tables]] = [(_fig1, tail), (_fig2a, tail), (_fig3a, tail), (_fig3b, tail), (_fig3c, tail), (_fig4, tail), (_router, tail), (_fitting, tail),
                                              (_general_tasks, tables), (_timings, tables),
-                                             (_tail_tables, tail), (_paper_tables, tables)]
+                                             (_tail_tables, tail), (_paper_tables, tables),
+                                             (_original_run, tail), (_paper_cells, tables)]
     out = {}
     for make, folder in makers:
         out.update(make(folder))
