@@ -355,8 +355,25 @@ def _timings(t: Tables) -> dict:
             "tables.timings.branch_max": _f(max(branches), 0) + " s", "tables.timings.tuned": _range(tuned, 0, " s")}
 
 
-def _router_table(table: pd.DataFrame) -> dict:
+RULES = {"dbscan-knee": "knee", "dbscan-percentile percentile=10.0": "pct10", "hdbscan min_cluster_size=5": "h5",
+         "hdbscan min_cluster_size=15": "h15", "hdbscan min_cluster_size=30": "h30",
+         "hdbscan min_cluster_size=15 selection=leaf": "h15leaf"}
+
+
+def _router_rows(table: pd.DataFrame) -> dict:
+    """docs/router.md's table: per (step, rule, representation, d') the cells clusters | pure |
+    pure tail | tail share | legal | biomedical | ARI, as ``docs.router.row.STEP.RULE.REPR.D``."""
     out = {}
+    for row in table.to_dict("records"):
+        cells = [str(row["n_clusters"]), str(row["n_pure"]), str(row["n_pure_tail"]),
+                 *(_f(row[c], 2) for c in ("tail_share", "tail_share legal", "tail_share biomedical", "ari"))]
+        name = f"docs.router.row.{row['step']}.{RULES[row['rule']]}.{row['representation']}.{row['proj_dim']}"
+        out[name] = " | ".join(c.replace("-", "−") for c in cells)
+    return out
+
+
+def _router_table(table: pd.DataFrame) -> dict:
+    out = _router_rows(table)
     knee = table[table["rule"] == "dbscan-knee"]
     out["docs.router.knee.clusters"] = _range(knee["n_clusters"], 0)
     for step in sorted(knee["step"].unique()):
