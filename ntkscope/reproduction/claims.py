@@ -423,6 +423,24 @@ def _calibration(planted: pd.DataFrame, real: pd.DataFrame | None) -> dict:
     return out
 
 
+def _gc_outputs_quick(table: pd.DataFrame) -> dict:
+    """docs/gc-outputs.md's tables, from the issue-13 quick run's docs/gc-outputs-quick.csv: per
+    output, the conditioning row and per bin the cells after the bin."""
+    out = {}
+    for output, rows in table.groupby("output"):
+        rows = rows.sort_values("left").reset_index(drop=True)
+        out[f"docs.gcoutputs.{output}.conditioning"] = (f"{_f(rows['eigengap'].iloc[0])} | {_f(rows['cos_ones'].iloc[0])} | "
+                                                        f"{_f(rows['null_low'].iloc[0])}–{_f(rows['null_high'].iloc[0])}")
+        for k, r in rows.iterrows():
+            flags = r["flags"] if isinstance(r["flags"], str) else ""
+            out[f"docs.gcoutputs.{output}.{k}"] = " | ".join([
+                f"{k} ({_f(r['left'])}–{_f(r['right'])})", f"{_f(r['abs_gc'])} [{_f(r['abs_gc_low'])}, {_f(r['abs_gc_high'])}]",
+                r["versus_null"], _f(r["sign_confidence"], 2),
+                f"{_f(r['mean_gradient'])} [{_f(r['mean_gradient_low'])}, {_f(r['mean_gradient_high'])}]",
+                _f(r["abs_gc_se"]), flags])
+    return out
+
+
 def claims(root: str | Path = ROOT) -> dict:
     """Every claim name -> its text, computed from the committed runs under ``root``."""
     root = Path(root)
@@ -435,6 +453,7 @@ def claims(root: str | Path = ROOT) -> dict:
     for make, folder in makers:
         out.update(make(folder))
     out.update(_router_table(pd.read_csv(root / "docs/router-table.csv")))
+    out.update(_gc_outputs_quick(pd.read_csv(root / "docs/gc-outputs-quick.csv")))
     planted, real = root / "docs/gc-calibration-planted.csv", root / "docs/gc-calibration.csv"
     if planted.is_file():
         out.update(_calibration(pd.read_csv(planted), pd.read_csv(real) if real.is_file() else None))
