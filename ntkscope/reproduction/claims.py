@@ -284,7 +284,7 @@ def cells(prefix: str, table: pd.DataFrame, key: str) -> dict:
                 text = _f(float(value), digits)
             slug = _slug(column)
             out[f"{name}.{slug}_value" if slug in pairs else f"{name}.{slug}"] = text  # a pair's name is its "mean ± std"
-            if column.startswith("share ") and isinstance(value, float):
+            if "share" in column and isinstance(value, float):
                 out[f"{name}.{_slug(column)}_pct"] = f"{100 * value:.0f} %"
             if column.endswith(" mean") and f"{column[:-5]} std" in row:
                 out[f"{name}.{_slug(column[:-5])}"] = f"{text} ± {_f(float(row[column[:-5] + ' std']), digits)}"
@@ -350,7 +350,11 @@ def _timings(t: Tables) -> dict:
     dense = seconds(r"train table-\w+-dense-seed\d")
     branches = seconds(r"train table-\w+-(switch|cse-mof|cse-moa|demix)-seed\d")
     tuned = seconds(r"train table-\w+-\w+-(legal|biomedical)-seed\d")
-    return {"tables.timings.dense": _range(dense, 0, " s"), "tables.timings.branches": _range(branches, 0, " s"),
+    train = [v for k, v in timings.items() if k.startswith("train ")]
+    evaluate = [v for k, v in timings.items() if k.startswith("evaluate ")]
+    return {"tables.timings.total_min": _f(sum(timings.values()) / 60, 1),
+            "tables.timings.train_min": _f(sum(train) / 60, 1), "tables.timings.evaluate_min": _f(sum(evaluate) / 60, 1),
+            "tables.timings.dense": _range(dense, 0, " s"), "tables.timings.branches": _range(branches, 0, " s"),
             "tables.timings.branches_but_max": _range(sorted(branches)[:-1], 0, " s"),
             "tables.timings.branch_max": _f(max(branches), 0) + " s", "tables.timings.tuned": _range(tuned, 0, " s")}
 
@@ -373,7 +377,8 @@ def _router_rows(table: pd.DataFrame) -> dict:
 
 
 def _router_table(table: pd.DataFrame) -> dict:
-    out = _router_rows(table)
+    keyed = table.assign(row=[f"{r.step}_{RULES[r.rule]}_{r.representation}_{r.proj_dim}" for r in table.itertuples()])
+    out = _router_rows(table) | cells("docs.routercell", keyed, "row")
     knee = table[table["rule"] == "dbscan-knee"]
     out["docs.router.knee.clusters"] = _range(knee["n_clusters"], 0)
     for step in sorted(knee["step"].unique()):
