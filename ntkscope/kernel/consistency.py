@@ -11,7 +11,7 @@ When the whole set's kernel Theta is at hand (methods ``"exact"`` and
 
     GC(X') = u^T Theta[:, S] u' / sqrt(lambda lambda')
 
-and every subset costs only an eigendecomposition of ``Theta[S, S]``; so do its bootstrap
+and every subset costs only an eigendecomposition of ``Theta[S, S]``; so do its jackknife
 interval, bias, sign confidence and null bands (:mod:`ntkscope.kernel.uncertainty`). The
 matrix-free method computes the two directions, and the two mean gradients, by weighted
 backward passes; without a kernel it reports the point value, the conditioning and the
