@@ -188,7 +188,7 @@ def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: st
     ax.set_xlabel("training step")
     ax.set_ylabel("excess over the random null")
     top.set_title(title or "GC of the long-tail subset over training", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig
 

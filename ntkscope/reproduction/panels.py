@@ -91,7 +91,8 @@ PANELS: dict[str, Panel] = {
                              f"{_n(int((t['fit_points']['cluster'].unique() >= 0).sum()), 'cluster')}")),
     "fig3a": Panel("fig3", 'plotting.gc_over_steps(t["gc_over_steps"], warmup=..., rule=...)',
                    lambda rep, t: plotting.gc_over_steps(
-                       t["gc_over_steps"], warmup=rep.plan().warmup_steps, rule=rep.plan().warmup_rule,
+                       t["gc_over_steps"], warmup=rep.plan().warmup_steps,
+                       rule=f"{rep.plan().warmup_rule}, plan.json: the CSE runs'",
                        title=f"dense GPT ({rep.settings.mode}): |GC| of the long tail ({rep.settings.gc_output})")),
     "fig3bc": Panel("fig3", 'plotting.layer_dynamics(t["dynamics"], t["router_dynamics"])',
                     lambda rep, t: plotting.layer_dynamics(t["dynamics"], t["router_dynamics"])),
