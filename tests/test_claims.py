@@ -64,3 +64,12 @@ def test_strict_json_writes_null_for_nan_and_infinities(tmp_path):
                                              "f": "x"}
     path = write_json(tmp_path / "r.json", data)
     assert strict_json_load(path)["b"] == [1.0, None, None]
+
+
+def test_every_committed_manifest_hash_is_its_file():
+    import hashlib
+
+    for run in ("figures/tail", "figures/tables"):
+        manifest = strict_json_load(ROOT / run / "manifest.json")
+        for name, digest in manifest["files"].items():
+            assert hashlib.sha256((ROOT / run / name).read_bytes()).hexdigest() == digest, f"{run}/{name}"
