@@ -35,6 +35,11 @@ class SparseConfig:
         checkpoints load and route as before; new CSE layers are format 2.
     normalise : CSE, format 2: whether the routing space is L2-normalised (cosine geometry).
     alpha : CSE: EMA factor of the centre update ``c <- alpha c + (1 - alpha) v'``.
+    mean_rate : CSE, format 2: drift handling. After each step the centring mean follows the
+        batch's sequence embeddings, ``mu <- (1 - mean_rate) mu + mean_rate mean(v)``, so a
+        shift common to all representations leaves the routing space where it was fitted and
+        small clusters keep reaching their experts. 0 (the default): Algorithm 1 as written,
+        mu fixed at the fit.
     capacity_factor, aux_weight : Switch: expert capacity and load-balancing loss weight.
     domains : DEMix: the domain label of each expert, in expert order.
     """
@@ -47,6 +52,7 @@ class SparseConfig:
     router_format: int = 1
     normalise: bool = False
     alpha: float = 0.99
+    mean_rate: float = 0.0
     capacity_factor: float = 1.25
     aux_weight: float = 0.01
     domains: list = field(default_factory=list)
@@ -84,6 +90,11 @@ class SparseConfig:
             raise ValueError(f"{where}: normalise needs router_format 2 (got router_format={self.router_format})")
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(f"{where}: alpha must be in [0, 1) (got {self.alpha!r})")
+        if not 0.0 <= self.mean_rate < 1.0:
+            raise ValueError(f"{where}: mean_rate must be in [0, 1) (got {self.mean_rate!r})")
+        if self.mean_rate and self.kind == "cse" and self.router_format < 2 and any(self.n_experts):
+            raise ValueError(f"{where}: mean_rate needs router_format 2 (a centring mean; got router_format="
+                             f"{self.router_format})")
         if self.proj_dim < 1 or self.capacity_factor <= 0 or self.aux_weight < 0:
             raise ValueError(f"{where}: proj_dim must be >= 1, capacity_factor > 0 and aux_weight >= 0 "
                              f"(got {self.proj_dim}, {self.capacity_factor}, {self.aux_weight})")

@@ -58,7 +58,7 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         as_t = lambda a: torch.as_tensor(a, device=weight.device, dtype=weight.dtype)  # noqa: E731
         layer = CSELayer([copy.deepcopy(dense) for _ in range(fit.n_clusters)], as_t(fit.projection),
                          as_t(fit.centres), as_t(fit.radii), sparse.alpha, mean=as_t(fit.mean),
-                         normalise=fit.normalise)
+                         normalise=fit.normalise, mean_rate=sparse.mean_rate)
         model._replace(i, layer)
         sparse.n_experts[n] = fit.n_clusters
         fits[i] = fit

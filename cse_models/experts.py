@@ -55,17 +55,21 @@ class CSELayer(nn.Module):
     the checkpoint): ``projection`` M (d', d), ``centres`` (C, d'), ``radii`` (C,) and, in router
     format 2, ``mean`` mu (d,); ``normalise`` says whether z is L2-normalised. ``mean=None`` is
     router format 1 (turn 1): ``z = M v``. No router parameters. ``load`` counts the sequences
-    sent to each expert since the last :meth:`reset_load`.
+    sent to each expert since the last :meth:`reset_load`. ``mean_rate`` > 0 (format 2): after
+    each step mu follows the batch's embeddings (drift handling, :class:`~cse_models.SparseConfig`).
     """
 
     def __init__(self, experts: list[nn.Module], projection: torch.Tensor, centres: torch.Tensor,
                  radii: torch.Tensor, alpha: float = 0.99, *, mean: torch.Tensor | None = None,
-                 normalise: bool = False):
+                 normalise: bool = False, mean_rate: float = 0.0):
         super().__init__()
         if mean is None and normalise:
             raise ValueError("CSELayer: normalise needs a router-format-2 layer (a mean)")
+        if mean is None and mean_rate:
+            raise ValueError("CSELayer: mean_rate needs a router-format-2 layer (a mean)")
         self.experts = nn.ModuleList(experts)
         self.alpha = float(alpha)
+        self.mean_rate = float(mean_rate)
         self.normalise = bool(normalise)
         if mean is not None:
             self.register_buffer("mean", mean.clone())
@@ -80,32 +84,38 @@ class CSELayer(nn.Module):
 
     def route(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence embeddings in the routing space (B, d') and the chosen expert of each sequence (B,)."""
-        v = sequence_embedding(x, key_mask)
+        return self._route(sequence_embedding(x, key_mask), x.dtype)
+
+    def _route(self, v: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mean is not None:
             v = v - self.mean.to(v.dtype)
-        z = v @ self.projection.to(x.dtype).T
+        z = v @ self.projection.to(dtype).T
         if self.normalise:
             z = F.normalize(z, dim=-1)
         scaled = torch.cdist(z, self.centres.to(z.dtype)) / self.radii.to(z.dtype)
         return z, scaled.argmin(dim=1)
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        z, assign = self.route(x, key_mask)
+        v = sequence_embedding(x, key_mask)
+        z, assign = self._route(v, x.dtype)
         if self.training:  # bookkeeping only in training: analyses (eval mode) see a pure function
-            self._pending = (z.detach(), assign.detach())
+            self._pending = (z.detach(), assign.detach(), v.detach().mean(0))
             with torch.no_grad():
                 self.load += torch.bincount(assign.detach(), minlength=len(self.experts)).to(self.load.device)
         return _dispatch(self.experts, x, key_mask, assign, self.per_sample_dispatch)
 
     @torch.no_grad()
     def update_centres(self) -> None:
-        """After a training step: each routed sequence moves its centre, ``c <- a c + (1 - a) z``, in batch order."""
+        """After a training step: each routed sequence moves its centre, ``c <- a c + (1 - a) z``, in
+        batch order; then, with ``mean_rate``, the centring mean follows the batch's mean embedding."""
         if self._pending is None:
             return
-        z, assign = self._pending
+        z, assign, batch_mean = self._pending
         self._pending = None
         for zi, j in zip(z.to(self.centres.dtype), assign.tolist()):
             self.centres[j].mul_(self.alpha).add_(zi, alpha=1.0 - self.alpha)
+        if self.mean_rate:
+            self.mean.mul_(1.0 - self.mean_rate).add_(batch_mean.to(self.mean.dtype), alpha=self.mean_rate)
 
     def reset_load(self) -> None:
         self.load.zero_()

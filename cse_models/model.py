@@ -40,7 +40,7 @@ def _sparse_module(config, dense: nn.Module, n_experts: int) -> nn.Module:
     d, dp = config.n_embd, sparse.route_dim(config.n_embd)
     mean = torch.zeros(d) if sparse.router_format >= 2 else None
     return CSELayer(experts, torch.zeros(dp, d), torch.zeros(n_experts, dp), torch.ones(n_experts), sparse.alpha,
-                    mean=mean, normalise=sparse.normalise)
+                    mean=mean, normalise=sparse.normalise, mean_rate=sparse.mean_rate if mean is not None else 0.0)
 
 
 def _init_weights(module: nn.Module) -> None:

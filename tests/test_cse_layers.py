@@ -294,3 +294,58 @@ def test_ntkscope_analyses_a_cse_model_per_expert(lm_batch):
     model.train()
     model(ids, batch["attention_mask"])
     assert (layer.load > 0).all()  # both experts were used in the analysis above
+
+
+class _Echo(torch.nn.Module):
+    def forward(self, x, key_mask=None):
+        return x
+
+
+def _drifting_router(mean_rate, drift, seed=0, steps=300, d=16):
+    """A router fitted (the CSE rule, centred cosine) on one big cluster and two small stable
+    ones, then trained on batches whose embeddings all drift by a common, growing shift: per
+    small cluster, the share of the members that reached its expert at the fit and still do."""
+    from ntkscope import fit_router
+
+    rng = np.random.default_rng(seed)
+    X = np.vstack([rng.normal(size=(400, d)) * 0.5 + np.eye(d)[0] * 3.0,
+                   rng.normal(size=(30, d)) * 0.1 + np.eye(d)[1] * 2.5,
+                   rng.normal(size=(30, d)) * 0.1 + np.eye(d)[2] * 2.5])
+    labels = np.repeat([0, 1, 2], [400, 30, 30])
+    fit = fit_router(X, min_cluster_size=10, min_samples=3)
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    layer = CSELayer([_Echo() for _ in range(fit.n_clusters)], t(fit.projection), t(fit.centres), t(fit.radii),
+                     0.99, mean=t(fit.mean), normalise=fit.normalise, mean_rate=mean_rate).train()
+    _, at_fit = layer._route(t(X), torch.float64)
+    own = {k: int(np.bincount(at_fit.numpy()[labels == k]).argmax()) for k in (1, 2)}
+    direction = rng.normal(size=d)
+    shift = np.zeros(d)
+    for _ in range(steps):
+        shift += drift * direction / np.linalg.norm(direction)
+        layer(t(X[rng.choice(len(X), 32)] + shift)[:, None, :])  # one-token sequences: v is the row itself
+        layer.update_centres()
+    _, now = layer._route(t(X + shift), torch.float64)
+    reached = {k: (labels == k) & (at_fit.numpy() == own[k]) for k in (1, 2)}
+    return {k: float((now.numpy()[reached[k]] == own[k]).mean()) for k in (1, 2)}
+
+
+def test_a_common_drift_starves_small_experts_unless_the_centring_mean_follows_it():
+    assert _drifting_router(0.0, 0.0) == {1: 1.0, 2: 1.0}  # no drift: Algorithm 1 keeps them
+    assert max(_drifting_router(0.0, 0.02).values()) < 0.1  # Algorithm 1 as written loses both small clusters
+    kept = _drifting_router(0.1, 0.02)
+    assert min(kept.values()) >= 0.9, kept  # the running centring mean keeps them (measured: 1.0, 1.0)
+
+
+def test_mean_rate_is_checked_and_saved(tmp_path):
+    with pytest.raises(ValueError, match=r"SparseConfig: mean_rate must be in \[0, 1\) \(got 1.5\)"):
+        SparseConfig(layers=[0], n_experts=[0], mean_rate=1.5).check(2)
+    with pytest.raises(ValueError, match=r"CSELayer: mean_rate needs a router-format-2 layer"):
+        CSELayer([_Echo()], torch.eye(2), torch.zeros(1, 2), torch.ones(1), mean_rate=0.1)
+    config = GPTConfig(vocab_size=40, block_size=12, n_layer=2, n_head=2, n_embd=8,
+                       sparse=SparseConfig(layers=[1], n_experts=[2], router_format=2, normalise=True, mean_rate=0.1))
+    model = GPT(config)
+    layer = model.sparse_layers()["transformer.h.1.mlp"]
+    assert layer.mean_rate == 0.1
+    model.save_pretrained(tmp_path)
+    again = GPT.from_pretrained(tmp_path)
+    assert again.config.sparse.mean_rate == 0.1 and again.sparse_layers()["transformer.h.1.mlp"].mean_rate == 0.1
