@@ -55,7 +55,8 @@ class CSELayer(nn.Module):
     the checkpoint): ``projection`` M (d', d), ``centres`` (C, d'), ``radii`` (C,) and, in router
     format 2, ``mean`` mu (d,); ``normalise`` says whether z is L2-normalised. ``mean=None`` is
     router format 1 (turn 1): ``z = M v``. No router parameters. ``load`` counts the sequences
-    sent to each expert since the last :meth:`reset_load`. ``mean_rate`` > 0 (format 2): after
+    sent to each expert since the last :meth:`reset_load`, and ``domain_load`` (E, D) the same by
+    the domain label when ``forward`` is given the batch's ``domains`` (bookkeeping only). ``mean_rate`` > 0 (format 2): after
     each step mu follows the batch's embeddings (drift handling, :class:`~cse_models.SparseConfig`).
     """
 
@@ -80,6 +81,7 @@ class CSELayer(nn.Module):
         self.register_buffer("radii", radii.clone())
         self.register_buffer("load", torch.zeros(len(experts), dtype=torch.long), persistent=False)
         self._pending: tuple | None = None
+        self.domain_load = torch.zeros(len(experts), 0, dtype=torch.long)  # (E, D) since the last reset
         self.per_sample_dispatch = False
 
     def route(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,14 +97,25 @@ class CSELayer(nn.Module):
         scaled = torch.cdist(z, self.centres.to(z.dtype)) / self.radii.to(z.dtype)
         return z, scaled.argmin(dim=1)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None,
+                domains: torch.Tensor | None = None) -> torch.Tensor:
         v = sequence_embedding(x, key_mask)
         z, assign = self._route(v, x.dtype)
         if self.training:  # bookkeeping only in training: analyses (eval mode) see a pure function
             self._pending = (z.detach(), assign.detach(), v.detach().mean(0))
             with torch.no_grad():
                 self.load += torch.bincount(assign.detach(), minlength=len(self.experts)).to(self.load.device)
+                if domains is not None:  # what each expert receives, by domain label (never used to route)
+                    self._count_domains(assign.detach().cpu(), domains.detach().cpu())
         return _dispatch(self.experts, x, key_mask, assign, self.per_sample_dispatch)
+
+    def _count_domains(self, assign: torch.Tensor, domains: torch.Tensor) -> None:
+        n_domains = max(int(domains.max()) + 1, self.domain_load.shape[1])
+        if n_domains > self.domain_load.shape[1]:
+            grown = torch.zeros(len(self.experts), n_domains, dtype=torch.long)
+            grown[:, :self.domain_load.shape[1]] = self.domain_load
+            self.domain_load = grown
+        self.domain_load.index_put_((assign, domains), torch.ones_like(assign), accumulate=True)
 
     @torch.no_grad()
     def update_centres(self) -> None:
@@ -119,6 +132,7 @@ class CSELayer(nn.Module):
 
     def reset_load(self) -> None:
         self.load.zero_()
+        self.domain_load.zero_()
 
 
 class SwitchFFN(nn.Module):

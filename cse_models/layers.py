@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cse_models.experts import DEMixLayer
+from cse_models.experts import CSELayer, DEMixLayer
 
 
 class SelfAttention(nn.Module):
@@ -83,6 +83,6 @@ class Block(nn.Module):
 
 
 def _apply(module: nn.Module, h: torch.Tensor, key_mask, domains) -> torch.Tensor:
-    if isinstance(module, DEMixLayer):
+    if isinstance(module, (DEMixLayer, CSELayer)):
         return module(h, key_mask, domains)
     return module(h, key_mask)

@@ -22,6 +22,7 @@ from cse_models.config import BERTConfig, GPTConfig
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN, sequence_embedding
 from cse_models.layers import Block
 from ntkscope.core.files import atomic_path, load_safetensors, read_json_object, write_json
+from ntkscope.core.lm import linear_cross_entropy, lm_loss
 from ntkscope.core.memory import check_fits
 
 CONFIG_NAME = "config.json"
@@ -130,6 +131,12 @@ class TransformerLM(nn.Module):
                 m.reset_load()
         return out
 
+    def routing_domains(self) -> dict[str, list[list[int]]]:
+        """{CSE layer name: (E, D) counts}: the sequences of each domain label sent to each expert
+        since the last :meth:`routing_load` reset (training with domain labels only)."""
+        return {name: m.domain_load.tolist() for name, m in self.sparse_layers().items()
+                if isinstance(m, CSELayer) and m.domain_load.numel()}
+
     @torch.no_grad()
     def module_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers,
                       module: str = "ffn", *, chunk: int = 256) -> dict[int, torch.Tensor]:
@@ -176,8 +183,25 @@ class TransformerLM(nn.Module):
         return self.transformer.ln_f(x)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                domains: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, attention_mask, domains))  # (B, T, V)
+                domains: torch.Tensor | None = None, positions: slice | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V); with ``positions`` (a slice of the T axis) only those positions'
+        logits, (B, len(positions), V): training's next-token loss asks for ``slice(None, -1)``
+        and so never builds (or back-propagates through) the last position's V logits.
+
+        With ``targets`` (B, len(positions)) token ids (none ignored), the summed cross-entropy
+        of those logits instead, a scalar: on CPU (float32, float64) by
+        :func:`ntkscope.core.lm.linear_cross_entropy` (the logits never held whole), elsewhere from
+        the logits in float32 (bf16 autocast on GPU) or float64.
+        """
+        h = self.hidden_states(input_ids, attention_mask, domains)
+        h = h if positions is None else h[:, positions]
+        if targets is None:
+            return self.lm_head(h)
+        if h.device.type == "cpu" and h.dtype in (torch.float32, torch.float64):
+            return linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1))
+        logits = self.lm_head(h)
+        return lm_loss(logits if logits.dtype == torch.float64 else logits.float(), targets, reduction="sum")
 
     # ---- checkpoints: config.json + model.safetensors ------------------------------------------
 

@@ -42,7 +42,7 @@ from cse_models.experts import DEMixLayer, SwitchFFN
 from cse_models.metrics import MetricsLog
 from cse_models.model import build_model, load_model
 from ntkscope.core.files import DirectoryLock, write_json
-from ntkscope.core.lm import causal_pairs, lm_loss as token_loss
+from ntkscope.core.lm import lm_loss as token_loss
 from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
 from ntkscope.representation.plan import Plan
 from ntkscope.text.corpus.pack import load_pack
@@ -182,8 +182,9 @@ def lm_loss(model, ids: torch.Tensor, domains: torch.Tensor, step: int, cfg: Tra
         logits = model(inputs, None, domains)
         keep = labels != -100
         return token_loss(logits.float(), labels, keep, reduction="sum"), keep.sum()
-    logits, targets, _ = causal_pairs(model(ids, None, domains), ids)
-    return token_loss(logits.float(), targets, reduction="sum"), torch.tensor(targets.numel(), device=ids.device)
+    targets = ids[:, 1:]  # causal_pairs without the last position's logits
+    loss_sum = model(ids, None, domains, positions=slice(None, -1), targets=targets)
+    return loss_sum, torch.tensor(targets.numel(), device=ids.device)
 
 
 # ---- the run --------------------------------------------------------------------------------
@@ -378,6 +379,9 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
         done = step + 1
         logging_step = done % cfg.log_every == 0 or done == end
         if logging_step:
+            by_domain = model.routing_domains()
+            if by_domain:
+                metrics["load_domains"] = by_domain
             metrics["load"] = model.routing_load()
         metrics_log.step(metrics, ids.numel() * world)
         bar.update(1)

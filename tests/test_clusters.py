@@ -203,6 +203,34 @@ def test_plan_on_a_known_series():
         make_plan(table, gc, top_k=5)
 
 
+def test_plan_small_cluster_rule_comes_first_and_labels_report_and_may_choose():
+    # the user's case of issue 28: a pure legal cluster at layers 2-3 from step 150; separation favours 0-1
+    table = pd.DataFrame({"step": [300] * 4, "layer": [0, 1, 2, 3], "separation": [4.0, 3.0, 1.0, 0.5]})
+    gc = pd.DataFrame({"step": [50, 100, 150, 200, 250, 300], "abs_gc": [0.2, 0.9, 0.2, 0.2, 0.2, 0.2],
+                       "abs_gc_se": 0.01, "null_median": 0.1, "flags": ""})  # a clear GC peak at 100
+    steps = [50, 100, 150, 200, 250, 300]
+
+    def summary(first):
+        return pd.DataFrame({"step": steps, "n_clusters": 2, "n_small": 1, "small_share": 0.1,
+                             "persisting_share": [1.0 if s >= first else 0.0 for s in steps], "min_jaccard": 0.6})
+
+    persistence = {0: summary(250), 1: summary(200), 2: summary(150), 3: summary(150)}
+    labels = pd.DataFrame([{"step": s, "layer": k, "n_clusters": 2, "n_pure": 1,
+                            "n_pure_tail": int(k >= 2 and s >= 150), "tail_share": 0.8 if k >= 2 and s >= 150 else 0.0}
+                           for s in steps for k in range(4)])
+    plan = make_plan(table, gc, persistence=persistence, labels=labels)
+    assert plan.layers == [0, 1] and plan.warmup_steps == 250 and plan.warmup_rule == "small-clusters-persist"
+    assert plan.evidence["gc_peak"]["shown"] and plan.evidence["gc_peak"]["step"] == 100  # evidence, not the rule
+    assert plan.evidence["layers_by_labels"] == [2, 3] and plan.evidence["layers_by_separation"] == [0, 1]
+    assert [r["n_pure_tail"] for r in plan.evidence["labels_at_warmup"]] == [0, 0, 1, 1]
+    chosen = make_plan(table, gc, persistence=persistence, labels=labels, choose_by="labels")
+    assert chosen.layers == [2, 3] and chosen.warmup_steps == 150 and chosen.warmup_rule == "tail-clusters"
+    assert chosen.chosen_by == "top-2 tail share (labels)"
+    assert make_plan(table, gc).warmup_rule == "gc-peak"  # without persistence, the shown peak decides
+    with pytest.raises(ValueError, match="make_plan: labels must be given when choose_by='labels'"):
+        make_plan(table, gc, choose_by="labels")
+
+
 def test_snapshots_annotate_clusters_with_domains_and_scores(tiny_run):
     run, batch, labels = tiny_run
     points, clusters = cluster_snapshots(run, batch, layer=2, steps=[2, 8], labels=labels[["domain", "score"]],
@@ -249,3 +277,20 @@ def test_plan_and_clusters_commands(tiny_run, tmp_path):
     assert len(pd.read_csv(tmp_path / "sep.csv")) == 3 and "CSE layers by top-2 separation" in one.stdout
     bad = in_process("plan", str(tmp_path), *args)
     assert bad.returncode == 1 and "has no checkpoints" in bad.stderr
+
+
+def test_plan_command_reports_the_labels_and_chooses_by_them_when_asked(tiny_run, tmp_path):
+    from ntkscope.app.commands import plan_command
+
+    run, _, _ = tiny_run
+    common = dict(n=48, seq_len=24, k_max=5, projection_dim=16, router={"min_cluster_size": 5, "min_samples": 3})
+    found = plan_command(run, "default", out=tmp_path / "plan.json", **common)
+    plan = found["plan"]
+    assert set(found["tail_labels"]) == {"legal", "biomedical"}  # every label but the most frequent (general)
+    assert plan.warmup_rule in ("small-clusters-persist", "gc-peak", "stable-clusters", "window-end")
+    assert set(plan.evidence["persistence"]) == {str(k) for k in plan.layers}
+    assert plan.evidence["layers_by_separation"] == plan.layers and len(plan.evidence["layers_by_labels"]) == 2
+    assert Plan.load(tmp_path / "plan.json") == plan
+    by_labels = plan_command(run, "default", out=tmp_path / "labels.json", choose_by="labels", **common)["plan"]
+    assert by_labels.layers == plan.evidence["layers_by_labels"]
+    assert by_labels.chosen_by == "top-2 tail share (labels)"

@@ -173,3 +173,38 @@ def test_progress_bars_follow_the_log_level_ci_and_the_switch(monkeypatch, capsy
     logger.setLevel(logging.WARNING)
     assert progress_shown()
     logger.setLevel(level)
+
+
+@pytest.mark.parametrize("n,chunk", [(37, 8), (64, 64), (5, 256)])
+def test_linear_cross_entropy_equals_the_logits_path_and_its_gradients(n, chunk):
+    from ntkscope.core.lm import linear_cross_entropy
+
+    torch.manual_seed(n)
+    h = torch.randn(n, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 6, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 13, (n,))
+    fused = linear_cross_entropy(h, weight, y, chunk=chunk)
+    plain = lm_loss(h @ weight.T, y, reduction="sum")
+    torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+    g_fused = torch.autograd.grad(2.5 * fused, (h, weight))
+    g_plain = torch.autograd.grad(2.5 * plain, (h, weight))
+    for a, b in zip(g_fused, g_plain):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_training_loss_equals_the_full_logits_path_in_float64():
+    """cse_models.train.lm_loss (no last-position logits; fused head on CPU) against every
+    position's logits shifted by causal_pairs: the same loss and the same gradients."""
+    from cse_models.train import TrainConfig, lm_loss as train_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, block_size=12, n_layer=2, n_head=2, n_embd=16)).double()
+    ids = torch.randint(0, 50, (4, 12))
+    loss_sum, count = train_loss(model, ids, None, 0, TrainConfig())
+    grads = torch.autograd.grad(loss_sum, list(model.parameters()))
+    logits, targets, _ = causal_pairs(model(ids), ids)
+    reference = lm_loss(logits, targets, reduction="sum")
+    torch.testing.assert_close(loss_sum, reference, rtol=1e-12, atol=1e-10)
+    assert int(count) == targets.numel()
+    for a, b in zip(grads, torch.autograd.grad(reference, list(model.parameters()))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -77,6 +77,20 @@ def test_dispatch_equals_brute_force_argmin(batch):
         expected = layer.experts[assign[b].item()](x[b:b + 1], key_mask[b:b + 1])
         torch.testing.assert_close(out[b:b + 1], expected)
     assert layer.load.tolist() == torch.bincount(assign, minlength=C).tolist()
+    assert layer.domain_load.numel() == 0  # no domain labels given: nothing counted by domain
+    domains = torch.tensor([0, 2, 1, 2, 0, 2])
+    layer.reset_load()
+    layer(x, key_mask, domains)
+    expected = torch.zeros(C, 3, dtype=torch.long)
+    for e, d in zip(assign.tolist(), domains.tolist()):
+        expected[e, d] += 1
+    assert torch.equal(layer.domain_load, expected)  # what each expert received, by domain
+    torch.testing.assert_close(layer(x, key_mask, domains), out)  # labels never change the routing
+    layer.eval()
+    layer(x, key_mask, domains)
+    assert torch.equal(layer.domain_load, 2 * expected)  # counted in training only
+    layer.reset_load()
+    assert layer.domain_load.sum() == 0 and layer.load.sum() == 0
 
 
 def test_ema_centre_update_matches_the_formula():

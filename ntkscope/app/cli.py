@@ -131,7 +131,8 @@ def _clusters(args) -> int:
 def _plan(args) -> int:
     r = commands.plan_command(args.run_dir, _source(args), **_analysis_options(args), module=args.module,
                               tail_fraction=args.tail_fraction, method=args.method, output=args.output,
-                              overlap=args.overlap, out=args.out)
+                              overlap=args.overlap, choose_by=args.choose_by,
+                              tail_labels=args.tail_labels.split(",") if args.tail_labels else None, out=args.out)
     _print_table("separation per checkpoint and layer:", r["separation"].pivot(
         index="step", columns="layer", values="separation").reset_index())
     _print_table(f"|GC| of the long tail (lowest {args.tail_fraction:.0%} frequency scores, n={r['n_tail']}, output "
@@ -139,6 +140,11 @@ def _plan(args) -> int:
     plan = r["plan"]
     peak = plan.evidence["gc_peak"]
     print(f"\n|GC| peak at step {peak['step']}: {'shown' if peak['shown'] else 'not shown'} ({peak['why']})")
+    if plan.evidence.get("labels_at_warmup") is not None:
+        _print_table(f"at the warm-up, what the router's clusters hold of the tail labels {r['tail_labels']}:",
+                     pd.DataFrame(plan.evidence["labels_at_warmup"]))
+        print(f"layers by separation {plan.evidence['layers_by_separation']}, by the labels' tail share "
+              f"{plan.evidence['layers_by_labels']}")
     print(f"plan: CSE layers {plan.layers} ({plan.chosen_by} at step {plan.evidence['scores_at_step']}), "
           f"warm-up {plan.warmup_steps} steps (rule: {plan.warmup_rule}) -> {args.out}")
     return 0
@@ -213,8 +219,29 @@ def _ntk(args) -> int:
     return 0
 
 
+def _sweep(args, out: Path) -> int:
+    from ntkscope.reproduction.settings import settings_for
+    from ntkscope.reproduction.sweep import ARM_NAMES, Sweep
+
+    arms = ARM_NAMES if not args.arms else tuple(a.strip() for a in args.arms.split(","))
+    unknown = sorted(set(arms) - set(ARM_NAMES))
+    if unknown:
+        raise InputError("--arms", f"must name arms of {list(ARM_NAMES)}", unknown)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    verdict = Sweep(out, settings_for("sweep"), arms=arms, pack=args.data).run()
+    print(f"sweep in {out}: tables in {out}/tables (arms.csv, paired.csv, load.csv, routing.csv, verdict.json)")
+    for arm, found in verdict.items():
+        print(f"  {arm}: {found.get('status')}" + (f", shown: {found['shown']}" if "shown" in found else ""))
+    return 0
+
+
 def _reproduce(args) -> int:
     out = Path(args.out or f"runs/reproduce-{args.mode}")
+    if args.mode == "sweep":
+        return _sweep(args, out)
     manifest = reproduce(out, args.mode, pack=args.data)
     plan = manifest["plan"]
     settings = manifest["settings"]
@@ -401,6 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--overlap", type=float, default=0.8,
                       help="adjusted Rand index between neighbouring checkpoints' router clusters above which they "
                       "count as stable (the warm-up's fallback rule; default 0.8)")
+    plan.add_argument("--tail-labels", help="comma-separated labels of the long tail, for the labels' evidence "
+                      "(default: every label of the data but the most frequent)")
+    plan.add_argument("--choose-by", choices=("structure", "labels"), default="structure",
+                      help="structure (default, label-free): layers by separation, warm-up from the small clusters' "
+                      "persistence; labels: layers where the tail's clusters hold the most tail sentences, warm-up "
+                      "at the first pure tail cluster")
     _add_method_arg(plan, "eigen")
     plan.add_argument("--out", default="plan.json", help="the plan file (default plan.json)")
     plan.set_defaults(run=_plan)
@@ -422,7 +455,15 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
                       help="every stage and every table row at toy size, a few minutes: checks the pipeline, the "
                       "results mean nothing")
+    size.add_argument("--sweep", dest="mode", action="store_const", const="sweep",
+                      help="the experiment that decides CSE: 3 seeds x arms (dense, CSE at the small-cluster rule, "
+                      "DEMix, Switch, CSE at the GC peak, drift handling, ...), each branched from its seed's dense "
+                      "trunk; hours of CPU, resumable per arm and seed, two processes may run side by side "
+                      "(docs/sweep.md)")
     rep.set_defaults(mode="quick")
+    rep.add_argument("--arms", help="--sweep: a comma-separated subset of the arms (default: all, in order)")
+    rep.add_argument("--threads", type=int, help="torch threads of this process (default: torch's; --sweep with "
+                     "two processes side by side on 2 cores: 1 each)")
     rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
     rep.add_argument("--data", "--pack", dest="data", help="a corpus pack directory (default: the shipped one; "
                      "--pack is the old name)")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ntkscope.core.checks import InputError
 from ntkscope.core.files import Staging, check_output, digest, write_json, write_table
 from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.kernel.distributed import from_rank0, writes
@@ -27,7 +28,7 @@ from ntkscope.representation.clusters import layer_separation
 from ntkscope.representation.plan import gc_peak, make_plan
 from ntkscope.runs.checkpoints import (check_vocab, checkpoint_tokenizer, is_run_dir, list_checkpoints,
                                        load_checkpoint)
-from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_dynamics
+from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_dynamics, router_persistence
 from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.gc import GC_OUTPUT, gc_by_bins, gc_sensitivity
 from ntkscope.text.corpus.pack import load_pack
@@ -266,18 +267,35 @@ def clusters_command(target, data="default", *, tokenizer=None, n: int = 256, se
 def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_len: int = 64,
                  point: str = "block", k_max: int = 10, projection_dim: int = 64, top_k: int = 2, seed: int = 0,
                  module: str = "ffn", tail_fraction: float = 1 / 3, method: str = "auto", output: str = GC_OUTPUT,
-                 overlap: float = 0.8, router: dict | None = None, out="plan.json") -> dict:
-    """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``:
+                 overlap: float = 0.8, router: dict | None = None, tail_labels=None, choose_by: str = "structure",
+                 out="plan.json") -> dict:
+    """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``
+    (:func:`~ntkscope.make_plan`'s rules): the earliest checkpoint from which the router's small
+    clusters persist (:func:`~ntkscope.fit_router` with ``router``, default its defaults), else
     the long tail's GC peak when its statistics show one, else the earliest checkpoint whose
-    router clusters (:func:`~ntkscope.fit_router` with ``router``, default its defaults) are
-    stable (adjusted Rand >= ``overlap``)."""
+    router clusters are stable (adjusted Rand >= ``overlap``). When the data's sentences carry
+    two or more labels, the plan also reports what the clusters hold of the ``tail_labels``
+    (default: every label but the most frequent), and ``choose_by="labels"`` chooses by them."""
     check_output("plan", out, kind="file")
     ad = _analysis_sentences(run_dir, data, tokenizer, n, seq_len, seed, run=True)
     table = cluster_dynamics(run_dir, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
     gc = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=Resampling(seed=seed))
-    ffn_point = "attn_input" if module == "attn" else "ffn_input"
-    plan = make_plan(table, gc, top_k=top_k, module=module, overlap=overlap, stability=lambda layers: router_dynamics(
-        run_dir, ad.batch, layers, point=ffn_point, router={"seed": seed, **(router or {})}))
+    labelled = ad.labels["label"].nunique() >= 2
+    if tail_labels is None and labelled:
+        counts = ad.labels["label"].value_counts()
+        tail_labels = sorted(counts.index[counts.index != counts.idxmax()])
+    if choose_by == "labels" and not labelled:
+        raise InputError("choose_by", "'labels' needs data whose sentences carry two or more labels", choose_by,
+                         func="ntkscope plan")
+    routing = dict(point="attn_input" if module == "attn" else "ffn_input", router={"seed": seed, **(router or {})},
+                   **({"domains": ad.labels["label"].astype(str).tolist(), "tail": list(tail_labels)} if labelled else {}))
+    every = list(range(int(table["layer"].max()) + 1))  # one router fit per checkpoint and layer, shared
+    plan = make_plan(table, gc, top_k=top_k, module=module, overlap=overlap, choose_by=choose_by,
+                     persistence=lambda layers: {k: v for k, v in router_persistence(
+                         run_dir, ad.batch, every, **routing).items() if k in layers},
+                     labels=(lambda layers: router_dynamics(run_dir, ad.batch, every, **routing)) if labelled else None,
+                     stability=lambda layers: router_dynamics(run_dir, ad.batch, every, **routing).query(
+                         "layer in @layers"))
     plan.save(out)
-    return {"separation": table, "gc": gc, "n_tail": len(tail), "plan": plan}
+    return {"separation": table, "gc": gc, "n_tail": len(tail), "plan": plan, "tail_labels": tail_labels}

@@ -73,6 +73,8 @@ def _remove(path: Path) -> None:
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (a temporary name, then a rename), making its folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         tmp.write_text(text)
     return Path(path)

@@ -90,3 +90,43 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return x.mean(dim=1)
     w = mask.to(x.dtype).unsqueeze(-1)  # (B, T, 1)
     return (x * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(h_i W^T, y_i) with both gradients formed in the forward pass, ``chunk`` rows at a
+    time, so the (N, V) logits are never held whole: each chunk's logits become its softmax in
+    place, then ``p - onehot``, then ``dh = g W`` and ``dW += g^T h``."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk):
+        loss = h.new_zeros(())
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros_like(weight)
+        for i in range(0, h.shape[0], chunk):
+            x, y = h[i:i + chunk], targets[i:i + chunk]
+            logits = x @ weight.T  # (c, V)
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            probs = logits.sub_(lse[:, None]).exp_()
+            probs[torch.arange(len(y), device=y.device), y] -= 1
+            torch.mm(probs, weight, out=grad_h[i:i + chunk])
+            grad_w.addmm_(probs.T, x)
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad, grad_w * grad, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         chunk: int = 256) -> torch.Tensor:
+    """The summed token cross-entropy of the logits ``h @ weight.T`` against ``targets``, without
+    the (N, V) logits: h (N, d), weight (V, d) (an LM head), targets (N,) ids (no ignored ones)
+    -> a scalar. Equals ``lm_loss(h @ weight.T, targets, reduction="sum")`` and its gradients (to
+    float rounding: tests/test_core.py compares them in float64). For a small model on CPU the
+    V-wide logits' memory traffic (softmax, its backward, the zero-filled NLL gradient) costs as
+    much as the head's matmuls; chunks of ``chunk`` rows stay in cache (benchmarks/bench_training.py).
+    Gradients are formed whether or not they are asked for: a training-only path."""
+    return _LinearCrossEntropy.apply(h, weight, targets, chunk)

@@ -2,17 +2,25 @@
 (docs/design.md §3), with the evidence that chose them.
 
 - Layers: the largest separation scores (top-k, default 2), or every layer whose score is
-  at least ``min_fraction`` of the best. Scores are taken at the checkpoint closest to the
-  warm-up's end when a series is given (that is when CSE layers are built).
+  at least ``min_fraction`` of the best. Scores are taken at the window's last checkpoint (at
+  the GC peak when only GC decides the warm-up). With domain labels, the plan also records the
+  layers where the tail's clusters hold the most tail sequences, and ``choose_by="labels"``
+  takes those.
 - Warm-up, by the first rule that decides (the plan records which, with its evidence):
-  1. ``"gc-peak"``: the checkpoint where the long tail's |GC| stands highest over its random
+  1. ``"small-clusters-persist"``: the earliest checkpoint from which the router's small
+     (non-largest) clusters persist at every chosen layer (:mod:`ntkscope.representation.
+     persistence`): Algorithm 1 freezes the cluster structure at the warm-up, which is safe
+     only once the long tail's clusters are stable;
+  2. ``"gc-peak"``: the checkpoint where the long tail's |GC| stands highest over its random
      null, when the statistics show a peak on that excess: a rise and a fall beyond the noise,
      unflagged checkpoints only (:func:`gc_peak`);
-  2. ``"stable-clusters"``: else the earliest checkpoint whose router clusters, at every chosen
+  3. ``"stable-clusters"``: else the earliest checkpoint whose router clusters, at every chosen
      layer, have the same count as at the next checkpoint and an adjusted Rand index with it
      of at least ``overlap`` (:func:`stable_step`; the table comes from
      :func:`ntkscope.runs.dynamics.router_dynamics`);
-  3. ``"window-end"``: else the last checkpoint considered.
+  4. ``"window-end"``: else the last checkpoint considered.
+  With ``choose_by="labels"``, ``"tail-clusters"`` (the earliest checkpoint with a pure tail
+  cluster at every chosen layer) comes first.
 
 A plan is a small JSON file that ``cse_models`` training reads directly: a config with
 ``plan: PLAN.json`` and ``sparse.layers: auto`` / ``cse.warmup_steps: auto`` takes both.
@@ -29,6 +37,7 @@ import pandas as pd
 
 from ntkscope.core.checks import check_positive_int, entry, fail
 from ntkscope.core.files import write_json
+from ntkscope.representation.persistence import persistent_step
 
 PLAN_FORMAT = 2
 GC_COLUMNS = ("step", "abs_gc", "abs_gc_se", "null_median", "flags")
@@ -37,11 +46,14 @@ GC_COLUMNS = ("step", "abs_gc", "abs_gc_se", "null_median", "flags")
 @dataclass(frozen=True)
 class Plan:
     """layers: chosen block indices; module: "ffn" or "attn"; warmup_steps (None without a GC
-    series or a stability table); chosen_by: the layer rule; warmup_rule: "gc-peak",
-    "stable-clusters", "window-end" or None; evidence: {"separation": [{"layer",
-    "separation"}], "scores_at_step", "gc": [per checkpoint: step, abs_gc, interval, null band,
-    ...], "gc_peak": {"step", "shown", "why"}, "stability": [{"step", "layer", "n_clusters",
-    "overlap_next"}], "overlap"}."""
+    series or a stability table); chosen_by: the layer rule; warmup_rule:
+    "small-clusters-persist", "tail-clusters", "gc-peak", "stable-clusters", "window-end" or
+    None; evidence: {"separation": [{"layer", "separation"}], "scores_at_step", "gc": [per
+    checkpoint: step, abs_gc, interval, null band, ...], "gc_peak": {"step", "shown", "why"},
+    "persistence": {layer: [per step: n_small, small_share, persisting_share, ...]},
+    "min_persisting", "labels": [per step and layer: n_pure_tail, tail_share, ...],
+    "labels_at_warmup", "layers_by_labels", "layers_by_separation", "stability": [{"step",
+    "layer", "n_clusters", "overlap_next"}], "overlap"}, each only when measured."""
 
     layers: list
     module: str
@@ -174,32 +186,93 @@ def choose_layers(separation: pd.DataFrame, *, top_k: int | None = 2, min_fracti
     return [int(x) for x in (chosen["layer"] if min_fraction is not None else chosen["layer"].head(top_k))]
 
 
+def _records(frame: pd.DataFrame) -> list:
+    return json.loads(frame.to_json(orient="records"))
+
+
+def _label_layers(labels: pd.DataFrame, top_k: int) -> list:
+    """The ``top_k`` layers where the tail's clusters hold the most tail sequences (tail_share,
+    best over the window's steps; ties to the purer, then the shallower layer)."""
+    best = labels.groupby("layer").agg(tail_share=("tail_share", "max"), n_pure_tail=("n_pure_tail", "max"))
+    best = best.reset_index().sort_values(["tail_share", "n_pure_tail", "layer"], ascending=[False, False, True])
+    return sorted(int(x) for x in best["layer"].head(top_k))
+
+
+def _tail_step(labels: pd.DataFrame, layers) -> int | None:
+    """The earliest step at which every one of ``layers`` has a pure tail cluster."""
+    for step, group in labels.sort_values("step").groupby("step", sort=True):
+        have = group.set_index("layer")
+        if all(layer in have.index and have.at[layer, "n_pure_tail"] >= 1 for layer in layers):
+            return int(step)
+    return None
+
+
 def make_plan(separation: pd.DataFrame, gc: pd.DataFrame | None = None, *, stability=None, overlap: float = 0.8,
-              top_k: int | None = 2, min_fraction: float | None = None, module: str = "ffn") -> Plan:
+              top_k: int | None = 2, min_fraction: float | None = None, module: str = "ffn", persistence=None,
+              min_persisting: float = 0.8, labels=None, choose_by: str = "structure") -> Plan:
     """A plan from a separation table (one model, or a series with a ``step`` column) and,
-    optionally, the long tail's GC over checkpoints (a :func:`ntkscope.gc_series` table) and the
-    router's stability (a :func:`ntkscope.runs.dynamics.router_dynamics` table, or a callable
-    ``layers -> table``, called only when the GC peak does not decide). The steps of ``gc`` (or
-    of ``stability``) are the window the warm-up is chosen from."""
+    optionally, the long tail's GC over checkpoints (a :func:`ntkscope.gc_series` table), the
+    persistence of the router's small clusters (``persistence``: {layer:
+    :func:`~ntkscope.representation.persistence.persistence_summary`}, or a callable ``layers ->``
+    that dict), the router's stability (a :func:`ntkscope.runs.dynamics.router_dynamics` table,
+    or a callable ``layers -> table``) and what the router's clusters hold by domain label
+    (``labels``: a router_dynamics table made with ``domains`` and ``tail``, or a callable
+    ``layers -> table``). The steps of ``gc`` (or of the other tables) are the window the
+    warm-up is chosen from.
+
+    Warm-up rules, the first that decides: "small-clusters-persist" (:func:`~ntkscope.
+    representation.persistence.persistent_step` with ``min_persisting``), "gc-peak" (shown on the
+    excess over the null), "stable-clusters", "window-end". ``choose_by="labels"`` (needs
+    ``labels``) instead takes the layers whose clusters hold the most tail sequences and the
+    earliest step with a pure tail cluster at each ("tail-clusters"). With labels, the evidence
+    records what the clusters hold at the chosen step, and the layers the labels would choose."""
     if module not in ("ffn", "attn"):
         raise fail("make_plan", "module", "must be 'ffn' or 'attn'", module)
     if not {"layer", "separation"} <= set(separation.columns):
         raise fail("make_plan", "separation", "must have columns layer and separation", list(separation.columns))
+    if choose_by not in ("structure", "labels"):
+        raise fail("make_plan", "choose_by", "must be 'structure' or 'labels'", choose_by)
+    if choose_by == "labels" and labels is None:
+        raise fail("make_plan", "labels", "must be given when choose_by='labels' (a router_dynamics table made "
+                   "with domains and tail)", None)
     evidence = {}
     warmup, rule = None, None
     if gc is not None:
         evidence["gc_peak"] = gc_peak(gc)
-        evidence["gc"] = json.loads(gc.to_json(orient="records"))
-        if evidence["gc_peak"]["shown"]:
-            warmup, rule = evidence["gc_peak"]["step"], "gc-peak"
+        evidence["gc"] = _records(gc)
     window = sorted(gc["step"]) if gc is not None else None
     table, at_step = separation, None
     if "step" in separation.columns:
         steps = sorted(separation["step"].unique())
-        target = warmup if warmup is not None else (window[-1] if window else steps[-1])
+        peak_first = gc is not None and evidence["gc_peak"]["shown"] and persistence is None and choose_by != "labels"
+        target = evidence["gc_peak"]["step"] if peak_first else (window[-1] if window else steps[-1])
         at_step = int(min(steps, key=lambda s: (abs(s - target), -s)))
         table = separation[separation["step"] == at_step]
     layers = sorted(choose_layers(table, top_k=None if min_fraction else top_k, min_fraction=min_fraction))
+    label_table = None
+    if labels is not None:
+        label_table = labels(list(range(int(separation["layer"].max()) + 1))) if callable(labels) else labels
+        if window:
+            label_table = label_table[label_table["step"] <= window[-1]]
+        evidence["labels"] = _records(label_table[[c for c in ("step", "layer", "n_clusters", "n_pure", "n_pure_tail",
+                                                                "tail_share") if c in label_table.columns]])
+        evidence["layers_by_labels"] = _label_layers(label_table, len(layers))
+        evidence["layers_by_separation"] = layers
+        if choose_by == "labels":
+            layers = evidence["layers_by_labels"]
+            warmup = _tail_step(label_table, layers)
+            rule = "tail-clusters" if warmup is not None else None
+    if warmup is None and persistence is not None:
+        found = persistence(layers) if callable(persistence) else {k: persistence[k] for k in layers}
+        if window:
+            found = {k: t[t["step"] <= window[-1]] for k, t in found.items()}
+        evidence["persistence"] = {str(k): _records(t) for k, t in found.items()}
+        evidence["min_persisting"] = min_persisting
+        warmup = persistent_step(found, min_persisting=min_persisting)
+        rule = "small-clusters-persist" if warmup is not None else None
+        window = window or sorted(set.intersection(*(set(t["step"]) for t in found.values())))
+    if warmup is None and gc is not None and evidence["gc_peak"]["shown"]:
+        warmup, rule = evidence["gc_peak"]["step"], "gc-peak"
     if warmup is None and stability is not None:
         stable = stability(layers) if callable(stability) else stability
         if window:
@@ -212,6 +285,11 @@ def make_plan(separation: pd.DataFrame, gc: pd.DataFrame | None = None, *, stabi
     if warmup is None and window:
         warmup, rule = int(window[-1]), "window-end"
     rule_layers = f"separation >= {min_fraction:g} x best" if min_fraction else f"top-{top_k} separation"
+    if choose_by == "labels":
+        rule_layers = f"top-{len(layers)} tail share (labels)"
+    if label_table is not None and warmup is not None:
+        evidence["labels_at_warmup"] = _records(label_table[label_table["step"] == warmup][
+            [c for c in ("layer", "n_clusters", "n_pure_tail", "tail_share") if c in label_table.columns]])
     evidence.update(separation=[{"layer": int(r.layer), "separation": float(r.separation)} for r in table.itertuples()],
                     scores_at_step=at_step)
     return Plan(layers, module, warmup, rule_layers, evidence, rule)

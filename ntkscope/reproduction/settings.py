@@ -130,6 +130,9 @@ PRESETS = {
     "tail": ReproduceSettings(
         mode="tail", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=1600, checkpoint_every=100,
         early_every=25, early_until=300, seeds=3, compare_until=600, gc_draws=3),
+    "sweep": ReproduceSettings(
+        mode="sweep", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=2400, checkpoint_every=100,
+        early_every=25, early_until=300, seeds=3, figures=False),
     "tables": ReproduceSettings(
         mode="tables", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=400, checkpoint_every=400,
         finetune_steps=40, seeds=3, table_archs=("gpt", "bert"), table_layers=(2, 3), table_warmup=75,

@@ -100,12 +100,14 @@ def train_demix(settings: ReproduceSettings, out_dir: Path, pack: str | None, de
 
 def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
               warmup: int, seed: int | None = None, stop_at: int | None = None, base: dict | None = None,
-              module: str = "ffn") -> Path:
+              module: str = "ffn", mean_rate: float = 0.0) -> Path:
     """CSE on ``module`` ("ffn": MoF, "attn": MoA) at ``layers``: from the dense run at
     ``warmup``; the router is fitted there on ``cse_samples`` training blocks
-    (:func:`ntkscope.fit_router` with the settings' rule and representation) and training goes on."""
+    (:func:`ntkscope.fit_router` with the settings' rule and representation) and training goes on.
+    ``mean_rate``: the router's drift handling (:class:`cse_models.config.SparseConfig`; 0:
+    Algorithm 1 as written)."""
     sparse = {"kind": "cse", "module": module, "layers": list(layers), "n_experts": [0] * len(layers),
-              "proj_dim": settings.proj_dim, "router_format": 2}
+              "proj_dim": settings.proj_dim, "router_format": 2, "mean_rate": float(mean_rate)}
     cse = {"warmup_steps": int(warmup), "n_samples": settings.cse_samples, "rule": settings.router_rule,
            "representation": settings.router_representation, "min_cluster_size": settings.min_cluster_size,
            "min_samples": settings.min_samples, "max_experts": settings.max_experts, "on_no_cluster": "single"}

@@ -17,6 +17,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from sklearn.decomposition import PCA
 from sklearn.metrics import adjusted_rand_score
@@ -26,6 +27,7 @@ from ntkscope.core.files import JsonCache, digest
 from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.consistency import gradient_consistency
 from ntkscope.kernel.uncertainty import Resampling
+from ntkscope.representation.persistence import cluster_persistence, persistence_summary
 from ntkscope.representation.clusters import LAYER_COLUMNS, ElbowKMeans, layer_separation, random_projection
 from ntkscope.representation.router import fit_router
 from ntkscope.representation.structure import cluster_purity, domain_silhouette, knn_lift
@@ -155,6 +157,21 @@ def router_dynamics(run_dir, batch: dict, layers=None, *, domains=None, tail=(),
     n_pure, n_pure_tail, tail_share (and per ``tail`` domain), ari, and per domain the kNN lift
     and silhouette in the routing space. Cached per checkpoint like :func:`cluster_dynamics`.
     """
+    checkpoints, results = _router_fits(run_dir, batch, layers, domains, tail, point, router, steps, cache_dir)
+    rows = []
+    for i, (step, _) in enumerate(checkpoints):
+        for layer, found in results[i].items():
+            labels = found.pop("labels")
+            after = results[i + 1][layer]["labels"] if i + 1 < len(checkpoints) else None
+            rows.append({"step": step, "layer": int(layer), **found,
+                         "overlap_next": float(adjusted_rand_score(labels, after)) if after else float("nan")})
+            found["labels"] = labels
+    frame = pd.DataFrame(rows)
+    return frame[STABILITY_COLUMNS + [c for c in frame.columns if c not in STABILITY_COLUMNS]]
+
+
+def _router_fits(run_dir, batch, layers, domains, tail, point, router, steps, cache_dir):
+    """[(step, path)] and, per checkpoint, {layer: _router_layer(...)}, cached per checkpoint."""
     checkpoints = list_checkpoints(run_dir)
     if steps is not None:
         checkpoints = [(s, p) for s, p in checkpoints if s in set(steps)]
@@ -172,16 +189,24 @@ def router_dynamics(run_dir, batch: dict, layers=None, *, domains=None, tail=(),
             return {str(layer): _router_layer(X, domains, tail, router) for layer, X in emb.items()}
         results.append(cache.get(f"step-{step:06d}", key, compute))
         progress.step(f"step {step}")
-    rows = []
-    for i, (step, _) in enumerate(checkpoints):
-        for layer, found in results[i].items():
-            labels = found.pop("labels")
-            after = results[i + 1][layer]["labels"] if i + 1 < len(checkpoints) else None
-            rows.append({"step": step, "layer": int(layer), **found,
-                         "overlap_next": float(adjusted_rand_score(labels, after)) if after else float("nan")})
-            found["labels"] = labels
-    frame = pd.DataFrame(rows)
-    return frame[STABILITY_COLUMNS + [c for c in frame.columns if c not in STABILITY_COLUMNS]]
+    return checkpoints, results
+
+
+def router_persistence(run_dir, batch: dict, layers=None, *, domains=None, tail=(), point: str = "ffn_input",
+                       router: dict | None = None, steps=None, cache_dir=None, horizon: int = 2,
+                       threshold: float = 0.5) -> dict:
+    """Per layer, :func:`~ntkscope.representation.persistence.persistence_summary` of the
+    router's clusters of ``batch`` over a run: do its small clusters persist? The same fits (and
+    cache) as :func:`router_dynamics` with the same arguments; ``horizon`` and ``threshold`` are
+    :func:`~ntkscope.representation.persistence.cluster_persistence`'s. Returns {layer: table}."""
+    checkpoints, results = _router_fits(run_dir, batch, layers, domains, tail, point, router, steps, cache_dir)
+    n = len(next(iter(batch.values())))
+    out = {}
+    for layer in results[0] if results else {}:
+        labels = {step: np.asarray(found[layer]["labels"]) for (step, _), found in zip(checkpoints, results)}
+        table = cluster_persistence(labels, horizon=horizon, threshold=threshold)
+        out[int(layer)] = persistence_summary(table, n)
+    return out
 
 
 def cluster_snapshots(run_dir, batch: dict, layer: int, steps, *, labels: pd.DataFrame | None = None,

@@ -1,0 +1,279 @@
+"""The experiment that decides CSE: arms x seeds, each arm branched from its seed's dense trunk.
+
+``ntkscope reproduce --sweep`` (docs/sweep.md; the pre-registered verdict is in
+figures/sweep/README.md). Per seed (initialisation and data order), one dense trunk trains the
+whole schedule; every other arm starts from the trunk's checkpoint at its warm-up and trains to
+the same final step, so every arm sees the same tokens::
+
+    RUN/models/dense-seedK            the trunk (the "dense" arm)
+    RUN/models/ARM-seedK              the other arms (ARMS)
+    RUN/plans/seedK.json              the trunk's plan: the small-cluster rule's warm-up and its evidence
+    RUN/results/ARM-seedK.json        one finished unit: test perplexity per domain, routing, wall time
+    RUN/tables/*.csv                  arms (arm x seed), paired tests, per-50-step load and purity
+
+A unit (arm, seed) is resumable (training resumes from its last checkpoint) and locked while
+it runs, so two processes can work side by side (``--threads 1`` each on 2 cores): each takes
+the first unit, in ARMS order and then seed order, that is neither done nor held and whose
+trunk checkpoints exist. :func:`summarise` builds the tables from the units that finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from cse_models.evaluate import _at_most, _is_demix, demix_prior, perplexity_by_domain
+from cse_models.model import load_model
+from cse_models.train import fitting_sample, load_data, TrainConfig
+from cse_models.data import pack_blocks
+from ntkscope.core.files import DirectoryLock, write_json
+from ntkscope.representation.persistence import persistent_step
+from ntkscope.representation.plan import Plan
+from ntkscope.reproduction import training
+from ntkscope.reproduction.analyses import router_options
+from ntkscope.reproduction.settings import ReproduceSettings
+from ntkscope.reproduction.sweep_tables import summarise
+from ntkscope.runs.checkpoints import list_checkpoints
+from ntkscope.runs.dynamics import router_dynamics, router_persistence
+from ntkscope.text.corpus.pack import load_pack
+
+log = logging.getLogger(__name__)
+
+LAYERS = (2, 3)      # figures/tail/plan_rechecked.json: the top-2 separation layers of the tail run
+GC_PEAK_STEP = 75    # figures/tail/plan.json: the GC-peak warm-up every earlier CSE run used
+DRIFT_RATE = 0.1     # SparseConfig.mean_rate of the drift-handling arms (the planted test's value)
+HORIZON, THRESHOLD, MIN_PERSISTING = 2, 0.5, 0.8  # the small-cluster rule (docs/sweep.md)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """name; kind "dense" (the trunk), "cse", "switch" or "demix"; at: the warm-up, "rule"
+    (the trunk's small-cluster rule), "gc-peak" (GC_PEAK_STEP), "late" (half the schedule);
+    mean_rate: CSE drift handling; what: one line for the tables."""
+
+    name: str
+    kind: str
+    at: str | None = None
+    mean_rate: float = 0.0
+    what: str = ""
+
+
+ARMS = (  # in the order they run: the core arms of every seed first
+    Arm("dense", "dense", None, what="the trunk, continued to the end"),
+    Arm("cse-rule", "cse", "rule", what="CSE at the small-cluster rule's warm-up, Algorithm 1 as written"),
+    Arm("demix", "demix", "rule", what="DEMix (domain labels) upcycled at the rule's step: the labelled upper bound"),
+    Arm("switch-rule", "switch", "rule", what="Switch upcycled at the rule's step, experts = CSE's (capacity control)"),
+    Arm("cse-gc", "cse", "gc-peak", what="CSE at the GC-peak warm-up (step 75), Algorithm 1 as written"),
+    Arm("cse-rule-drift", "cse", "rule", DRIFT_RATE, what="CSE at the rule's step with drift handling"),
+    Arm("cse-gc-drift", "cse", "gc-peak", DRIFT_RATE, what="CSE at step 75 with drift handling"),
+    Arm("cse-late", "cse", "late", what="CSE at a fixed late step (half the schedule)"),
+)
+ARM_NAMES = tuple(a.name for a in ARMS)
+
+
+class Sweep:
+    """The sweep in ``run_dir`` at ``settings`` (the "sweep" preset); ``arms``: names of ARMS to
+    run; ``gc_peak_step``: the "gc-peak" arms' warm-up (a trunk checkpoint); ``layers``: the
+    sparse layers of every arm, where the rule also looks."""
+
+    def __init__(self, run_dir, settings: ReproduceSettings, *, arms=ARM_NAMES, pack=None,
+                 gc_peak_step: int = GC_PEAK_STEP, layers=LAYERS):
+        self.run_dir, self.settings, self.gc_peak_step = Path(run_dir), settings, int(gc_peak_step)
+        self.layers = [int(i) for i in layers]
+        self.arms = [a for a in ARMS if a.name in set(arms)]
+        self.pack, self.pack_arg = load_pack(pack), pack
+        self.seeds = list(range(settings.seed, settings.seed + settings.seeds))
+
+    # ---- where things live ------------------------------------------------------------------
+
+    def model_dir(self, arm: str, seed: int) -> Path:
+        return self.run_dir / "models" / f"{arm}-seed{seed}"
+
+    def result_path(self, arm: str, seed: int) -> Path:
+        return self.run_dir / "results" / f"{arm}-seed{seed}.json"
+
+    def domain_names(self) -> list:
+        """The corpus's domains, in label order."""
+        cfg = TrainConfig(data={"pack": str(self.pack.path), "seq_len": self.settings.seq_len})
+        return list(load_data(cfg)[0].domain_names)
+
+    def done(self, arm: str, seed: int) -> bool:
+        return self.result_path(arm, seed).is_file()
+
+    def _trunk_steps(self, seed: int) -> set:
+        return {s for s, _ in list_checkpoints(self.model_dir("dense", seed))} \
+            if (self.model_dir("dense", seed) / "checkpoints").is_dir() else set()
+
+    # ---- the plan of each trunk ---------------------------------------------------------------
+
+    def _window(self) -> list:
+        s = self.settings
+        return list(range(s.checkpoint_every, int(s.max_warmup_fraction * s.steps) + 1, s.checkpoint_every))
+
+    def plan_ready(self, seed: int) -> bool:
+        last = self._window()[-1] + HORIZON * self.settings.checkpoint_every
+        return set(self._window()) | {last} <= self._trunk_steps(seed)
+
+    def fitting(self, seed: int) -> dict:
+        """The ``cse_samples`` training blocks a CSE conversion of this seed clusters."""
+        cfg = TrainConfig(data={"pack": str(self.pack.path), "seq_len": self.settings.seq_len})
+        blocks, _ = load_data(cfg)
+        idx = fitting_sample(len(blocks), self.settings.cse_samples, seed)
+        ids = blocks.input_ids[idx]
+        return {"batch": {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                "domains": [blocks.domain_names[int(d)] for d in blocks.domains[idx]]}
+
+    def plan(self, seed: int) -> Plan:
+        """The trunk's warm-up by the small-cluster rule at LAYERS, over checkpoints every
+        ``checkpoint_every`` steps up to ``max_warmup_fraction`` of the schedule (the window-end
+        when no step qualifies), with the persistence tables and the labels' verdict as evidence;
+        measured once and kept in RUN/plans/seedK.json."""
+        path = self.run_dir / "plans" / f"seed{seed}.json"
+        if path.is_file():
+            return Plan.load(path)
+        s, trunk, fitting = self.settings, self.model_dir("dense", seed), self.fitting(seed)
+        steps = self._window() + [self._window()[-1] + h * s.checkpoint_every for h in range(1, HORIZON + 1)]
+        kw = dict(domains=fitting["domains"], tail=s.finetune_domains, router={**router_options(s), "seed": seed},
+                  steps=steps, layers=self.layers)
+        persistence = router_persistence(trunk, fitting["batch"], horizon=HORIZON, threshold=THRESHOLD, **kw)
+        window = {L: t[t["step"].isin(self._window())] for L, t in persistence.items()}
+        step = persistent_step(window, min_persisting=MIN_PERSISTING)
+        rule = "small-clusters-persist" if step is not None else "window-end"
+        step = step if step is not None else self._window()[-1]
+        labels = router_dynamics(trunk, fitting["batch"], **kw)
+        verdict = labels[labels["step"] == step]
+        keep = [c for c in ("layer", "n_clusters", "n_pure", "n_pure_tail", "tail_share") if c in labels]
+        evidence = {"persistence": {str(L): json.loads(t.to_json(orient="records")) for L, t in persistence.items()},
+                    "rule": {"horizon": HORIZON, "threshold": THRESHOLD, "min_persisting": MIN_PERSISTING,
+                             "window": self._window()},
+                    "labels_at_step": json.loads(verdict[keep].to_json(orient="records")),
+                    "labels": json.loads(labels[["step"] + keep].to_json(orient="records")),
+                    "layers_from": "figures/tail/plan_rechecked.json (top-2 separation of the tail run)"}
+        plan = Plan(self.layers, "ffn", int(step), "fixed: the tail run's top-2 separation", evidence, rule)
+        plan.save(path)
+        log.info("seed %d: warm-up %d (%s); at that step the labels find %s", seed, step, rule,
+                 verdict[keep].to_dict("records"))
+        return plan
+
+    def warmup(self, arm: Arm, seed: int) -> int:
+        if arm.at == "rule":
+            return int(self.plan(seed).warmup_steps)
+        return self.gc_peak_step if arm.at == "gc-peak" else self.settings.steps // 2
+
+    def ready(self, arm: Arm, seed: int) -> bool:
+        """Whether the unit can start: the trunk any time; an arm once its branch checkpoint exists."""
+        if arm.kind == "dense":
+            return True
+        if arm.at == "rule":
+            return (self.run_dir / "plans" / f"seed{seed}.json").is_file() or self.plan_ready(seed)
+        return self.warmup(arm, seed) in self._trunk_steps(seed)
+
+    # ---- one unit ---------------------------------------------------------------------------
+
+    def train(self, arm: Arm, seed: int) -> tuple[Path, int | None]:
+        s, out, trunk, pack = self.settings, self.model_dir(arm.name, seed), self.model_dir("dense", seed), self.pack_arg
+        if arm.kind == "dense":
+            return training.train_dense(s, out, pack, seed=seed, checkpoints=(self.gc_peak_step,)), None
+        at = self.warmup(arm, seed)
+        if arm.kind == "cse":
+            return training.train_cse(s, out, pack, trunk, self.layers, at, seed, mean_rate=arm.mean_rate), at
+        if arm.kind == "switch":
+            experts = max(self._cse_experts(seed), 2)
+            return training.train_switch(s.replace(switch_experts=experts), out, pack, trunk, self.layers, at,
+                                         seed), at
+        return training.train_demix(s, out, pack, trunk, self.layers, at, self.domain_names(), seed), at
+
+    def _cse_experts(self, seed: int) -> int:
+        """The experts per layer of this seed's cse-rule arm (its conversion's largest count),
+        fitted here when that arm has not converted yet."""
+        for step, path in list_checkpoints(self.model_dir("cse-rule", seed)) \
+                if (self.model_dir("cse-rule", seed) / "checkpoints").is_dir() else []:
+            sparse = json.loads((path / "config.json").read_text()).get("sparse") or {}
+            if any(sparse.get("n_experts", [])):
+                return int(max(sparse["n_experts"]))
+        from ntkscope.representation.router import fit_router
+        from ntkscope.runs.embeddings import layer_embeddings
+        from ntkscope.runs.checkpoints import load_checkpoint
+        at, fitting = self.plan(seed).warmup_steps, self.fitting(seed)
+        model = load_checkpoint(self.model_dir("dense", seed) / "checkpoints" / f"step-{at:06d}")
+        emb = layer_embeddings(model, fitting["batch"], point="ffn_input", layers=self.layers).embeddings
+        return max(fit_router(X, **{**router_options(self.settings), "seed": seed + L}).n_clusters
+                   for L, X in emb.items())
+
+    def run_unit(self, arm: Arm, seed: int) -> dict:
+        start = time.perf_counter()
+        last, at = self.train(arm, seed)
+        result = {"arm": arm.name, "seed": seed, "warmup": at, "kind": arm.kind, "mean_rate": arm.mean_rate,
+                  "warmup_rule": None if at is None else (self.plan(seed).warmup_rule if arm.at == "rule" else arm.at),
+                  "checkpoint": str(last.relative_to(self.run_dir)), **evaluate(load_model(last), self.pack,
+                                                                                self.settings.seq_len,
+                                                                                self.settings.eval_max_blocks),
+                  "seconds": time.perf_counter() - start}
+        write_json(self.result_path(arm.name, seed), result)
+        if arm.kind != "dense":
+            write_json(self.model_dir(arm.name, seed) / "plan.json",
+                       {"arm": arm.name, "warmup_steps": at, "warmup_rule": result["warmup_rule"],
+                        "layers": self.layers, "trunk_plan": f"plans/seed{seed}.json" if arm.at == "rule" else None})
+        log.info("sweep: %s seed %d done in %.0f s: %s", arm.name, seed, result["seconds"],
+                 {k: round(v, 1) for k, v in result.items() if k.startswith("ppl")})
+        return result
+
+    def units(self) -> list:
+        return [(a, s) for a in self.arms for s in self.seeds]
+
+    def run(self, *, poll: float = 30.0) -> dict:
+        """Run units until every one is done; another process may run beside this one."""
+        while True:
+            pending = [(a, s) for a, s in self.units() if not self.done(a.name, s)]
+            if not pending:
+                return summarise(self)
+            started = False
+            for arm, seed in pending:
+                if not self.ready(arm, seed):
+                    continue
+                try:
+                    with DirectoryLock(self.run_dir / "locks" / f"{arm.name}-seed{seed}", "sweep"):
+                        if not self.done(arm.name, seed):
+                            self.run_unit(arm, seed)
+                    started = True
+                    break
+                except ValueError as err:
+                    if "in use by another process" not in str(err):
+                        raise
+            if not started:
+                log.info("sweep: %d units wait for a trunk or another process; checking again in %.0f s",
+                         len(pending), poll)
+                time.sleep(poll)
+
+
+@torch.no_grad()
+def evaluate(model, pack, seq_len: int, max_blocks: int = 0) -> dict:
+    """Test perplexity (at most ``max_blocks`` test blocks per domain; 0: all) (``ppl`` all, ``ppl DOMAIN``) and, for a CSE model, the test blocks each
+    expert receives by domain (``routing``: {layer: {expert: {domain: count}}})."""
+    model.eval()
+    tokenizer = pack.tokenizer()
+    special = tuple(tokenizer.special_ids)
+    prior = None
+    if _is_demix(model):
+        prior = demix_prior(model, pack_blocks(pack, tokenizer, "validation", seq_len), special_ids=special)
+    blocks = _at_most(pack_blocks(pack, tokenizer, "test", seq_len), max_blocks or None)
+    ppl = perplexity_by_domain(model, blocks, special_ids=special, prior=prior).set_index("domain")["perplexity"]
+    out = {"ppl": float(ppl["all"]), **{f"ppl {d}": float(ppl[d]) for d in blocks.domain_names}}
+    sparse = model.config.sparse
+    if sparse is not None and sparse.kind == "cse":
+        routed = {}
+        inputs = model.module_inputs(blocks.input_ids, None, sparse.layers, sparse.module)  # {layer: (N, d)}
+        for i in sparse.layers:
+            _, expert = model._module(i).route(inputs[i][:, None, :])  # one-token sequences: v itself
+            frame = pd.crosstab(expert.numpy(), [blocks.domain_names[int(d)] for d in blocks.domains])
+            routed[str(i)] = {str(e): {d: int(n) for d, n in row.items()} for e, row in frame.iterrows()}
+        out["routing"] = routed
+    return out

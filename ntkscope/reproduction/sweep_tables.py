@@ -1,0 +1,148 @@
+"""The sweep's tables and its pre-registered verdict, from the units that finished.
+
+- ``arms.csv``: one row per finished (arm, seed): warm-up, its rule, test perplexity overall and
+  per domain, wall seconds.
+- ``paired.csv``: per arm and domain, against the dense trunk of the same seeds: the log
+  perplexity difference per seed (negative: better than dense), its mean, the seeds that are
+  better, a paired t-test (scipy) on the log perplexities, and the share of DEMix's gap over
+  dense that the arm closes (mean difference over DEMix's, same seeds).
+- ``load.csv``: per CSE arm, seed, 50-step window after conversion, layer and expert: the
+  training sequences the expert received, in all and per domain (``metrics.jsonl``).
+- ``routing.csv``: per CSE arm, seed, layer and expert, the test blocks it receives by domain.
+- ``verdict.json``: each pre-registered criterion (figures/sweep/README.md), its numbers, and
+  whether it holds; "not run" where its units have not finished.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from ntkscope.core.files import write_json, write_text
+
+TAIL = ("legal", "biomedical")
+CLOSE_SHARE = 1 / 3          # the gap share of DEMix over dense a CSE arm must close on each tail domain
+GENERAL_TOLERANCE = 0.01     # general perplexity within 1 % of dense
+STARVED_SHARE = 0.01         # an expert below this share of its layer's sequences in a window starves
+
+
+def _results(run_dir: Path) -> pd.DataFrame:
+    rows = [json.loads(p.read_text()) for p in sorted((run_dir / "results").glob("*.json"))]
+    keep = ["arm", "seed", "kind", "warmup", "warmup_rule", "mean_rate"]
+    frame = pd.DataFrame([{k: r.get(k) for k in keep} | {k: v for k, v in r.items() if k.startswith("ppl")}
+                          | {"seconds": r.get("seconds")} for r in rows])
+    return frame.sort_values(["arm", "seed"]).reset_index(drop=True) if len(frame) else frame
+
+
+def paired(arms: pd.DataFrame) -> pd.DataFrame:
+    """Per (arm, domain): each arm against dense, paired by seed, on log perplexity."""
+    columns = [c for c in arms.columns if c.startswith("ppl")]
+    logs = arms.set_index(["arm", "seed"])[columns].apply(np.log)
+    if "dense" not in logs.index.get_level_values(0):
+        return pd.DataFrame()
+    dense = logs.loc["dense"]
+    demix = logs.loc["demix"] if "demix" in logs.index.get_level_values(0) else None
+    rows = []
+    for arm in sorted(set(logs.index.get_level_values(0)) - {"dense"}):
+        mine = logs.loc[arm]
+        seeds = sorted(set(mine.index) & set(dense.index))
+        for column in columns:
+            diff = (mine.loc[seeds, column] - dense.loc[seeds, column]).to_numpy()
+            row = {"arm": arm, "domain": column[4:] if column != "ppl" else "all", "seeds": len(seeds),
+                   "diff_per_seed": " ".join(f"{d:+.4f}" for d in diff), "mean_diff": float(diff.mean()),
+                   "pct": float(100 * (math.exp(diff.mean()) - 1)), "better_seeds": int((diff < 0).sum()),
+                   "t": float("nan"), "p": float("nan"), "gap_closed": float("nan")}
+            if len(seeds) >= 2 and diff.std() > 0:
+                test = stats.ttest_rel(mine.loc[seeds, column], dense.loc[seeds, column])
+                row.update(t=float(test.statistic), p=float(test.pvalue))
+            if demix is not None:
+                both = sorted(set(seeds) & set(demix.index))
+                gap = float((demix.loc[both, column] - dense.loc[both, column]).mean()) if both else float("nan")
+                mine_both = float((mine.loc[both, column] - dense.loc[both, column]).mean()) if both else float("nan")
+                row["gap_closed"] = mine_both / gap if both and gap < 0 else float("nan")
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def loads(sweep) -> pd.DataFrame:
+    """Per CSE arm, seed, logged window, layer, expert: sequences received, in all and per domain."""
+    rows = []
+    for arm in [a for a in sweep.arms if a.kind == "cse"]:
+        for seed in sweep.seeds:
+            path = sweep.model_dir(arm.name, seed) / "metrics.jsonl"
+            if not sweep.done(arm.name, seed) or not path.is_file():
+                continue
+            for line in path.read_text().splitlines():
+                m = json.loads(line)
+                for layer, counts in (m.get("load_domains") or {}).items():
+                    for expert, per_domain in enumerate(counts):
+                        row = {"arm": arm.name, "seed": seed, "step": m["step"], "layer": layer, "expert": expert,
+                               "n": int(sum(per_domain))}
+                        row.update({f"n {d}": int(c) for d, c in zip(sweep.domain_names(), per_domain)})
+                        rows.append(row)
+    frame = pd.DataFrame(rows)
+    if len(frame):
+        frame["share"] = frame["n"] / frame.groupby(["arm", "seed", "step", "layer"])["n"].transform("sum")
+    return frame
+
+
+def routing(sweep) -> pd.DataFrame:
+    rows = []
+    for path in sorted((sweep.run_dir / "results").glob("*.json")):
+        r = json.loads(path.read_text())
+        for layer, experts in (r.get("routing") or {}).items():
+            for expert, counts in experts.items():
+                rows.append({"arm": r["arm"], "seed": r["seed"], "layer": int(layer), "expert": int(expert),
+                             "n": sum(counts.values()), **{f"n {d}": n for d, n in counts.items()}})
+    return pd.DataFrame(rows)
+
+
+def verdict(pairs: pd.DataFrame, load: pd.DataFrame, n_seeds: int) -> dict:
+    """The pre-registered criteria (figures/sweep/README.md), evaluated on what finished."""
+    out = {}
+    for arm in ("cse-rule", "cse-rule-drift", "cse-gc", "cse-gc-drift", "cse-late"):
+        rows = pairs[pairs["arm"] == arm] if len(pairs) else pairs
+        if not len(rows):
+            out[arm] = {"status": "not run"}
+            continue
+        by = rows.set_index("domain")
+        switch = pairs[pairs["arm"] == {"cse-gc": "switch-gc"}.get(arm, "switch-rule")].set_index("domain") \
+            if len(pairs) else None
+        checks = {}
+        for d in TAIL:
+            r = by.loc[d]
+            checks[f"{d}: better than dense in every seed"] = bool(r["better_seeds"] == r["seeds"] == n_seeds)
+            checks[f"{d}: closes >= 1/3 of DEMix's gap"] = bool(r["gap_closed"] >= CLOSE_SHARE) \
+                if np.isfinite(r["gap_closed"]) else None
+            if switch is not None and d in switch.index and switch.loc[d, "seeds"] == r["seeds"]:
+                checks[f"{d}: better than Switch at the same step"] = bool(r["mean_diff"] < switch.loc[d, "mean_diff"])
+        checks["general within 1 % of dense"] = bool(abs(by.loc["general", "pct"]) <= 100 * GENERAL_TOLERANCE) \
+            if "general" in by.index else None
+        starved = load[(load["arm"] == arm) & (load["share"] < STARVED_SHARE)] if len(load) else load
+        windows = load[load["arm"] == arm] if len(load) else load
+        numbers = {d: {k: float(by.loc[d, k]) for k in ("seeds", "mean_diff", "pct", "better_seeds", "p", "gap_closed")}
+                   for d in by.index}
+        primary = [v for k, v in checks.items() if k.split(":")[0] in TAIL and "Switch" not in k]
+        out[arm] = {"status": "complete" if int(by["seeds"].min()) == n_seeds else "partial",
+                    "checks": checks, "numbers": numbers,
+                    "starved_windows": int(len(starved)), "windows": int(len(windows)),
+                    "shown": bool(all(v is True for v in primary)) if primary else None}
+    return out
+
+
+def summarise(sweep) -> dict:
+    """Write RUN/tables (arms, paired, load, routing CSVs; verdict.json) and return the verdict."""
+    tables = sweep.run_dir / "tables"
+    arms = _results(sweep.run_dir)
+    pairs = paired(arms) if len(arms) else pd.DataFrame()
+    load = loads(sweep)
+    for name, frame in (("arms", arms), ("paired", pairs), ("load", load), ("routing", routing(sweep))):
+        write_text(tables / f"{name}.csv", frame.to_csv(index=False))
+    result = verdict(pairs, load, len(sweep.seeds))
+    write_json(tables / "verdict.json", result)
+    return result

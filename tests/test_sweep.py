@@ -1,0 +1,45 @@
+"""The sweep (ntkscope.reproduction.sweep): every arm kind trains, resumes and is tabulated, at toy size."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from ntkscope.reproduction.settings import settings_for
+from ntkscope.reproduction.sweep import ARMS, Sweep
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    run = tmp_path_factory.mktemp("sweep")
+    settings = settings_for("smoke", steps=30, checkpoint_every=10, early_every=0, seeds=2, cse_samples=64,
+                            min_cluster_size=5, min_samples=3)
+    sweep = Sweep(run, settings, arms=("dense", "cse-rule", "demix", "switch-rule"),
+                  gc_peak_step=10, layers=(0, 1))
+    return sweep, sweep.run(poll=0.1)
+
+
+def test_every_unit_finishes_with_its_plan_and_tables(swept):
+    sweep, verdict = swept
+    arms = pd.read_csv(sweep.run_dir / "tables" / "arms.csv")
+    assert sorted(map(tuple, arms[["arm", "seed"]].to_numpy())) == sorted(
+        (a.name, s) for a in sweep.arms for s in (0, 1))
+    plan = json.loads((sweep.run_dir / "plans" / "seed0.json").read_text())
+    assert plan["warmup_rule"] in ("small-clusters-persist", "window-end") and plan["warmup_steps"] == 10
+    assert (arms.loc[arms.arm != "dense", "warmup"] == 10).all() and arms.loc[arms.arm == "dense", "warmup"].isna().all()
+    paired = pd.read_csv(sweep.run_dir / "tables" / "paired.csv")
+    assert set(paired.arm) == {"cse-rule", "demix", "switch-rule"} and (paired.seeds == 2).all()
+    load = pd.read_csv(sweep.run_dir / "tables" / "load.csv")
+    assert set(load.arm) == {"cse-rule"} and {"n legal", "n biomedical"} <= set(load.columns)
+    assert (load.groupby(["seed", "step", "layer"])["share"].sum().round(9) == 1).all()
+    assert verdict["cse-rule"]["status"] == "complete" and verdict["cse-late"] == {"status": "not run"}
+    json.loads((sweep.run_dir / "tables" / "verdict.json").read_text())  # strict JSON
+
+
+def test_a_finished_sweep_resumes_without_work(swept):
+    sweep, verdict = swept
+    before = {p: p.stat().st_mtime_ns for p in (sweep.run_dir / "results").glob("*.json")}
+    text = (sweep.run_dir / "tables" / "verdict.json").read_text()
+    Sweep(sweep.run_dir, sweep.settings, arms=[a.name for a in sweep.arms], gc_peak_step=10, layers=(0, 1)).run()
+    assert (sweep.run_dir / "tables" / "verdict.json").read_text() == text
+    assert {p: p.stat().st_mtime_ns for p in (sweep.run_dir / "results").glob("*.json")} == before
