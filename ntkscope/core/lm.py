@@ -95,7 +95,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(h_i W^T, y_i) with both gradients formed in the forward pass, ``chunk`` rows at a
     time, so the (N, V) logits are never held whole: each chunk's logits become its softmax in
-    place, then ``p - onehot``, then ``dh = g W`` and ``dW += g^T h``."""
+    place (one exp pass; the loss is max + log(sum) - true logit), then ``g = p - onehot``, then
+    ``dh = g W`` and ``dW += g^T h``."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk):
@@ -105,9 +106,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for i in range(0, h.shape[0], chunk):
             x, y = h[i:i + chunk], targets[i:i + chunk]
             logits = x @ weight.T  # (c, V)
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
-            probs = logits.sub_(lse[:, None]).exp_()
+            true = logits.gather(1, y[:, None]).squeeze(1)
+            top = logits.amax(dim=-1, keepdim=True)
+            probs = logits.sub_(top).exp_()  # one exp pass: softmax numerators, then their sum
+            total = probs.sum(dim=-1, keepdim=True)
+            loss += (top.squeeze(1) + total.log().squeeze(1) - true).sum()
+            probs.div_(total)
             probs[torch.arange(len(y), device=y.device), y] -= 1
             torch.mm(probs, weight, out=grad_h[i:i + chunk])
             grad_w.addmm_(probs.T, x)

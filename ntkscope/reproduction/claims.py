@@ -446,6 +446,24 @@ def _gc_outputs_quick(table: pd.DataFrame) -> dict:
     return out
 
 
+def _training_step(table: pd.DataFrame) -> dict:
+    """benchmarks/README.md: the training step before and after, per thread count."""
+    out = {}
+    for threads, g in table.groupby("threads"):
+        before = g[g["path"].str.startswith("before")].iloc[0]
+        after = g[g["path"].str.startswith("after")].iloc[0]
+        key = f"bench.train.{threads}t"
+        out.update({f"{key}.before": _f(before["s_per_step"]), f"{key}.after": _f(after["s_per_step"]),
+                    f"{key}.speedup": _f(after["speedup"], 2), f"{key}.diff": _f(after["max_abs_loss_diff"]),
+                    f"{key}.noise": f"{_f(before['same_path_1_vs_2_threads'])}–{_f(after['same_path_1_vs_2_threads'])}",
+                    f"{key}.first": _f(after["first_step_loss_diff"], 1)})
+    one = table[table["threads"] == 1]
+    two_before = table[(table["threads"] == 2) & table["path"].str.startswith("before")].iloc[0]
+    out["bench.train.sweep_throughput"] = _f(2 * one[one["path"].str.startswith("after")].iloc[0]["steps_per_s"]
+                                             / two_before["steps_per_s"], 2)
+    return out
+
+
 def claims(root: str | Path = ROOT) -> dict:
     """Every claim name -> its text, computed from the committed runs under ``root``."""
     root = Path(root)
@@ -459,6 +477,8 @@ def claims(root: str | Path = ROOT) -> dict:
         out.update(make(folder))
     out.update(_router_table(pd.read_csv(root / "docs/router-table.csv")))
     out.update(_gc_outputs_quick(pd.read_csv(root / "docs/gc-outputs-quick.csv")))
+    if (root / "benchmarks/training_step.csv").is_file():
+        out.update(_training_step(pd.read_csv(root / "benchmarks/training_step.csv")))
     planted, real = root / "docs/gc-calibration-planted.csv", root / "docs/gc-calibration.csv"
     if planted.is_file():
         out.update(_calibration(pd.read_csv(planted), pd.read_csv(real) if real.is_file() else None))
