@@ -33,7 +33,6 @@ import torch
 from cse_models.evaluate import _at_most, _is_demix, demix_prior, perplexity_by_domain
 from cse_models.model import load_model
 from cse_models.train import fitting_sample, load_data, TrainConfig
-from cse_models.data import pack_blocks
 from ntkscope.core.files import DirectoryLock, write_json
 from ntkscope.representation.persistence import persistent_step
 from ntkscope.representation.plan import Plan
@@ -100,10 +99,14 @@ class Sweep:
     def result_path(self, arm: str, seed: int) -> Path:
         return self.run_dir / "results" / f"{arm}-seed{seed}.json"
 
+    def blocks(self, split: str = "train"):
+        """The corpus's blocks of ``split`` (tokenized once per process)."""
+        return load_data(TrainConfig(data={"pack": str(self.pack.path), "seq_len": self.settings.seq_len,
+                                           "split": split}))[0]
+
     def domain_names(self) -> list:
         """The corpus's domains, in label order."""
-        cfg = TrainConfig(data={"pack": str(self.pack.path), "seq_len": self.settings.seq_len})
-        return list(load_data(cfg)[0].domain_names)
+        return list(self.blocks().domain_names)
 
     def done(self, arm: str, seed: int) -> bool:
         return self.result_path(arm, seed).is_file()
@@ -124,8 +127,7 @@ class Sweep:
 
     def fitting(self, seed: int) -> dict:
         """The ``cse_samples`` training blocks a CSE conversion of this seed clusters."""
-        cfg = TrainConfig(data={"pack": str(self.pack.path), "seq_len": self.settings.seq_len})
-        blocks, _ = load_data(cfg)
+        blocks = self.blocks()
         idx = fitting_sample(len(blocks), self.settings.cse_samples, seed)
         ids = blocks.input_ids[idx]
         return {"batch": {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
@@ -213,9 +215,9 @@ class Sweep:
         last, at = self.train(arm, seed)
         result = {"arm": arm.name, "seed": seed, "warmup": at, "kind": arm.kind, "mean_rate": arm.mean_rate,
                   "warmup_rule": None if at is None else (self.plan(seed).warmup_rule if arm.at == "rule" else arm.at),
-                  "checkpoint": str(last.relative_to(self.run_dir)), **evaluate(load_model(last), self.pack,
-                                                                                self.settings.seq_len,
-                                                                                self.settings.eval_max_blocks),
+                  "checkpoint": str(last.relative_to(self.run_dir)),
+                  **evaluate(load_model(last), _at_most(self.blocks("test"), self.settings.eval_max_blocks or None),
+                             self.blocks("validation"), tuple(self.pack.tokenizer().special_ids)),
                   "seconds": time.perf_counter() - start}
         write_json(self.result_path(arm.name, seed), result)
         if arm.kind != "dense":
@@ -255,17 +257,13 @@ class Sweep:
 
 
 @torch.no_grad()
-def evaluate(model, pack, seq_len: int, max_blocks: int = 0) -> dict:
-    """Test perplexity (at most ``max_blocks`` test blocks per domain; 0: all) (``ppl`` all, ``ppl DOMAIN``) and, for a CSE model, the test blocks each
-    expert receives by domain (``routing``: {layer: {expert: {domain: count}}})."""
+def evaluate(model, blocks, held_out, special_ids=()) -> dict:
+    """Test perplexity of ``blocks`` (``ppl`` all, ``ppl DOMAIN``; DEMix with its prior cached on
+    the ``held_out`` blocks) and, for a CSE model, the blocks each expert receives by domain
+    (``routing``: {layer: {expert: {domain: count}}})."""
     model.eval()
-    tokenizer = pack.tokenizer()
-    special = tuple(tokenizer.special_ids)
-    prior = None
-    if _is_demix(model):
-        prior = demix_prior(model, pack_blocks(pack, tokenizer, "validation", seq_len), special_ids=special)
-    blocks = _at_most(pack_blocks(pack, tokenizer, "test", seq_len), max_blocks or None)
-    ppl = perplexity_by_domain(model, blocks, special_ids=special, prior=prior).set_index("domain")["perplexity"]
+    prior = demix_prior(model, held_out, special_ids=special_ids) if _is_demix(model) else None
+    ppl = perplexity_by_domain(model, blocks, special_ids=special_ids, prior=prior).set_index("domain")["perplexity"]
     out = {"ppl": float(ppl["all"]), **{f"ppl {d}": float(ppl[d]) for d in blocks.domain_names}}
     sparse = model.config.sparse
     if sparse is not None and sparse.kind == "cse":
