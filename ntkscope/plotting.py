@@ -388,3 +388,43 @@ def expert_kernels(summary):
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def expert_loads(load, *, tail=("legal", "biomedical")):
+    """The sweep's expert loads over training (``load``: sweep_tables.loads' table, columns arm,
+    seed, step, layer, expert, n, share, ``n DOMAIN``): per CSE arm (rows) and layer (columns),
+    the smallest expert's share of the layer's sequences in each 50-step window (starvation,
+    solid, one line per seed) and, per ``tail`` domain, the share of its sequences that reach
+    its most-used expert (dashed) and the domain's share of that expert's sequences (dotted):
+    does the tail keep an expert of its own?"""
+    plt = _pyplot()
+    arms, layers = list(dict.fromkeys(load["arm"])), sorted(load["layer"].astype(str).unique())
+    fig, axes = plt.subplots(len(arms), len(layers), figsize=(4.2 * len(layers), 2.6 * len(arms)), squeeze=False,
+                             sharex=True, sharey=True)
+    colours = {"min": "0.2", **{d: c for d, c in zip(tail, ("tab:red", "tab:green"))}}
+    for i, arm in enumerate(arms):
+        for j, layer in enumerate(layers):
+            ax = axes[i][j]
+            part = load[(load["arm"] == arm) & (load["layer"].astype(str) == layer)]
+            for seed, g in part.groupby("seed"):
+                per_step = g.groupby("step")
+                ax.plot(per_step["share"].min().index, per_step["share"].min().values, color=colours["min"], lw=1,
+                        label="smallest expert's share" if seed == part["seed"].min() else None)
+                for d in tail:
+                    if f"n {d}" not in g:
+                        continue
+                    top = per_step[f"n {d}"].max() / per_step[f"n {d}"].sum().clip(lower=1)
+                    first = seed == part["seed"].min()
+                    ax.plot(top.index, top.values, color=colours[d], lw=1, ls="--",
+                            label=f"{d}: share at its top expert" if first else None)
+                    at_top = g.loc[g.groupby("step")[f"n {d}"].idxmax()]  # that expert's window, per step
+                    purity = at_top[f"n {d}"] / at_top["n"].clip(lower=1)
+                    ax.plot(at_top["step"], purity.values, color=colours[d], lw=1, ls=":",
+                            label=f"{d}: its share of that expert" if first else None)
+            ax.set_title(f"{arm}, layer {layer.split('.')[-2] if '.' in layer else layer}", fontsize=9)
+            ax.set_ylim(0, 1.02)
+            if i == len(arms) - 1:
+                ax.set_xlabel("training step")
+    axes[0][0].legend(fontsize=7, loc="center left")
+    fig.tight_layout()
+    return fig

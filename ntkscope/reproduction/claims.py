@@ -464,11 +464,59 @@ def _training_step(table: pd.DataFrame) -> dict:
     return out
 
 
+def _tail_rule(t: Tables) -> dict:
+    """figures/tail/plan_rule.json: the small-cluster rule on the tail run's checkpoints."""
+    plan = t["plan_rule.json"]
+    at = {r["layer"]: r for r in plan["evidence"]["labels_at_warmup"]}
+    return {"tail.rule.step": str(plan["warmup_steps"]), "tail.rule.rule": plan["warmup_rule"],
+            "tail.rule.layers": "–".join(map(str, plan["layers"])),
+            "tail.rule.labels": "; ".join(f"layer {k}: {at[k]['n_pure_tail']} pure tail cluster, tail share "
+                                          f"{at[k]['tail_share']:.2f}" for k in plan["layers"])}
+
+
+def _sweep(t: Tables) -> dict:
+    """The sweep's README lines (figures/sweep): per arm against dense, paired by seed, and the
+    verdict of each pre-registered criterion; the plans' warm-ups."""
+    pairs, verdict, arms = t["paired"], t["tables/verdict.json"], t["arms"]
+    out = {}
+    rows = ["| arm | seeds | legal | biomedical | general | all | tail better than dense (seeds) | "
+            "DEMix gap closed (legal, biomedical) | shown |", "|---|---|---|---|---|---|---|---|---|"]
+    for arm, g in pairs.groupby("arm", sort=False):
+        by = g.set_index("domain")
+        pct = {d: f"{by.loc[d, 'pct']:+.1f} %".replace("-", "−") for d in ("legal", "biomedical", "general", "all")}
+        better = f"{int(by.loc['legal', 'better_seeds'])}/{int(by.loc['legal', 'seeds'])}, " \
+                 f"{int(by.loc['biomedical', 'better_seeds'])}/{int(by.loc['biomedical', 'seeds'])}"
+        gap = ", ".join("—" if not np.isfinite(by.loc[d, "gap_closed"]) else f"{by.loc[d, 'gap_closed']:.2f}"
+                        for d in ("legal", "biomedical"))
+        found = verdict.get(arm, {})
+        shown = {True: "yes", False: "no"}.get(found.get("shown"), "—") if found.get("status") == "complete" else \
+            (found.get("status", "—") if arm in verdict else "—")
+        rows.append(f"| `{arm}` | {int(by['seeds'].max())} | {pct['legal']} | {pct['biomedical']} | {pct['general']} | "
+                    f"{pct['all']} | {better} | {gap} | {shown} |")
+        out[f"sweep.{arm}.shown"] = shown
+        for d in ("legal", "biomedical", "general", "all"):
+            out[f"sweep.{arm}.{d}.pct"] = pct[d]
+    out["sweep.table"] = "\n".join(rows)
+    dense = arms[arms["arm"] == "dense"]
+    out["sweep.dense"] = ", ".join(f"seed {int(r.seed)}: legal {r['ppl legal']:.1f}, biomedical {r['ppl biomedical']:.1f}, "
+                                   f"general {r['ppl general']:.1f}" for _, r in dense.iterrows())
+    plans = []
+    for path in sorted((t.folder / "plans").glob("seed*.json")):
+        plan = json.loads(path.read_text())
+        at = "; ".join(f"layer {r['layer']}: {r['n_pure_tail']} pure tail, tail share {r['tail_share']:.2f}"
+                       for r in plan["evidence"]["labels_at_step"])
+        plans.append(f"{path.stem.replace('seed', 'seed ')}: step {plan['warmup_steps']} ({plan['warmup_rule']}; {at})")
+    out["sweep.plans"] = "\n".join(f"- {p}" for p in plans)
+    out["sweep.units"] = str(len(arms))
+    out["sweep.hours"] = _f(arms["seconds"].sum() / 3600, 1)
+    return out
+
+
 def claims(root: str | Path = ROOT) -> dict:
     """Every claim name -> its text, computed from the committed runs under ``root``."""
     root = Path(root)
     tail, tables = Tables(root / "figures/tail"), Tables(root / "figures/tables")
-    makers: list[tuple[Callable, Tables]] = [(_fig1, tail), (_fig2a, tail), (_fig3a, tail), (_fig3b, tail), (_fig3c, tail), (_fig4, tail), (_router, tail), (_fitting, tail),
+    makers: list[tuple[Callable, Tables]] = [(_tail_rule, tail), (_fig1, tail), (_fig2a, tail), (_fig3a, tail), (_fig3b, tail), (_fig3c, tail), (_fig4, tail), (_router, tail), (_fitting, tail),
                                              (_general_tasks, tables), (_timings, tables),
                                              (_tail_tables, tail), (_paper_tables, tables),
                                              (_original_run, tail), (_paper_cells, tables)]
@@ -477,6 +525,8 @@ def claims(root: str | Path = ROOT) -> dict:
         out.update(make(folder))
     out.update(_router_table(pd.read_csv(root / "docs/router-table.csv")))
     out.update(_gc_outputs_quick(pd.read_csv(root / "docs/gc-outputs-quick.csv")))
+    if (root / "figures/sweep/tables/paired.csv").is_file():
+        out.update(_sweep(Tables(root / "figures/sweep")))
     if (root / "benchmarks/training_step.csv").is_file():
         out.update(_training_step(pd.read_csv(root / "benchmarks/training_step.csv")))
     planted, real = root / "docs/gc-calibration-planted.csv", root / "docs/gc-calibration.csv"

@@ -9,6 +9,8 @@
 - ``load.csv``: per CSE arm, seed, 50-step window after conversion, layer and expert: the
   training sequences the expert received, in all and per domain (``metrics.jsonl``).
 - ``routing.csv``: per CSE arm, seed, layer and expert, the test blocks it receives by domain.
+- ``RUN/loads.png``: per CSE arm and layer, the smallest expert's share per window and each tail
+  domain's share at its most-used expert (:func:`ntkscope.plotting.expert_loads`).
 - ``verdict.json``: each pre-registered criterion (figures/sweep/README.md), its numbers, and
   whether it holds; "not run" where its units have not finished.
 """
@@ -24,6 +26,7 @@ import pandas as pd
 from scipy import stats
 
 from ntkscope.core.files import write_json, write_text
+from ntkscope.plotting import expert_loads, save_figure
 
 TAIL = ("legal", "biomedical")
 CLOSE_SHARE = 1 / 3          # the gap share of DEMix over dense a CSE arm must close on each tail domain
@@ -145,4 +148,6 @@ def summarise(sweep) -> dict:
         write_text(tables / f"{name}.csv", frame.to_csv(index=False))
     result = verdict(pairs, load, len(sweep.seeds))
     write_json(tables / "verdict.json", result)
+    if len(load):
+        save_figure(expert_loads(load), sweep.run_dir / "loads.png")
     return result
