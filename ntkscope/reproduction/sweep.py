@@ -184,14 +184,16 @@ class Sweep:
         s, out, trunk, pack = self.settings, self.model_dir(arm.name, seed), self.model_dir("dense", seed), self.pack_arg
         if arm.kind == "dense":
             return training.train_dense(s, out, pack, seed=seed, checkpoints=(self.gc_peak_step,)), None
-        at = self.warmup(arm, seed)
+        at, every = self.warmup(arm, seed), 4 * s.checkpoint_every  # a killed unit resumes from its last 400 steps
         if arm.kind == "cse":
-            return training.train_cse(s, out, pack, trunk, self.layers, at, seed, mean_rate=arm.mean_rate), at
+            return training.train_cse(s, out, pack, trunk, self.layers, at, seed, mean_rate=arm.mean_rate,
+                                      checkpoint_every=every), at
         if arm.kind == "switch":
             experts = max(self._cse_experts(seed), 2)
             return training.train_switch(s.replace(switch_experts=experts), out, pack, trunk, self.layers, at,
-                                         seed), at
-        return training.train_demix(s, out, pack, trunk, self.layers, at, self.domain_names(), seed), at
+                                         seed, checkpoint_every=every), at
+        return training.train_demix(s, out, pack, trunk, self.layers, at, self.domain_names(), seed,
+                                    checkpoint_every=every), at
 
     def _cse_experts(self, seed: int) -> int:
         """The experts per layer of this seed's cse-rule arm (its conversion's largest count),

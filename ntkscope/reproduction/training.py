@@ -58,13 +58,15 @@ def train_dense(settings: ReproduceSettings, out_dir: Path, pack: str | None, *,
 
 
 def _branch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, warmup: int,
-            sparse: dict | None, seed: int, stop_at: int | None = None, base: dict | None = None, **changes) -> Path:
+            sparse: dict | None, seed: int, stop_at: int | None = None, base: dict | None = None,
+            checkpoint_every: int | None = None, **changes) -> Path:
     """A run that starts from the dense run's checkpoint at ``warmup`` (so the warm-up is shared
     exactly) and trains on the ``settings.steps`` schedule with data order ``seed``, to the end
-    or to ``stop_at``; ``base``: the model's fields (default ``settings.model``, a GPT)."""
+    or to ``stop_at``; ``base``: the model's fields (default ``settings.model``, a GPT);
+    ``checkpoint_every``: intermediate checkpoints to resume from (default: the last step only)."""
     model = {**(base or settings.model), "sparse": sparse}
-    cfg = _config(settings, out_dir, pack, model=model, checkpoint_every=settings.steps, seed=seed, stop_at=stop_at,
-                  **changes)
+    cfg = _config(settings, out_dir, pack, model=model, checkpoint_every=checkpoint_every or settings.steps, seed=seed,
+                  stop_at=stop_at, **changes)
     if _finished(cfg) is None:
         branch_from(Path(dense_dir) / "checkpoints" / f"step-{int(warmup):06d}", out_dir, sparse=sparse)
     return _run(cfg)
@@ -78,29 +80,31 @@ def train_continued(settings: ReproduceSettings, out_dir: Path, pack: str | None
 
 
 def train_switch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
-                 warmup: int, seed: int | None = None, stop_at: int | None = None, base: dict | None = None) -> Path:
+                 warmup: int, seed: int | None = None, stop_at: int | None = None, base: dict | None = None,
+                 checkpoint_every: int | None = None) -> Path:
     """Switch (learned top-1 token routing, ``switch_experts`` experts) at ``layers``, upcycled
     from the dense run at the warm-up (experts copied from the warmed-up FFN, a fresh router): the
     same shared warm-up and remaining steps as CSE, so the two differ only in routing."""
     sparse = {"kind": "switch", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers)}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
-                   stop_at, base, upcycle={"at": int(warmup), "n_experts": settings.switch_experts})
+                   stop_at, base, checkpoint_every, upcycle={"at": int(warmup), "n_experts": settings.switch_experts})
 
 
 def train_demix(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
-                warmup: int, domains: list, seed: int | None = None, base: dict | None = None) -> Path:
+                warmup: int, domains: list, seed: int | None = None, base: dict | None = None,
+                checkpoint_every: int | None = None) -> Path:
     """DEMix (Gururangan et al., 2022) at ``layers``' FFN: one expert per domain of ``domains``
     (the data's domain names, in label order), each trained only on its domain's sequences,
     upcycled from the dense run at the warm-up like Switch (the same shared warm-up and steps)."""
     sparse = {"kind": "demix", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers),
               "domains": list(domains)}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
-                   None, base, upcycle={"at": int(warmup)})
+                   None, base, checkpoint_every, upcycle={"at": int(warmup)})
 
 
 def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
               warmup: int, seed: int | None = None, stop_at: int | None = None, base: dict | None = None,
-              module: str = "ffn", mean_rate: float = 0.0) -> Path:
+              module: str = "ffn", mean_rate: float = 0.0, checkpoint_every: int | None = None) -> Path:
     """CSE on ``module`` ("ffn": MoF, "attn": MoA) at ``layers``: from the dense run at
     ``warmup``; the router is fitted there on ``cse_samples`` training blocks
     (:func:`ntkscope.fit_router` with the settings' rule and representation) and training goes on.
@@ -112,7 +116,7 @@ def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dens
            "representation": settings.router_representation, "min_cluster_size": settings.min_cluster_size,
            "min_samples": settings.min_samples, "max_experts": settings.max_experts, "on_no_cluster": "single"}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
-                   stop_at, base, cse=cse)
+                   stop_at, base, checkpoint_every, cse=cse)
 
 
 def train_finetuned(settings: ReproduceSettings, out_dir: Path, pack: str | None, base_last: Path,
