@@ -43,3 +43,14 @@ def test_a_finished_sweep_resumes_without_work(swept):
     Sweep(sweep.run_dir, sweep.settings, arms=[a.name for a in sweep.arms], gc_peak_step=10, layers=(0, 1)).run()
     assert (sweep.run_dir / "tables" / "verdict.json").read_text() == text
     assert {p: p.stat().st_mtime_ns for p in (sweep.run_dir / "results").glob("*.json")} == before
+
+
+def test_an_arm_that_trains_what_a_finished_one_did_takes_its_result(swept, monkeypatch):
+    sweep, _ = swept
+    late = next(a for a in ARMS if a.name == "cse-late")
+    rule = json.loads(sweep.result_path("cse-rule", 0).read_text())
+    monkeypatch.setattr(sweep, "warmup", lambda arm, seed: rule["warmup"])  # the late step = the rule's fallback
+    result = sweep.run_unit(late, 0)
+    assert result["same_as"] == "cse-rule" and result["ppl"] == rule["ppl"]
+    assert not sweep.model_dir("cse-late", 0).exists() and sweep.done("cse-late", 0)
+    sweep.result_path("cse-late", 0).unlink()

@@ -212,7 +212,28 @@ class Sweep:
         return max(fit_router(X, **{**router_options(self.settings), "seed": seed + L}).n_clusters
                    for L, X in emb.items())
 
+    def _same_unit(self, arm: Arm, seed: int) -> Arm | None:
+        """A finished arm of this seed that trains exactly what ``arm`` would (same kind, warm-up
+        step and drift rate: e.g. the fixed late step where the rule fell back to it), or None."""
+        if arm.kind != "cse":
+            return None
+        for other in ARMS:
+            if (other.name != arm.name and other.kind == arm.kind and other.mean_rate == arm.mean_rate
+                    and self.done(other.name, seed) and (other.at == arm.at or (
+                        self.ready(other, seed) and self.ready(arm, seed)
+                        and self.warmup(other, seed) == self.warmup(arm, seed)))):
+                return other
+        return None
+
     def run_unit(self, arm: Arm, seed: int) -> dict:
+        same = self._same_unit(arm, seed)
+        if same is not None:  # the same training: its result, said so, rather than a second run
+            result = {**json.loads(self.result_path(same.name, seed).read_text()), "arm": arm.name,
+                      "same_as": same.name, "seconds": 0.0}
+            write_json(self.result_path(arm.name, seed), result)
+            log.info("sweep: %s seed %d trains what %s does (warm-up %s): its result, not a second run", arm.name,
+                     seed, same.name, result["warmup"])
+            return result
         start = time.perf_counter()
         last, at = self.train(arm, seed)
         result = {"arm": arm.name, "seed": seed, "warmup": at, "kind": arm.kind, "mean_rate": arm.mean_rate,

@@ -36,7 +36,7 @@ STARVED_SHARE = 0.01         # an expert below this share of its layer's sequenc
 
 def _results(run_dir: Path) -> pd.DataFrame:
     rows = [json.loads(p.read_text()) for p in sorted((run_dir / "results").glob("*.json"))]
-    keep = ["arm", "seed", "kind", "warmup", "warmup_rule", "mean_rate"]
+    keep = ["arm", "seed", "kind", "warmup", "warmup_rule", "mean_rate", "same_as"]
     frame = pd.DataFrame([{k: r.get(k) for k in keep} | {k: v for k, v in r.items() if k.startswith("ppl")}
                           | {"seconds": r.get("seconds")} for r in rows])
     return frame.sort_values(["arm", "seed"]).reset_index(drop=True) if len(frame) else frame
