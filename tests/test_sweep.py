@@ -54,3 +54,15 @@ def test_an_arm_that_trains_what_a_finished_one_did_takes_its_result(swept, monk
     assert result["same_as"] == "cse-rule" and result["ppl"] == rule["ppl"]
     assert not sweep.model_dir("cse-late", 0).exists() and sweep.done("cse-late", 0)
     sweep.result_path("cse-late", 0).unlink()
+
+
+def test_bad_arms_layers_and_other_settings_are_refused(swept, tmp_path):
+    sweep, _ = swept
+    with pytest.raises(ValueError, match=r"Sweep: arms must name one or more arms of .* \(got \['nope'\]\)"):
+        Sweep(tmp_path / "a", sweep.settings, arms=("dense", "nope"))
+    with pytest.raises(ValueError, match=r"Sweep: arms must include 'dense'"):
+        Sweep(tmp_path / "b", sweep.settings, arms=("cse-rule",))
+    with pytest.raises(ValueError, match=r"Sweep: layers must be block indices in \[0, 2\) \(got \[2, 3\]\)"):
+        Sweep(tmp_path / "c", sweep.settings)
+    with pytest.raises(ValueError, match=r"Sweep: run_dir holds a sweep with other settings"):
+        Sweep(sweep.run_dir, sweep.settings.replace(steps=50), layers=(0, 1))

@@ -19,7 +19,6 @@ tables a figure needs and how each panel is drawn are the rows of
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -40,7 +39,7 @@ from ntkscope.plotting import save_figure
 from ntkscope.representation.plan import Plan, make_plan
 from ntkscope.reproduction import paper, training
 from ntkscope.reproduction.panels import FIGURES, PANELS, STAGES
-from ntkscope.reproduction.settings import ReproduceSettings, settings_for
+from ntkscope.reproduction.settings import ReproduceSettings, bind_settings, settings_for
 from ntkscope.runs.dynamics import STABILITY_COLUMNS
 from cse_models.train import TrainConfig, fitting_sample, load_data
 from ntkscope.text.corpus.pack import load_pack
@@ -58,21 +57,7 @@ class Reproduction:
         self.settings = settings if settings is not None else settings_for(mode)
         self.pack = load_pack(pack)
         self.pack_path = str(self.pack.path)
-        wanted = {"settings": self.settings.to_dict(), "pack": self.pack.manifest.get("version")}
-        saved = self.run_dir / "settings.json"
-        if saved.is_file():
-            have = json.loads(saved.read_text())
-            # a setting added after the run was made, at its default, changes nothing the run holds
-            defaults = {f.name: f.default for f in dataclasses.fields(ReproduceSettings)
-                        if f.default is not dataclasses.MISSING}
-            have["settings"] = json.loads(json.dumps({**defaults, **have["settings"]}))
-            if have != json.loads(json.dumps(wanted)):
-                raise fail("Reproduction", "run_dir", f"holds a reproduction with other settings or another pack "
-                           f"(mode {have['settings']['mode']!r}, pack {have['pack']!r}); use another directory",
-                           str(self.run_dir))
-        else:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_json(saved, wanted)
+        bind_settings(self.run_dir, self.settings, self.pack, "Reproduction")
         (self.run_dir / "tables").mkdir(exist_ok=True)
         (self.run_dir / "figures").mkdir(exist_ok=True)
         self._data = {}

@@ -9,9 +9,12 @@ for BERT and GPT with three pretraining seeds, at the quick model's size: no fig
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from ntkscope.core.checks import fail
+from ntkscope.core.files import write_json
 from ntkscope.kernel.uncertainty import Resampling
 
 
@@ -153,3 +156,23 @@ def settings_for(mode: str, **changes) -> ReproduceSettings:
     if unknown:
         raise fail("settings_for", "changes", "must name fields of ReproduceSettings", unknown)
     return PRESETS[mode].replace(**changes)
+
+
+def bind_settings(run_dir, settings: ReproduceSettings, pack, func: str, what: str = "reproduction") -> None:
+    """Tie ``run_dir`` to ``settings`` and the corpus ``pack``: the first call writes
+    ``run_dir/settings.json``; later ones refuse other settings or another pack (a setting added
+    since, at its default, changes nothing the run holds), so a resumed run continues the same one."""
+    run_dir = Path(run_dir)
+    wanted = {"settings": settings.to_dict(), "pack": pack.manifest.get("version")}
+    saved = run_dir / "settings.json"
+    if saved.is_file():
+        have = json.loads(saved.read_text())
+        defaults = {f.name: f.default for f in dataclasses.fields(ReproduceSettings)
+                    if f.default is not dataclasses.MISSING}
+        have["settings"] = json.loads(json.dumps({**defaults, **have["settings"]}))
+        if have != json.loads(json.dumps(wanted)):
+            raise fail(func, "run_dir", f"holds a {what} with other settings or another pack (mode "
+                       f"{have['settings']['mode']!r}, pack {have['pack']!r}); use another directory", str(run_dir))
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(saved, wanted)

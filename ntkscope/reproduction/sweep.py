@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
@@ -38,7 +36,8 @@ from ntkscope.representation.persistence import persistent_step
 from ntkscope.representation.plan import Plan
 from ntkscope.reproduction import training
 from ntkscope.reproduction.analyses import router_options
-from ntkscope.reproduction.settings import ReproduceSettings
+from ntkscope.reproduction.settings import ReproduceSettings, bind_settings
+from ntkscope.core.checks import fail
 from ntkscope.reproduction.sweep_tables import summarise
 from ntkscope.runs.checkpoints import list_checkpoints
 from ntkscope.runs.dynamics import router_dynamics, router_persistence
@@ -85,10 +84,19 @@ class Sweep:
 
     def __init__(self, run_dir, settings: ReproduceSettings, *, arms=ARM_NAMES, pack=None,
                  gc_peak_step: int = GC_PEAK_STEP, layers=LAYERS):
+        unknown = sorted(set(arms) - set(ARM_NAMES))
+        if unknown or not arms:
+            raise fail("Sweep", "arms", f"must name one or more arms of {list(ARM_NAMES)}", unknown or list(arms))
+        if "dense" not in arms:
+            raise fail("Sweep", "arms", "must include 'dense' (every arm branches from it)", list(arms))
+        n_layer = int(settings.model.get("n_layer", 0))
+        if not layers or any(not 0 <= int(i) < n_layer for i in layers):
+            raise fail("Sweep", "layers", f"must be block indices in [0, {n_layer})", list(layers))
         self.run_dir, self.settings, self.gc_peak_step = Path(run_dir), settings, int(gc_peak_step)
         self.layers = [int(i) for i in layers]
         self.arms = [a for a in ARMS if a.name in set(arms)]
         self.pack, self.pack_arg = load_pack(pack), pack
+        bind_settings(self.run_dir, settings, self.pack, "Sweep", "sweep")
         self.seeds = list(range(settings.seed, settings.seed + settings.seeds))
 
     # ---- where things live ------------------------------------------------------------------
