@@ -56,8 +56,9 @@ class CSELayer(nn.Module):
     format 2, ``mean`` mu (d,); ``normalise`` says whether z is L2-normalised. ``mean=None`` is
     router format 1 (turn 1): ``z = M v``. No router parameters. ``load`` counts the sequences
     sent to each expert since the last :meth:`reset_load`, and ``domain_load`` (E, D) the same by
-    the domain label when ``forward`` is given the batch's ``domains`` (bookkeeping only). ``mean_rate`` > 0 (format 2): after
-    each step mu follows the batch's embeddings (drift handling, :class:`~cse_models.SparseConfig`).
+    domain label when ``forward`` is given the batch's ``domains`` (bookkeeping only: labels never
+    route). ``mean_rate`` > 0 (format 2): after each step mu follows the batch's embeddings (drift
+    handling, :class:`~cse_models.SparseConfig`).
     """
 
     def __init__(self, experts: list[nn.Module], projection: torch.Tensor, centres: torch.Tensor,

@@ -96,6 +96,9 @@ _EXPORTS = {
     "make_plan": "ntkscope.representation.plan",
     "gc_peak": "ntkscope.representation.plan",
     "stable_step": "ntkscope.representation.plan",
+    "cluster_persistence": "ntkscope.representation.persistence",
+    "persistence_summary": "ntkscope.representation.persistence",
+    "persistent_step": "ntkscope.representation.persistence",
     # runs
     "FAMILIES": "ntkscope.runs.families",
     "family_of": "ntkscope.runs.families",
@@ -107,6 +110,7 @@ _EXPORTS = {
     "cluster_snapshots": "ntkscope.runs.dynamics",
     "gc_series": "ntkscope.runs.dynamics",
     "router_dynamics": "ntkscope.runs.dynamics",
+    "router_persistence": "ntkscope.runs.dynamics",
     "cluster_purity": "ntkscope.representation.structure",
     "knn_lift": "ntkscope.representation.structure",
     "domain_silhouette": "ntkscope.representation.structure",
@@ -117,6 +121,7 @@ _EXPORTS = {
     "Reproduction": "ntkscope.reproduction",
     "reproduce": "ntkscope.reproduction",
     "settings_for": "ntkscope.reproduction",
+    "Sweep": "ntkscope.reproduction.sweep",
 }
 
 __all__ = sorted(_EXPORTS)
