@@ -480,7 +480,8 @@ def _sweep(t: Tables) -> dict:
     pairs, verdict, arms = t["paired"], t["tables/verdict.json"], t["arms"]
     out = {}
     rows = ["| arm | seeds | legal | biomedical | general | all | tail better than dense (seeds) | "
-            "DEMix gap closed (legal, biomedical) | shown |", "|---|---|---|---|---|---|---|---|---|"]
+            "paired t-test p (legal, biomedical) | DEMix gap closed (legal, biomedical) | shown |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, g in pairs.groupby("arm", sort=False):
         by = g.set_index("domain")
         pct = {d: f"{by.loc[d, 'pct']:+.1f} %".replace("-", "−") for d in ("legal", "biomedical", "general", "all")}
@@ -488,11 +489,12 @@ def _sweep(t: Tables) -> dict:
                  f"{int(by.loc['biomedical', 'better_seeds'])}/{int(by.loc['biomedical', 'seeds'])}"
         gap = ", ".join("—" if not np.isfinite(by.loc[d, "gap_closed"]) else f"{by.loc[d, 'gap_closed']:.2f}"
                         for d in ("legal", "biomedical"))
+        p = ", ".join("—" if not np.isfinite(by.loc[d, "p"]) else f"{by.loc[d, 'p']:.3f}" for d in ("legal", "biomedical"))
         found = verdict.get(arm, {})
-        shown = {True: "yes", False: "no"}.get(found.get("shown"), "—") if found.get("status") == "complete" else \
-            (found.get("status", "—") if arm in verdict else "—")
+        shown = ({True: "yes", False: "no"}.get(found.get("shown"), "not yet (DEMix unfinished)")
+                 if found.get("status") == "complete" else (found.get("status", "—") if arm in verdict else "—"))
         rows.append(f"| `{arm}` | {int(by['seeds'].max())} | {pct['legal']} | {pct['biomedical']} | {pct['general']} | "
-                    f"{pct['all']} | {better} | {gap} | {shown} |")
+                    f"{pct['all']} | {better} | {p} | {gap} | {shown} |")
         out[f"sweep.{arm}.shown"] = shown
         for d in ("legal", "biomedical", "general", "all"):
             out[f"sweep.{arm}.{d}.pct"] = pct[d]

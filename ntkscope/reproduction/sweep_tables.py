@@ -134,7 +134,7 @@ def verdict(pairs: pd.DataFrame, load: pd.DataFrame, n_seeds: int) -> dict:
         out[arm] = {"status": "complete" if int(by["seeds"].min()) == n_seeds else "partial",
                     "checks": checks, "numbers": numbers,
                     "starved_windows": int(len(starved)), "windows": int(len(windows)),
-                    "shown": bool(all(v is True for v in primary)) if primary else None}
+                    "shown": None if not primary or any(v is None for v in primary) else all(primary)}
     return out
 
 
