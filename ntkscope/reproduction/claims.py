@@ -499,16 +499,25 @@ def _sweep(t: Tables) -> dict:
         for d in ("legal", "biomedical", "general", "all"):
             out[f"sweep.{arm}.{d}.pct"] = pct[d]
     out["sweep.table"] = "\n".join(rows)
+    for arm, found in verdict.items():
+        if found.get("windows"):
+            out[f"sweep.{arm}.starved"] = f"{found['starved_windows']} of {found['windows']}"
+        for d in ("legal", "biomedical", "general"):
+            numbers = (found.get("numbers") or {}).get(d)
+            if numbers is not None and np.isfinite(numbers["gap_closed"]):
+                out[f"sweep.{arm}.{d}.gap"] = f"{numbers['gap_closed']:.2f}"
     dense = arms[arms["arm"] == "dense"]
     out["sweep.dense"] = ", ".join(f"seed {int(r.seed)}: legal {r['ppl legal']:.1f}, biomedical {r['ppl biomedical']:.1f}, "
                                    f"general {r['ppl general']:.1f}" for _, r in dense.iterrows())
-    plans = []
+    plans, first = [], []
     for path in sorted((t.folder / "plans").glob("seed*.json")):
         plan = json.loads(path.read_text())
+        first.append(min((r["step"] for r in plan["evidence"]["labels"] if r["n_pure_tail"] >= 1), default=np.nan))
         at = "; ".join(f"layer {r['layer']}: {r['n_pure_tail']} pure tail, tail share {r['tail_share']:.2f}"
                        for r in plan["evidence"]["labels_at_step"])
         plans.append(f"{path.stem.replace('seed', 'seed ')}: step {plan['warmup_steps']} ({plan['warmup_rule']}; {at})")
     out["sweep.plans"] = "\n".join(f"- {p}" for p in plans)
+    out["sweep.first_tail"] = _range(first, 0)
     out["sweep.units"] = str(len(arms))
     out["sweep.hours"] = _f(arms["seconds"].sum() / 3600, 1)
     return out
