@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from cse_models.config import GPTConfig
-from cse_models.model import load_model
+from cse_models.hf import load_any_model
 from ntkscope.core.files import atomic_path, load_safetensors, read_json_object, strict_json, write_json
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def resume_point(out_dir: Path):
     for path in reversed(checkpoints_of(out_dir)):
         try:
             state = read_json_object(path / "trainer_state.json", "resume")
-            return path, load_model(path), load_safetensors(path / "optimizer.safetensors", "resume"), state
+            return path, load_any_model(path), load_safetensors(path / "optimizer.safetensors", "resume"), state
         except (ValueError, FileNotFoundError) as err:
             log.warning("checkpoint %s is damaged (%s); falling back to the one before it", path.name,
                         " ".join(str(err).split()))

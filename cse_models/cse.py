@@ -1,4 +1,5 @@
-"""Building CSE layers from clusters (docs/design.md §4, steps 2-3 of Algorithm 1).
+"""Building sparse layers in a warmed-up model: CSE layers from clusters (docs/design.md §4,
+steps 2-3 of Algorithm 1), and Switch / DEMix layers by sparse upcycling.
 
 After the dense warm-up: embed N sequences at the input of each chosen module, fit a router
 on them (:func:`ntkscope.representation.router.fit_router`: centred on the sample mean,
@@ -15,12 +16,12 @@ import logging
 
 import torch
 
-from cse_models.experts import CSELayer
+from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
 from ntkscope.representation.router import NoClusterError, RouterFit, fit_router
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NoClusterError", "RouterFit", "convert_to_cse", "fit_router"]
+__all__ = ["NoClusterError", "RouterFit", "convert_to_cse", "fit_router", "upcycle"]
 
 
 def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -67,3 +68,25 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                  fit.n_noise, " (fallback: no cluster found)" if fit.fallback else "")
     sparse.router_format, sparse.normalise = 2, fits[sparse.layers[0]].normalise
     return fits
+
+
+def upcycle(model, n_experts: int | None = None) -> int:
+    """Sparse upcycling (Komatsuzaki et al., 2023), in place: each dense module that
+    ``model.config.sparse`` (kind "switch" or "demix") names becomes a Switch layer of ``n_experts``
+    copies and a fresh router (N(0, 0.02) from torch's RNG) or a DEMix layer with one copy per
+    domain. Returns the experts per layer."""
+    sparse = model.config.sparse
+    if sparse is None or sparse.kind not in ("switch", "demix"):
+        raise ValueError("upcycle: model.config.sparse must describe Switch or DEMix layers")
+    k = len(sparse.domains) if sparse.kind == "demix" else n_experts
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"upcycle: a Switch layer needs n_experts >= 1 (got {n_experts!r})")
+    device = next(model.parameters()).device
+    for n, i in enumerate(sparse.layers):
+        experts = [copy.deepcopy(model._module(i)) for _ in range(k)]
+        layer = DEMixLayer(experts) if sparse.kind == "demix" else SwitchFFN(experts, model.config.n_embd,
+                                                                              sparse.capacity_factor)
+        model._replace(i, layer.to(device))
+        sparse.n_experts[n] = k
+    log.info("%s: upcycled layers %s (%s) into %d experts each", sparse.kind, sparse.layers, sparse.module, k)
+    return k

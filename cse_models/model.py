@@ -61,7 +61,44 @@ def _initialise(module: nn.Module, n_layer: int) -> None:
             nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
 
-class TransformerLM(nn.Module):
+class SparseRouting:
+    """What a model holding CSE / Switch / DEMix layers offers a training loop (mixed into
+    :class:`TransformerLM` and :class:`cse_models.hf.SparseHF`): the layers, Switch's auxiliary
+    loss, the CSE centre updates after a step, and the routing counters. Needs ``config.sparse``."""
+
+    def sparse_layers(self) -> dict[str, nn.Module]:
+        """{qualified name: layer} of the CSE / Switch / DEMix layers, in depth order."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, SPARSE_TYPES)}
+
+    def aux_loss(self) -> torch.Tensor:
+        """Switch load-balancing losses of the last forward, weighted by ``aux_weight``; else 0."""
+        losses = [m.aux_loss for m in self.sparse_layers().values() if isinstance(m, SwitchFFN)]
+        if not losses:
+            return torch.zeros((), device=next(self.parameters()).device)
+        return self.config.sparse.aux_weight * torch.stack(losses).sum()
+
+    def update_routers(self) -> None:
+        """After an optimiser step: the CSE centres' EMA update."""
+        for m in self.sparse_layers().values():
+            if isinstance(m, CSELayer):
+                m.update_centres()
+
+    def routing_load(self, reset: bool = True) -> dict[str, list[int]]:
+        """Sequences (CSE, DEMix) or tokens (Switch) sent to each expert since the last reset."""
+        out = {name: m.load.tolist() for name, m in self.sparse_layers().items()}
+        if reset:
+            for m in self.sparse_layers().values():
+                m.reset_load()
+        return out
+
+    def routing_domains(self) -> dict[str, list[list[int]]]:
+        """{CSE layer name: (E, D) counts}: the sequences of each domain label sent to each expert
+        since the last :meth:`routing_load` reset (training with domain labels only)."""
+        return {name: m.domain_load.tolist() for name, m in self.sparse_layers().items()
+                if isinstance(m, CSELayer) and m.domain_load.numel()}
+
+
+class TransformerLM(SparseRouting, nn.Module):
     """The shared stack. ``forward(input_ids (B, T), attention_mask (B, T) | None,
     domains (B,) | None) -> logits (B, T, V)``; ``domains`` is needed by DEMix layers only."""
 
@@ -105,37 +142,6 @@ class TransformerLM(nn.Module):
 
     def _replace(self, layer: int, module: nn.Module) -> None:
         setattr(self.transformer.h[layer], self._attr(), module)
-
-    def sparse_layers(self) -> dict[str, nn.Module]:
-        """{qualified name: layer} of the CSE / Switch / DEMix layers, in depth order."""
-        return {name: m for name, m in self.named_modules() if isinstance(m, SPARSE_TYPES)}
-
-    def aux_loss(self) -> torch.Tensor:
-        """Switch load-balancing losses of the last forward, weighted by ``aux_weight``; else 0."""
-        losses = [m.aux_loss for m in self.sparse_layers().values() if isinstance(m, SwitchFFN)]
-        if not losses:
-            return torch.zeros((), device=self.transformer.wte.weight.device)
-        return self.config.sparse.aux_weight * torch.stack(losses).sum()
-
-    def update_routers(self) -> None:
-        """After an optimiser step: the CSE centres' EMA update."""
-        for m in self.sparse_layers().values():
-            if isinstance(m, CSELayer):
-                m.update_centres()
-
-    def routing_load(self, reset: bool = True) -> dict[str, list[int]]:
-        """Sequences (CSE, DEMix) or tokens (Switch) sent to each expert since the last reset."""
-        out = {name: m.load.tolist() for name, m in self.sparse_layers().items()}
-        if reset:
-            for m in self.sparse_layers().values():
-                m.reset_load()
-        return out
-
-    def routing_domains(self) -> dict[str, list[list[int]]]:
-        """{CSE layer name: (E, D) counts}: the sequences of each domain label sent to each expert
-        since the last :meth:`routing_load` reset (training with domain labels only)."""
-        return {name: m.domain_load.tolist() for name, m in self.sparse_layers().items()
-                if isinstance(m, CSELayer) and m.domain_load.numel()}
 
     @torch.no_grad()
     def module_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers,

@@ -36,16 +36,18 @@ import yaml
 from cse_models.checkpointing import (carry_optimizer_state, latest_checkpoint, load_optimizer_state, param_names,
                                       resume_point, save_checkpoint)
 from cse_models.config import GPTConfig
-from cse_models.cse import convert_to_cse
-from cse_models.data import Blocks, global_batch, mask_tokens, pack_blocks, step_generator, text_file_blocks
-from cse_models.experts import DEMixLayer, SwitchFFN
+from cse_models.cse import convert_to_cse, upcycle
+from cse_models.data import (Blocks, global_batch, make_blocks, mask_tokens, pack_blocks, step_generator,
+                             text_file_blocks)
+from cse_models.hf import SECTION, load_any_model
 from cse_models.metrics import MetricsLog
-from cse_models.model import build_model, load_model
+from cse_models.model import build_model
 from ntkscope.core.files import DirectoryLock, write_json
 from ntkscope.core.lm import lm_loss as token_loss
 from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
 from ntkscope.representation.plan import Plan
 from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.inputs import DataSource
 from ntkscope.text.tokenization import load_tokenizer
 
 log = logging.getLogger("cse_models.train")
@@ -58,9 +60,11 @@ class TrainConfig:
 
     out_dir: str = "runs/run"
     model: dict = field(default_factory=dict)
-    data: dict = field(default_factory=dict)   # pack, split, domains, seq_len, tokenizer, text_files
+    data: dict = field(default_factory=dict)   # pack, split, domains, seq_len, tokenizer, text_files, or
+    #                                            table (+ text_column, label_column): the user's rows
     cse: dict = field(default_factory=dict)    # warmup_steps, n_samples, and convert_to_cse's options (rule, ...)
-    init_from: str | None = None               # a checkpoint to continue from (domain finetuning)
+    init_from: str | None = None               # a checkpoint to continue from: cse_models, or an HF causal
+    #                                            LM directory (model.sparse then says what to convert)
     upcycle: dict = field(default_factory=dict)  # Switch from a dense run: at, n_experts (sparse upcycling)
     plan: str | None = None                    # an ntkscope plan: sparse.layers / cse.warmup_steps "auto"
     steps: int = 1000
@@ -196,10 +200,12 @@ _PACK_BLOCKS: dict = {}  # (pack, version, tokenizer, split, seq_len, domains) -
 def load_data(cfg: TrainConfig, split: str | None = None):
     """(blocks, tokenizer) from ``cfg.data``: a corpus pack (default: the shipped one) or text files."""
     data = dict(cfg.data)
-    known = {"pack", "split", "domains", "seq_len", "tokenizer", "text_files"}
+    known = {"pack", "split", "domains", "seq_len", "tokenizer", "text_files", "table", "text_column", "label_column"}
     if set(data) - known:
         raise ValueError(f"TrainConfig: data has unknown keys {sorted(set(data) - known)} (known: {sorted(known)})")
     seq_len = data.get("seq_len", 64)
+    if data.get("table"):
+        return _table_blocks(data, cfg.init_from, seq_len)
     if data.get("text_files"):
         if not data.get("tokenizer"):
             raise ValueError("TrainConfig: data.text_files needs data.tokenizer (a tokenizer.json or HF directory)")
@@ -215,6 +221,25 @@ def load_data(cfg: TrainConfig, split: str | None = None):
     return _PACK_BLOCKS[key]
 
 
+def _table_blocks(data: dict, init_from: str | None, seq_len: int):
+    """Blocks from the user's rows (a JSONL / CSV / TSV / Parquet table or a ``datasets``
+    directory, read as ``ntkscope --data`` reads it): one token stream per label of
+    ``label_column`` (or one domain, "text"), tokenized by ``data.tokenizer`` or the tokenizer
+    that ships with ``init_from``."""
+    spec = data.get("tokenizer") or init_from
+    if not spec:
+        raise ValueError("TrainConfig: data.table needs data.tokenizer or an init_from that ships a tokenizer.json")
+    source = DataSource(Path(data["table"]), text_column=data.get("text_column", "text"),
+                        label_column=data.get("label_column"))
+    if not source.path.exists():
+        raise FileNotFoundError(f"TrainConfig: data.table {source.path} does not exist")
+    by_domain: dict[str, list] = {}
+    for text, label in source.rows():
+        by_domain.setdefault(label if data.get("label_column") else "text", []).append(text)
+    tokenizer = load_tokenizer(spec)
+    return make_blocks(by_domain, tokenizer, seq_len), tokenizer
+
+
 def _device(cfg: TrainConfig, rank: int) -> torch.device:
     if cfg.device == "auto":
         return torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
@@ -223,7 +248,16 @@ def _device(cfg: TrainConfig, rank: int) -> torch.device:
 
 def _build_model(cfg: TrainConfig, vocab_size: int):
     if cfg.init_from:
-        model = load_model(cfg.init_from)
+        config = Path(cfg.init_from) / "config.json"
+        is_hf = config.is_file() and "architectures" in json.loads(config.read_text(encoding="utf-8"))
+        if is_hf and set(cfg.model) - {"sparse"}:
+            raise ValueError(f"TrainConfig: with an HF init_from, model may hold only sparse (the architecture is the "
+                             f"checkpoint's; got {sorted(cfg.model)})")
+        if is_hf and SECTION not in json.loads(config.read_text(encoding="utf-8")):
+            model = load_any_model(cfg.init_from, cfg.model.get("sparse"))
+            log.info("continuing from the HF model %s, sparse layers %s", cfg.init_from, cfg.model.get("sparse"))
+            return model
+        model = load_any_model(cfg.init_from)
         log.info("continuing from %s (domain finetuning)", cfg.init_from)
         return model
     spec = dict(cfg.model)
@@ -244,22 +278,6 @@ def _convert(model, blocks: Blocks, cfg: TrainConfig, device) -> None:
     start = time.perf_counter()
     convert_to_cse(model, blocks.input_ids[idx].to(device), None, seed=cfg.seed, **opts)
     log.info("CSE conversion: %d sequences embedded and clustered in %.1f s", len(idx), time.perf_counter() - start)
-
-
-def _upcycle(model, cfg: TrainConfig, device) -> None:
-    """Sparse upcycling (Komatsuzaki et al., 2023): each chosen dense module becomes a Switch
-    layer (``upcycle["n_experts"]`` experts and a fresh router, N(0, 0.02) from the run's
-    restored RNG) or a DEMix layer (one expert per domain), its experts copies of it; AdamW state
-    is carried to the copies like CSE's."""
-    sparse = model.config.sparse
-    k = len(sparse.domains) if sparse.kind == "demix" else int(cfg.upcycle["n_experts"])
-    for n, i in enumerate(sparse.layers):
-        experts = [copy.deepcopy(model._module(i)) for _ in range(k)]
-        layer = (DEMixLayer(experts) if sparse.kind == "demix"
-                 else SwitchFFN(experts, model.config.n_embd, sparse.capacity_factor))
-        model._replace(i, layer.to(device))
-        sparse.n_experts[n] = k
-    log.info("%s: upcycled layers %s (%s) into %d experts each", sparse.kind, sparse.layers, sparse.module, k)
 
 
 def train(cfg: TrainConfig, *, callbacks=()) -> Path:
@@ -343,7 +361,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
             if sparse.kind == "cse":
                 _convert(model, blocks, cfg, device)
             else:
-                _upcycle(model, cfg, device)
+                upcycle(model, cfg.upcycle.get("n_experts"))
             model.to(device)
             new_opt = make_optimizer(model, cfg)
             carry_optimizer_state(old, model, new_opt)

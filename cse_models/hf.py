@@ -1,0 +1,298 @@
+"""CSE, Switch and DEMix layers inside a Hugging Face causal language model.
+
+:class:`SparseHF` wraps a ``transformers`` causal LM (GPT-2, GPT-NeoX / Pythia, the Llama layout)
+and offers what :class:`~cse_models.TransformerLM` offers a training loop and a conversion:
+``forward(input_ids, attention_mask, domains, positions=, targets=)``, ``module_inputs`` (the
+sequence embeddings at the FFN's input), ``_module`` / ``_replace`` (the FFN of a block) and the
+routing counters (:class:`~cse_models.model.SparseRouting`). So :func:`~cse_models.cse.convert_to_cse`,
+:func:`~cse_models.cse.upcycle` and ``cse-train`` work on it unchanged, and a one-expert layer is
+the dense MLP itself (the same output, bit for bit).
+
+Where a family keeps its blocks and its FFN is one :class:`Layout` in :data:`LAYOUTS`, keyed by
+the config's ``model_type``; ``ntkscope.runs.families`` reads the same table, so a new family is
+one line here and one adapter there. A converted checkpoint is the HF ``config.json`` with a
+``cse_sparse`` section (the layout and the :class:`~cse_models.SparseConfig`) beside
+``model.safetensors`` (tied weights stored once); loading builds the model from the config
+(``trust_remote_code=False``), rebuilds the sparse layers and loads the tensors strictly:
+nothing is unpickled and no checkpoint code runs.
+
+The FFN of an HF block is called with the hidden states only; the padding mask (for the mean
+over real tokens that routes a CSE sequence, and Switch's real tokens) and DEMix's domain labels
+reach the sparse layers through a context that :meth:`SparseHF.forward` (or a direct call of
+``model.hf(..., attention_mask=...)``, by a pre-hook) sets for the duration of the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_model as _load_tensors_into
+from safetensors.torch import save_model as _save_tensors_of
+
+from cse_models.config import SparseConfig
+from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN, sequence_embedding
+from cse_models.model import CONFIG_NAME, WEIGHTS_NAME, SparseRouting, _sparse_module, load_model
+from ntkscope.core.files import atomic_path, check_safetensors, read_json_object, write_json
+from ntkscope.core.lm import lm_loss
+
+SECTION = "cse_sparse"  # the config.json key of a converted model
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a family keeps its blocks (a dotted path from the ``*ForCausalLM`` model) and the
+    feed-forward module inside a block (an attribute name)."""
+
+    blocks: str
+    ffn: str = "mlp"
+
+
+LAYOUTS: dict[str, Layout] = {
+    "gpt2": Layout("transformer.h"),
+    "gpt_neox": Layout("gpt_neox.layers"),
+    **{t: Layout("model.layers") for t in ("llama", "mistral", "qwen2", "olmo", "olmo2")},
+}
+
+
+def layout_blocks(model: nn.Module, layout: Layout) -> list:
+    """The blocks of an HF model, by ``layout``."""
+    obj = model
+    for part in layout.blocks.split("."):
+        obj = getattr(obj, part)
+    return list(obj)
+
+
+def _transformers():
+    try:
+        import transformers  # optional: pip install 'ntkscope[hf]'
+    except ImportError:
+        raise ValueError("SparseHF: an HF model needs transformers (pip install 'ntkscope[hf]')") from None
+    return transformers
+
+
+class HFExpert(nn.Module):
+    """An HF MLP as an expert: ``forward(x, key_mask)`` ignores the mask (the MLP is per token)."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.mlp(x)
+
+
+class HFSparseFFN(nn.Module):
+    """Stands where a block's MLP stood: the hidden states (B, T, d) in, the sparse layer's output
+    out, with the padding mask and domain labels of the call in progress from ``context``."""
+
+    def __init__(self, layer: nn.Module, context: dict):
+        super().__init__()
+        self.layer = layer
+        self.context = context
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        mask, domains = self.context.get("key_mask"), self.context.get("domains")
+        if isinstance(self.layer, (CSELayer, DEMixLayer)):
+            return self.layer(hidden_states, mask, domains)
+        return self.layer(hidden_states, mask)
+
+
+@dataclass
+class HFSparseConfig:
+    """What the training loop and the conversions read of a :class:`SparseHF`: the HF config
+    underneath, its layout, width, context length and vocabulary, and the sparse layers."""
+
+    hf: object
+    layout: Layout
+    sparse: SparseConfig | None = None
+    model_type: str = "hf-causal"
+
+    @property
+    def n_embd(self) -> int:
+        return int(self.hf.hidden_size)
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.hf.num_hidden_layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf.vocab_size)
+
+    @property
+    def block_size(self) -> int:
+        return int(getattr(self.hf, "max_position_embeddings", None) or getattr(self.hf, "n_positions"))
+
+    def section(self) -> dict:
+        """The ``cse_sparse`` section of config.json."""
+        return {"layout": dataclasses.asdict(self.layout),
+                "sparse": None if self.sparse is None else dataclasses.asdict(self.sparse)}
+
+
+class SparseHF(SparseRouting, nn.Module):
+    """An HF causal LM whose chosen blocks' FFNs may be CSE, Switch or DEMix layers.
+
+    ``forward(input_ids (B, T), attention_mask (B, T) | None, domains (B,) | None) -> logits
+    (B, T, V)``; with ``positions`` / ``targets`` as :meth:`cse_models.TransformerLM.forward`
+    (the summed next-token cross-entropy, a scalar). ``hf`` is the wrapped model; ``sparse``
+    (a :class:`~cse_models.SparseConfig` or dict, kind any, module "ffn") says which layers
+    become sparse; layers with experts (n_experts > 0) are built empty, ready for a state dict.
+    """
+
+    def __init__(self, hf_model: nn.Module, sparse: SparseConfig | dict | None = None,
+                 layout: Layout | None = None):
+        super().__init__()
+        model_type = getattr(hf_model.config, "model_type", None)
+        layout = layout or LAYOUTS.get(model_type)
+        if layout is None:
+            raise ValueError(f"SparseHF: no layout for HF model_type {model_type!r} (known: {sorted(LAYOUTS)}); "
+                             "add one Layout to cse_models.hf.LAYOUTS")
+        if isinstance(sparse, dict):
+            sparse = SparseConfig(**sparse)
+        self.hf = hf_model
+        self.config = HFSparseConfig(hf_model.config, layout, sparse)
+        if sparse is not None:
+            if sparse.module != "ffn":
+                raise ValueError(f"SparseHF: sparse.module must be 'ffn' in an HF model (got {sparse.module!r})")
+            sparse.check(self.config.n_layer)
+        self._context: dict = {}
+        self.hf.register_forward_pre_hook(self._capture_mask, with_kwargs=True)
+        for i in (sparse.layers if sparse is not None else ()):
+            if sparse.experts_at(i) > 0:
+                self._replace(i, _sparse_module(self.config, self._module(i), sparse.experts_at(i)))
+
+    def _capture_mask(self, _module, args, kwargs):
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        self._context["key_mask"] = None if mask is None else mask.bool()
+
+    # ---- the FFN of a block ---------------------------------------------------------------
+
+    def _block(self, layer: int) -> nn.Module:
+        return layout_blocks(self.hf, self.config.layout)[layer]
+
+    def _module(self, layer: int) -> nn.Module:
+        """The FFN of block ``layer``: its sparse layer, or the dense MLP as an expert."""
+        ffn = getattr(self._block(layer), self.config.layout.ffn)
+        return ffn.layer if isinstance(ffn, HFSparseFFN) else HFExpert(ffn)
+
+    def _replace(self, layer: int, module: nn.Module) -> None:
+        setattr(self._block(layer), self.config.layout.ffn, HFSparseFFN(module, self._context))
+
+    @torch.no_grad()
+    def module_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers,
+                      module: str = "ffn", *, chunk: int = 256) -> dict[int, torch.Tensor]:
+        """Sequence embeddings (B, d): the mean over real tokens of each layer's FFN input."""
+        if module != "ffn":
+            raise ValueError(f"SparseHF.module_inputs: module must be 'ffn' (got {module!r})")
+        captured: dict[int, list] = {i: [] for i in layers}
+        hooks = [getattr(self._block(i), self.config.layout.ffn).register_forward_pre_hook(
+            lambda _m, args, i=i: captured[i].append(sequence_embedding(args[0], self._context.get("key_mask"))))
+            for i in layers]
+        try:
+            for start in range(0, input_ids.shape[0], chunk):
+                ids = input_ids[start:start + chunk]
+                am = None if attention_mask is None else attention_mask[start:start + chunk]
+                domains = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+                self(ids, am, domains)
+        finally:
+            for h in hooks:
+                h.remove()
+        return {i: torch.cat(parts) for i, parts in captured.items()}
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                domains: torch.Tensor | None = None, positions: slice | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        T = input_ids.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"SparseHF.forward: input_ids has {T} positions, more than the model's "
+                             f"context of {self.config.block_size}")
+        self._context["domains"] = domains
+        try:
+            logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        finally:
+            self._context.clear()
+        logits = logits if positions is None else logits[:, positions]
+        if targets is None:
+            return logits
+        return lm_loss(logits if logits.dtype == torch.float64 else logits.float(), targets, reduction="sum")
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """``config.json`` (the HF config and the ``cse_sparse`` section) and ``model.safetensors``
+        (tied weights once), each written atomically."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        with atomic_path(directory / WEIGHTS_NAME) as tmp:
+            _save_tensors_of(self, str(tmp), metadata={"format": "pt"})
+        write_json(directory / CONFIG_NAME, {**self.config.hf.to_dict(), SECTION: self.config.section()})
+        return directory
+
+
+def _hf_config(directory: Path, func: str):
+    transformers = _transformers()
+    data = read_json_object(directory / CONFIG_NAME, func)
+    data.pop(SECTION, None)
+    model_type = data.get("model_type")
+    if model_type not in LAYOUTS:
+        raise ValueError(f"{func}: {directory} holds an HF {model_type!r} model; sparse layers are supported for "
+                         f"{sorted(LAYOUTS)}")
+    data.pop("auto_map", None)  # never custom code
+    return transformers, transformers.AutoConfig.for_model(**data)
+
+
+def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = None) -> SparseHF:
+    """An HF causal LM directory (``config.json`` + ``model.safetensors``) as a :class:`SparseHF`
+    in eval mode: a converted one with its sparse layers, or a dense one with ``sparse`` (layers
+    listed, 0 experts: dense until converted). Missing or unexpected tensors are refused (tied
+    weights the HF way accepted); nothing is unpickled, no checkpoint code runs."""
+    func = "load_hf"
+    directory = Path(directory)
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{func}: {directory} has no {name} (an HF directory saved with safetensors)")
+    section = read_json_object(directory / CONFIG_NAME, func).get(SECTION)
+    if section is not None and sparse is not None:
+        raise ValueError(f"{func}: {directory} is a converted model already ({section['sparse']['kind']}); "
+                         "convert a dense checkpoint")
+    transformers, hf_config = _hf_config(directory, func)
+    check_safetensors(directory / WEIGHTS_NAME, func)
+    if section is None:  # a dense checkpoint, loaded the HF way (which ties the head to the embedding)
+        try:
+            hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+                directory, config=hf_config, local_files_only=True, use_safetensors=True, trust_remote_code=False,
+                output_loading_info=True)
+        except (RuntimeError, ValueError, OSError) as err:
+            raise ValueError(f"{func}: the weights in {directory} do not match its config.json "
+                             f"({str(err).splitlines()[0][:200]})") from None
+        missing, unexpected = info["missing_keys"], info["unexpected_keys"]
+        model = SparseHF(hf, sparse)
+    else:
+        model = SparseHF(transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False),
+                         section["sparse"], Layout(**section["layout"]))
+        try:
+            missing, unexpected = _load_tensors_into(model, str(directory / WEIGHTS_NAME), strict=False)
+        except RuntimeError as err:
+            raise ValueError(f"{func}: the weights in {directory} do not match its config.json "
+                             f"({str(err).splitlines()[0][:200]})") from None
+    if missing or unexpected:
+        raise ValueError(f"{func}: the weights in {directory} do not match its config.json "
+                         f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+    return model.eval()
+
+
+def load_any_model(directory: str | os.PathLike, sparse: SparseConfig | dict | None = None):
+    """A ``cse_models`` checkpoint (:class:`~cse_models.TransformerLM`), or an HF causal LM of a known
+    layout as a :class:`SparseHF` (converted, or dense with ``sparse`` to convert later)."""
+    directory = Path(directory)
+    data = read_json_object(directory / CONFIG_NAME, "load_model") if (directory / CONFIG_NAME).is_file() else {}
+    if SECTION in data or "architectures" in data:
+        return load_hf(directory, sparse)
+    return load_model(directory)
