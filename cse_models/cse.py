@@ -81,12 +81,12 @@ def upcycle(model, n_experts: int | None = None) -> int:
     k = len(sparse.domains) if sparse.kind == "demix" else n_experts
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"upcycle: a Switch layer needs n_experts >= 1 (got {n_experts!r})")
-    device = next(model.parameters()).device
+    weight = next(model.parameters())  # a new router in the model's device and dtype, whatever torch's default
     for n, i in enumerate(sparse.layers):
         experts = [copy.deepcopy(model._module(i)) for _ in range(k)]
         layer = DEMixLayer(experts) if sparse.kind == "demix" else SwitchFFN(experts, model.config.n_embd,
                                                                               sparse.capacity_factor)
-        model._replace(i, layer.to(device))
+        model._replace(i, layer.to(device=weight.device, dtype=weight.dtype))
         sparse.n_experts[n] = k
     log.info("%s: upcycled layers %s (%s) into %d experts each", sparse.kind, sparse.layers, sparse.module, k)
     return k

@@ -428,3 +428,30 @@ def expert_loads(load, *, tail=("legal", "biomedical")):
     axes[0][0].legend(fontsize=7, loc="center left")
     fig.tight_layout()
     return fig
+
+
+def routing_shares(routing, *, title: str = ""):
+    """Where each domain is routed (``routing``: :func:`cse_models.domains.routing_table`'s rows):
+    one heatmap per sparse layer, domains (rows) x experts (columns), each cell the share of the
+    domain's sequences (CSE) or tokens (Switch) sent to that expert, with the count."""
+    plt = _pyplot()
+    layers = list(dict.fromkeys(routing["layer"]))
+    domains = sorted(routing["domain"].unique())
+    fig, axes = plt.subplots(1, len(layers), figsize=(1.2 + 0.55 * routing["expert"].nunique() * len(layers) + 1.5,
+                                                       0.9 + 0.45 * len(domains)), squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        part = routing[routing["layer"] == layer]
+        share = part.pivot(index="domain", columns="expert", values="share_of_domain").reindex(domains)
+        count = part.pivot(index="domain", columns="expert", values="count").reindex(domains)
+        ax.imshow(share.fillna(0).values, vmin=0, vmax=1, cmap="Blues", aspect="auto")
+        for (r, c), value in np.ndenumerate(count.values):
+            ax.text(c, r, f"{int(value)}", ha="center", va="center", fontsize=7,
+                    color="white" if share.values[r, c] > 0.6 else "black")
+        ax.set_xticks(range(share.shape[1]), [str(e) for e in share.columns])
+        ax.set_yticks(range(len(domains)), domains)
+        ax.set_xlabel(f"expert ({part['unit'].iloc[0]})")
+        ax.set_title(layer.replace(".layer", "").replace(".mlp", ""), fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -110,6 +110,19 @@ def _freq(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    r = commands.eval_command(args.checkpoint, _source(args), tokenizer=args.tokenizer, batch_size=args.batch_size,
+                              n_boot=args.n_boot, seed=args.seed, out=args.out)
+    _print_table(f"perplexity per domain (texts truncated to {r['context']} tokens; 95% intervals over texts):",
+                 r["perplexity"])
+    if len(r["routing"]):
+        shares = r["routing"].pivot_table(index=["layer", "domain"], columns="expert", values="share_of_domain")
+        _print_table("share of each domain's sequences (CSE) or tokens (Switch) per expert:", shares.reset_index())
+    if args.out:
+        print(f"\nwrote {args.out}/")
+    return 0
+
+
 def _analysis_options(args) -> dict:
     return dict(tokenizer=args.tokenizer, n=args.n, seq_len=args.seq_len, point=args.point, k_max=args.k_max,
                 projection_dim=args.projection_dim, top_k=args.top_k, seed=args.seed)
@@ -410,6 +423,18 @@ def build_parser() -> argparse.ArgumentParser:
     freq.add_argument("--bins", type=int, default=10)
     freq.add_argument("--out", help="directory for the tables")
     freq.set_defaults(run=_freq)
+    ev = sub.add_parser("eval", help="perplexity per domain of your data, and where each domain is routed",
+                        description="Example: ntkscope eval myrun/cse/checkpoints/step-000200 --data eval.jsonl "
+                        "--label-column domain --out eval/")
+    ev.add_argument("checkpoint", help="a checkpoint directory: HF causal LM (dense or converted) or cse_models GPT")
+    ev.add_argument("--data", default="default", help=_DATA_HELP)
+    _add_column_args(ev)
+    ev.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, its run's tokenizer or pack")
+    ev.add_argument("--batch-size", type=int, default=16)
+    ev.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples of the intervals")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--out", help="directory for perplexity.csv, routing.csv, routing.png, result.json")
+    ev.set_defaults(run=_eval)
     clusters = sub.add_parser("clusters", help="how one model's sequence embeddings cluster, layer by layer",
                               description="Example: ntkscope clusters runs/toy-dense/checkpoints/step-001000")
     clusters.add_argument("model", help="a cse_models checkpoint, an HF model directory, or a training run "

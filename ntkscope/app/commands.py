@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cse_models.domains import evaluate_domains
 from ntkscope.core.checks import InputError
 from ntkscope.core.files import Staging, check_output, digest, write_json, write_table
 from ntkscope.core.memory import available_memory_bytes, format_bytes
@@ -23,7 +24,7 @@ from ntkscope.kernel.distributed import from_rank0, writes
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.params import select_parameters
 from ntkscope.kernel.uncertainty import Resampling
-from ntkscope.plotting import gc_over_steps, gc_vs_frequency, ntk_heatmap, save_figure
+from ntkscope.plotting import gc_over_steps, gc_vs_frequency, ntk_heatmap, routing_shares, save_figure
 from ntkscope.representation.clusters import layer_separation
 from ntkscope.representation.plan import gc_peak, make_plan
 from ntkscope.runs.checkpoints import (check_vocab, checkpoint_tokenizer, is_run_dir, list_checkpoints,
@@ -236,6 +237,34 @@ def freq_command(data="default", *, tokenizer=None, normalisation: str = "max", 
     written = _write_tables(out, {"sentence_scores.parquet": table, "histogram.csv": hist,
                                   "token_counts.parquet": counts.to_frame(tok)})
     return {"tokenizer": tok, "sentences": table, "histogram": hist, "files": written}
+
+
+def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int = 16, n_boot: int = 1000,
+                 seed: int = 0, out=None) -> dict:
+    """Perplexity per domain of ``data``'s rows and, for a sparse model, where each domain is
+    routed (``ntkscope eval``): any causal checkpoint ``load_checkpoint`` reads (HF or
+    ``cse_models``, dense or sparse); a table's label column names the domains."""
+    check_output("eval", out)
+    source = as_source(data)
+    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, source)
+    rows = source.rows("test") if source.kind == "pack" else source.rows()
+    texts, labels = [t for t, _ in rows], [label for _, label in rows]
+    result = evaluate_domains(model, tok.encode(texts), labels, batch_size=batch_size, n_boot=n_boot, seed=seed)
+    written = []
+    if out is not None:
+        with Staging(out) as files:
+            write_table(result.perplexity, files.path("perplexity.csv"))
+            if len(result.routing):
+                write_table(result.routing, files.path("routing.csv"))
+                save_figure(routing_shares(result.routing, title=f"routing of {checkpoint}"),
+                            files.path("routing"), formats=FORMATS)
+            write_json(files.path("result.json"), {
+                "checkpoint": str(checkpoint), **source.options(), "tokenizer": tok.name, "texts": len(texts),
+                "context": result.context, "interval": f"{result.level:.0%} percentile bootstrap over texts",
+                "n_boot": n_boot, "seed": seed, "perplexity": result.perplexity.to_dict("records")})
+        written = files.written
+    return {"perplexity": result.perplexity, "routing": result.routing, "context": result.context,
+            "tokenizer": tok, "files": written}
 
 
 def _analysis_sentences(target, data, tokenizer, n, seq_len, seed, *, run: bool):

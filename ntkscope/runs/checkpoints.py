@@ -102,9 +102,12 @@ def checkpoint_tokenizer(path: str | Path, tokenizer=None, data=None):
     for parent in (path, path.parent, path.parent.parent):
         cfg = parent / "train_config.json"
         if cfg.is_file():
-            trained_on = json.loads(cfg.read_text()).get("data", {})
+            train_config = json.loads(cfg.read_text())
+            trained_on = train_config.get("data", {})
             if trained_on.get("tokenizer"):
                 return load_tokenizer(trained_on["tokenizer"])
+            if trained_on.get("table") and train_config.get("init_from"):  # the HF model's own tokenizer
+                return checkpoint_tokenizer(train_config["init_from"])
             return load_pack(trained_on.get("pack")).tokenizer()
     if (path.parent / "tokenizer.json").is_file():
         return load_tokenizer(path.parent)

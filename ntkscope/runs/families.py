@@ -12,6 +12,8 @@ Families here: ``cse_models`` GPT/BERT; HF GPT-2, BERT, GPT-NeoX (Pythia), the L
 (Llama, Mistral, Qwen2, OLMo: pre-norm ``input_layernorm`` / ``post_attention_layernorm``
 around ``self_attn`` / ``mlp``) and OLMo-2 (the same modules, normalised after each
 sub-layer); any other ``transformers`` model loads and has a kernel, but no layer layout.
+Where a causal family keeps its blocks and FFN is :data:`cse_models.hf.LAYOUTS` (the table the
+sparse conversions use); each such family has a ``+sparse`` twin for its converted models.
 
 Points (docs/design.md §3): ``"block"`` the block's output; ``"ffn_input"`` / ``"ffn_output"``
 the feed-forward module's input / output; ``"attn_input"`` the attention module's input.
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch.nn as nn
 
 import cse_models
+from cse_models.hf import LAYOUTS, SECTION, layout_blocks
 from cse_models.model import build_model, load_weights
 from ntkscope.core.checks import InputError
 from ntkscope.core.files import check_safetensors
@@ -143,6 +146,21 @@ def _hf_family(name: str, model_types: tuple, blocks: Callable, points: dict) ->
                   blocks=blocks, points=points, vocab_size=_hf_vocab)
 
 
+def _sparse_hf_family(base: Family, model_types: tuple) -> Family:
+    """An HF model of ``base`` with CSE / Switch / DEMix layers (:class:`cse_models.SparseHF`):
+    the same blocks and points, read through the wrapper; recognised by config.json's ``cse_sparse``."""
+    return Family(f"{base.name}+sparse",
+                  is_model=lambda m: isinstance(m, cse_models.SparseHF) and _model_type(m.hf) in model_types,
+                  is_config=lambda d: SECTION in d and d.get("model_type") in model_types,
+                  load=lambda path, data, weights: cse_models.load_hf(path), causal=lambda m: True,
+                  blocks=lambda m: base.blocks(m.hf), points=base.points, vocab_size=lambda m: _hf_vocab(m.hf))
+
+
+def _hf_blocks(model_type: str) -> Callable:
+    """A family's blocks, where :data:`cse_models.hf.LAYOUTS` says they are."""
+    return lambda m: layout_blocks(m, LAYOUTS[model_type])
+
+
 def _bert_encoder(model):
     return getattr(model, "encoder", None) or getattr(getattr(model, "bert", None), "encoder", None)
 
@@ -164,7 +182,7 @@ FAMILIES: dict[str, Family] = {
         is_config=lambda d: d.get("model_type") == "gpt2",
         load=_load_hf,
         causal=lambda m: True,
-        blocks=lambda m: list(m.transformer.h),
+        blocks=_hf_blocks("gpt2"),
         points=_PRE_LN_POINTS,
         vocab_size=_hf_vocab,
     ),
@@ -178,9 +196,9 @@ FAMILIES: dict[str, Family] = {
         points=_BERT_POINTS,
         vocab_size=_hf_vocab,
     ),
-    "gpt_neox": _hf_family("gpt_neox", ("gpt_neox",), lambda m: list(m.gpt_neox.layers), _DECODER_POINTS),
-    "llama": _hf_family("llama", LLAMA_LAYOUT, lambda m: list(m.model.layers), _DECODER_POINTS),
-    "olmo2": _hf_family("olmo2", ("olmo2",), lambda m: list(m.model.layers), _POST_NORM_POINTS),
+    "gpt_neox": _hf_family("gpt_neox", ("gpt_neox",), _hf_blocks("gpt_neox"), _DECODER_POINTS),
+    "llama": _hf_family("llama", LLAMA_LAYOUT, _hf_blocks("llama"), _DECODER_POINTS),
+    "olmo2": _hf_family("olmo2", ("olmo2",), _hf_blocks("olmo2"), _POST_NORM_POINTS),
     "hf": Family(  # any other transformers model: loads and has a kernel, but no layer layout here
         "hf",
         is_model=is_huggingface,
@@ -192,6 +210,13 @@ FAMILIES: dict[str, Family] = {
         vocab_size=_hf_vocab,
     ),
 }
+
+
+# converted HF models first: their config.json names the base family's model_type too
+FAMILIES = {"cse_models": FAMILIES["cse_models"],
+            **{f"{name}+sparse": _sparse_hf_family(FAMILIES[name], types) for name, types in
+               (("gpt2", ("gpt2",)), ("gpt_neox", ("gpt_neox",)), ("llama", LLAMA_LAYOUT), ("olmo2", ("olmo2",)))},
+            **{k: v for k, v in FAMILIES.items() if k != "cse_models"}}
 
 
 def family_of(model: nn.Module) -> Family:

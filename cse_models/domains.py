@@ -1,0 +1,197 @@
+"""Evaluation on the user's own domains: perplexity per domain over whole texts, with intervals
+over texts, and where each domain is routed, per sparse layer, in eval mode.
+
+Perplexity of a domain is ``exp`` of the mean next-token negative log-likelihood over all real
+next-token pairs of the domain's texts; each text is encoded as its tokenizer encodes it, with no
+tokens added, and truncated to the model's context (a text of one token has no pair and adds
+nothing). The interval is a percentile bootstrap over the domain's texts (the ratio of summed
+NLL to summed pairs in each resample). A DEMix model is scored by its label-free posterior
+mixture (uniform prior, :func:`cse_models.demix.mixture_log_probs`).
+
+Routing (CSE and Switch layers): a CSE layer sends a *sequence* to one expert; a Switch layer
+sends each real *token* to its router's top-1 expert (before capacity drops it). The table has one
+row per (layer, expert, domain): the count, its share of the domain's units at that layer and its
+share of the expert's. Works on :class:`~cse_models.TransformerLM` (GPT), :class:`~cse_models.SparseHF`
+and any ``transformers`` causal LM (dense: no routing rows).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from cse_models.demix import mixture_log_probs
+from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
+from cse_models.hf import SparseHF
+from cse_models.model import TransformerLM
+
+log = logging.getLogger(__name__)
+
+PERPLEXITY_COLUMNS = ["domain", "texts", "tokens", "nll", "ppl", "ppl_low", "ppl_high"]
+ROUTING_COLUMNS = ["layer", "expert", "domain", "unit", "count", "share_of_domain", "share_of_expert"]
+
+
+@dataclass(frozen=True)
+class DomainEvaluation:
+    """``perplexity``: one row per domain (:data:`PERPLEXITY_COLUMNS`; ``tokens`` = next-token
+    pairs scored); ``routing``: one row per (sparse layer, expert, domain) (:data:`ROUTING_COLUMNS`),
+    empty for a dense model; ``context``: the length texts were truncated to; ``level``: the
+    intervals' coverage."""
+
+    perplexity: pd.DataFrame
+    routing: pd.DataFrame
+    context: int
+    level: float
+
+
+def context_length(model) -> int:
+    """The longest input the model takes."""
+    if isinstance(model, (TransformerLM, SparseHF)):
+        return int(model.config.block_size)
+    config = model.config
+    for key in ("max_position_embeddings", "n_positions"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    raise ValueError(f"evaluate_domains: cannot tell the context length of a {type(model).__name__}")
+
+
+def _check_causal(model) -> None:
+    if isinstance(model, TransformerLM) and model.config.model_type != "gpt":
+        raise ValueError("evaluate_domains: model must be a causal LM (a GPT); a BERT has no next-token perplexity")
+    if not isinstance(model, (TransformerLM, SparseHF)) and "CausalLM" not in type(model).__name__ \
+            and "LMHead" not in type(model).__name__:
+        raise ValueError(f"evaluate_domains: model must be a causal LM (got {type(model).__name__})")
+
+
+def _token_log_probs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log p(x_t | x_<t) (B, T-1) in float64."""
+    if any(isinstance(m, DEMixLayer) for m in model.modules()):
+        return mixture_log_probs(model, ids, mask)[0].double()
+    logits = model(ids, mask) if isinstance(model, (TransformerLM, SparseHF)) else \
+        model(input_ids=ids, attention_mask=mask).logits
+    logp = F.log_softmax(logits[:, :-1].double(), dim=-1)
+    return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+class _RoutingRecorder:
+    """Forward hooks on the CSE / Switch layers: the expert each sequence (CSE) or real token
+    (Switch) is sent to, per batch."""
+
+    def __init__(self, model):
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, (CSELayer, SwitchFFN))}
+        self.batch: dict[str, torch.Tensor] = {}
+        self.hooks = [m.register_forward_hook(self._hook(name)) for name, m in self.layers.items()]
+
+    def _hook(self, name):
+        def hook(module, args, _out):
+            x, key_mask = args[0], (args[1] if len(args) > 1 else None)
+            if isinstance(module, CSELayer):
+                self.batch[name] = module.route(x, key_mask)[1].cpu()
+            else:  # per token (B, T); padding -1
+                choice = module.router(x).argmax(-1)
+                self.batch[name] = choice.masked_fill(~key_mask.bool(), -1).cpu() if key_mask is not None \
+                    else choice.cpu()
+        return hook
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def _bootstrap(nll: np.ndarray, pairs: np.ndarray, n_boot: int, level: float, rng) -> tuple[float, float]:
+    if len(nll) < 2:
+        return float("nan"), float("nan")
+    idx = rng.integers(0, len(nll), (n_boot, len(nll)))
+    ppl = np.exp(nll[idx].sum(1) / np.maximum(pairs[idx].sum(1), 1))
+    tail = (1 - level) / 2 * 100
+    return float(np.percentile(ppl, tail)), float(np.percentile(ppl, 100 - tail))
+
+
+@torch.no_grad()
+def evaluate_domains(model, token_ids: Sequence[Sequence[int]], labels: Sequence[str], *, batch_size: int = 16,
+                     n_boot: int = 1000, level: float = 0.95, seed: int = 0) -> DomainEvaluation:
+    """Per-domain perplexity and routing of ``token_ids`` (one list of ids per text, as the
+    tokenizer encodes it, no tokens added) labelled ``labels`` (one domain per text). The model is
+    put in eval mode for the call and left as it was."""
+    if len(token_ids) != len(labels) or not len(labels):
+        raise ValueError(f"evaluate_domains: token_ids and labels must be non-empty and of one length "
+                         f"(got {len(token_ids)} and {len(labels)})")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"evaluate_domains: batch_size must be a positive integer (got {batch_size!r})")
+    if not 0 < level < 1 or n_boot < 1:
+        raise ValueError(f"evaluate_domains: need 0 < level < 1 and n_boot >= 1 (got {level}, {n_boot})")
+    _check_causal(model)
+    context = context_length(model)
+    texts = [list(ids)[:context] for ids in token_ids]
+    names = sorted(set(labels))
+    domain = np.array([names.index(label) for label in labels])
+    device = next(model.parameters()).device
+    nll, pairs = np.zeros(len(texts)), np.array([max(len(t) - 1, 0) for t in texts])
+    recorder = _RoutingRecorder(model)
+    counts = {name: {} for name in recorder.layers}
+    was_training = model.training
+    model.eval()
+    try:
+        order = [i for i in np.argsort([len(t) for t in texts], kind="stable") if pairs[i] > 0]
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            T = max(len(texts[i]) for i in rows)
+            ids = torch.zeros(len(rows), T, dtype=torch.long)
+            mask = torch.zeros(len(rows), T, dtype=torch.long)
+            for r, i in enumerate(rows):
+                ids[r, :len(texts[i])] = torch.tensor(texts[i])
+                mask[r, :len(texts[i])] = 1
+            recorder.batch.clear()
+            logp = _token_log_probs(model, ids.to(device), mask.to(device)).cpu()
+            nll[rows] = -(logp * mask[:, 1:]).sum(1).numpy()
+            for name, assign in recorder.batch.items():
+                doms = torch.as_tensor(domain[rows])
+                if assign.dim() == 2:  # Switch: tokens
+                    doms, assign = doms[:, None].expand_as(assign)[assign >= 0], assign[assign >= 0]
+                for (e, d), c in zip(*np.unique(np.stack([assign.numpy(), doms.numpy()], 1), axis=0,
+                                               return_counts=True)):
+                    counts[name][(int(e), int(d))] = counts[name].get((int(e), int(d)), 0) + int(c)
+    finally:
+        recorder.remove()
+        model.train(was_training)
+    skipped = int((pairs == 0).sum())
+    if skipped:
+        log.info("evaluate_domains: %d texts of fewer than 2 tokens have no next-token pair", skipped)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for d, name in enumerate(names):
+        keep = domain == d
+        total_nll, total_pairs = float(nll[keep].sum()), int(pairs[keep].sum())
+        mean = total_nll / total_pairs if total_pairs else float("nan")
+        low, high = _bootstrap(nll[keep], pairs[keep], n_boot, level, rng)
+        rows.append({"domain": name, "texts": int(keep.sum()), "tokens": total_pairs, "nll": mean,
+                     "ppl": float(np.exp(mean)), "ppl_low": low, "ppl_high": high})
+    return DomainEvaluation(pd.DataFrame(rows, columns=PERPLEXITY_COLUMNS),
+                            _routing_frame(recorder, counts, names), context, level)
+
+
+def _routing_frame(recorder: _RoutingRecorder, counts: dict, names: list) -> pd.DataFrame:
+    rows = []
+    for layer, module in recorder.layers.items():
+        unit = "sequences" if isinstance(module, CSELayer) else "tokens"
+        table = np.zeros((len(module.experts), len(names)), dtype=np.int64)
+        for (e, d), c in counts[layer].items():
+            table[e, d] = c
+        by_domain, by_expert = table.sum(0), table.sum(1)
+        for e in range(table.shape[0]):
+            for d, name in enumerate(names):
+                rows.append({"layer": layer, "expert": e, "domain": name, "unit": unit, "count": int(table[e, d]),
+                             "share_of_domain": table[e, d] / by_domain[d] if by_domain[d] else float("nan"),
+                             "share_of_expert": table[e, d] / by_expert[e] if by_expert[e] else float("nan")})
+    return pd.DataFrame(rows, columns=ROUTING_COLUMNS)
+
+
+def routing_table(model, token_ids: Sequence[Sequence[int]], labels: Sequence[str], **kw) -> pd.DataFrame:
+    """Where each domain is routed: :attr:`DomainEvaluation.routing` of :func:`evaluate_domains`."""
+    return evaluate_domains(model, token_ids, labels, n_boot=1, **kw).routing

@@ -1,0 +1,143 @@
+"""A researcher's own HF model and data, end to end at toy size: a GPT-NeoX made from a config,
+real text in a JSONL with a domain column, CSE conversion and training with ``cse-train``
+(``init_from`` the HF directory), exact resume, and ``ntkscope eval`` whose per-domain
+perplexities equal a direct computation with ``transformers`` on the same sequences."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cse_models import SparseHF, load_any_model
+from cse_models.cse import convert_to_cse
+from cse_models.domains import evaluate_domains
+from cse_models.train import TrainConfig, train
+from commandline import in_process
+from ntkscope.core.files import load_safetensors
+from ntkscope.runs.checkpoints import load_checkpoint
+from ntkscope.runs.families import family_of
+from ntkscope.text.corpus.pack import DEFAULT_PACK, load_pack
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    """A dense GPT-NeoX directory (safetensors + config + tokenizer.json) and JSONL files of real text."""
+    root = tmp_path_factory.mktemp("own")
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                        num_attention_heads=2, max_position_embeddings=64, rotary_pct=0.25,
+                                        bos_token_id=0, eos_token_id=0)
+    with torch.device("cpu"):
+        model = transformers.GPTNeoXForCausalLM(config).float()
+    model.save_pretrained(root / "model")
+    (root / "model" / "tokenizer.json").write_bytes((DEFAULT_PACK / "tokenizer.json").read_bytes())
+    pack = load_pack()
+    for split, n in (("train", 120), ("test", 20)):
+        rows = [{"text": r.text, "domain": r.domain} for d in ("legal", "biomedical", "general")
+                for r in [r for r in pack.records(split) if r.domain == d][:n]]
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def config(own, out, **kw):
+    return TrainConfig.from_dict({
+        "out_dir": str(out), "init_from": str(own / "model"),
+        "model": {"sparse": {"kind": "cse", "layers": [1, 2], "n_experts": [0, 0]}},
+        "cse": {"warmup_steps": 0, "n_samples": 200, "min_cluster_size": 10},
+        "data": {"table": str(own / "train.jsonl"), "label_column": "domain", "seq_len": 32},
+        "steps": 6, "batch_size": 8, "checkpoint_every": 3, "warmup_steps": 2, "tensorboard": False,
+        "device": "cpu", **kw})
+
+
+def test_cse_train_converts_and_trains_an_hf_model_and_resumes_exactly(own, tmp_path):
+    torch.set_default_dtype(torch.float32)
+    last = train(config(own, tmp_path / "whole"))
+    model = load_checkpoint(last)
+    assert isinstance(model, SparseHF) and family_of(model).name == "gpt_neox+sparse"
+    assert len(model.sparse_layers()) == 2
+    saved = json.loads((last / "config.json").read_text())
+    assert saved["model_type"] == "gpt_neox" and saved["cse_sparse"]["sparse"]["router_format"] == 2
+    metrics = pd.read_csv(tmp_path / "whole" / "metrics.csv")
+    assert np.isfinite(metrics["loss"]).all() and metrics["step"].max() == 6
+    # killed after step 3 and resumed: the same weights as the uninterrupted run
+    train(config(own, tmp_path / "split", stop_at=3))
+    resumed = train(config(own, tmp_path / "split"))
+    a, b = load_safetensors(last / "model.safetensors", "test"), load_safetensors(resumed / "model.safetensors", "test")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def direct_perplexity(model, texts, labels, tokenizer):
+    """One text at a time, no padding: exp(mean NLL) per domain."""
+    nll, pairs = {}, {}
+    for text, label in zip(texts, labels):
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False).ids[:64]])
+        if ids.shape[1] < 2:
+            continue
+        with torch.no_grad():
+            logits = model(ids) if isinstance(model, SparseHF) else model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[0, :-1].double(), ids[0, 1:], reduction="sum")
+        nll[label] = nll.get(label, 0.0) + float(loss)
+        pairs[label] = pairs.get(label, 0) + ids.shape[1] - 1
+    return {d: float(np.exp(nll[d] / pairs[d])) for d in nll}
+
+
+def test_eval_equals_a_direct_computation_for_dense_and_converted_models(own, tmp_path):
+    torch.set_default_dtype(torch.float32)
+    rows = [json.loads(line) for line in (own / "test.jsonl").read_text().splitlines()]
+    texts, labels = [r["text"] for r in rows], [r["domain"] for r in rows]
+    tok = tokenizers.Tokenizer.from_file(str(own / "model" / "tokenizer.json"))
+    dense = transformers.AutoModelForCausalLM.from_pretrained(own / "model").eval()
+    # the converted model: CSE at layers 1-2, fitted on the training rows (planted apart by domain below)
+    cse = load_any_model(own / "model", dict(kind="cse", layers=[1, 2], n_experts=[0, 0]))
+    train_rows = [json.loads(line) for line in (own / "train.jsonl").read_text().splitlines()]
+    fit_ids = torch.zeros(len(train_rows), 32, dtype=torch.long)
+    fit_mask = torch.zeros_like(fit_ids)
+    for i, r in enumerate(train_rows):
+        ids = tok.encode(r["text"], add_special_tokens=False).ids[:32]
+        fit_ids[i, :len(ids)], fit_mask[i, :len(ids)] = torch.tensor(ids), 1
+    convert_to_cse(cse, fit_ids, fit_mask, min_cluster_size=10, max_experts=4)
+    cse.save_pretrained(tmp_path / "cse")
+    (tmp_path / "cse" / "tokenizer.json").write_bytes((own / "model" / "tokenizer.json").read_bytes())
+    for name, model, directory in (("dense", dense, own / "model"), ("cse", cse, tmp_path / "cse")):
+        out = tmp_path / f"eval-{name}"
+        proc = in_process("eval", directory, "--data", own / "test.jsonl", "--label-column", "domain", "--out", out,
+                          "--n-boot", 200)
+        assert proc.returncode == 0, proc.stderr
+        table = pd.read_csv(out / "perplexity.csv").set_index("domain")
+        expected = direct_perplexity(model, texts, labels, tok)
+        assert sorted(table.index) == sorted(expected) == ["biomedical", "general", "legal"]
+        for d, ppl in expected.items():
+            assert table.loc[d, "ppl"] == pytest.approx(ppl, rel=1e-5)
+            assert table.loc[d, "ppl_low"] < table.loc[d, "ppl"] < table.loc[d, "ppl_high"]
+            assert table.loc[d, "texts"] == 20
+        result = json.loads((out / "result.json").read_text())
+        assert result["context"] == 64 and result["label_column"] == "domain"
+        if name == "cse":  # the routing table: every domain's sequences, once per layer
+            routing = pd.read_csv(out / "routing.csv")
+            assert set(routing["layer"]) == {f"hf.gpt_neox.layers.{i}.mlp.layer" for i in (1, 2)}
+            assert (routing.groupby(["layer", "domain"])["count"].sum() == 20).all()
+            assert np.allclose(routing.groupby(["layer", "domain"])["share_of_domain"].sum(), 1.0)
+            assert (out / "routing.png").is_file()
+        else:
+            assert not (out / "routing.csv").exists()
+
+
+def test_routing_is_computed_in_eval_mode_and_leaves_the_mode(own):
+    model = load_any_model(own / "model", dict(kind="switch", layers=[1], n_experts=[0]))
+    from cse_models.cse import upcycle
+    upcycle(model, 2)
+    model.train()
+    result = evaluate_domains(model, [[1, 2, 3, 4], [5, 6, 7], [8]], ["a", "b", "b"], n_boot=10)
+    assert model.training  # left as it was
+    assert list(model.sparse_layers().values())[0].load.sum() == 0  # eval mode: no bookkeeping
+    routing = result.routing
+    assert set(routing["unit"]) == {"tokens"} and routing["count"].sum() == 4 + 3 + 1
+    assert result.perplexity.set_index("domain").loc["b", "tokens"] == 2  # the one-token text has no pair
