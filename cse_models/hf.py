@@ -265,6 +265,8 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
     transformers, hf_config = _hf_config(directory, func)
     check_safetensors(directory / WEIGHTS_NAME, func)
     if section is None:  # a dense checkpoint, loaded the HF way (which ties the head to the embedding)
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # ntkscope's -q means quiet; a small load needs no bar
         try:
             hf, info = transformers.AutoModelForCausalLM.from_pretrained(
                 directory, config=hf_config, local_files_only=True, use_safetensors=True, trust_remote_code=False,
@@ -272,6 +274,9 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
         except (RuntimeError, ValueError, OSError) as err:
             raise ValueError(f"{func}: the weights in {directory} do not match its config.json "
                              f"({str(err).splitlines()[0][:200]})") from None
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
         missing, unexpected = info["missing_keys"], info["unexpected_keys"]
         model = SparseHF(hf, sparse)
     else:
@@ -286,6 +291,19 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
         raise ValueError(f"{func}: the weights in {directory} do not match its config.json "
                          f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
     return model.eval()
+
+
+def architecture(model) -> dict:
+    """What a plan measured on ``model`` records of it, and what a training that applies the plan
+    compares: ``model_type`` (an HF config's, or "gpt" / "bert" for ``cse_models``), ``n_layer``
+    and ``n_embd``."""
+    if isinstance(model, SparseHF):
+        model = model.hf
+    config = model.config
+    if hasattr(config, "to_dict"):  # transformers
+        return {"model_type": config.model_type, "n_layer": int(config.num_hidden_layers),
+                "n_embd": int(config.hidden_size)}
+    return {"model_type": config.model_type, "n_layer": int(config.n_layer), "n_embd": int(config.n_embd)}
 
 
 def load_any_model(directory: str | os.PathLike, sparse: SparseConfig | dict | None = None):

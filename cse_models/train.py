@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,7 +40,7 @@ from cse_models.config import GPTConfig
 from cse_models.cse import convert_to_cse, upcycle
 from cse_models.data import (Blocks, global_batch, make_blocks, mask_tokens, pack_blocks, step_generator,
                              text_file_blocks)
-from cse_models.hf import SECTION, load_any_model
+from cse_models.hf import SECTION, architecture, load_any_model
 from cse_models.metrics import MetricsLog
 from cse_models.model import build_model
 from ntkscope.core.files import DirectoryLock, write_json
@@ -150,10 +151,51 @@ def apply_plan(cfg: TrainConfig) -> TrainConfig:
         if plan.warmup_steps is None:
             raise ValueError(f"TrainConfig: cse.warmup_steps is 'auto' but plan {cfg.plan} has no warm-up "
                              "(it was made without a GC series)")
-        cfg.cse["warmup_steps"] = int(plan.warmup_steps)
+        cfg.cse["warmup_steps"] = warmup_after(cfg.init_from, int(plan.warmup_steps), cfg.plan)
     log.info("plan %s: CSE layers %s (%s), warm-up %s steps", cfg.plan, sparse["layers"], plan.chosen_by,
              cfg.cse.get("warmup_steps"))
     return cfg
+
+
+def warmup_after(init_from: str | None, warmup: int, plan: str) -> int:
+    """The plan's warm-up (a step of the run it was measured on) as a step of this training: less
+    the step ``init_from`` was saved at (its name, ``stepN`` or ``step-NNNNNN``), at least 0."""
+    found = re.search(r"step-?(\d+)$", Path(init_from).name) if init_from else None
+    start = int(found.group(1)) if found else 0
+    if start > warmup:
+        log.warning("plan %s: warm-up at step %d of the measured run, but init_from %s is step %d: converting at "
+                    "once", plan, warmup, init_from, start)
+    return max(warmup - start, 0)
+
+
+def check_plan(cfg: TrainConfig, model, tokenizer) -> None:
+    """Refuse a plan measured on a model with another number of layers (its layer indices do not
+    transfer), and warn, one line each, where the architecture or tokenizer differs from what the
+    plan was measured on; refuse a conversion at or after the run's last step."""
+    warmup, sparse = cfg.cse.get("warmup_steps"), model.config.sparse
+    if sparse is not None and sparse.kind == "cse" and isinstance(warmup, int) and warmup >= cfg.steps \
+            and not any(sparse.n_experts):
+        raise ValueError(f"train: cse.warmup_steps {warmup} is at or beyond the run's {cfg.steps} steps: the CSE "
+                         "layers would never be built")
+    if not cfg.plan:
+        return
+    source = Plan.load(cfg.plan).source
+    if not source:
+        log.warning("plan %s does not record what it was measured on (an older plan): applied unchecked", cfg.plan)
+        return
+    arch = architecture(model)
+    if source.get("n_layer") != arch["n_layer"]:
+        raise ValueError(f"train: plan {cfg.plan} was measured on a {source.get('n_layer')}-layer "
+                         f"{source.get('model_type')} model and this one has {arch['n_layer']} layers: its layer "
+                         "indices do not transfer; measure a plan on this model's own checkpoints")
+    differ = [f"{key} {source.get(key)!r} (plan) vs {arch[key]!r}" for key in ("model_type", "n_embd")
+              if source.get(key) != arch[key]]
+    if source.get("vocab_size") not in (None, tokenizer.vocab_size):
+        differ.append(f"tokenizer {source.get('tokenizer')} ({source.get('vocab_size')} tokens, plan) vs "
+                      f"{tokenizer.name} ({tokenizer.vocab_size})")
+    if differ:
+        log.warning("plan %s was measured on another model: %s; its layers and warm-up may not apply", cfg.plan,
+                    "; ".join(differ))
 
 
 # ---- pieces -----------------------------------------------------------------------------------
@@ -194,7 +236,7 @@ def lm_loss(model, ids: torch.Tensor, domains: torch.Tensor, step: int, cfg: Tra
 # ---- the run --------------------------------------------------------------------------------
 
 
-_PACK_BLOCKS: dict = {}  # (pack, version, tokenizer, split, seq_len, domains) -> (blocks, tokenizer)
+_PACK_BLOCKS: dict = {}  # (pack or table identity, tokenizer, split/columns, seq_len, ...) -> (blocks, tokenizer)
 
 
 def load_data(cfg: TrainConfig, split: str | None = None):
@@ -225,19 +267,27 @@ def _table_blocks(data: dict, init_from: str | None, seq_len: int):
     """Blocks from the user's rows (a JSONL / CSV / TSV / Parquet table or a ``datasets``
     directory, read as ``ntkscope --data`` reads it): one token stream per label of
     ``label_column`` (or one domain, "text"), tokenized by ``data.tokenizer`` or the tokenizer
-    that ships with ``init_from``."""
-    spec = data.get("tokenizer") or init_from
+    that ships with ``init_from`` (in its directory or beside it)."""
+    spec = data.get("tokenizer") or next((p for p in (Path(init_from), Path(init_from).parent)
+                                          if (p / "tokenizer.json").is_file()), None) if init_from else data.get("tokenizer")
     if not spec:
-        raise ValueError("TrainConfig: data.table needs data.tokenizer or an init_from that ships a tokenizer.json")
+        raise ValueError("TrainConfig: data.table needs data.tokenizer, or an init_from with a tokenizer.json in it or "
+                         "beside it (a run of stepN checkpoints)")
     source = DataSource(Path(data["table"]), text_column=data.get("text_column", "text"),
                         label_column=data.get("label_column"))
     if not source.path.exists():
         raise FileNotFoundError(f"TrainConfig: data.table {source.path} does not exist")
+    stat = source.path.stat()
+    key = ("table", str(source.path.resolve()), stat.st_size, stat.st_mtime_ns, source.text_column,
+           source.label_column, str(spec), seq_len)
+    if key in _PACK_BLOCKS:  # a comparison trains several arms on the same rows: tokenize once
+        return _PACK_BLOCKS[key]
     by_domain: dict[str, list] = {}
     for text, label in source.rows():
         by_domain.setdefault(label if data.get("label_column") else "text", []).append(text)
     tokenizer = load_tokenizer(spec)
-    return make_blocks(by_domain, tokenizer, seq_len), tokenizer
+    _PACK_BLOCKS[key] = (make_blocks(by_domain, tokenizer, seq_len), tokenizer)
+    return _PACK_BLOCKS[key]
 
 
 def _device(cfg: TrainConfig, rank: int) -> torch.device:
@@ -315,6 +365,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"train: the model's vocab_size {model.config.vocab_size} is below the tokenizer's "
                          f"{tokenizer.vocab_size}")
+    check_plan(cfg, model, tokenizer)
     opt = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     start = load_optimizer_state(resume, model, opt, sched, opt_tensors, trainer_state) if resume else 0

@@ -4,6 +4,7 @@ real text in a JSONL with a domain column, CSE conversion and training with ``cs
 perplexities equal a direct computation with ``transformers`` on the same sequences."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -141,3 +142,50 @@ def test_routing_is_computed_in_eval_mode_and_leaves_the_mode(own):
     routing = result.routing
     assert set(routing["unit"]) == {"tokens"} and routing["count"].sum() == 4 + 3  # a one-token text is not run
     assert result.perplexity.set_index("domain").loc["b", "tokens"] == 2  # the one-token text has no pair
+
+
+def test_the_walkthrough_from_a_config_to_a_comparison(tmp_path, caplog):
+    """The README's "your model, your data", at toy size: train a GPT-NeoX from a config with a plain
+    loop (stepN checkpoints), plan on its checkpoints with the domain labels, compare dense / CSE /
+    Switch from the plan's warm-up, evaluate; a plan measured on another architecture is refused."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("own_model", Path(__file__).parents[1] / "examples" / "own_model.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.set_default_dtype(torch.float32)
+    run, data = tmp_path / "myrun", tmp_path / "myrun" / "data"
+    assert example.main(["--out", str(run), "--layers", "3", "--width", "32", "--steps", "20", "--save-every", "10",
+                         "--seq-len", "32", "--test-per-domain", "12", "--train-rows", "600"]) == 0
+    proc = in_process("plan", run, "--data", data / "train.jsonl", "--label-column", "domain", "--n", 48,
+                      "--seq-len", 32, "--out", run / "plan.json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["source"]["model_type"] == "gpt_neox" and plan["source"]["n_layer"] == 3
+    assert plan["source"]["steps"] == [0, 10, 20] and plan["source"]["label_column"] == "domain"
+    proc = in_process("compare", run, "--plan", run / "plan.json", "--train-data", data / "train.jsonl", "--data",
+                      data / "test.jsonl", "--label-column", "domain", "--steps", 4, "--batch-size", 4,
+                      "--seq-len", 32, "--min-cluster-size", 5, "--out", tmp_path / "cmp")
+    assert proc.returncode == 0, proc.stderr
+    table = pd.read_csv(tmp_path / "cmp" / "tables" / "comparison.csv")
+    assert sorted(set(table["arm"])) == ["cse", "dense", "switch"] and len(table) == 9
+    assert (table.loc[table["arm"] == "dense", "vs_dense"] == 0).all()
+    cse = table.loc[table["arm"] == "cse", "checkpoint"].iloc[0]
+    proc = in_process("eval", cse, "--data", data / "test.jsonl", "--label-column", "domain", "--out",
+                      tmp_path / "eval")
+    assert proc.returncode == 0, proc.stderr
+    merged = pd.read_csv(tmp_path / "eval" / "perplexity.csv").merge(table[table["arm"] == "cse"], on="domain")
+    np.testing.assert_allclose(merged["ppl_x"], merged["ppl_y"], rtol=1e-9)  # eval = the comparison's cse row
+    assert (tmp_path / "eval" / "routing.png").is_file()
+    # the same plan on a 2-layer model: refused in one line naming the mismatch
+    other = tmp_path / "other"
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=32, rotary_pct=0.25)).save_pretrained(other)
+    (other / "tokenizer.json").write_bytes((run / "tokenizer.json").read_bytes())
+    proc = in_process("compare", other, "--plan", run / "plan.json", "--train-data", data / "train.jsonl", "--data",
+                      data / "test.jsonl", "--label-column", "domain", "--steps", 2, "--batch-size", 4,
+                      "--seq-len", 32, "--out", tmp_path / "cmp-other")
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+    assert "3-layer gpt_neox model and this one has 2 layers" in proc.stderr

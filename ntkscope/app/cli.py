@@ -123,6 +123,21 @@ def _eval(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    from ntkscope.app.compare import compare_command
+
+    layers = None if args.layers is None else [int(i) for i in args.layers.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    r = compare_command(args.init_from, args.train_data, args.data, plan=args.plan, layers=layers, steps=args.steps,
+                        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seeds=seeds,
+                        text_column=args.text_column, label_column=args.label_column, tokenizer=args.tokenizer,
+                        min_cluster_size=args.min_cluster_size, out=args.out)
+    table = r["table"].pivot_table(index=["domain"], columns=["arm", "seed"], values="ppl")
+    _print_table("perplexity per domain on the evaluation data (arm x seed):", table.reset_index())
+    print(f"\nwrote {args.out}/tables/comparison.csv")
+    return 0
+
+
 def _analysis_options(args) -> dict:
     return dict(tokenizer=args.tokenizer, n=args.n, seq_len=args.seq_len, point=args.point, k_max=args.k_max,
                 projection_dim=args.projection_dim, top_k=args.top_k, seed=args.seed)
@@ -435,6 +450,27 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", help="directory for perplexity.csv, routing.csv, routing.png, result.json")
     ev.set_defaults(run=_eval)
+    cmp_ = sub.add_parser("compare", help="train dense, CSE and Switch from your warm-up checkpoint and compare "
+                          "them per domain", description="Example: ntkscope compare myrun/step200 --plan plan.json "
+                          "--train-data train.jsonl --data test.jsonl --label-column domain --steps 300 --out cmp/")
+    cmp_.add_argument("init_from", help="the warm-up checkpoint (an HF causal LM directory, or a cse_models one), or "
+                      "a run directory of checkpoints: its checkpoint at the plan's warm-up")
+    cmp_.add_argument("--train-data", required=True, help="training rows: a .jsonl/.csv/.tsv/.parquet table or a "
+                      "datasets directory")
+    cmp_.add_argument("--data", required=True, help="evaluation rows, read as --data always is")
+    _add_column_args(cmp_)
+    where = cmp_.add_mutually_exclusive_group(required=True)
+    where.add_argument("--plan", help="a plan from ntkscope plan: its layers (checked against the model)")
+    where.add_argument("--layers", help="comma-separated block indices of the sparse layers")
+    cmp_.add_argument("--steps", type=int, default=200, help="training steps of every arm (default 200)")
+    cmp_.add_argument("--batch-size", type=int, default=16)
+    cmp_.add_argument("--seq-len", type=int, default=64)
+    cmp_.add_argument("--lr", type=float, default=1e-3)
+    cmp_.add_argument("--seeds", default="0", help="comma-separated seeds (data order; default 0)")
+    cmp_.add_argument("--min-cluster-size", type=int, default=15, help="CSE router: HDBSCAN's smallest cluster")
+    cmp_.add_argument("--tokenizer", help="default: init_from's tokenizer.json")
+    cmp_.add_argument("--out", default="compare", help="directory for the runs and tables/ (default compare)")
+    cmp_.set_defaults(run=_compare)
     clusters = sub.add_parser("clusters", help="how one model's sequence embeddings cluster, layer by layer",
                               description="Example: ntkscope clusters runs/toy-dense/checkpoints/step-001000")
     clusters.add_argument("model", help="a cse_models checkpoint, an HF model directory, or a training run "

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from cse_models.domains import evaluate_domains
+from cse_models.hf import architecture
 from ntkscope.core.checks import InputError
 from ntkscope.core.files import Staging, check_output, digest, write_json, write_table
 from ntkscope.core.memory import available_memory_bytes, format_bytes
@@ -31,6 +32,7 @@ from ntkscope.runs.checkpoints import (check_vocab, checkpoint_tokenizer, is_run
                                        load_checkpoint)
 from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_dynamics, router_persistence
 from ntkscope.runs.embeddings import layer_embeddings
+from ntkscope.runs.families import family_of
 from ntkscope.runs.gc import GC_OUTPUT, gc_by_bins, gc_sensitivity
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import Record
@@ -326,5 +328,11 @@ def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_l
                      labels=(lambda layers: router_dynamics(run_dir, ad.batch, every, **routing)) if labelled else None,
                      stability=lambda layers: router_dynamics(run_dir, ad.batch, every, **routing).query(
                          "layer in @layers"))
+    steps = [step for step, _ in list_checkpoints(run_dir)]
+    last_model, tok = load_model_and_tokenizer(list_checkpoints(run_dir)[-1][1], tokenizer, data)
+    plan = dataclasses.replace(plan, source={
+        **architecture(last_model), "family": family_of(last_model).name, "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size, **as_source(data).options(), "run": str(run_dir), "steps": steps,
+        "sentences": n, "seq_len": seq_len})
     plan.save(out)
     return {"separation": table, "gc": gc, "n_tail": len(tail), "plan": plan, "tail_labels": tail_labels}

@@ -53,7 +53,9 @@ class Plan:
     "persistence": {layer: [per step: n_small, small_share, persisting_share, ...]},
     "min_persisting", "labels": [per step and layer: n_pure_tail, tail_share, ...],
     "labels_at_warmup", "layers_by_labels", "layers_by_separation", "stability": [{"step",
-    "layer", "n_clusters", "overlap_next"}], "overlap"}, each only when measured."""
+    "layer", "n_clusters", "overlap_next"}], "overlap"}, each only when measured; source: what the
+    plan was measured on (``ntkscope plan`` fills it: the model's architecture, layers and width,
+    the tokenizer, the data, the run's steps), checked when a training applies the plan."""
 
     layers: list
     module: str
@@ -61,6 +63,7 @@ class Plan:
     chosen_by: str
     evidence: dict = field(default_factory=dict)
     warmup_rule: str | None = None
+    source: dict = field(default_factory=dict)
 
     def save(self, path: str | Path) -> Path:
         return write_json(path, {"format": PLAN_FORMAT, **asdict(self)})

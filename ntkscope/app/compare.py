@@ -1,0 +1,146 @@
+"""``ntkscope compare``: from one warm-up checkpoint of the researcher's own model, train the dense
+continuation, CSE (the plan's layers, router fitted on their data) and Switch with as many experts
+per layer as CSE found (equal total and active parameters), each for the same steps and batches
+(so the same tokens), per seed; then evaluate every arm on their held-out data, per domain: the
+Tables 1-2 analogue for their model and data.
+
+Each (arm, seed) is one ``cse_models.train`` run under ``OUT/runs/ARM-seedK`` and resumes where it
+stopped; a finished one is not retrained. ``OUT/comparison.csv``: arm, seed, domain, texts, tokens,
+ppl and its interval, and the change against dense of the same seed (``vs_dense``, relative).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pandas as pd
+
+from cse_models.domains import evaluate_domains
+from cse_models.hf import load_any_model
+from cse_models.checkpointing import latest_checkpoint
+from cse_models.train import TrainConfig, warmup_after, train
+from ntkscope.core.checks import InputError
+from ntkscope.core.files import DirectoryLock, Staging, write_json, write_table
+from ntkscope.plotting import routing_shares, save_figure
+from ntkscope.representation.plan import Plan
+from ntkscope.runs.checkpoints import checkpoint_tokenizer, is_run_dir, list_checkpoints
+from ntkscope.text.inputs import as_source
+
+log = logging.getLogger(__name__)
+
+ARMS = ("dense", "cse", "switch")
+
+
+def _config(arm: str, run: Path, common: dict, cse: dict, sparse_layers, switch_experts: int | None) -> TrainConfig:
+    zeros = [0] * len(sparse_layers) if isinstance(sparse_layers, list) else [0]
+    spec = {"dense": {},
+            "cse": {"model": {"sparse": {"kind": "cse", "layers": sparse_layers, "n_experts": zeros}},
+                    "cse": {"warmup_steps": 0, **cse}},
+            "switch": {"model": {"sparse": {"kind": "switch", "layers": sparse_layers, "n_experts": zeros}},
+                       "upcycle": {"at": 0, "n_experts": switch_experts}}}[arm]
+    return TrainConfig.from_dict({**common, **spec, "out_dir": str(run)})
+
+
+def _warmup_checkpoint(run_dir, plan) -> Path:
+    """The checkpoint of ``run_dir`` at the plan's warm-up (the latest one at or before it)."""
+    if plan is None or Plan.load(plan).warmup_steps is None:
+        raise InputError("init_from", "a run directory needs a plan with a warm-up (else name a checkpoint)",
+                         str(run_dir), func="ntkscope compare")
+    warmup = int(Plan.load(plan).warmup_steps)
+    before = [(step, path) for step, path in list_checkpoints(run_dir) if step <= warmup]
+    if not before:
+        raise InputError("init_from", f"must hold a checkpoint at or before the plan's warm-up step {warmup}",
+                         str(run_dir), func="ntkscope compare")
+    step, path = before[-1]
+    if step != warmup:
+        log.warning("plan %s: warm-up at step %d; %s has no checkpoint there: starting from step %d", plan, warmup,
+                    run_dir, step)
+    log.info("compare: every arm starts from %s (the plan's warm-up)", path)
+    return path
+
+
+def _check_warmup(init_from, plan) -> None:
+    """init_from is the warm-up: say so when the plan's warm-up is another step."""
+    warmup = Plan.load(plan).warmup_steps
+    if warmup is not None and warmup_after(str(init_from), int(warmup), str(plan)) != 0:
+        log.warning("plan %s: its warm-up is step %d of the measured run; every arm starts from %s and converts at "
+                    "once (pass that run's step-%d checkpoint to follow the plan)", plan, warmup, init_from, warmup)
+
+
+def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None, steps: int = 200,
+                    batch_size: int = 16, seq_len: int = 64, lr: float = 1e-3, seeds=(0,), text_column: str = "text",
+                    label_column: str | None = None, tokenizer=None, n_samples: int = 3000,
+                    min_cluster_size: int = 15, n_boot: int = 1000, out="compare") -> dict:
+    """Train dense / CSE / Switch from ``init_from`` on ``train_data`` and compare them per domain on
+    ``eval_data`` (both read as ``--data`` is). ``plan`` (from ``ntkscope plan``) gives the layers
+    (and is checked against the model), or ``layers`` names them."""
+    func = "ntkscope compare"
+    if (plan is None) == (layers is None):
+        raise InputError("plan", "give a plan file or --layers (not both)", plan or layers, func=func)
+    seeds = [int(s) for s in seeds]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise InputError("seeds", "must list distinct integers", seeds, func=func)
+    train_source = as_source(train_data)
+    if train_source.kind not in ("table", "datasets"):
+        raise InputError("train_data", "must be a table (.jsonl, .csv, .tsv, .parquet) or a datasets directory",
+                         str(train_data), func=func)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sparse_layers = "auto" if plan is not None else [int(i) for i in layers]
+    if is_run_dir(init_from):
+        init_from = _warmup_checkpoint(init_from, plan)
+    elif plan is not None:
+        _check_warmup(init_from, plan)
+    tokenizer = checkpoint_tokenizer(init_from, tokenizer).name  # the one resolution, for every arm
+    data = {"table": str(train_source.path), "text_column": text_column, "label_column": label_column,
+            "seq_len": seq_len, "tokenizer": tokenizer}
+    results = []
+    with DirectoryLock(out, "compare"):
+        for seed in seeds:
+            common = {"init_from": str(init_from), "data": data, "steps": steps, "batch_size": batch_size, "lr": lr,
+                      "warmup_steps": max(1, steps // 20), "seed": seed, "checkpoint_every": steps,
+                      "tensorboard": False, "plan": None if plan is None else str(plan)}
+            cse = {"n_samples": n_samples, "min_cluster_size": min_cluster_size}
+            last = {}
+            for arm in ("dense", "cse", "switch"):
+                run = out / "runs" / f"{arm}-seed{seed}"
+                experts = None
+                if arm == "switch":  # as many experts per layer as CSE found: equal total and active parameters
+                    experts = max(load_any_model(last["cse"]).config.sparse.n_experts)
+                cfg = _config(arm, run, common, cse, sparse_layers, experts)
+                done = latest_checkpoint(run)
+                last[arm] = done if done is not None and done.name == f"step-{steps:06d}" else train(cfg)
+            results.append((seed, last))
+        return _evaluate(results, eval_data, text_column, label_column, tokenizer, n_boot, out)
+
+
+def _evaluate(results, eval_data, text_column, label_column, tokenizer, n_boot, out: Path) -> dict:
+    source = as_source(eval_data)
+    source = type(source)(source.path, text_column, label_column) if source.kind != "pack" else source
+    rows = source.rows("test") if source.kind == "pack" else source.rows()
+    texts, labels = [t for t, _ in rows], [label for _, label in rows]
+    frames, routing = [], {}
+    for seed, last in results:
+        tok = checkpoint_tokenizer(last["dense"], tokenizer)
+        ids = tok.encode(texts)
+        for arm, checkpoint in last.items():
+            ev = evaluate_domains(load_any_model(checkpoint), ids, labels, n_boot=n_boot, seed=seed)
+            frames.append(ev.perplexity.assign(arm=arm, seed=seed, checkpoint=str(checkpoint)))
+            if len(ev.routing):
+                routing[(arm, seed)] = ev.routing.assign(arm=arm, seed=seed)
+    table = pd.concat(frames, ignore_index=True)
+    dense = table[table["arm"] == "dense"].set_index(["seed", "domain"])["ppl"]
+    table["vs_dense"] = [row.ppl / dense[(row.seed, row.domain)] - 1 for row in table.itertuples()]
+    columns = ["arm", "seed", "domain", "texts", "tokens", "ppl", "ppl_low", "ppl_high", "vs_dense", "checkpoint"]
+    table = table[columns]
+    with Staging(out / "tables") as files:
+        write_table(table, files.path("comparison.csv"))
+        if routing:
+            frame = pd.concat(routing.values(), ignore_index=True)
+            write_table(frame, files.path("routing.csv"))
+            for (arm, seed), part in routing.items():
+                save_figure(routing_shares(part, title=f"{arm}, seed {seed}"), files.path(f"routing-{arm}-seed{seed}"))
+        write_json(files.path("result.json"), {"arms": list(ARMS), "seeds": [s for s, _ in results],
+                                               "eval_data": str(source), "comparison": table.to_dict("records")})
+    return {"table": table, "files": files.written}
