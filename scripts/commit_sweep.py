@@ -24,8 +24,8 @@ def main() -> None:
     parser.add_argument("--to", default=str(ROOT / "figures" / "sweep"))
     args = parser.parse_args()
     sweep = Sweep(args.run, settings_for("sweep"))
-    summarise(sweep)
     to = Path(args.to)
+    summarise(sweep, earlier_load=to / "tables" / "load.csv")  # units logged by an earlier run directory
     for folder in ("tables", "plans", "results"):
         if (sweep.run_dir / folder).is_dir():
             shutil.copytree(sweep.run_dir / folder, to / folder, dirs_exist_ok=True)

@@ -66,3 +66,28 @@ def test_bad_arms_layers_and_other_settings_are_refused(swept, tmp_path):
         Sweep(tmp_path / "c", sweep.settings)
     with pytest.raises(ValueError, match=r"Sweep: run_dir holds a sweep with other settings"):
         Sweep(sweep.run_dir, sweep.settings.replace(steps=50), layers=(0, 1))
+
+
+def test_each_arm_is_paired_with_the_trunk_it_branched_from():
+    """A re-made trunk (the same seed trained again) pairs with the arms branched from it, and the
+    original with the rest; DEMix's gap stays against its own trunk."""
+    import math
+
+    from ntkscope.reproduction.sweep_tables import paired
+
+    e = math.e
+    arms = pd.DataFrame([
+        {"arm": "dense", "seed": 0, "kind": "dense", "trunk": "dense", "ppl legal": e ** 5.0},
+        {"arm": "dense", "seed": 1, "kind": "dense", "trunk": "dense", "ppl legal": e ** 5.0},
+        {"arm": "dense-remade", "seed": 1, "kind": "dense", "trunk": "dense", "ppl legal": e ** 5.2},
+        {"arm": "demix", "seed": 0, "kind": "demix", "trunk": "dense", "ppl legal": e ** 4.6},
+        {"arm": "demix", "seed": 1, "kind": "demix", "trunk": "dense", "ppl legal": e ** 4.6},
+        {"arm": "cse-gc", "seed": 0, "kind": "cse", "trunk": "dense", "ppl legal": e ** 4.9},
+        {"arm": "cse-gc", "seed": 1, "kind": "cse", "trunk": "dense-remade", "ppl legal": e ** 5.1},
+    ])
+    table = paired(arms).set_index("arm")
+    assert "dense-remade" not in table.index  # a trunk, not an arm
+    row = table.loc["cse-gc"]
+    assert row["diff_per_seed"] == "-0.1000 -0.1000"  # seed 1 against the re-made trunk (5.1 - 5.2)
+    assert row["gap_closed"] == pytest.approx(0.1 / 0.4)
+    assert table.loc["demix", "mean_diff"] == pytest.approx(-0.4)

@@ -37,36 +37,44 @@ STARVED_SHARE = 0.01         # an expert below this share of its layer's sequenc
 def _results(run_dir: Path) -> pd.DataFrame:
     rows = [json.loads(p.read_text()) for p in sorted((run_dir / "results").glob("*.json"))]
     keep = ["arm", "seed", "kind", "warmup", "warmup_rule", "mean_rate", "same_as"]
-    frame = pd.DataFrame([{k: r.get(k) for k in keep} | {k: v for k, v in r.items() if k.startswith("ppl")}
-                          | {"seconds": r.get("seconds")} for r in rows])
+    frame = pd.DataFrame([{k: r.get(k) for k in keep} | {"trunk": r.get("trunk") or "dense"}
+                          | {k: v for k, v in r.items() if k.startswith("ppl")} | {"seconds": r.get("seconds")}
+                          for r in rows])
     return frame.sort_values(["arm", "seed"]).reset_index(drop=True) if len(frame) else frame
 
 
 def paired(arms: pd.DataFrame) -> pd.DataFrame:
-    """Per (arm, domain): each arm against dense, paired by seed, on log perplexity."""
+    """Per (arm, domain): each arm against the dense trunk it branched from (its ``trunk``: "dense",
+    or a re-made trunk), paired by seed, on log perplexity."""
     columns = [c for c in arms.columns if c.startswith("ppl")]
+    if "trunk" not in arms.columns:
+        arms = arms.assign(trunk="dense")
     logs = arms.set_index(["arm", "seed"])[columns].apply(np.log)
+    trunks = set(arms.loc[arms["kind"] == "dense", "arm"]) if "kind" in arms.columns else {"dense"}
     if "dense" not in logs.index.get_level_values(0):
         return pd.DataFrame()
-    dense = logs.loc["dense"]
     demix = logs.loc["demix"] if "demix" in logs.index.get_level_values(0) else None
+    dense = logs.loc["dense"]
     rows = []
-    for arm in sorted(set(logs.index.get_level_values(0)) - {"dense"}):
+    for arm in sorted(set(logs.index.get_level_values(0)) - trunks):
         mine = logs.loc[arm]
-        seeds = sorted(set(mine.index) & set(dense.index))
+        trunk_of = arms[arms["arm"] == arm].set_index("seed")["trunk"]  # each seed's own trunk
+        base = pd.DataFrame([logs.loc[(trunk_of[s], s)] for s in mine.index if (trunk_of[s], s) in logs.index],
+                            index=[s for s in mine.index if (trunk_of[s], s) in logs.index])
+        seeds = sorted(base.index)
         for column in columns:
-            diff = (mine.loc[seeds, column] - dense.loc[seeds, column]).to_numpy()
+            diff = (mine.loc[seeds, column] - base.loc[seeds, column]).to_numpy()
             row = {"arm": arm, "domain": column[4:] if column != "ppl" else "all", "seeds": len(seeds),
                    "diff_per_seed": " ".join(f"{d:+.4f}" for d in diff), "mean_diff": float(diff.mean()),
                    "pct": float(100 * (math.exp(diff.mean()) - 1)), "better_seeds": int((diff < 0).sum()),
                    "t": float("nan"), "p": float("nan"), "gap_closed": float("nan")}
             if len(seeds) >= 2 and diff.std() > 0:
-                test = stats.ttest_rel(mine.loc[seeds, column], dense.loc[seeds, column])
+                test = stats.ttest_rel(mine.loc[seeds, column], base.loc[seeds, column])
                 row.update(t=float(test.statistic), p=float(test.pvalue))
-            if demix is not None:
-                both = sorted(set(seeds) & set(demix.index))
+            if demix is not None:  # DEMix against its trunk, the arm against its own
+                both = sorted(set(seeds) & set(demix.index) & set(dense.index))
                 gap = float((demix.loc[both, column] - dense.loc[both, column]).mean()) if both else float("nan")
-                mine_both = float((mine.loc[both, column] - dense.loc[both, column]).mean()) if both else float("nan")
+                mine_both = float((mine.loc[both, column] - base.loc[both, column]).mean()) if both else float("nan")
                 row["gap_closed"] = mine_both / gap if both and gap < 0 else float("nan")
             rows.append(row)
     return pd.DataFrame(rows)
@@ -138,12 +146,20 @@ def verdict(pairs: pd.DataFrame, load: pd.DataFrame, n_seeds: int) -> dict:
     return out
 
 
-def summarise(sweep) -> dict:
-    """Write RUN/tables (arms, paired, load, routing CSVs; verdict.json) and return the verdict."""
+def summarise(sweep, *, earlier_load: Path | None = None) -> dict:
+    """Write RUN/tables (arms, paired, load, routing CSVs; verdict.json) and return the verdict.
+    ``earlier_load``: a load.csv of units whose training logs are no longer in RUN (a run directory
+    lost and resumed elsewhere): its rows are kept for the units RUN does not log."""
     tables = sweep.run_dir / "tables"
     arms = _results(sweep.run_dir)
     pairs = paired(arms) if len(arms) else pd.DataFrame()
     load = loads(sweep)
+    if earlier_load is not None and Path(earlier_load).is_file():
+        kept = pd.read_csv(earlier_load)
+        logged = set(zip(load["arm"], load["seed"])) if len(load) else set()
+        kept = kept[[(a, s) not in logged for a, s in zip(kept["arm"], kept["seed"])]]
+        load = pd.concat([kept, load], ignore_index=True).sort_values(["arm", "seed", "step", "layer", "expert"],
+                                                                      kind="stable", ignore_index=True)
     for name, frame in (("arms", arms), ("paired", pairs), ("load", load), ("routing", routing(sweep))):
         write_text(tables / f"{name}.csv", frame.to_csv(index=False))
     result = verdict(pairs, load, len(sweep.seeds))
