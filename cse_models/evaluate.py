@@ -12,14 +12,18 @@ results table in the shape of the CSE paper's Tables 1-2.
   hidden states over its tokens); a scikit-learn logistic regression is trained on a
   stratified split and scored on the rest, over several seeds: accuracy mean and std.
 
-Command: ``cse-eval NAME=CHECKPOINT ... [--pack DIR] [--out results.csv]``.
+Command: ``cse-eval NAME=CHECKPOINT ... [--pack DIR] [--out results.csv]``; with ``--data ROWS
+--label-column COL --out DIR``, perplexity per domain and routing on the user's rows
+(:mod:`cse_models.domains`, as ``ntkscope eval``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -32,10 +36,14 @@ from sklearn.preprocessing import StandardScaler
 from cse_models.data import Blocks, mask_tokens, pack_blocks, step_generator
 from cse_models.demix import DomainPrior, estimate_prior, mixture_log_probs, sequence_posterior
 from cse_models.experts import sequence_embedding
+from cse_models.domains import evaluate_domains
+from cse_models.hf import load_any_model
 from cse_models.model import load_model
-from ntkscope.core.files import write_table
+from ntkscope.core.files import Staging, write_table
 from ntkscope.core.lm import causal_pairs, lm_loss
 from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.inputs import DataSource
+from ntkscope.text.tokenization import load_tokenizer
 from ntkscope.text.sentences import encode_texts
 
 log = logging.getLogger(__name__)
@@ -238,23 +246,67 @@ def results_table(runs: dict, pack=None, *, seq_len: int | None = None, seeds=(0
     return pd.DataFrame(rows)
 
 
+def _tokenizer_of(checkpoint: Path, spec=None):
+    """``spec``, else a tokenizer.json in or beside the checkpoint, else its run's pack BPE."""
+    if spec:
+        return load_tokenizer(spec)
+    for where in (checkpoint, checkpoint.parent, checkpoint.parent.parent):
+        if (where / "tokenizer.json").is_file():
+            return load_tokenizer(where)
+        if (where / "train_config.json").is_file():
+            trained = json.loads((where / "train_config.json").read_text()).get("data", {})
+            return load_tokenizer(trained["tokenizer"]) if trained.get("tokenizer") else load_pack(trained.get("pack")).tokenizer()
+    return load_pack().tokenizer()
+
+
+def domains_tables(runs: dict, data, *, text_column: str = "text", label_column: str | None = None,
+                   tokenizer=None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per-domain perplexity and routing (:mod:`cse_models.domains`) of each NAME=CHECKPOINT on
+    the user's rows (``data`` read as ``ntkscope --data`` reads it), with a ``name`` column."""
+    source = DataSource(Path(data), text_column, label_column)
+    rows = source.rows("test") if source.kind == "pack" else source.rows()
+    texts, labels = [t for t, _ in rows], [label for _, label in rows]
+    ppl, routing = [], []
+    for name, path in runs.items():
+        ids = _tokenizer_of(Path(path), tokenizer).encode(texts)
+        result = evaluate_domains(load_any_model(path), ids, labels)
+        ppl.append(result.perplexity.assign(name=name))
+        routing.append(result.routing.assign(name=name))
+    return pd.concat(ppl, ignore_index=True), pd.concat(routing, ignore_index=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="cse-eval", description="Evaluate checkpoints: test perplexity per "
-                                     "domain and linear probes, as one results table.")
+                                     "domain and linear probes, as one results table; or, with --data, perplexity "
+                                     "per domain and routing on your own rows (as ntkscope eval).")
     parser.add_argument("runs", nargs="+", help="NAME=CHECKPOINT_DIR")
     parser.add_argument("--pack", help="corpus pack (default: the shipped one)")
     parser.add_argument("--seeds", type=int, default=5, help="probe seeds (default 5)")
-    parser.add_argument("--out", help="write the table to this .csv or .parquet")
+    parser.add_argument("--data", help="your rows: a .jsonl/.csv/.tsv/.parquet table, a datasets directory or a pack")
+    parser.add_argument("--text-column", default="text")
+    parser.add_argument("--label-column", help="the domain of each row")
+    parser.add_argument("--tokenizer", help="--data: default the checkpoint's (in or beside it) or its run's")
+    parser.add_argument("--out", help="write the table to this .csv or .parquet; with --data, a directory for "
+                        "perplexity.csv and routing.csv")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         runs = dict(r.split("=", 1) if "=" in r else (r, r) for r in args.runs)
-        table = results_table(runs, args.pack, seeds=tuple(range(args.seeds)))
+        if args.data:
+            table, routing = domains_tables(runs, args.data, text_column=args.text_column,
+                                            label_column=args.label_column, tokenizer=args.tokenizer)
+        else:
+            table = results_table(runs, args.pack, seeds=tuple(range(args.seeds)))
     except (ValueError, FileNotFoundError) as err:
         print(f"cse-eval: error: {err}", file=sys.stderr)
         return 1
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    if args.out:
+    if args.out and args.data:
+        with Staging(args.out) as files:
+            write_table(table, files.path("perplexity.csv"))
+            if len(routing):
+                write_table(routing, files.path("routing.csv"))
+    elif args.out:
         write_table(table, args.out)
     return 0
 

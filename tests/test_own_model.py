@@ -189,3 +189,17 @@ def test_the_walkthrough_from_a_config_to_a_comparison(tmp_path, caplog):
                       "--seq-len", 32, "--out", tmp_path / "cmp-other")
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
     assert "3-layer gpt_neox model and this one has 2 layers" in proc.stderr
+
+
+def test_cse_eval_takes_the_same_flags(own, tmp_path):
+    from cse_models.evaluate import main as cse_eval
+
+    out = tmp_path / "cse-eval"
+    assert cse_eval([f"dense={own / 'model'}", "--data", str(own / "test.jsonl"), "--label-column", "domain",
+                     "--out", str(out)]) == 0
+    ours = in_process("eval", own / "model", "--data", own / "test.jsonl", "--label-column", "domain", "--out",
+                      tmp_path / "ntkscope-eval")
+    assert ours.returncode == 0, ours.stderr
+    a = pd.read_csv(out / "perplexity.csv").drop(columns="name")
+    b = pd.read_csv(tmp_path / "ntkscope-eval" / "perplexity.csv")
+    pd.testing.assert_frame_equal(a, b)
