@@ -509,6 +509,16 @@ def _sweep(t: Tables) -> dict:
     dense = arms[arms["arm"] == "dense"]
     out["sweep.dense"] = ", ".join(f"seed {int(r.seed)}: legal {r['ppl legal']:.1f}, biomedical {r['ppl biomedical']:.1f}, "
                                    f"general {r['ppl general']:.1f}" for _, r in dense.iterrows())
+    remade = arms[arms["arm"] == "dense-remade"]
+    if len(remade):  # the same seed's trunk trained again: how far float-level differences carry
+        parts = []
+        for _, r in remade.iterrows():
+            first_run = dense[dense["seed"] == r.seed].iloc[0]
+            pct = {d: f"{100 * (r[f'ppl {d}'] / first_run[f'ppl {d}'] - 1):+.1f} %".replace("-", "−")
+                   for d in ("legal", "biomedical", "general")}
+            parts.append(f"seed {int(r.seed)}: legal {pct['legal']}, biomedical {pct['biomedical']}, "
+                         f"general {pct['general']}")
+        out["sweep.remade"] = "; ".join(parts)
     plans, first = [], []
     for path in sorted((t.folder / "plans").glob("seed*.json")):
         plan = json.loads(path.read_text())
