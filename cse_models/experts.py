@@ -43,7 +43,8 @@ def _dispatch(experts: nn.ModuleList, x: torch.Tensor, key_mask, assign: torch.T
     for j, expert in enumerate(experts):
         idx = (assign == j).nonzero().squeeze(1)
         if idx.numel():
-            out = out.index_copy(0, idx, expert(x[idx], None if key_mask is None else key_mask[idx]))
+            y = expert(x[idx], None if key_mask is None else key_mask[idx])
+            out = out.index_copy(0, idx, y.to(out.dtype))  # bf16 under autocast: the residual's dtype
     return out
 
 
@@ -189,7 +190,7 @@ class SwitchFFN(nn.Module):
             processed[j] = idx.numel()
             if idx.numel():
                 y = expert(h[idx].unsqueeze(0)).squeeze(0) * gate[idx].unsqueeze(1).to(h.dtype)
-                out = out.index_copy(0, tokens[idx], y)
+                out = out.index_copy(0, tokens[idx], y.to(out.dtype))
         if self.training:  # bookkeeping only in training: analyses (eval mode) see a pure function
             fraction = torch.bincount(choice, minlength=C).to(probs.dtype) / max(1, choice.numel())
             self.aux_loss = C * (fraction * probs.mean(dim=0)).sum()

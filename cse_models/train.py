@@ -171,12 +171,12 @@ def warmup_after(init_from: str | None, warmup: int, plan: str) -> int:
 def check_plan(cfg: TrainConfig, model, tokenizer) -> None:
     """Refuse a plan measured on a model with another number of layers (its layer indices do not
     transfer), and warn, one line each, where the architecture or tokenizer differs from what the
-    plan was measured on; refuse a conversion at or after the run's last step."""
+    plan was measured on, or where the conversion falls at or after the run's last step."""
     warmup, sparse = cfg.cse.get("warmup_steps"), model.config.sparse
     if sparse is not None and sparse.kind == "cse" and isinstance(warmup, int) and warmup >= cfg.steps \
             and not any(sparse.n_experts):
-        raise ValueError(f"train: cse.warmup_steps {warmup} is at or beyond the run's {cfg.steps} steps: the CSE "
-                         "layers would never be built")
+        log.warning("cse.warmup_steps %d is at or beyond the run's %d steps: this run stays dense (the CSE layers "
+                    "are never built)", warmup, cfg.steps)
     if not cfg.plan:
         return
     source = Plan.load(cfg.plan).source

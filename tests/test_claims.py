@@ -34,13 +34,14 @@ def test_every_quoted_number_is_its_tables(values):
 
 
 def test_a_table_that_changes_is_caught(values, tmp_path):
-    for folder in ("figures/tail", "figures/tables", "figures/sweep"):
+    for folder in ("figures/tail", "figures/tables", "figures/sweep", "figures/own-model"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("*.png", "*.pdf", "*.npz"))
     (tmp_path / "docs").mkdir()
     for name in ("router-table.csv", "gc-outputs-quick.csv"):
         shutil.copy(ROOT / "docs" / name, tmp_path / "docs")
     (tmp_path / "benchmarks").mkdir()
-    shutil.copy(ROOT / "benchmarks/training_step.csv", tmp_path / "benchmarks")
+    for name in ("training_step.csv", "gpu_gc.csv"):
+        shutil.copy(ROOT / "benchmarks" / name, tmp_path / "benchmarks")
     table = pd.read_csv(tmp_path / "figures/tail/tables/gc_by_bin.csv")
     first = table["left"].idxmin()
     table.loc[first, "abs_gc"] += 0.01

@@ -241,7 +241,7 @@ def _nccl_worker(rank, port, path):
                for m in ("exact", "structured")}
         gc = ns.gradient_consistency(model, batch, SUBSET, method="matrix-free", dtype="float64", device="cuda",
                                      resampling=None, tol=1e-10)
-        out["gc"] = torch.tensor([gc.score, gc.mean_gradient])
+        out["gc"] = torch.tensor([gc.score, gc.mean_gradient], dtype=torch.float64)
         torch.save(out, path)
     finally:
         dist.destroy_process_group()
@@ -257,7 +257,8 @@ def test_nccl_with_one_rank_matches_the_cpu(tmp_path):
         want = ns.empirical_ntk(model, batch, method=method, dtype="float64").matrix
         torch.testing.assert_close(got[method], want, rtol=1e-9, atol=1e-12, msg=method)
     gc = ns.gradient_consistency(model, batch, SUBSET, method="matrix-free", dtype="float64", resampling=None, tol=1e-10)
-    torch.testing.assert_close(got["gc"], torch.tensor([gc.score, gc.mean_gradient]), rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(got["gc"], torch.tensor([gc.score, gc.mean_gradient], dtype=torch.float64),
+                               rtol=1e-7, atol=1e-7)
 
 
 def test_torchrun_takes_gc_and_ntk_on_one_checkpoint_only(monkeypatch, capsys, tmp_path):

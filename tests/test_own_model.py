@@ -203,3 +203,14 @@ def test_cse_eval_takes_the_same_flags(own, tmp_path):
     a = pd.read_csv(out / "perplexity.csv").drop(columns="name")
     b = pd.read_csv(tmp_path / "ntkscope-eval" / "perplexity.csv")
     pd.testing.assert_frame_equal(a, b)
+
+
+def test_the_plans_warmup_is_shifted_by_the_init_from_step(caplog):
+    from cse_models.train import warmup_after
+
+    assert warmup_after("myrun/step200", 300, "plan.json") == 100
+    assert warmup_after("run/checkpoints/step-000300", 300, "plan.json") == 0
+    assert warmup_after("somewhere/model", 300, "plan.json") == 300  # no step in the name: a fresh start
+    with caplog.at_level("WARNING"):
+        assert warmup_after("myrun/step500", 300, "plan.json") == 0
+    assert "init_from myrun/step500 is step 500: converting at once" in caplog.text

@@ -246,12 +246,12 @@ def test_switch_upcycled_from_a_dense_run(tmp_path):
     switched = load_model(last)
     layer = switched.transformer.h[1].mlp
     assert isinstance(layer, SwitchFFN) and switched.config.sparse.n_experts == [3]
-    from cse_models.train import _upcycle
+    from cse_models.cse import upcycle as upcycle_layers
 
     fresh = load_model(start)
     dense_ffn = {k: v.clone() for k, v in fresh.transformer.h[1].mlp.state_dict().items()}
     fresh.config.sparse = SparseConfig(kind="switch", layers=[1], n_experts=[0])
-    _upcycle(fresh, config(tmp_path, "x", upcycle=upcycle), torch.device("cpu"))
+    assert upcycle_layers(fresh, upcycle["n_experts"]) == 3
     up = fresh.transformer.h[1].mlp
     assert isinstance(up, SwitchFFN) and len(up.experts) == 3 and fresh.config.sparse.n_experts == [3]
     for expert in up.experts:  # every expert starts as the warmed-up FFN

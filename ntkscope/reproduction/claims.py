@@ -464,6 +464,21 @@ def _training_step(table: pd.DataFrame) -> dict:
     return out
 
 
+def _gpu_gc(table: pd.DataFrame) -> dict:
+    """benchmarks/README.md: GC on one H100 at GPT-2-small shape, per method and budget."""
+    rows = ["| method | max_memory | seconds | peak GB above the model | GC | \\|GC\\| interval | random null |",
+            "|---|---|---|---|---|---|---|"]
+    for r in table.itertuples():
+        if isinstance(r.error, str):
+            rows.append(f"| {r.method} | {r.max_memory_gb:g} GB | — | — | — | — | {r.error} |")
+            continue
+        interval = "—" if not np.isfinite(r.abs_low) else f"[{r.abs_low:.3f}, {r.abs_high:.3f}]"
+        null = "—" if not np.isfinite(r.null_low) else f"[{r.null_low:.3f}, {r.null_high:.3f}]"
+        rows.append(f"| {r.method} | {r.max_memory_gb:g} GB | {r.seconds:.0f} | {r.peak_gb_above_model:.2f} | "
+                    f"{r.gc:.6f} | {interval} | {null} |")
+    return {"bench.gpu.table": "\n".join(rows)}
+
+
 def _tail_rule(t: Tables) -> dict:
     """figures/tail/plan_rule.json: the small-cluster rule on the tail run's checkpoints."""
     plan = t["plan_rule.json"]
@@ -533,6 +548,31 @@ def _sweep(t: Tables) -> dict:
     return out
 
 
+def _own_model(folder: Path) -> dict:
+    """The README's "your model, your data" lines (figures/own-model): wall times, the plan, the
+    comparison per domain."""
+    times = json.loads((folder / "times.json").read_text())
+    plan = json.loads((folder / "plan.json").read_text())
+    table = pd.read_csv(folder / "comparison.csv")
+    steps = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in times["seconds"].items())
+    out = {"own.times": f"{steps}; {sum(times['seconds'].values()) / 60:.1f} min in all ({times['machine']})",
+           "own.plan": f"layers {plan['layers']} and the warm-up at step {plan['warmup_steps']} "
+                       f"(rule: {plan['warmup_rule']}; checkpoints {plan['source']['steps'][0]}–"
+                       f"{plan['source']['steps'][-1]})"}
+    arms = list(dict.fromkeys(table["arm"]))
+    rows = ["| domain | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+    for domain, g in table.groupby("domain"):
+        by = g.set_index("arm")
+        cells = []
+        for arm in arms:
+            r = by.loc[arm]
+            vs = "" if arm == "dense" else f", {100 * r['vs_dense']:+.1f} %".replace("-", "−")
+            cells.append(f"{r['ppl']:.1f} [{r['ppl_low']:.1f}, {r['ppl_high']:.1f}]{vs}")
+        rows.append(f"| {domain} ({int(by['texts'].iloc[0])} texts) | " + " | ".join(cells) + " |")
+    out["own.table"] = "\n".join(rows)
+    return out
+
+
 def claims(root: str | Path = ROOT) -> dict:
     """Every claim name -> its text, computed from the committed runs under ``root``."""
     root = Path(root)
@@ -548,6 +588,10 @@ def claims(root: str | Path = ROOT) -> dict:
     out.update(_gc_outputs_quick(pd.read_csv(root / "docs/gc-outputs-quick.csv")))
     if (root / "figures/sweep/tables/paired.csv").is_file():
         out.update(_sweep(Tables(root / "figures/sweep")))
+    if (root / "figures/own-model/comparison.csv").is_file():
+        out.update(_own_model(root / "figures/own-model"))
+    if (root / "benchmarks/gpu_gc.csv").is_file():
+        out.update(_gpu_gc(pd.read_csv(root / "benchmarks/gpu_gc.csv")))
     if (root / "benchmarks/training_step.csv").is_file():
         out.update(_training_step(pd.read_csv(root / "benchmarks/training_step.csv")))
     planted, real = root / "docs/gc-calibration-planted.csv", root / "docs/gc-calibration.csv"
