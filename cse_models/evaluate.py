@@ -255,7 +255,9 @@ def _tokenizer_of(checkpoint: Path, spec=None):
             return load_tokenizer(where)
         if (where / "train_config.json").is_file():
             trained = json.loads((where / "train_config.json").read_text()).get("data", {})
-            return load_tokenizer(trained["tokenizer"]) if trained.get("tokenizer") else load_pack(trained.get("pack")).tokenizer()
+            if trained.get("tokenizer"):
+                return load_tokenizer(trained["tokenizer"])
+            return load_pack(trained.get("pack")).tokenizer()
     return load_pack().tokenizer()
 
 

@@ -35,7 +35,7 @@ from safetensors.torch import load_model as _load_tensors_into
 from safetensors.torch import save_model as _save_tensors_of
 
 from cse_models.config import SparseConfig
-from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN, sequence_embedding
+from cse_models.experts import CSELayer, DEMixLayer, sequence_embedding
 from cse_models.model import CONFIG_NAME, WEIGHTS_NAME, SparseRouting, _sparse_module, load_model
 from ntkscope.core.files import atomic_path, check_safetensors, read_json_object, write_json
 from ntkscope.core.lm import lm_loss

@@ -268,8 +268,9 @@ def _table_blocks(data: dict, init_from: str | None, seq_len: int):
     directory, read as ``ntkscope --data`` reads it): one token stream per label of
     ``label_column`` (or one domain, "text"), tokenized by ``data.tokenizer`` or the tokenizer
     that ships with ``init_from`` (in its directory or beside it)."""
-    spec = data.get("tokenizer") or next((p for p in (Path(init_from), Path(init_from).parent)
-                                          if (p / "tokenizer.json").is_file()), None) if init_from else data.get("tokenizer")
+    spec = data.get("tokenizer")
+    if not spec and init_from:  # the HF model's own, in its directory or beside it (a run of stepN checkpoints)
+        spec = next((p for p in (Path(init_from), Path(init_from).parent) if (p / "tokenizer.json").is_file()), None)
     if not spec:
         raise ValueError("TrainConfig: data.table needs data.tokenizer, or an init_from with a tokenizer.json in it or "
                          "beside it (a run of stepN checkpoints)")

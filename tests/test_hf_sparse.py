@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from cse_models import SparseConfig, SparseHF, load_any_model, load_hf
+from cse_models import SparseHF, load_any_model, load_hf
 from cse_models.cse import convert_to_cse, upcycle
 from cse_models.experts import CSELayer, SwitchFFN
 

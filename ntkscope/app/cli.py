@@ -19,7 +19,11 @@ import matplotlib
 import pandas as pd
 
 from ntkscope import __version__
-from ntkscope.app import commands
+from ntkscope.app import commands, own_model
+from ntkscope.app.parsing import DATA_HELP as _DATA_HELP
+from ntkscope.app.parsing import add_column_args as _add_column_args
+from ntkscope.app.parsing import print_table as _print_table
+from ntkscope.app.parsing import source as _source
 from ntkscope.app.demo import perplexity, run_demo
 from ntkscope.core.checks import InputError
 from ntkscope.core.progress import logging_redirect_tqdm
@@ -33,17 +37,11 @@ from ntkscope.runs.gc import GC_OUTPUT, GROUPINGS
 from ntkscope.text.corpus.pack import build_pack, load_pack
 from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
 from ntkscope.text.frequency import BINNINGS, NORMALISATIONS
-from ntkscope.text.inputs import DataSource, as_source
 
 
 def _columns(frame, columns):
     """The columns of ``frame`` among ``columns``, in that order (a table holds the controls it measured)."""
     return frame[[c for c in columns if c in frame.columns]]
-
-
-def _print_table(title, frame, digits: int = 3):
-    print(f"\n{title}\n")
-    print(frame.to_string(index=False, float_format=lambda x: f"{x:.{digits}f}"))
 
 
 def _demo(args) -> int:
@@ -107,34 +105,6 @@ def _freq(args) -> int:
     _print_table("percentage of sentences per bin:", r["histogram"])
     if args.out:
         print(f"\nwrote {args.out}/")
-    return 0
-
-
-def _eval(args) -> int:
-    r = commands.eval_command(args.checkpoint, _source(args), tokenizer=args.tokenizer, batch_size=args.batch_size,
-                              n_boot=args.n_boot, seed=args.seed, out=args.out)
-    _print_table(f"perplexity per domain (texts truncated to {r['context']} tokens; 95% intervals over texts):",
-                 r["perplexity"])
-    if len(r["routing"]):
-        shares = r["routing"].pivot_table(index=["layer", "domain"], columns="expert", values="share_of_domain")
-        _print_table("share of each domain's sequences (CSE) or tokens (Switch) per expert:", shares.reset_index())
-    if args.out:
-        print(f"\nwrote {args.out}/")
-    return 0
-
-
-def _compare(args) -> int:
-    from ntkscope.app.compare import compare_command
-
-    layers = None if args.layers is None else [int(i) for i in args.layers.split(",")]
-    seeds = [int(s) for s in args.seeds.split(",")]
-    r = compare_command(args.init_from, args.train_data, args.data, plan=args.plan, layers=layers, steps=args.steps,
-                        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seeds=seeds,
-                        text_column=args.text_column, label_column=args.label_column, tokenizer=args.tokenizer,
-                        min_cluster_size=args.min_cluster_size, out=args.out)
-    table = r["table"].pivot_table(index=["domain"], columns=["arm", "seed"], values="ppl")
-    _print_table("perplexity per domain on the evaluation data (arm x seed):", table.reset_index())
-    print(f"\nwrote {args.out}/tables/comparison.csv")
     return 0
 
 
@@ -289,20 +259,7 @@ def _reproduce(args) -> int:
 
 # ---- arguments: one vocabulary across commands --------------------------------------------------
 
-_DATA_HELP = ("a corpus pack directory, 'default' (the shipped pack), a table with a text column (.jsonl, .csv, .tsv, "
-              ".parquet), a datasets save_to_disk directory, or a UTF-8 text file (a headerless .tsv: label<TAB>text)")
 
-
-def _add_column_args(parser) -> None:
-    parser.add_argument("--text-column", default="text", help="a table's text column (default text)")
-    parser.add_argument("--label-column", help="a table's label column (default: 'label' when there is one)")
-    parser.add_argument("--frequency-from", help="other data whose token counts define sentence frequency, e.g. the "
-                        "training set (default: a pack's train split, or the data itself)")
-
-
-def _source(args) -> DataSource:
-    return as_source(DataSource(None if args.data in (None, "default") else Path(args.data), args.text_column,
-                                args.label_column, args.frequency_from))
 
 
 def _add_data_args(parser, n_default: int) -> None:
@@ -438,39 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     freq.add_argument("--bins", type=int, default=10)
     freq.add_argument("--out", help="directory for the tables")
     freq.set_defaults(run=_freq)
-    ev = sub.add_parser("eval", help="perplexity per domain of your data, and where each domain is routed",
-                        description="Example: ntkscope eval myrun/cse/checkpoints/step-000200 --data eval.jsonl "
-                        "--label-column domain --out eval/")
-    ev.add_argument("checkpoint", help="a checkpoint directory: HF causal LM (dense or converted) or cse_models GPT")
-    ev.add_argument("--data", default="default", help=_DATA_HELP)
-    _add_column_args(ev)
-    ev.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, its run's tokenizer or pack")
-    ev.add_argument("--batch-size", type=int, default=16)
-    ev.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples of the intervals")
-    ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--out", help="directory for perplexity.csv, routing.csv, routing.png, result.json")
-    ev.set_defaults(run=_eval)
-    cmp_ = sub.add_parser("compare", help="train dense, CSE and Switch from your warm-up checkpoint and compare "
-                          "them per domain", description="Example: ntkscope compare myrun/step200 --plan plan.json "
-                          "--train-data train.jsonl --data test.jsonl --label-column domain --steps 300 --out cmp/")
-    cmp_.add_argument("init_from", help="the warm-up checkpoint (an HF causal LM directory, or a cse_models one), or "
-                      "a run directory of checkpoints: its checkpoint at the plan's warm-up")
-    cmp_.add_argument("--train-data", required=True, help="training rows: a .jsonl/.csv/.tsv/.parquet table or a "
-                      "datasets directory")
-    cmp_.add_argument("--data", required=True, help="evaluation rows, read as --data always is")
-    _add_column_args(cmp_)
-    where = cmp_.add_mutually_exclusive_group(required=True)
-    where.add_argument("--plan", help="a plan from ntkscope plan: its layers (checked against the model)")
-    where.add_argument("--layers", help="comma-separated block indices of the sparse layers")
-    cmp_.add_argument("--steps", type=int, default=200, help="training steps of every arm (default 200)")
-    cmp_.add_argument("--batch-size", type=int, default=16)
-    cmp_.add_argument("--seq-len", type=int, default=64)
-    cmp_.add_argument("--lr", type=float, default=1e-3)
-    cmp_.add_argument("--seeds", default="0", help="comma-separated seeds (data order; default 0)")
-    cmp_.add_argument("--min-cluster-size", type=int, default=15, help="CSE router: HDBSCAN's smallest cluster")
-    cmp_.add_argument("--tokenizer", help="default: init_from's tokenizer.json")
-    cmp_.add_argument("--out", default="compare", help="directory for the runs and tables/ (default compare)")
-    cmp_.set_defaults(run=_compare)
+    own_model.add_parsers(sub)
     clusters = sub.add_parser("clusters", help="how one model's sequence embeddings cluster, layer by layer",
                               description="Example: ntkscope clusters runs/toy-dense/checkpoints/step-001000")
     clusters.add_argument("model", help="a cse_models checkpoint, an HF model directory, or a training run "

@@ -1,0 +1,81 @@
+"""The command line of "your model, your data": ``ntkscope eval`` and ``ntkscope compare``
+(argument parsing and printing only; the work is :func:`ntkscope.app.commands.eval_command` and
+:func:`ntkscope.app.compare.compare_command`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ntkscope.app import commands
+from ntkscope.app.compare import compare_command
+from ntkscope.app.parsing import DATA_HELP, add_column_args, print_table, source
+
+
+def _eval(args) -> int:
+    r = commands.eval_command(args.checkpoint, source(args), tokenizer=args.tokenizer, batch_size=args.batch_size,
+                              n_boot=args.n_boot, seed=args.seed, out=args.out)
+    print_table(f"perplexity per domain (texts truncated to {r['context']} tokens; 95% intervals over texts):",
+                r["perplexity"])
+    if len(r["routing"]):
+        shares = r["routing"].pivot_table(index=["layer", "domain"], columns="expert", values="share_of_domain")
+        print_table("share of each domain's sequences (CSE) or tokens (Switch) per expert:", shares.reset_index())
+    if args.out:
+        print(f"\nwrote {args.out}/")
+    return 0
+
+
+def _compare(args) -> int:
+    r = compare_command(args.init_from, args.train_data, args.data, plan=args.plan, layers=args.layers,
+                        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                        seeds=args.seeds,
+                        text_column=args.text_column, label_column=args.label_column, tokenizer=args.tokenizer,
+                        min_cluster_size=args.min_cluster_size, out=args.out)
+    table = r["table"].pivot_table(index=["domain"], columns=["arm", "seed"], values="ppl")
+    print_table("perplexity per domain on the evaluation data (arm x seed):", table.reset_index())
+    print(f"\nwrote {args.out}/tables/comparison.csv")
+    return 0
+
+
+def _int_list(text: str) -> list:
+    """``"2,3"`` -> [2, 3]; anything else is a usage error (exit 2)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers (got {text!r})") from None
+
+
+def add_parsers(sub) -> None:
+    """``eval`` and ``compare`` under the ``ntkscope`` command's subparsers ``sub``."""
+    ev = sub.add_parser("eval", help="perplexity per domain of your data, and where each domain is routed",
+                        description="Example: ntkscope eval myrun/cse/checkpoints/step-000200 --data eval.jsonl "
+                        "--label-column domain --out eval/")
+    ev.add_argument("checkpoint", help="a checkpoint directory: HF causal LM (dense or converted) or cse_models GPT")
+    ev.add_argument("--data", default="default", help=DATA_HELP)
+    add_column_args(ev)
+    ev.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, its run's tokenizer or pack")
+    ev.add_argument("--batch-size", type=int, default=16)
+    ev.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples of the intervals")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--out", help="directory for perplexity.csv, routing.csv, routing.png, result.json")
+    ev.set_defaults(run=_eval)
+    cmp_ = sub.add_parser("compare", help="train dense, CSE and Switch from your warm-up checkpoint and compare "
+                          "them per domain", description="Example: ntkscope compare myrun/step200 --plan plan.json "
+                          "--train-data train.jsonl --data test.jsonl --label-column domain --steps 300 --out cmp/")
+    cmp_.add_argument("init_from", help="the warm-up checkpoint (an HF causal LM directory, or a cse_models one), or "
+                      "a run directory of checkpoints: its checkpoint at the plan's warm-up")
+    cmp_.add_argument("--train-data", required=True, help="training rows: a .jsonl/.csv/.tsv/.parquet table or a "
+                      "datasets directory")
+    cmp_.add_argument("--data", required=True, help="evaluation rows, read as --data always is")
+    add_column_args(cmp_)
+    where = cmp_.add_mutually_exclusive_group(required=True)
+    where.add_argument("--plan", help="a plan from ntkscope plan: its layers (checked against the model)")
+    where.add_argument("--layers", type=_int_list, help="comma-separated block indices of the sparse layers")
+    cmp_.add_argument("--steps", type=int, default=200, help="training steps of every arm (default 200)")
+    cmp_.add_argument("--batch-size", type=int, default=16)
+    cmp_.add_argument("--seq-len", type=int, default=64)
+    cmp_.add_argument("--lr", type=float, default=1e-3)
+    cmp_.add_argument("--seeds", type=_int_list, default=[0], help="comma-separated seeds (data order; default 0)")
+    cmp_.add_argument("--min-cluster-size", type=int, default=15, help="CSE router: HDBSCAN's smallest cluster")
+    cmp_.add_argument("--tokenizer", help="default: init_from's tokenizer.json")
+    cmp_.add_argument("--out", default="compare", help="directory for the runs and tables/ (default compare)")
+    cmp_.set_defaults(run=_compare)
