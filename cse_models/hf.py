@@ -36,7 +36,7 @@ from safetensors.torch import save_model as _save_tensors_of
 
 from cse_models.config import SparseConfig
 from cse_models.experts import CSELayer, DEMixLayer, sequence_embedding
-from cse_models.model import CONFIG_NAME, WEIGHTS_NAME, SparseRouting, _sparse_module, load_model
+from cse_models.model import CONFIG_NAME, WEIGHTS_NAME, SparseRouting, TransformerLM, _sparse_module, load_model
 from ntkscope.core.files import atomic_path, check_safetensors, read_json_object, write_json
 from ntkscope.core.lm import lm_loss
 
@@ -297,13 +297,12 @@ def architecture(model) -> dict:
     """What a plan measured on ``model`` records of it, and what a training that applies the plan
     compares: ``model_type`` (an HF config's, or "gpt" / "bert" for ``cse_models``), ``n_layer``
     and ``n_embd``."""
-    if isinstance(model, SparseHF):
-        model = model.hf
-    config = model.config
-    if hasattr(config, "to_dict"):  # transformers
-        return {"model_type": config.model_type, "n_layer": int(config.num_hidden_layers),
-                "n_embd": int(config.hidden_size)}
-    return {"model_type": config.model_type, "n_layer": int(config.n_layer), "n_embd": int(config.n_embd)}
+    if isinstance(model, TransformerLM):
+        config = model.config
+        return {"model_type": config.model_type, "n_layer": int(config.n_layer), "n_embd": int(config.n_embd)}
+    config = (model.hf if isinstance(model, SparseHF) else model).config  # transformers
+    return {"model_type": config.model_type, "n_layer": int(config.num_hidden_layers),
+            "n_embd": int(config.hidden_size)}
 
 
 def load_any_model(directory: str | os.PathLike, sparse: SparseConfig | dict | None = None):

@@ -217,14 +217,14 @@ def _rank_pid(marker: str, rank: int):
 
 def test_a_killed_rank_ends_the_run_with_an_error_and_no_result(checkpoint, tmp_path):
     out = tmp_path / "killed"
-    proc = _torchrun("gc", checkpoint, "--n", 256, "--seq-len", 32, "--method", "exact", "--resamples", 10000,
-                     "--out", out)
+    proc = _torchrun("gc", checkpoint, "--n", 512, "--seq-len", 32, "--method", "exact", "--resamples", 10000,
+                     "--out", out)  # about 20 s on an idle 2-core machine: the kill lands mid-run
     deadline, pid = time.time() + 120, None
     while time.time() < deadline and pid is None:
         time.sleep(0.5)
         pid = _rank_pid(str(out), 1)
     assert pid is not None, "rank 1 did not start"
-    time.sleep(10)  # mid-run: the workers are loading, computing the kernel, or resampling
+    time.sleep(4)  # mid-run: the workers are loading, computing the kernel, or resampling
     assert proc.poll() is None, "the run ended before the kill"
     os.kill(pid, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=300)
