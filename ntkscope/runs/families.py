@@ -22,6 +22,7 @@ Each is ``(submodule path in the block or None for the block itself, read the mo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ from ntkscope.core.files import check_safetensors
 from ntkscope.core.memory import check_fits, parameter_count
 from ntkscope.kernel.objectives import is_huggingface
 from ntkscope.runs.weights import load_state_dict
+
+log = logging.getLogger(__name__)
 
 POINTS = ("block", "ffn_input", "ffn_output", "attn_input")
 
@@ -105,8 +108,11 @@ def _load_hf(path: Path, data: dict, weights: Path):
         auto = transformers.AutoModelForMaskedLM
     else:
         auto = transformers.AutoModel
-    try:
-        hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    if data.get("auto_map"):
+        log.warning("load_checkpoint: %s/config.json names custom code (auto_map); it is never run: the model is "
+                    "built from transformers' own %r classes", path, data.get("model_type"))
+    try:  # never the checkpoint's own code, and never a prompt asking whether to run it
+        hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as err:
         raise ValueError(f"load_checkpoint: {path}/config.json is not a cse_models or HF config "
                          f"({str(err)[:160]})") from None
@@ -114,17 +120,37 @@ def _load_hf(path: Path, data: dict, weights: Path):
     if weights.suffix == ".safetensors":
         check_safetensors(weights, "load_checkpoint")
         try:
-            return auto.from_pretrained(path, local_files_only=True, use_safetensors=True).eval()
+            model, info = auto.from_pretrained(path, config=hf_config, local_files_only=True, use_safetensors=True,
+                                               trust_remote_code=False, output_loading_info=True)
         except (RuntimeError, ValueError, OSError) as err:
             raise ValueError(f"load_checkpoint: the weights in {path} do not match its config.json "
                              f"({str(err).splitlines()[0][:200]})") from None
+        _check_loaded(path, info["missing_keys"], info["unexpected_keys"], info.get("mismatched_keys", []))
+        return model.eval()
     model = auto.from_config(hf_config)
-    try:
-        model.load_state_dict(load_state_dict(weights), strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"load_checkpoint: the weights in {weights} do not match its config.json "
-                         f"({str(err).splitlines()[0][:200]})") from None
+    state = load_state_dict(weights)
+    result = model.load_state_dict(state, strict=False)
+    tied = {k for k in result.missing_keys if _is_tied(model, k)}  # a tied head saved the HF way: once
+    if tied:
+        model.tie_weights()
+    _check_loaded(weights, sorted(set(result.missing_keys) - tied), result.unexpected_keys, [])
     return model.eval()
+
+
+def _is_tied(model, key: str) -> bool:
+    """Whether parameter ``key`` is the input embedding itself (a tied output head)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return key in params and params[key] is model.get_input_embeddings().weight
+
+
+def _check_loaded(where, missing, unexpected, mismatched) -> None:
+    """Refuse weights that do not match the config, in one line naming them."""
+    if missing or unexpected or mismatched:
+        parts = [f"{what} {len(keys)} ({', '.join(sorted(map(str, keys))[:3])}{', ...' if len(keys) > 3 else ''})"
+                 for what, keys in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched))
+                 if keys]
+        raise ValueError(f"load_checkpoint: the weights in {where} do not match its config.json: "
+                         f"{'; '.join(parts)}")
 
 
 def _load_cse(path: Path, data: dict, weights: Path):
