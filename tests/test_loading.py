@@ -71,3 +71,32 @@ def test_a_tied_gpt2_state_dict_saved_the_hf_way_loads_tied(tmp_path):
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     ids = torch.tensor([[1, 2, 3, 4]])
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints_work_end_to_end(tmp_path, dtype, caplog):
+    """Issue 33, defect 2: a bf16/fp16 checkpoint is computed in float32 on a copy, and says so;
+    the command line finishes too."""
+    import ntkscope as ns
+    from commandline import in_process
+    from ntkscope.text.corpus.pack import DEFAULT_PACK
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=16,
+                                                                 n_layer=1, n_head=2)).eval()
+    model.to(dtype).save_pretrained(tmp_path / "half")
+    (tmp_path / "half" / "tokenizer.json").write_bytes((DEFAULT_PACK / "tokenizer.json").read_bytes())
+    half = load_checkpoint(tmp_path / "half")
+    assert next(half.parameters()).dtype == dtype
+    batch = {"input_ids": torch.randint(0, 64, (6, 8), generator=torch.Generator().manual_seed(0))}
+    with caplog.at_level("WARNING"):
+        res = ns.empirical_ntk(half, batch)
+        gc = ns.gradient_consistency(half, batch, [0, 1, 2], resampling=None)
+    assert res.matrix.dtype == torch.float32 and torch.isfinite(res.matrix).all() and -1 <= gc.score <= 1
+    assert "computing in float32 on a copy" in caplog.text
+    assert next(half.parameters()).dtype == dtype  # the user's model is left as it was
+    torch.testing.assert_close(res.matrix, ns.empirical_ntk(half.float(), batch).matrix)
+    for command in (["ntk", "--n", 8], ["gc", "--n", 24, "--bins", 2, "--resamples", 20, "--null-draws", 20]):
+        proc = in_process(command[0], tmp_path / "half", *command[1:], "--seq-len", 16, "--out",
+                          tmp_path / f"out-{command[0]}")
+        assert proc.returncode == 0, proc.stderr[-800:]

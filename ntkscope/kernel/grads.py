@@ -133,6 +133,10 @@ def functional_model(model, opts: KernelOptions, *, blocks=None, train=False):
     if first is None:
         raise InputError("model", "must have at least one parameter", type(model).__name__)
     dtype, device = opts.dtype, opts.device
+    if dtype is None and first.dtype in (torch.float16, torch.bfloat16):  # the eigensolvers take float32/64
+        dtype = torch.float32
+        log.warning("the model is %s: computing in float32 on a copy (pass dtype= to choose)",
+                    str(first.dtype).replace("torch.", ""))
     same = (dtype is None or dtype == first.dtype) and (device is None or _same_device(device, first.device))
     target = model if same else copy.deepcopy(model).to(device=device, dtype=dtype)
     modes = {m: m.training for m in target.modules()}
