@@ -13,10 +13,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from cse_models import SparseConfig, load_model
 from cse_models.train import TrainConfig, lr_factor, train
+from ntkscope.core.files import load_safetensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -276,3 +277,29 @@ def test_stop_at_ends_early_on_the_full_schedule(tmp_path):
     assert rates == [lr_factor(s, full) * full.lr for s in range(6)]
     with pytest.raises(ValueError, match=r"TrainConfig: stop_at must be a step in \[1, steps=10\] or null \(got 11\)"):
         config(tmp_path, "bad", steps=10, stop_at=11)
+
+
+def test_a_diverged_run_stops_at_the_first_non_finite_step_and_keeps_finite_checkpoints(tmp_path):
+    """Issue 33, defect 3."""
+    torch.set_default_dtype(torch.float32)
+    dense = {"n_layer": 1, "n_embd": 16, "n_head": 2}
+    with pytest.raises(ValueError, match=r"train: the (loss|weights) (is|are) not finite (at|after) step \d+"):
+        train(config(tmp_path, "nan", model=dense, cse={}, lr=1e6, grad_clip=0, warmup_steps=0, steps=12,
+                     checkpoint_every=1))
+    for checkpoint in sorted((tmp_path / "nan" / "checkpoints").glob("step-*")):  # every one finite
+        state = load_safetensors(checkpoint / "model.safetensors", "test")
+        assert all(torch.isfinite(v).all() for v in state.values()), checkpoint.name
+    for bad in ({"lr": float("inf")}, {"lr": float("nan")}, {"betas": [0.9, float("inf")]}):
+        with pytest.raises(ValueError, match="must be finite numbers"):
+            config(tmp_path, "x", **bad)
+
+
+def test_resuming_from_non_finite_weights_is_refused(tmp_path):
+    torch.set_default_dtype(torch.float32)
+    dense = {"n_layer": 1, "n_embd": 16, "n_head": 2}
+    last = train(config(tmp_path, "run", model=dense, cse={}, steps=2, checkpoint_every=2))
+    state = load_safetensors(last / "model.safetensors", "test")
+    state["transformer.wte.weight"][0, 0] = float("nan")
+    save_file(state, str(last / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"step-000002 holds non-finite weights; resume from an earlier checkpoint"):
+        train(config(tmp_path, "run", model=dense, cse={}, steps=4, checkpoint_every=2))

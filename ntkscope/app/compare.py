@@ -19,7 +19,8 @@ import pandas as pd
 from cse_models.domains import evaluate_domains
 from cse_models.hf import load_any_model
 from cse_models.checkpointing import latest_checkpoint
-from cse_models.train import TrainConfig, warmup_after, train
+from cse_models.train import train
+from cse_models.train_config import TrainConfig, warmup_after
 from ntkscope.core.checks import InputError
 from ntkscope.core.files import DirectoryLock, Staging, write_json, write_table
 from ntkscope.plotting import routing_shares, save_figure

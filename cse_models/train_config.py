@@ -1,0 +1,173 @@
+"""A training run's configuration (:class:`TrainConfig`, from JSON or YAML, every number checked),
+and the plan it may follow: ``auto`` layers and warm-up resolved from an ``ntkscope plan`` file
+(:func:`apply_plan`), the plan's warm-up as a step of this run (:func:`warmup_after`), and the
+plan checked against the model it is applied to (:func:`check_plan`)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from cse_models.hf import architecture
+from ntkscope.representation.plan import Plan
+
+log = logging.getLogger("cse_models.train")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs. ``model`` holds :class:`GPTConfig` fields (``sparse`` included);
+    ``vocab_size`` defaults to the tokenizer's."""
+
+    out_dir: str = "runs/run"
+    model: dict = field(default_factory=dict)
+    data: dict = field(default_factory=dict)   # pack, split, domains, seq_len, tokenizer, text_files, or
+    #                                            table (+ text_column, label_column): the user's rows
+    cse: dict = field(default_factory=dict)    # warmup_steps, n_samples, and convert_to_cse's options (rule, ...)
+    init_from: str | None = None               # a checkpoint to continue from: cse_models, or an HF causal
+    #                                            LM directory (model.sparse then says what to convert)
+    upcycle: dict = field(default_factory=dict)  # Switch from a dense run: at, n_experts (sparse upcycling)
+    plan: str | None = None                    # an ntkscope plan: sparse.layers / cse.warmup_steps "auto"
+    steps: int = 1000
+    stop_at: int | None = None                # stop (with a checkpoint) after this many steps of the `steps` schedule
+    batch_size: int = 32
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 100
+    checkpoint_steps: tuple = ()              # extra checkpoints (e.g. dense early ones for GC over training)
+    log_every: int = 10
+    tensorboard: bool = True                  # event files in out_dir/tensorboard when tensorboard is installed
+    device: str = "auto"
+    bf16: bool = True
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"TrainConfig.load: {path} does not exist")
+        text = path.read_text(encoding="utf-8")
+        try:
+            data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        except (yaml.YAMLError, json.JSONDecodeError) as err:
+            where = getattr(err, "problem_mark", None)
+            at = f"line {where.line + 1}, column {where.column + 1}: " if where is not None else ""
+            what = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"TrainConfig.load: {path} is not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'} "
+                             f"({at}{what})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"TrainConfig.load: {path} must hold a mapping of settings (got {type(data).__name__})")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown keys {unknown} (known: {sorted(known)})")
+        cfg = cls(**data)
+        for key in ("steps", "batch_size", "checkpoint_every", "log_every"):
+            value = getattr(cfg, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig: {key} must be a positive integer (got {value!r})")
+        extra = cfg.checkpoint_steps
+        if not isinstance(extra, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                                                       for s in extra):
+            raise ValueError(f"TrainConfig: checkpoint_steps must be a list of positive integer steps (got {extra!r})")
+        cfg = dataclasses.replace(cfg, checkpoint_steps=tuple(sorted(set(extra))))
+        if cfg.stop_at is not None and (isinstance(cfg.stop_at, bool) or not isinstance(cfg.stop_at, int)
+                                        or not 1 <= cfg.stop_at <= cfg.steps):
+            raise ValueError(f"TrainConfig: stop_at must be a step in [1, steps={cfg.steps}] or null (got {cfg.stop_at!r})")
+        numbers = {k: getattr(cfg, k) for k in ("lr", "min_lr_ratio", "weight_decay", "grad_clip")}
+        numbers.update({f"betas[{i}]": b for i, b in enumerate(cfg.betas)})
+        bad = {k: v for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float))
+               or not math.isfinite(v)}
+        if bad:
+            raise ValueError(f"TrainConfig: {', '.join(bad)} must be finite numbers (got "
+                             f"{', '.join(repr(v) for v in bad.values())})")
+        if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1 or cfg.warmup_steps < 0 or cfg.grad_clip < 0:
+            raise ValueError(f"TrainConfig: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, grad_clip >= 0 "
+                             f"(got {cfg.lr}, {cfg.min_lr_ratio}, {cfg.warmup_steps}, {cfg.grad_clip})")
+        return cfg
+
+
+def apply_plan(cfg: TrainConfig) -> TrainConfig:
+    """Resolve ``sparse.layers: auto``, ``sparse.module: auto`` and ``cse.warmup_steps: auto``
+    from the plan file (written by ``ntkscope plan``)."""
+    sparse = (cfg.model or {}).get("sparse") or {}
+    wants = [k for k in ("layers", "module") if sparse.get(k) == "auto"] + \
+        (["warmup_steps"] if cfg.cse.get("warmup_steps") == "auto" else [])
+    if not wants:
+        return cfg
+    if not cfg.plan:
+        raise ValueError(f"TrainConfig: {wants} are 'auto' but no plan file is given (plan: PLAN.json, "
+                         "from: ntkscope plan RUN_DIR --out PLAN.json)")
+    plan = Plan.load(cfg.plan)
+    cfg = copy.deepcopy(cfg)
+    sparse = cfg.model["sparse"]
+    if sparse.get("layers") == "auto":
+        sparse["layers"] = list(plan.layers)
+        sparse["n_experts"] = [0] * len(plan.layers)
+    if sparse.get("module") == "auto":
+        sparse["module"] = plan.module
+    if cfg.cse.get("warmup_steps") == "auto":
+        if plan.warmup_steps is None:
+            raise ValueError(f"TrainConfig: cse.warmup_steps is 'auto' but plan {cfg.plan} has no warm-up "
+                             "(it was made without a GC series)")
+        cfg.cse["warmup_steps"] = warmup_after(cfg.init_from, int(plan.warmup_steps), cfg.plan)
+    log.info("plan %s: CSE layers %s (%s), warm-up %s steps", cfg.plan, sparse["layers"], plan.chosen_by,
+             cfg.cse.get("warmup_steps"))
+    return cfg
+
+
+def warmup_after(init_from: str | None, warmup: int, plan: str) -> int:
+    """The plan's warm-up (a step of the run it was measured on) as a step of this training: less
+    the step ``init_from`` was saved at (its name, ``stepN`` or ``step-NNNNNN``), at least 0."""
+    found = re.search(r"step-?(\d+)$", Path(init_from).name) if init_from else None
+    start = int(found.group(1)) if found else 0
+    if start > warmup:
+        log.warning("plan %s: warm-up at step %d of the measured run, but init_from %s is step %d: converting at "
+                    "once", plan, warmup, init_from, start)
+    return max(warmup - start, 0)
+
+
+def check_plan(cfg: TrainConfig, model, tokenizer) -> None:
+    """Refuse a plan measured on a model with another number of layers (its layer indices do not
+    transfer), and warn, one line each, where the architecture or tokenizer differs from what the
+    plan was measured on, or where the conversion falls at or after the run's last step."""
+    warmup, sparse = cfg.cse.get("warmup_steps"), model.config.sparse
+    if sparse is not None and sparse.kind == "cse" and isinstance(warmup, int) and warmup >= cfg.steps \
+            and not any(sparse.n_experts):
+        log.warning("cse.warmup_steps %d is at or beyond the run's %d steps: this run stays dense (the CSE layers "
+                    "are never built)", warmup, cfg.steps)
+    if not cfg.plan:
+        return
+    source = Plan.load(cfg.plan).source
+    if not source:
+        log.warning("plan %s does not record what it was measured on (an older plan): applied unchecked", cfg.plan)
+        return
+    arch = architecture(model)
+    if source.get("n_layer") != arch["n_layer"]:
+        raise ValueError(f"train: plan {cfg.plan} was measured on a {source.get('n_layer')}-layer "
+                         f"{source.get('model_type')} model and this one has {arch['n_layer']} layers: its layer "
+                         "indices do not transfer; measure a plan on this model's own checkpoints")
+    differ = [f"{key} {source.get(key)!r} (plan) vs {arch[key]!r}" for key in ("model_type", "n_embd")
+              if source.get(key) != arch[key]]
+    if source.get("vocab_size") not in (None, tokenizer.vocab_size):
+        differ.append(f"tokenizer {source.get('tokenizer')} ({source.get('vocab_size')} tokens, plan) vs "
+                      f"{tokenizer.name} ({tokenizer.vocab_size})")
+    if differ:
+        log.warning("plan %s was measured on another model: %s; its layers and warm-up may not apply", cfg.plan,
+                    "; ".join(differ))
