@@ -36,9 +36,30 @@ def test_user_error_is_one_line_and_exit_code_1(capsys):
 def test_a_bad_memory_budget_is_refused_before_any_work(capsys):
     from ntkscope.app.cli import main
 
-    assert main(["--quiet", "gc", "CKPT", "--max-memory", "0"]) == 1
-    assert capsys.readouterr().err.strip() == "ntkscope gc: error: ntkscope: max-memory must be a positive number " \
-                                              "of GiB (got 0.0)"
+    for value, shown in (("0", "0.0"), ("inf", "inf"), ("nan", "nan")):
+        assert main(["--quiet", "gc", "CKPT", "--max-memory", value]) == 1
+        assert capsys.readouterr().err.strip() == "ntkscope gc: error: max-memory must be a positive, finite number " \
+                                                  f"of GiB (got {shown})"
+
+
+def test_a_device_this_machine_lacks_is_one_line(capsys, tmp_path):
+    """Issue 33, defect 9: --device cuda / cuda:7 / banana without a GPU."""
+    import torch
+
+    from cse_models import GPT, GPTConfig
+    from ntkscope.app.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=1, n_head=2, n_embd=16)).save_pretrained(tmp_path / "gpt")
+    for command in ("gc", "ntk"):
+        for device, rule in (("cuda", "CUDA is not available"), ("cuda:7", "CUDA is not available"),
+                             ("banana", "a device string")):
+            assert main(["--quiet", command, str(tmp_path / "gpt"), "--n", "24", "--seq-len", "16", "--device",
+                         device]) == 1
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and err.startswith(f"ntkscope {command}: error: device must") \
+                and rule in err, err
 
 
 def test_usage_error_is_exit_code_2(capsys):

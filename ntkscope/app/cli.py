@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -151,8 +152,8 @@ def _plan(args) -> int:
 def _gib(value) -> int | None:
     if value is None:
         return None
-    if not value > 0:
-        raise InputError("max-memory", "must be a positive number of GiB", value, func="ntkscope")
+    if not value > 0 or not math.isfinite(value):
+        raise InputError("max-memory", "must be a positive, finite number of GiB", value)
     return int(value * 2**30)
 
 

@@ -23,6 +23,7 @@ from ntkscope.core.files import Staging, check_output, digest, write_json, write
 from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.kernel.distributed import from_rank0, writes
 from ntkscope.kernel.ntk import empirical_ntk
+from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.params import select_parameters
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.plotting import gc_over_steps, gc_vs_frequency, ntk_heatmap, routing_shares, save_figure
@@ -65,7 +66,9 @@ def load_model_and_tokenizer(checkpoint, tokenizer=None, data=None):
 
 
 def memory_note(model, n: int, params=None, dtype=None, device=None, max_memory=None) -> str:
-    """The size of J for this analysis, against the memory available on the device."""
+    """The size of J for this analysis, against the memory available on the device (checked first:
+    a device this machine lacks is one line, before any memory is asked of it)."""
+    KernelOptions(dtype=dtype, device=device)
     P = select_parameters(model, params, None).n_params
     itemsize = 8 if str(dtype) in ("float64", "torch.float64") else 4
     need = n * P * itemsize
