@@ -358,6 +358,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"cse-train: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # checkpoints are written whole (temporary name, then renamed)
+        print("cse-train: interrupted; run the same command again to resume from the last checkpoint", file=sys.stderr)
+        return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

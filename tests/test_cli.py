@@ -131,3 +131,21 @@ def test_corpus_build_from_real_excerpts_and_its_errors(tmp_path):
                                   "between 0 and 1 (got 1.2)")
     listing = in_process("corpus", "sources", "--root", str(tmp_path), "--data-dir", str(tmp_path))
     assert listing.returncode == 0 and "missing: apt-get update && apt-get install -y dict-gcide" in listing.stdout
+
+
+def test_ctrl_c_is_one_line_with_exit_130_and_no_partial_output(capsys, monkeypatch, tmp_path):
+    """Issue 33, defect 13: Ctrl-C mid-command."""
+    from ntkscope.app import commands
+    from ntkscope.app.cli import main
+    from ntkscope.core.files import Staging, write_table
+
+    def interrupted(*args, out=None, **kwargs):
+        with Staging(out) as files:  # a command half-way through writing its files
+            write_table(__import__("pandas").DataFrame({"a": [1]}), files.path("freq.csv"))
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "freq_command", interrupted)
+    assert main(["--quiet", "freq", "--out", str(tmp_path / "out")]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "ntkscope freq: interrupted; no partial results were written"
+    assert not (tmp_path / "out").exists()

@@ -528,6 +528,10 @@ def _run(args) -> int:
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:  # user errors; anything else is a bug: keep its traceback
         _error(args, err)
         return 1
+    except KeyboardInterrupt:  # results are staged and moved only when whole: nothing half-written remains
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ntkscope {args.command}: interrupted; no partial results were written", file=sys.stderr)
+        return 130
 
 
 def _error(args, err: Exception) -> None:
