@@ -149,3 +149,27 @@ def test_ctrl_c_is_one_line_with_exit_130_and_no_partial_output(capsys, monkeypa
     err = capsys.readouterr().err.strip()
     assert err == "ntkscope freq: interrupted; no partial results were written"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path):
+    """Issue 33, defect 5: the tokenizer's contents are part of gc's cache key."""
+    import json
+
+    from cse_models import GPT, GPTConfig
+    from ntkscope.app import commands
+    from ntkscope.text.corpus.pack import load_pack
+    from ntkscope.text.tokenization import train_bpe
+
+    GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=1, n_head=2, n_embd=16)).save_pretrained(tmp_path / "gpt")
+    texts = [r.text for r in load_pack().records("validation")][:400]
+    tok_path = tmp_path / "tokenizer.json"
+    train_bpe(texts[:200], vocab_size=600).backend.save(str(tok_path))
+    kw = dict(n=24, seq_len=16, bins=2, resampling=commands.Resampling(resamples=10, null_draws=10),
+              tokenizer=str(tok_path), out=tmp_path / "out")
+    first = commands.gc_command(tmp_path / "gpt", **kw)
+    again = commands.gc_command(tmp_path / "gpt", **kw)
+    assert again["key"] == first["key"]  # unchanged inputs: reused
+    train_bpe(texts[200:], vocab_size=600).backend.save(str(tok_path))  # retrained in place
+    third = commands.gc_command(tmp_path / "gpt", **kw)
+    assert third["key"] != first["key"]
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["key"] == third["key"]

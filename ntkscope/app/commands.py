@@ -18,6 +18,7 @@ import numpy as np
 
 from cse_models.domains import evaluate_domains
 from cse_models.hf import architecture
+from ntkscope import __version__
 from ntkscope.core.checks import InputError
 from ntkscope.core.files import Staging, check_output, digest, write_json, write_table
 from ntkscope.core.memory import available_memory_bytes, format_bytes
@@ -98,8 +99,10 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
     options = dict(checkpoint=str(checkpoint), **data.options(), by=by, bins=bins, binning=binning, n=n,
                    min_count=min_count, params=params, output=output, outputs=outputs, method=method, dtype=dtype,
                    seq_len=seq_len, seed=seed, resampling=dataclasses.asdict(resampling), tokenizer=tokenizer,
-                   homogeneous_label=homogeneous_label)
-    key = digest(options, paths=[checkpoint, *data.files])
+                   homogeneous_label=homogeneous_label, version=__version__)
+    tok = checkpoint_tokenizer(checkpoint, tokenizer, data)  # its file is an input: retrained, it changes the key
+    tokenizer_files = [Path(tok.name)] if Path(tok.name).exists() else []
+    key = digest(options, paths=[checkpoint, *data.files, *tokenizer_files])
     cached = from_rank0(cached_result(out, key))  # every process takes rank 0's decision
     if cached:
         log.info("gc: reusing the result in %s (same options and inputs)", out)

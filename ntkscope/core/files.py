@@ -164,9 +164,14 @@ class Staging:
         return written
 
 
+CONTENT_HASHED = 64 * 2**20  # files up to this size enter a key by their contents, larger ones by size and time
+
+
 def digest(options: dict, *, arrays: dict | None = None, paths=()) -> str:
     """A 16-hex key of ``options`` (JSON), tensors or arrays in ``arrays`` (their bytes), and files
-    in ``paths`` (size and modification time; directories recursively, ``analysis/`` skipped)."""
+    in ``paths`` (directories recursively, ``analysis/`` skipped): by their contents up to
+    :data:`CONTENT_HASHED` bytes (a tokenizer retrained in place changes the key), else by size
+    and modification time."""
     h = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode())
     for name in sorted(arrays or {}):
         value = arrays[name]
@@ -178,7 +183,11 @@ def digest(options: dict, *, arrays: dict | None = None, paths=()) -> str:
         for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
             if f.is_file() and "analysis" not in f.parts:
                 st = f.stat()
-                h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+                h.update(f"{f}:{st.st_size}".encode())
+                if st.st_size <= CONTENT_HASHED:
+                    h.update(hashlib.sha256(f.read_bytes()).digest())
+                else:
+                    h.update(f":{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 
