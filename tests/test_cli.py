@@ -173,3 +173,30 @@ def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path):
     third = commands.gc_command(tmp_path / "gpt", **kw)
     assert third["key"] != first["key"]
     assert json.loads((tmp_path / "out" / "result.json").read_text())["key"] == third["key"]
+
+
+def test_gc_refuses_what_it_would_not_honour(tmp_path, capsys):
+    """Issue 33, defect 10: --by label on data with one label (GC = 1 by construction), and options
+    that apply to one checkpoint given for a run directory, are one line and exit 1."""
+    import json
+
+    from cse_models import GPT, GPTConfig
+    from ntkscope.app.cli import main
+    from ntkscope.text.corpus.pack import load_pack
+
+    from ntkscope.text.corpus.pack import DEFAULT_PACK
+
+    model = GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    for step in (0, 10):
+        model.save_pretrained(tmp_path / "run" / f"step{step}")
+    (tmp_path / "run" / "tokenizer.json").write_bytes((DEFAULT_PACK / "tokenizer.json").read_bytes())
+    rows = [{"text": r.text} for r in load_pack().records("validation")[:60]]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--quiet", "gc", str(tmp_path / "run" / "step0"), "--data", str(tmp_path / "rows.jsonl"), "--by",
+                 "label", "--n", "24", "--seq-len", "16"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'label' needs data whose rows carry two or more labels" in err, err
+    for extra in (["--by", "label"], ["--outputs", "loss,centred-true-logit"], ["--dtype", "float64"]):
+        assert main(["--quiet", "gc", str(tmp_path / "run"), "--n", "24", *extra]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "apply to one checkpoint" in err and extra[0] in err, err

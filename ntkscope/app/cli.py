@@ -173,6 +173,12 @@ def _gc(args) -> int:
         if args.device:
             raise InputError("device", "applies to one checkpoint; a run directory is analysed on the CPU",
                              args.device, func="ntkscope gc")
+        unused = {"--by label": args.by == "label", "--outputs": args.outputs, "--params": args.params,
+                  "--dtype": args.dtype, "--max-memory": args.max_memory, "--homogeneous-label": args.homogeneous_label}
+        if any(unused.values()):  # refused rather than silently not honoured
+            raise InputError("options", "apply to one checkpoint; over a run, gc follows the long tail's GC "
+                             "(frequency, output, method, resampling)", [k for k, v in unused.items() if v],
+                             func="ntkscope gc")
         result = commands.gc_run_command(args.target, _source(args), n=args.n, output=args.output,
                                          method=args.method, resampling=_resampling(args), seq_len=args.seq_len,
                                          seed=args.seed, tokenizer=args.tokenizer, out=args.out)

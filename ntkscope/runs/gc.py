@@ -70,7 +70,11 @@ def _groups(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd.Data
     scores = data.labels["score"].to_numpy()
     hist = score_histogram(scores, bins=bins, kind=binning)
     if by == "label":
-        return data.labels["label"].to_numpy(), hist
+        labels = data.labels["label"].to_numpy()
+        if len(set(labels)) < 2:  # one group is the whole set: GC = 1 by construction, not a finding
+            raise InputError("by", "'label' needs data whose rows carry two or more labels (name the column with "
+                             "label_column / --label-column)", f"one label: {labels[0]!r}" if len(labels) else "none")
+        return labels, hist
     return np.array([f"bin {b}" for b in bin_of(scores, bin_edges(scores, bins, kind=binning))]), hist
 
 
