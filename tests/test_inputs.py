@@ -127,3 +127,28 @@ def test_a_dataset_dict_names_its_splits(rows, tmp_path, capsys):
     assert f"is a datasets DatasetDict; name one split's directory ({tmp_path / 'dd' / 'train'}" in \
         capsys.readouterr().err
     assert len(as_source(tmp_path / "dd" / "validation").rows()) == 10
+
+
+def test_a_pipe_is_read_once(tmp_path):
+    """Issue 33, defect 7: a FIFO (or --data <(zcat ...)) works; it was opened twice and hung."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    rows = [{"text": f"Sentence number {i} about the court and the patient, with enough words.", "label": "a"}
+            for i in range(20)]
+
+    def write():
+        with open(fifo, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    proc = subprocess.run([sys.executable, "-m", "ntkscope", "-q", "freq", str(fifo), "--tokenizer", str(DEFAULT_PACK),
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)  # hung before
+    writer.join(timeout=5)
+    assert proc.returncode == 0, proc.stderr
+    assert len(pd.read_parquet(tmp_path / "out" / "sentence_scores.parquet")) == 20

@@ -21,9 +21,12 @@ malformed line.
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import json
 import logging
+import shutil
+import tempfile
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -45,6 +48,7 @@ _READERS = {".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False),
 TABLE_SUFFIXES = tuple(_READERS)
 _COUNTS: dict = {}  # (data identity, tokenizer) -> TokenCounts
 _COUNTS_KEPT = 4
+_SPOOLED: dict = {}  # a pipe's path -> the regular file it was read into
 _FUNC = "analysis data"
 _HELP = ("a corpus pack directory, 'default', a table (.jsonl, .csv, .tsv, .parquet; optionally .gz) with a text "
          "column, a datasets save_to_disk directory, or a UTF-8 text file")
@@ -156,9 +160,26 @@ def as_source(data, *, columns: DataSource | None = None) -> DataSource:
         source = DataSource(path) if columns is None else replace(columns, path=path, frequency_from=None)
     if source.path is not None and not source.path.exists():
         raise FileNotFoundError(f"{_FUNC}: {source.path} does not exist ({_HELP})")
+    if source.path is not None and not source.path.is_dir() and not source.path.is_file():
+        source = replace(source, path=_spooled(source.path))  # a pipe (FIFO, <(zcat ...)) can be read only once
     if source.frequency_from is not None and not Path(source.frequency_from).exists():
         raise FileNotFoundError(f"{_FUNC}: frequency_from {source.frequency_from} does not exist ({_HELP})")
     return source
+
+
+def _spooled(path: Path) -> Path:
+    """A regular file holding what the pipe ``path`` gives, read once per process (same base name,
+    so its suffix still says its format)."""
+    key = str(path)
+    if key not in _SPOOLED:
+        folder = tempfile.mkdtemp(prefix="ntkscope-data-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        copy = Path(folder) / path.name
+        with open(path, "rb") as src, open(copy, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        log.info("%s: %s is a pipe: read once into %s", _FUNC, path, copy)
+        _SPOOLED[key] = copy
+    return _SPOOLED[key]
 
 
 def _headerless_tsv(path: Path, text_column: str) -> bool:
