@@ -200,3 +200,19 @@ def test_gc_refuses_what_it_would_not_honour(tmp_path, capsys):
         assert main(["--quiet", "gc", str(tmp_path / "run"), "--n", "24", *extra]) == 1
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "apply to one checkpoint" in err and extra[0] in err, err
+
+
+def test_a_rerun_into_the_same_out_replaces_the_whole_result(tmp_path):
+    """Issue 33, defect 8: gc, then gc --by label into one --out left the first run's figure."""
+    from ntkscope.core.files import Staging
+
+    out = tmp_path / "out"
+    (out).mkdir()
+    (out / "notes.txt").write_text("mine")  # the user's own file: never touched
+    with Staging(out) as files:
+        files.path("gc.csv").write_text("a\\n1\\n")
+        files.path("gc_vs_frequency.png").write_bytes(b"png")
+    with Staging(out) as files:
+        files.path("gc.csv").write_text("a\\n2\\n")
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["gc.csv", "notes.txt"]
+    assert (out / "gc.csv").read_text() == "a\\n2\\n"

@@ -125,7 +125,14 @@ def write_table(frame: pd.DataFrame, path: str | os.PathLike) -> Path:
 
 class Staging:
     """Result files gathered in a temporary directory; a context manager: on success they move
-    into ``out`` (listed in ``written``), on an error they are discarded. ``out=None`` keeps nothing."""
+    into ``out`` (listed in ``written``), on an error they are discarded. ``out=None`` keeps nothing.
+
+    A result replaces the previous one in ``out`` whole: the files an earlier result wrote there
+    (listed in ``out/.ntkscope-results.json``) and this one does not are removed, so a rerun with
+    other options never leaves the old run's figure beside the new tables; other files are never
+    touched. The move holds ``out``'s :class:`DirectoryLock`, so two processes never interleave."""
+
+    MANIFEST = ".ntkscope-results.json"
 
     def __init__(self, out: str | os.PathLike | None):
         self.out = Path(out) if out is not None else None
@@ -151,11 +158,19 @@ class Staging:
         written = []
         try:
             self.out.mkdir(parents=True, exist_ok=True)
-            for f in sorted(self.tmp.iterdir()):
-                partial = self.out / f".{f.name}.partial"
-                shutil.move(f, partial)  # may cross file systems; the rename below is atomic
-                os.replace(partial, self.out / f.name)
-                written.append(self.out / f.name)
+            with DirectoryLock(self.out, "write results"):
+                manifest = self.out / self.MANIFEST
+                before = json.loads(manifest.read_text()).get("files", []) if manifest.is_file() else []
+                for f in sorted(self.tmp.iterdir()):
+                    partial = self.out / f".{f.name}.partial"
+                    shutil.move(f, partial)  # may cross file systems; the rename below is atomic
+                    os.replace(partial, self.out / f.name)
+                    written.append(self.out / f.name)
+                names = [p.name for p in written]
+                for stale in set(before) - set(names):  # the previous result's, not this one's
+                    if "/" not in stale and not stale.startswith("."):
+                        (self.out / stale).unlink(missing_ok=True)
+                write_text(manifest, json.dumps({"files": names}) + "\n")
         except OSError as err:
             for f in self.out.glob(".*.partial") if self.out.is_dir() else ():
                 f.unlink(missing_ok=True)
