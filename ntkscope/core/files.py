@@ -130,7 +130,7 @@ class Staging:
     A result replaces the previous one in ``out`` whole: the files an earlier result wrote there
     (listed in ``out/.ntkscope-results.json``) and this one does not are removed, so a rerun with
     other options never leaves the old run's figure beside the new tables; other files are never
-    touched. The move holds ``out``'s :class:`DirectoryLock`, so two processes never interleave."""
+    touched. The move holds a lock on that manifest, so two processes never interleave."""
 
     MANIFEST = ".ntkscope-results.json"
 
@@ -158,9 +158,13 @@ class Staging:
         written = []
         try:
             self.out.mkdir(parents=True, exist_ok=True)
-            with DirectoryLock(self.out, "write results"):
-                manifest = self.out / self.MANIFEST
-                before = json.loads(manifest.read_text()).get("files", []) if manifest.is_file() else []
+            with open(self.out / self.MANIFEST, "a+") as manifest:  # the manifest is the lock too
+                fcntl.flock(manifest, fcntl.LOCK_EX)  # a second writer waits for the first to finish moving
+                manifest.seek(0)
+                try:
+                    before = json.loads(manifest.read() or "{}").get("files", [])
+                except json.JSONDecodeError:
+                    before = []
                 for f in sorted(self.tmp.iterdir()):
                     partial = self.out / f".{f.name}.partial"
                     shutil.move(f, partial)  # may cross file systems; the rename below is atomic
@@ -170,7 +174,10 @@ class Staging:
                 for stale in set(before) - set(names):  # the previous result's, not this one's
                     if "/" not in stale and not stale.startswith("."):
                         (self.out / stale).unlink(missing_ok=True)
-                write_text(manifest, json.dumps({"files": names}) + "\n")
+                manifest.seek(0)
+                manifest.truncate()
+                manifest.write(json.dumps({"files": names}) + "\n")
+                manifest.flush()
         except OSError as err:
             for f in self.out.glob(".*.partial") if self.out.is_dir() else ():
                 f.unlink(missing_ok=True)
