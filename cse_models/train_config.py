@@ -82,6 +82,8 @@ class TrainConfig:
             value = getattr(cfg, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig: {key} must be a positive integer (got {value!r})")
+        if isinstance(cfg.warmup_steps, bool) or not isinstance(cfg.warmup_steps, int) or cfg.warmup_steps < 0:
+            raise ValueError(f"TrainConfig: warmup_steps must be an integer >= 0 (got {cfg.warmup_steps!r})")
         extra = cfg.checkpoint_steps
         if not isinstance(extra, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
                                                        for s in extra):

@@ -152,3 +152,31 @@ def test_a_pipe_is_read_once(tmp_path):
     writer.join(timeout=5)
     assert proc.returncode == 0, proc.stderr
     assert len(pd.read_parquet(tmp_path / "out" / "sentence_scores.parquet")) == 20
+
+
+def test_gzip_text_and_damaged_gzip_files(tmp_path):
+    """Issue 33, defects 9 and 13: a .txt.gz is read decompressed; a truncated .gz is one line."""
+    import gzip
+
+    from ntkscope.text.inputs import DataSource, as_source
+
+    text = "The court held that the contract was void for lack of consideration.\n" \
+           "The patient presented with fever and a persistent cough for three days.\n"
+    (tmp_path / "t.txt.gz").write_bytes(gzip.compress(text.encode()))
+    assert [t for t, _ in as_source(tmp_path / "t.txt.gz").rows()] == [line for line in text.splitlines()]
+    rows = "".join(json.dumps({"text": f"Row {i} of a table about the court and its rulings."}) + "\n" for i in range(40))
+    whole = gzip.compress(rows.encode())
+    for name, data in (("cut.txt.gz", gzip.compress(text.encode())[:20]), ("cut.jsonl.gz", whole[: len(whole) // 2])):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=r"is a truncated or damaged gzip file"):
+            as_source(tmp_path / name).rows()
+    assert DataSource(str(tmp_path / "t.txt.gz")).kind == "text"  # a str path, as a user writes it
+
+
+def test_encode_refuses_a_single_string():
+    from ntkscope.text.corpus.pack import load_pack
+
+    tok = load_pack().tokenizer()
+    with pytest.raises(ValueError, match=r"TextTokenizer.encode: texts must be a sequence of strings"):
+        tok.encode("a string")
+    assert tok.encode(["a string"]) == [tok.encode(["a string"])[0]]

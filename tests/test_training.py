@@ -303,3 +303,8 @@ def test_resuming_from_non_finite_weights_is_refused(tmp_path):
     save_file(state, str(last / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"step-000002 holds non-finite weights; resume from an earlier checkpoint"):
         train(config(tmp_path, "run", model=dense, cse={}, steps=4, checkpoint_every=2))
+
+
+def test_a_warmup_that_is_not_an_integer_is_refused():
+    with pytest.raises(ValueError, match=r"TrainConfig: warmup_steps must be an integer >= 0 \(got 'ten'\)"):
+        TrainConfig.from_dict({"warmup_steps": "ten"})

@@ -27,6 +27,7 @@ import json
 import logging
 import shutil
 import tempfile
+import zlib
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -79,6 +80,10 @@ class DataSource:
     text_column: str = "text"
     label_column: str | None = None
     frequency_from: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.path, str):  # DataSource("rows.jsonl") as well as DataSource(Path(...))
+            object.__setattr__(self, "path", Path(self.path))
 
     def __str__(self) -> str:
         return "default" if self.path is None else str(self.path)
@@ -197,6 +202,8 @@ def _read_table(path: Path) -> pd.DataFrame:
         return _READERS[_suffix(path)](path)
     except pd.errors.EmptyDataError:
         raise ValueError(f"{_FUNC}: {path} is empty") from None
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:  # a download cut short
+        raise ValueError(f"{_FUNC}: {path} is a truncated or damaged gzip file ({err})") from None
     except (ValueError, OSError, UnicodeDecodeError, pd.errors.ParserError) as err:
         first = (str(err).splitlines() or [type(err).__name__])[0][:160]
         where = _bad_json_line(path) if _suffix(path) in (".jsonl", ".ndjson") else None
@@ -261,8 +268,14 @@ def _table_rows(path: Path, frame: pd.DataFrame, text_column: str, label_column:
 
 
 def _text_rows(path: Path) -> list[tuple[str, str]]:
-    """``label<TAB>text`` lines of a headerless .tsv, else sentences labelled ``"text"``."""
-    text = read_text(path, func=_FUNC)
+    """``label<TAB>text`` lines of a headerless .tsv, else sentences labelled ``"text"`` (``.gz``: decompressed)."""
+    data = None
+    if path.suffix == ".gz":
+        try:
+            data = gzip.decompress(path.read_bytes())
+        except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+            raise ValueError(f"{_FUNC}: {path} is a truncated or damaged gzip file ({err})") from None
+    text = read_text(path, data, func=_FUNC)
     if _suffix(path) == ".tsv":
         rows = []
         for i, line in enumerate(text.splitlines(), 1):

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ntkscope.core.checks import InputError
 from ntkscope.core.paths import default_data_dir
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class TextTokenizer:
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, no special tokens added. Runs in parallel in Rust."""
+        if isinstance(texts, str):  # list("a string") would encode it character by character
+            raise InputError("texts", "must be a sequence of strings (one string: pass [text])", texts[:40],
+                             func="TextTokenizer.encode")
         texts = list(texts)
         if hasattr(self.backend, "encode_ordinary_batch"):  # tiktoken
             return self.backend.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
