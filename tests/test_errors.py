@@ -92,3 +92,17 @@ def test_a_model_that_is_not_a_module(lm_batch):
 def test_groups_without_a_big_enough_group(gpt, lm_batch):
     with pytest.raises(ValueError, match="gradient_consistency_groups: labels has no group with at least min_count=3"):
         ns.gradient_consistency_groups(gpt, lm_batch, [0, 0, 1, 1, 2, 2, 3, 3], min_count=3)
+
+
+def test_token_ids_outside_the_vocabulary_or_not_integers_are_one_line():
+    """Issue 33, defect 13: the library raised raw embedding errors for these."""
+    import ntkscope as ns
+    from cse_models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    cases = ((torch.tensor([[1, 2, 70, 3]]), r"token ids in \[0, 64\)"),
+             (torch.tensor([[1, -2, 3, 4]]), r"token ids in \[0, 64\)"),
+             (torch.tensor([[1.0, 2.0, 3.0, 4.0]]), "an integer tensor of token ids"))
+    for ids, rule in cases:
+        with pytest.raises(ValueError, match=rf"empirical_ntk: batch input_ids must be {rule}"):
+            ns.empirical_ntk(model, {"input_ids": ids})

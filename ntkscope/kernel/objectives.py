@@ -151,17 +151,35 @@ class Objective(ABC):
         """``f`` on prepared rows: (m,) for scalar outputs, (m, K) for vector outputs."""
 
 
+def _check_ids(model: nn.Module, ids: torch.Tensor) -> None:
+    """Token ids must be integers in the model's vocabulary (else an embedding lookup fails deep inside)."""
+    if not torch.is_tensor(ids) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InputError("batch", "input_ids must be an integer tensor of token ids",
+                         getattr(ids, "dtype", type(ids).__name__))
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is None:
+        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        embedding = embeddings[0] if embeddings else None
+    if ids.numel() and embedding is not None and (int(ids.min()) < 0 or int(ids.max()) >= embedding.num_embeddings):
+        raise InputError("batch", f"input_ids must be token ids in [0, {embedding.num_embeddings}) (the model's "
+                         "vocabulary)", f"ids from {int(ids.min())} to {int(ids.max())}")
+
+
 def _token_inputs(model: nn.Module, batch, *, need_ids: bool) -> tuple:
     """Split a batch into model inputs and the (n, T) bool mask of real tokens."""
     if torch.is_tensor(batch):
         if need_ids and (batch.dim() != 2 or batch.is_floating_point()):
             raise InputError("batch", "must be integer token ids of shape (n, T) for a language-model output", tuple(batch.shape))
         mask = torch.ones(batch.shape[:2], dtype=torch.bool, device=batch.device) if batch.dim() >= 2 else None
+        if need_ids:
+            _check_ids(model, batch)
         return batch, mask
     inputs = {k: v for k, v in batch.items() if k not in _NON_MODEL_KEYS}
     if need_ids and "input_ids" not in inputs:
         raise InputError("batch", "must have an 'input_ids' entry for a language-model output", sorted(batch))
     ids = inputs.get("input_ids")
+    if ids is not None:
+        _check_ids(model, ids)
     mask = inputs.get("attention_mask")
     if mask is not None:
         mask = mask.bool()
