@@ -190,6 +190,8 @@ def train(cfg: TrainConfig, *, callbacks=()) -> Path:
     One process writes a run: the first rank holds ``out_dir``'s lock, and a second training
     into the same directory is refused with the holder's PID.
     """
+    if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
+        raise ValueError(f"train: out_dir {cfg.out_dir} exists and is not a directory")
     if int(os.environ.get("RANK", "0")) != 0:
         return _train(cfg, callbacks)
     with DirectoryLock(cfg.out_dir, "train"):
@@ -348,11 +350,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = TrainConfig.load(args.config)
-        if args.out_dir:
-            cfg.out_dir = args.out_dir
-        if args.steps:
-            cfg.steps = args.steps
+        overrides = {k: v for k, v in (("out_dir", args.out_dir), ("steps", args.steps)) if v is not None}
+        cfg = TrainConfig.load(args.config, **overrides)  # checked with the overrides (--steps 2 over steps: 0)
         with logging_redirect_tqdm():  # log lines print above the progress bar
             last = train(cfg)
     except (ValueError, FileNotFoundError) as err:

@@ -54,7 +54,8 @@ class TrainConfig:
     bf16: bool = True
 
     @classmethod
-    def load(cls, path: str | Path) -> "TrainConfig":
+    def load(cls, path: str | Path, **overrides) -> "TrainConfig":
+        """A JSON or YAML config file, with ``overrides`` (e.g. ``steps``) applied before it is checked."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"TrainConfig.load: {path} does not exist")
@@ -69,7 +70,7 @@ class TrainConfig:
                              f"({at}{what})") from None
         if not isinstance(data, dict):
             raise ValueError(f"TrainConfig.load: {path} must hold a mapping of settings (got {type(data).__name__})")
-        return cls.from_dict(data)
+        return cls.from_dict({**data, **overrides})
 
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":

@@ -308,3 +308,21 @@ def test_resuming_from_non_finite_weights_is_refused(tmp_path):
 def test_a_warmup_that_is_not_an_integer_is_refused():
     with pytest.raises(ValueError, match=r"TrainConfig: warmup_steps must be an integer >= 0 \(got 'ten'\)"):
         TrainConfig.from_dict({"warmup_steps": "ten"})
+
+
+def test_command_line_overrides_are_checked_with_the_file_and_out_dir_must_be_a_directory(tmp_path, capsys):
+    """Issue 33, defects 9 and 13: --steps 2 rescues steps: 0; --out-dir naming a file is one line."""
+    from cse_models.train import main as cse_train
+
+    torch.set_default_dtype(torch.float32)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"out_dir": str(tmp_path / "run"), "model": {"n_layer": 1, "n_embd": 16, "n_head": 2},
+                                "data": {"seq_len": 32, "split": "validation"}, "steps": 0, "batch_size": 4,
+                                "tensorboard": False}))
+    assert cse_train([str(path)]) == 1
+    assert "steps must be a positive integer (got 0)" in capsys.readouterr().err
+    assert cse_train([str(path), "--steps", "2"]) == 0
+    (tmp_path / "a-file").write_text("x")
+    assert cse_train([str(path), "--steps", "2", "--out-dir", str(tmp_path / "a-file")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"cse-train: error: train: out_dir {tmp_path / 'a-file'} exists and is not a directory"
