@@ -24,6 +24,7 @@ reach the sparse layers through a context that :meth:`SparseHF.forward` (or a di
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -73,6 +74,20 @@ def _transformers():
     except ImportError:
         raise ValueError("SparseHF: an HF model needs transformers (pip install 'ntkscope[hf]')") from None
     return transformers
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """transformers' weight-loading bars off for the duration (a small load needs none, and the
+    command line's -q means quiet); restored afterwards."""
+    logging_ = _transformers().utils.logging
+    bars = logging_.is_progress_bar_enabled()
+    logging_.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            logging_.enable_progress_bar()
 
 
 class HFExpert(nn.Module):
@@ -265,18 +280,14 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
     transformers, hf_config = _hf_config(directory, func)
     check_safetensors(directory / WEIGHTS_NAME, func)
     if section is None:  # a dense checkpoint, loaded the HF way (which ties the head to the embedding)
-        bars = transformers.utils.logging.is_progress_bar_enabled()
-        transformers.utils.logging.disable_progress_bar()  # ntkscope's -q means quiet; a small load needs no bar
         try:
-            hf, info = transformers.AutoModelForCausalLM.from_pretrained(
-                directory, config=hf_config, local_files_only=True, use_safetensors=True, trust_remote_code=False,
-                output_loading_info=True)
+            with quiet_loading():
+                hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+                    directory, config=hf_config, local_files_only=True, use_safetensors=True, trust_remote_code=False,
+                    output_loading_info=True)
         except (RuntimeError, ValueError, OSError) as err:
             raise ValueError(f"{func}: the weights in {directory} do not match its config.json "
                              f"({str(err).splitlines()[0][:200]})") from None
-        finally:
-            if bars:
-                transformers.utils.logging.enable_progress_bar()
         missing, unexpected = info["missing_keys"], info["unexpected_keys"]
         model = SparseHF(hf, sparse)
     else:

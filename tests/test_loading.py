@@ -100,3 +100,28 @@ def test_half_precision_checkpoints_work_end_to_end(tmp_path, dtype, caplog):
         proc = in_process(command[0], tmp_path / "half", *command[1:], "--seq-len", 16, "--out",
                           tmp_path / f"out-{command[0]}")
         assert proc.returncode == 0, proc.stderr[-800:]
+
+
+@pytest.mark.parametrize("value", [-1, "big", 2.5])
+def test_an_hf_config_with_impossible_sizes_is_one_line(tmp_path, value):
+    """Issue 33, defect 9: negative, text or fractional sizes gave tracebacks."""
+    _, path = gpt2(tmp_path)
+    set_config(path, n_embd=value)
+    with pytest.raises(ValueError, match=r"config.json is not a valid HF config \("):
+        load_checkpoint(path)
+
+
+def test_a_seq_len_beyond_the_models_context_is_one_line(tmp_path):
+    """Issue 33, defect 9: --seq-len above an HF model's n_positions was an IndexError."""
+    from commandline import in_process
+    from ntkscope.text.corpus.pack import DEFAULT_PACK
+
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=16, n_layer=1,
+                                                         n_head=2)).save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_bytes((DEFAULT_PACK / "tokenizer.json").read_bytes())
+    for command in ("ntk", "gc"):
+        proc = in_process(command, tmp_path / "m", "--n", 8, "--seq-len", 64)
+        assert proc.returncode == 1
+        assert proc.stderr.strip() == f"ntkscope {command}: error: seq-len must be at most the model's context of " \
+                                      "32 tokens (got 64)"

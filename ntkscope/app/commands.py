@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cse_models.domains import evaluate_domains
+from cse_models.domains import context_length, evaluate_domains
 from cse_models.hf import architecture
 from ntkscope import __version__
 from ntkscope.core.checks import InputError
@@ -58,11 +58,19 @@ def cached_result(out: Path | None, key: str) -> dict | None:
     return result if result.get("key") == key else None
 
 
-def load_model_and_tokenizer(checkpoint, tokenizer=None, data=None):
-    """The model of ``checkpoint`` and its tokenizer (the one resolution rule), vocabulary checked."""
+def load_model_and_tokenizer(checkpoint, tokenizer=None, data=None, seq_len: int | None = None):
+    """The model of ``checkpoint`` and its tokenizer (the one resolution rule), vocabulary checked;
+    with ``seq_len``, checked against the model's context too (before any sentence is encoded)."""
     model = load_checkpoint(checkpoint)
     tok = checkpoint_tokenizer(checkpoint, tokenizer, data)
     check_vocab(model, tok, "ntkscope")
+    if seq_len is not None:
+        try:
+            context = context_length(model)
+        except ValueError:  # a model that does not say: its own error, if any, comes later
+            context = None
+        if context is not None and seq_len > context:
+            raise InputError("seq-len", f"must be at most the model's context of {context} tokens", seq_len)
     return model, tok
 
 
@@ -107,7 +115,7 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
     if cached:
         log.info("gc: reusing the result in %s (same options and inputs)", out)
         return cached
-    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
+    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data, seq_len)
     ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
     log.info("%s", memory_note(model, n, params, dtype, device, max_memory))
     common = dict(by=by, bins=bins, binning=binning, min_count=min_count, resampling=resampling, params=params,
@@ -154,7 +162,7 @@ def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1
     ``gc_over_steps.png``. ``peak``: :func:`ntkscope.gc_peak` (step, shown, why)."""
     check_output("gc", out)
     checkpoints = list_checkpoints(run_dir)
-    _, tok = load_model_and_tokenizer(checkpoints[-1][1], tokenizer, data)
+    _, tok = load_model_and_tokenizer(checkpoints[-1][1], tokenizer, data, seq_len)
     ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
     frame = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=resampling)
@@ -176,7 +184,7 @@ def ntk_command(checkpoint, data=None, *, n: int = 64, blocks=None, params=None,
     """The empirical NTK of ``n`` sentences: ``ntk.npy`` (n, n), ``blocks.npz`` (one kernel per
     block), ``labels.csv`` and ``ntk.png`` (samples ordered by label)."""
     check_output("ntk", out)
-    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
+    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data, seq_len)
     ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
     log.info("%s", memory_note(model, n, params, dtype, device, max_memory))
     result_ntk = empirical_ntk(model, ad.batch, output=output, params=params, blocks=blocks, method=method,
@@ -278,7 +286,7 @@ def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int 
 def _analysis_sentences(target, data, tokenizer, n, seq_len, seed, *, run: bool):
     """AnalysisData tokenized for a checkpoint, or (``run``) for a run's last checkpoint."""
     checkpoint = list_checkpoints(target)[-1][1] if run else target
-    _, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
+    _, tok = load_model_and_tokenizer(checkpoint, tokenizer, data, seq_len)
     return load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
 
 

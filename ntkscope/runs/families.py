@@ -30,7 +30,7 @@ from pathlib import Path
 import torch.nn as nn
 
 import cse_models
-from cse_models.hf import LAYOUTS, SECTION, layout_blocks
+from cse_models.hf import LAYOUTS, SECTION, layout_blocks, quiet_loading
 from cse_models.model import build_model, load_weights
 from ntkscope.core.checks import InputError
 from ntkscope.core.files import check_safetensors
@@ -113,15 +113,21 @@ def _load_hf(path: Path, data: dict, weights: Path):
                     "built from transformers' own %r classes", path, data.get("model_type"))
     try:  # never the checkpoint's own code, and never a prompt asking whether to run it
         hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as err:
-        raise ValueError(f"load_checkpoint: {path}/config.json is not a cse_models or HF config "
-                         f"({str(err)[:160]})") from None
-    check_fits(parameter_count(lambda: auto.from_config(hf_config)), 4, f"load_checkpoint: {path}/config.json")
+        size = parameter_count(lambda: auto.from_config(hf_config))
+    except Exception as err:  # sizes that are negative, text, ... (huggingface_hub's own validation error too)
+        if not isinstance(err, (ValueError, KeyError, OSError, TypeError, RuntimeError)) \
+                and "Validation" not in type(err).__name__:
+            raise
+        raise ValueError(f"load_checkpoint: {path}/config.json is not a valid HF config "
+                         f"({' '.join(str(err).split())[:160]})") from None
+    check_fits(size, 4, f"load_checkpoint: {path}/config.json")
     if weights.suffix == ".safetensors":
         check_safetensors(weights, "load_checkpoint")
         try:
-            model, info = auto.from_pretrained(path, config=hf_config, local_files_only=True, use_safetensors=True,
-                                               trust_remote_code=False, output_loading_info=True)
+            with quiet_loading():
+                model, info = auto.from_pretrained(path, config=hf_config, local_files_only=True,
+                                                   use_safetensors=True, trust_remote_code=False,
+                                                   output_loading_info=True)
         except (RuntimeError, ValueError, OSError) as err:
             raise ValueError(f"load_checkpoint: the weights in {path} do not match its config.json "
                              f"({str(err).splitlines()[0][:200]})") from None
