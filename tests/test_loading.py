@@ -124,4 +124,4 @@ def test_a_seq_len_beyond_the_models_context_is_one_line(tmp_path):
         proc = in_process(command, tmp_path / "m", "--n", 8, "--seq-len", 64)
         assert proc.returncode == 1
         assert proc.stderr.strip() == f"ntkscope {command}: error: seq-len must be at most the model's context of " \
-                                      "32 tokens (got 64)"
+                                      "32 tokens (sentences of 35 tokens were read) (got 64)"

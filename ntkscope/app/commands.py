@@ -58,20 +58,27 @@ def cached_result(out: Path | None, key: str) -> dict | None:
     return result if result.get("key") == key else None
 
 
-def load_model_and_tokenizer(checkpoint, tokenizer=None, data=None, seq_len: int | None = None):
-    """The model of ``checkpoint`` and its tokenizer (the one resolution rule), vocabulary checked;
-    with ``seq_len``, checked against the model's context too (before any sentence is encoded)."""
+def load_model_and_tokenizer(checkpoint, tokenizer=None, data=None):
+    """The model of ``checkpoint`` and its tokenizer (the one resolution rule), vocabulary checked."""
     model = load_checkpoint(checkpoint)
     tok = checkpoint_tokenizer(checkpoint, tokenizer, data)
     check_vocab(model, tok, "ntkscope")
-    if seq_len is not None:
-        try:
-            context = context_length(model)
-        except ValueError:  # a model that does not say: its own error, if any, comes later
-            context = None
-        if context is not None and seq_len > context:
-            raise InputError("seq-len", f"must be at most the model's context of {context} tokens", seq_len)
     return model, tok
+
+
+def analysis_sentences(model, tok, data, *, n: int, seq_len: int, seed: int):
+    """``n`` sentences of ``data`` for ``model``: refused in one line when they are longer than the
+    model's context (``seq_len`` above it), before the model sees them."""
+    ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
+    try:
+        context = context_length(model)
+    except ValueError:  # a model that does not say: its own error, if any, comes later
+        context = None
+    longest = int(ad.batch["input_ids"].shape[1])
+    if context is not None and longest > context:
+        raise InputError("seq-len", f"must be at most the model's context of {context} tokens (sentences of "
+                         f"{longest} tokens were read)", seq_len)
+    return ad
 
 
 def memory_note(model, n: int, params=None, dtype=None, device=None, max_memory=None) -> str:
@@ -115,8 +122,8 @@ def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int =
     if cached:
         log.info("gc: reusing the result in %s (same options and inputs)", out)
         return cached
-    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data, seq_len)
-    ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
+    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
+    ad = analysis_sentences(model, tok, data, n=n, seq_len=seq_len, seed=seed)
     log.info("%s", memory_note(model, n, params, dtype, device, max_memory))
     common = dict(by=by, bins=bins, binning=binning, min_count=min_count, resampling=resampling, params=params,
                   method=method, dtype=dtype, device=device, max_memory=max_memory, seed=seed,
@@ -162,8 +169,8 @@ def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1
     ``gc_over_steps.png``. ``peak``: :func:`ntkscope.gc_peak` (step, shown, why)."""
     check_output("gc", out)
     checkpoints = list_checkpoints(run_dir)
-    _, tok = load_model_and_tokenizer(checkpoints[-1][1], tokenizer, data, seq_len)
-    ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
+    model, tok = load_model_and_tokenizer(checkpoints[-1][1], tokenizer, data)
+    ad = analysis_sentences(model, tok, data, n=n, seq_len=seq_len, seed=seed)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
     frame = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=resampling)
     peak = gc_peak(frame)
@@ -184,8 +191,8 @@ def ntk_command(checkpoint, data=None, *, n: int = 64, blocks=None, params=None,
     """The empirical NTK of ``n`` sentences: ``ntk.npy`` (n, n), ``blocks.npz`` (one kernel per
     block), ``labels.csv`` and ``ntk.png`` (samples ordered by label)."""
     check_output("ntk", out)
-    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data, seq_len)
-    ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
+    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
+    ad = analysis_sentences(model, tok, data, n=n, seq_len=seq_len, seed=seed)
     log.info("%s", memory_note(model, n, params, dtype, device, max_memory))
     result_ntk = empirical_ntk(model, ad.batch, output=output, params=params, blocks=blocks, method=method,
                                dtype=dtype, device=device, max_memory=max_memory, seed=seed)
@@ -286,8 +293,8 @@ def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int 
 def _analysis_sentences(target, data, tokenizer, n, seq_len, seed, *, run: bool):
     """AnalysisData tokenized for a checkpoint, or (``run``) for a run's last checkpoint."""
     checkpoint = list_checkpoints(target)[-1][1] if run else target
-    _, tok = load_model_and_tokenizer(checkpoint, tokenizer, data, seq_len)
-    return load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
+    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
+    return analysis_sentences(model, tok, data, n=n, seq_len=seq_len, seed=seed)
 
 
 def clusters_command(target, data="default", *, tokenizer=None, n: int = 256, seq_len: int = 64,
