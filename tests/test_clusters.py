@@ -294,3 +294,14 @@ def test_plan_command_reports_the_labels_and_chooses_by_them_when_asked(tiny_run
     by_labels = plan_command(run, "default", out=tmp_path / "labels.json", choose_by="labels", **common)["plan"]
     assert by_labels.layers == plan.evidence["layers_by_labels"]
     assert by_labels.chosen_by == "top-2 tail share (labels)"
+
+
+def test_a_run_directory_we_may_not_write_caches_elsewhere(tiny_run, monkeypatch, tmp_path):
+    """Issue 33, defect 9: gc/clusters over a read-only run directory wrote the cache into it."""
+    run, batch, _ = tiny_run
+    monkeypatch.setenv("NTKSCOPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(dynamics.os, "access", lambda path, mode: False)  # as a read-only mount answers
+    before = {p for p in run.rglob("*")}
+    table = dynamics.cluster_dynamics(run, batch, k_max=3, projection_dim=8, steps=[2, 4])
+    assert len(table) and {p for p in run.rglob("*")} == before  # nothing written into the run
+    assert list((tmp_path / "cache" / "runs").glob("tiny-*/*.json"))

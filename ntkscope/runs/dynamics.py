@@ -13,7 +13,9 @@ stopped and a repeated one is free.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from sklearn.metrics import adjusted_rand_score
 
 from ntkscope.core.checks import fail
 from ntkscope.core.files import JsonCache, digest
+from ntkscope.core.paths import user_cache_dir
 from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.consistency import gradient_consistency
 from ntkscope.kernel.uncertainty import Resampling
@@ -61,7 +64,19 @@ class _Progress:
 
 
 def _cache(run_dir, cache_dir) -> JsonCache:
-    return JsonCache(Path(cache_dir) if cache_dir else Path(run_dir) / "analysis")
+    """``cache_dir``, else ``RUN/analysis``; a run directory that is not ours to write (read-only,
+    someone else's) caches under ``~/.cache/ntkscope/runs/`` instead, keyed by its resolved path."""
+    if cache_dir:
+        return JsonCache(Path(cache_dir))
+    run_dir = Path(run_dir)
+    inside = run_dir / "analysis"
+    writable = os.access(inside if inside.is_dir() else run_dir, os.W_OK | os.X_OK)
+    if writable:
+        return JsonCache(inside)
+    key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    elsewhere = user_cache_dir() / "runs" / f"{run_dir.name}-{key}"
+    log.info("%s is not writable: caching its analyses in %s", run_dir, elsewhere)
+    return JsonCache(elsewhere)
 
 
 def cluster_dynamics(run_dir, batch: dict, *, point: str = "block", layers=None, k_max: int = 10,
