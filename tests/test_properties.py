@@ -138,3 +138,44 @@ def test_kernel_gc_intervals_hold_their_point(n, rank, seed, groups, interval):
         assert all(r.versus(name) in ("above", "below", "within", "n/a") for name in r.controls)
         if r.large_sample == "claimed":
             assert r.abs_large_interval.low <= r.abs_large <= r.abs_large_interval.high
+
+
+@pytest.fixture(scope="module")
+def cli_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=1, n_head=2, n_embd=16)).save_pretrained(root / "gpt")
+    return root / "gpt"
+
+
+@settings(max_examples=int(__import__('os').environ.get('NTKSCOPE_PROPERTY_EXAMPLES', 20)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.one_of(st.binary(max_size=400), st.text(max_size=300).map(str.encode)),
+       suffix=st.sampled_from([".txt", ".jsonl", ".csv", ".tsv", ".txt.gz"]),
+       command=st.sampled_from(["freq", "ntk", "gc"]),
+       n=st.sampled_from(["1", "2", "8", "0", "-3", "x"]), seq_len=st.sampled_from(["4", "16", "0", "64"]))
+def test_the_command_line_never_shows_a_traceback_or_writes_nan(cli_checkpoint, tmp_path_factory, data, suffix,
+                                                               command, n, seq_len):
+    """Issue 33: random bytes, sizes and option values through gc / ntk / freq in process: success, one
+    line and exit 1, or a usage error (exit 2); never a traceback, never a NaN in JSON."""
+    import json
+
+    from commandline import in_process
+    from ntkscope.text.corpus.pack import DEFAULT_PACK
+
+    folder = tmp_path_factory.mktemp("prop")
+    path = folder / f"data{suffix}"
+    path.write_bytes(data)
+    args = ["--tokenizer", DEFAULT_PACK, "--out", folder / "out"]
+    if command == "freq":
+        proc = in_process("freq", path, *args)
+    else:
+        proc = in_process(command, cli_checkpoint, "--data", path, "--n", n, "--seq-len", seq_len, *args,
+                          *(["--bins", "2", "--resamples", "10", "--null-draws", "10"] if command == "gc" else []))
+    assert proc.returncode in (0, 1, 2), proc.stderr[-1500:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    lines = proc.stderr.strip().splitlines()
+    if proc.returncode == 1:  # one error line (warnings about the data may precede it, each once)
+        assert [line for line in lines if "error:" in line] == lines[-1:], proc.stderr[-1500:]
+    assert len(set(lines)) == len(lines), proc.stderr[-1500:]  # nothing said twice
+    for result in (folder / "out").glob("*.json"):
+        json.loads(result.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {result.name}"))

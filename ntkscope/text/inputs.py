@@ -50,6 +50,7 @@ TABLE_SUFFIXES = tuple(_READERS)
 _COUNTS: dict = {}  # (data identity, tokenizer) -> TokenCounts
 _COUNTS_KEPT = 4
 _SPOOLED: dict = {}  # a pipe's path -> the regular file it was read into
+_TEXT_ROWS: dict = {}  # (path, size, mtime) -> a text file's rows
 _FUNC = "analysis data"
 _HELP = ("a corpus pack directory, 'default', a table (.jsonl, .csv, .tsv, .parquet; optionally .gz) with a text "
          "column, a datasets save_to_disk directory, or a UTF-8 text file")
@@ -268,7 +269,18 @@ def _table_rows(path: Path, frame: pd.DataFrame, text_column: str, label_column:
 
 
 def _text_rows(path: Path) -> list[tuple[str, str]]:
-    """``label<TAB>text`` lines of a headerless .tsv, else sentences labelled ``"text"`` (``.gz``: decompressed)."""
+    """``label<TAB>text`` lines of a headerless .tsv, else sentences labelled ``"text"`` (``.gz``: decompressed);
+    read once per file version in a process (its warnings said once)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _TEXT_ROWS:
+        if len(_TEXT_ROWS) >= _COUNTS_KEPT:
+            _TEXT_ROWS.pop(next(iter(_TEXT_ROWS)))
+        _TEXT_ROWS[key] = _read_text_rows(path)
+    return list(_TEXT_ROWS[key])
+
+
+def _read_text_rows(path: Path) -> list[tuple[str, str]]:
     data = None
     if path.suffix == ".gz":
         try:
