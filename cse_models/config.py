@@ -8,6 +8,7 @@ chosen layer has — so a checkpoint can be rebuilt from its config alone.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -129,8 +130,8 @@ class GPTConfig:
 
     def __post_init__(self):
         name = type(self).__name__
-        if isinstance(self.sparse, dict):
-            self.sparse = SparseConfig(**self.sparse)
+        if isinstance(self.sparse, dict):  # a copy: conversion fills in n_experts, never the caller's lists
+            self.sparse = SparseConfig(**copy.deepcopy(self.sparse))
         for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

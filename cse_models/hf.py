@@ -25,6 +25,7 @@ reach the sparse layers through a context that :meth:`SparseHF.forward` (or a di
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -167,8 +168,8 @@ class SparseHF(SparseRouting, nn.Module):
         if layout is None:
             raise ValueError(f"SparseHF: no layout for HF model_type {model_type!r} (known: {sorted(LAYOUTS)}); "
                              "add one Layout to cse_models.hf.LAYOUTS")
-        if isinstance(sparse, dict):
-            sparse = SparseConfig(**sparse)
+        if isinstance(sparse, dict):  # a copy: conversion fills in n_experts, never the caller's lists
+            sparse = SparseConfig(**copy.deepcopy(sparse))
         self.hf = hf_model
         self.config = HFSparseConfig(hf_model.config, layout, sparse)
         if sparse is not None:

@@ -214,3 +214,45 @@ def test_the_plans_warmup_is_shifted_by_the_init_from_step(caplog):
     with caplog.at_level("WARNING"):
         assert warmup_after("myrun/step500", 300, "plan.json") == 0
     assert "init_from myrun/step500 is step 500: converting at once" in caplog.text
+
+
+FAMILY_CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=32, n_layer=2, n_head=2),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(vocab_size=8192, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=2, num_attention_heads=2,
+                                                   max_position_embeddings=32, rotary_pct=0.25, bos_token_id=0,
+                                                   eos_token_id=0),
+    "llama": lambda: transformers.LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                              max_position_embeddings=32, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("sparse", ["cse", "switch"])
+def test_every_family_converts_trains_and_resumes_exactly(own, tmp_path, kind, sparse):
+    """Per family: cse-train from the HF directory converts at step 0, and a run killed after step 2
+    and resumed ends with the uninterrupted run's weights, bit for bit."""
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(FAMILY_CONFIGS[kind]()).save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "tokenizer.json").write_bytes((own / "model" / "tokenizer.json").read_bytes())
+    spec = {"kind": sparse, "layers": [1], "n_experts": [0]}
+    extra = {"cse": {"warmup_steps": 0, "n_samples": 100, "min_cluster_size": 10}} if sparse == "cse" else \
+        {"cse": {}, "upcycle": {"at": 0, "n_experts": 2}}
+
+    def run(out, **kw):
+        return train(TrainConfig.from_dict({
+            "out_dir": str(out), "init_from": str(tmp_path / "model"), "model": {"sparse": spec}, **extra,
+            "data": {"table": str(own / "train.jsonl"), "label_column": "domain", "seq_len": 32},
+            "steps": 4, "batch_size": 4, "checkpoint_every": 2, "warmup_steps": 1, "tensorboard": False,
+            "device": "cpu", **kw}))
+
+    whole = run(tmp_path / "whole")
+    run(tmp_path / "split", stop_at=2)
+    resumed = run(tmp_path / "split")
+    model = load_checkpoint(whole)
+    assert family_of(model).name == f"{kind}+sparse" and len(model.sparse_layers()) == 1
+    a, b = load_safetensors(whole / "model.safetensors", "test"), load_safetensors(resumed / "model.safetensors", "test")
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    assert all(torch.equal(a[k], b[k]) for k in a)
