@@ -100,7 +100,7 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
     with DirectoryLock(out, "compare"):
         for seed in seeds:
             common = {"init_from": str(init_from), "data": data, "steps": steps, "batch_size": batch_size, "lr": lr,
-                      "warmup_steps": max(1, steps // 20), "seed": seed, "checkpoint_every": steps,
+                      "warmup_steps": max(1, steps // 20), "seed": seed, "checkpoint_every": max(1, steps // 4),
                       "tensorboard": False, "plan": None if plan is None else str(plan)}
             cse = {"n_samples": n_samples, "min_cluster_size": min_cluster_size}
             last = {}
