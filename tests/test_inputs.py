@@ -180,3 +180,22 @@ def test_encode_refuses_a_single_string():
     with pytest.raises(ValueError, match=r"TextTokenizer.encode: texts must be a sequence of strings"):
         tok.encode("a string")
     assert tok.encode(["a string"]) == [tok.encode(["a string"])[0]]
+
+
+def test_lines_of_a_text_file_are_rows_and_freq_scores_what_gc_analyses(tmp_path):
+    """Issue 33, defect 11: three unpunctuated lines were one row; a 40-line CJK/emoji file was one
+    sentence; freq split a table's rows into sentences while gc analysed them whole."""
+    from ntkscope.app import commands
+    from ntkscope.text.inputs import as_source
+
+    (tmp_path / "lines.txt").write_text("the court held the contract void\nthe patient had a fever\n"
+                                        "a cat sat on the mat\n")
+    assert [t for t, _ in as_source(tmp_path / "lines.txt").rows()] == [
+        "the court held the contract void", "the patient had a fever", "a cat sat on the mat"]
+    (tmp_path / "cjk.txt").write_text("".join(f"法院认为合同无效 第{i}行 🙂\n" for i in range(40)))
+    assert len(as_source(tmp_path / "cjk.txt").rows()) == 40
+    rows = [{"text": "The court held the contract void. The appeal was dismissed with costs.", "label": "legal"},
+            {"text": "The patient had a high fever and a cough. She recovered within a week.", "label": "bio"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = commands.freq_command(tmp_path / "rows.jsonl", tokenizer=TOKENIZER)["sentences"]
+    assert sorted(table["text"]) == sorted(r["text"] for r in rows)  # whole rows, as gc sees them

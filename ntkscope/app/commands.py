@@ -255,7 +255,9 @@ def freq_command(data="default", *, tokenizer=None, normalisation: str = "max", 
                              "'gpt2')")
         tok = load_tokenizer(tokenizer)
     counts = data.reference_counts(tok)
-    table = sentence_table(records, tok, counts=counts, normalisation=normalisation)
+    # a pack's records are paragraphs, split into sentences; a table's or a file's rows are scored as the rows
+    # that gc analyses, whole (one population for both commands)
+    table = sentence_table(records, tok, counts=counts, normalisation=normalisation, split=data.kind == "pack")
     hist = score_histogram(table["score"], bins=bins)
     written = _write_tables(out, {"sentence_scores.parquet": table, "histogram.csv": hist,
                                   "token_counts.parquet": counts.to_frame(tok)})

@@ -158,15 +158,15 @@ def sentence_scores(texts: Sequence[str], tokenizer: TextTokenizer, frequency: n
 
 @entry("sentence_table")
 def sentence_table(records: Sequence[Record], tokenizer: TextTokenizer, *, counts: TokenCounts | None = None,
-                   normalisation: str = "max", min_tokens: int = 4) -> pd.DataFrame:
-    """Every sentence of ``records`` with its labels and score.
+                   normalisation: str = "max", min_tokens: int = 4, split: bool = True) -> pd.DataFrame:
+    """Every sentence of ``records`` (``split=False``: every record whole) with its labels and score.
 
     Columns: text, source, domain, category, doc, n_tokens, score. ``counts`` default to
     the counts over ``records`` themselves; sentences under ``min_tokens`` tokens are dropped.
     """
     check_positive_int("min_tokens", min_tokens)
     counts = counts if counts is not None else count_tokens(records, tokenizer)
-    rows = [(s, *r[1:]) for r in records for s in split_sentences(r.text)]
+    rows = [(s, *r[1:]) for r in records for s in (split_sentences(r.text) if split else [r.text])]
     if not rows:
         raise fail("sentence_table", "records", "must hold at least one sentence", len(records))
     frame = pd.DataFrame(rows, columns=list(Record._fields))

@@ -11,7 +11,8 @@
   ``datasets.load_from_disk`` (``pip install 'ntkscope[datasets]'``) with the same columns;
   a ``DatasetDict`` is named by one split's directory (``DIR/validation``).
 - A headerless ``.tsv`` (``label<TAB>text`` lines), and any other UTF-8 text file
-  (paragraphs split into sentences, label ``"text"``).
+  (each line is a row, split into sentences when it holds several, never joined to the next
+  line; label ``"text"``).
 
 A table or a file's frequency counts are over its own texts, unless ``frequency_from``
 names other data (e.g. the training set), read by the same rules. Bad files get one line
@@ -36,7 +37,7 @@ import pandas as pd
 
 from ntkscope.core.checks import InputError
 from ntkscope.text.corpus.pack import load_pack
-from ntkscope.text.corpus.text import paragraphs, read_text, split_sentences
+from ntkscope.text.corpus.text import normalise_space, read_text, split_sentences
 from ntkscope.text.frequency import TokenCounts, count_tokens
 
 log = logging.getLogger(__name__)
@@ -269,7 +270,8 @@ def _table_rows(path: Path, frame: pd.DataFrame, text_column: str, label_column:
 
 
 def _text_rows(path: Path) -> list[tuple[str, str]]:
-    """``label<TAB>text`` lines of a headerless .tsv, else sentences labelled ``"text"`` (``.gz``: decompressed);
+    """``label<TAB>text`` lines of a headerless .tsv, else each line's sentences labelled ``"text"`` (a line is
+    never joined to the next; ``.gz``: decompressed);
     read once per file version in a process (its warnings said once)."""
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
@@ -298,4 +300,5 @@ def _read_text_rows(path: Path) -> list[tuple[str, str]]:
                 raise ValueError(f"{_FUNC}: {path} line {i} is not 'label<TAB>text' (got {line[:60]!r})")
             rows.append((sentence.strip(), label.strip()))
         return rows
-    return [(s, "text") for p in paragraphs(text) for s in split_sentences(p) if s.split()]
+    # a line is a row (its sentences, if it holds several): never joined to the next line
+    return [(s, "text") for line in text.splitlines() for s in split_sentences(normalise_space(line)) if s.split()]
