@@ -199,3 +199,18 @@ def test_lines_of_a_text_file_are_rows_and_freq_scores_what_gc_analyses(tmp_path
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = commands.freq_command(tmp_path / "rows.jsonl", tokenizer=TOKENIZER)["sentences"]
     assert sorted(table["text"]) == sorted(r["text"] for r in rows)  # whole rows, as gc sees them
+
+
+def test_a_symlink_loop_is_named_as_one(tmp_path):
+    """Issue 33, defect 13: a symlink loop was reported as 'does not exist'."""
+    import os
+
+    from ntkscope.runs.checkpoints import load_checkpoint
+    from ntkscope.text.inputs import as_source
+
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    with pytest.raises(FileNotFoundError, match="is a symbolic link to nothing, or a loop of links"):
+        as_source(tmp_path / "a")
+    with pytest.raises(FileNotFoundError, match="is a symbolic link to nothing, or a loop of links"):
+        load_checkpoint(tmp_path / "a")

@@ -63,7 +63,8 @@ def load_checkpoint(path: str | Path):
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"load_checkpoint: {path} does not exist")
+        what = "is a symbolic link to nothing, or a loop of links" if path.is_symlink() else "does not exist"
+        raise FileNotFoundError(f"load_checkpoint: {path} {what}")
     config = path / "config.json"
     if not path.is_dir() or not config.is_file():
         hint = " (a training run: use its checkpoints/step-NNNNNN)" if is_run_dir(path) else ""

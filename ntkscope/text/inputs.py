@@ -166,6 +166,8 @@ def as_source(data, *, columns: DataSource | None = None) -> DataSource:
         path = None if data in (None, "default") else Path(data)
         source = DataSource(path) if columns is None else replace(columns, path=path, frequency_from=None)
     if source.path is not None and not source.path.exists():
+        if source.path.is_symlink():  # exists() follows the link: say what is really wrong
+            raise FileNotFoundError(f"{_FUNC}: {source.path} is a symbolic link to nothing, or a loop of links")
         raise FileNotFoundError(f"{_FUNC}: {source.path} does not exist ({_HELP})")
     if source.path is not None and not source.path.is_dir() and not source.path.is_file():
         source = replace(source, path=_spooled(source.path))  # a pipe (FIFO, <(zcat ...)) can be read only once
