@@ -106,3 +106,14 @@ def test_token_ids_outside_the_vocabulary_or_not_integers_are_one_line():
     for ids, rule in cases:
         with pytest.raises(ValueError, match=rf"empirical_ntk: batch input_ids must be {rule}"):
             ns.empirical_ntk(model, {"input_ids": ids})
+
+
+def test_the_default_loss_on_a_model_that_takes_no_token_ids_is_one_line():
+    """Issue 33, defect 13: a non-LM model with the default output raised a raw TypeError."""
+    import ntkscope as ns
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    with pytest.raises(ValueError, match=r"empirical_ntk: output 'loss' is a language model's loss, and this model "
+                                         r"does not take token ids"):
+        ns.empirical_ntk(model, torch.randn(6, 4))
+    assert ns.empirical_ntk(model, torch.randn(6, 4), output="logits").matrix.shape == (6, 6)

@@ -307,7 +307,13 @@ def resolve_output(output, model: nn.Module) -> Objective:
     if isinstance(output, LMLoss):
         objective = output.objective
         if objective == "auto":
-            objective = "causal" if is_causal(model) else "masked"
+            try:
+                objective = "causal" if is_causal(model) else "masked"
+            except (TypeError, RuntimeError, IndexError, ValueError) as err:  # it does not take token ids
+                raise InputError("output", f"{output.value!r} is a language model's loss, and this model does not "
+                                 "take token ids (input_ids); give output='logits' (a vector output) or a callable "
+                                 f"({type(err).__name__}: {str(err).splitlines()[0][:80]})",
+                                 type(model).__name__) from None
         if objective == "causal":
             return CausalLMLoss(output.value)
         token = output.mask_token_id
