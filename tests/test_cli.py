@@ -216,3 +216,17 @@ def test_a_rerun_into_the_same_out_replaces_the_whole_result(tmp_path):
         files.path("gc.csv").write_text("a\\n2\\n")
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["gc.csv", "notes.txt"]
     assert (out / "gc.csv").read_text() == "a\\n2\\n"
+
+
+def test_demo_checks_its_out_before_the_work(monkeypatch, capsys, tmp_path):
+    """Issue 33, defect 9: demo --out into a read-only place failed after 20 s of work."""
+    import ntkscope.core.files as files
+    from ntkscope.app import cli
+    from ntkscope.app.cli import main
+
+    monkeypatch.setattr(cli, "run_demo", lambda **kw: pytest.fail("the demo ran before --out was checked"))
+    assert main(["--quiet", "demo", "--out", str(tmp_path / "gc.txt")]) == 1
+    assert "demo: --out" in capsys.readouterr().err
+    monkeypatch.setattr(files.os, "access", lambda path, mode: False)  # as a read-only directory answers
+    assert main(["--quiet", "demo", "--out", str(tmp_path / "gc.csv")]) == 1
+    assert "is not a writable directory" in capsys.readouterr().err

@@ -27,6 +27,7 @@ from ntkscope.app.parsing import print_table as _print_table
 from ntkscope.app.parsing import source as _source
 from ntkscope.app.demo import perplexity, run_demo
 from ntkscope.core.checks import InputError
+from ntkscope.core.files import check_output, write_table
 from ntkscope.core.progress import logging_redirect_tqdm
 from ntkscope.kernel.methods import METHODS, method_names, unsupported
 from ntkscope.kernel.objectives import OUTPUTS, SCALAR_OUTPUTS
@@ -46,6 +47,7 @@ def _columns(frame, columns):
 
 
 def _demo(args) -> int:
+    check_output("demo", args.out, kind="file", suffixes=(".csv",))  # before the 20 s of work, not after
     result = run_demo(steps=args.steps, n=args.n, seed=args.seed, method=args.method)
     final = sum(result.losses[-20:]) / min(20, len(result.losses))
     print(f"trained a 2-layer GPT on {result.n_sentences} sentences of the default corpus pack for "
@@ -56,7 +58,7 @@ def _demo(args) -> int:
                  f"{result.output}):", _columns(result.table, cols))
     print(f"\ndone in {result.seconds:.0f} s")
     if args.out:
-        result.table.to_csv(args.out, index=False)
+        write_table(result.table, args.out)
         print(f"wrote {args.out}")
     return 0
 
