@@ -20,7 +20,6 @@ Command: ``cse-eval NAME=CHECKPOINT ... [--pack DIR] [--out results.csv]``; with
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -44,6 +43,7 @@ from ntkscope.core.lm import causal_pairs, lm_loss
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.inputs import DataSource
 from ntkscope.text.tokenization import load_tokenizer
+from ntkscope.text.trained_with import tokenizer_near
 from ntkscope.text.sentences import encode_texts
 
 log = logging.getLogger(__name__)
@@ -247,18 +247,8 @@ def results_table(runs: dict, pack=None, *, seq_len: int | None = None, seeds=(0
 
 
 def _tokenizer_of(checkpoint: Path, spec=None):
-    """``spec``, else a tokenizer.json in or beside the checkpoint, else its run's pack BPE."""
-    if spec:
-        return load_tokenizer(spec)
-    for where in (checkpoint, checkpoint.parent, checkpoint.parent.parent):
-        if (where / "tokenizer.json").is_file():
-            return load_tokenizer(where)
-        if (where / "train_config.json").is_file():
-            trained = json.loads((where / "train_config.json").read_text()).get("data", {})
-            if trained.get("tokenizer"):
-                return load_tokenizer(trained["tokenizer"])
-            return load_pack(trained.get("pack")).tokenizer()
-    return load_pack().tokenizer()
+    """``spec``, else the tokenizer the checkpoint goes with, else the shipped pack's BPE."""
+    return load_tokenizer(spec) if spec else tokenizer_near(checkpoint) or load_pack().tokenizer()
 
 
 def domains_tables(runs: dict, data, *, text_column: str = "text", label_column: str | None = None,

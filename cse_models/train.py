@@ -46,6 +46,7 @@ from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.inputs import DataSource
 from ntkscope.text.tokenization import load_tokenizer
+from ntkscope.text.trained_with import tokenizer_near
 
 log = logging.getLogger("cse_models.train")
 
@@ -121,8 +122,9 @@ def _table_blocks(data: dict, init_from: str | None, seq_len: int):
     ``label_column`` (or one domain, "text"), tokenized by ``data.tokenizer`` or the tokenizer
     that ships with ``init_from`` (in its directory or beside it)."""
     spec = data.get("tokenizer")
-    if not spec and init_from:  # the HF model's own, in its directory or beside it (a run of stepN checkpoints)
-        spec = next((p for p in (Path(init_from), Path(init_from).parent) if (p / "tokenizer.json").is_file()), None)
+    if not spec and init_from:  # the one init_from goes with (in its directory, its run, or beside it)
+        near = tokenizer_near(init_from)
+        spec = near.name if near is not None else None
     if not spec:
         raise ValueError("TrainConfig: data.table needs data.tokenizer, or an init_from with a tokenizer.json in it or "
                          "beside it (a run of stepN checkpoints)")

@@ -26,7 +26,7 @@ from ntkscope.core.files import DirectoryLock, Staging, write_json, write_table
 from ntkscope.plotting import routing_shares, save_figure
 from ntkscope.representation.plan import Plan
 from ntkscope.runs.checkpoints import checkpoint_tokenizer, is_run_dir, list_checkpoints
-from ntkscope.text.inputs import as_source
+from ntkscope.text.inputs import DataSource, as_source
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,7 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
 
 
 def _evaluate(results, eval_data, text_column, label_column, tokenizer, n_boot, out: Path) -> dict:
-    source = as_source(eval_data)
-    source = type(source)(source.path, text_column, label_column) if source.kind != "pack" else source
+    source = as_source(eval_data, columns=DataSource(None, text_column, label_column))
     rows = source.rows("test") if source.kind == "pack" else source.rows()
     texts, labels = [t for t, _ in rows], [label for _, label in rows]
     frames, routing = [], {}

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from ntkscope.runs.families import family_for_config, family_of
 from ntkscope.runs.weights import STATE_DICT_NAMES, weights_file
-from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.inputs import as_source
 from ntkscope.text.tokenization import load_tokenizer
+from ntkscope.text.trained_with import tokenizer_near
 
 log = logging.getLogger(__name__)
 
@@ -97,21 +97,9 @@ def checkpoint_tokenizer(path: str | Path, tokenizer=None, data=None):
     (``"default"``: the shipped one). Check it against the model with :func:`check_vocab`."""
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
-    path = Path(path)
-    if (path / "tokenizer.json").is_file():
-        return load_tokenizer(path)
-    for parent in (path, path.parent, path.parent.parent):
-        cfg = parent / "train_config.json"
-        if cfg.is_file():
-            train_config = json.loads(cfg.read_text())
-            trained_on = train_config.get("data", {})
-            if trained_on.get("tokenizer"):
-                return load_tokenizer(trained_on["tokenizer"])
-            if trained_on.get("table") and train_config.get("init_from"):  # the HF model's own tokenizer
-                return checkpoint_tokenizer(train_config["init_from"])
-            return load_pack(trained_on.get("pack")).tokenizer()
-    if (path.parent / "tokenizer.json").is_file():
-        return load_tokenizer(path.parent)
+    near = tokenizer_near(path)
+    if near is not None:
+        return near
     source = as_source(data)
     if source.kind == "pack":
         return source.pack().tokenizer()
