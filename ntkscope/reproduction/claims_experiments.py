@@ -1,0 +1,141 @@
+"""The claims about the experiments beside the paper's figures: the training-step and GPU
+benchmarks (benchmarks/), the small-cluster rule on the tail run, the sweep (figures/sweep) and
+the "your model, your data" walkthrough (figures/own-model). :mod:`ntkscope.reproduction.claims`
+gathers them with the figures' and tables' claims."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ntkscope.reproduction.claim_values import Tables, _f, _range
+
+
+def _training_step(table: pd.DataFrame) -> dict:
+    """benchmarks/README.md: the training step before and after, per thread count."""
+    out = {}
+    for threads, g in table.groupby("threads"):
+        before = g[g["path"].str.startswith("before")].iloc[0]
+        after = g[g["path"].str.startswith("after")].iloc[0]
+        key = f"bench.train.{threads}t"
+        out.update({f"{key}.before": _f(before["s_per_step"]), f"{key}.after": _f(after["s_per_step"]),
+                    f"{key}.speedup": _f(after["speedup"], 2), f"{key}.diff": _f(after["max_abs_loss_diff"]),
+                    f"{key}.noise": f"{_f(before['same_path_1_vs_2_threads'])}–{_f(after['same_path_1_vs_2_threads'])}",
+                    f"{key}.first": _f(after["first_step_loss_diff"], 1)})
+    one = table[table["threads"] == 1]
+    two_before = table[(table["threads"] == 2) & table["path"].str.startswith("before")].iloc[0]
+    out["bench.train.sweep_throughput"] = _f(2 * one[one["path"].str.startswith("after")].iloc[0]["steps_per_s"]
+                                             / two_before["steps_per_s"], 2)
+    return out
+
+
+def _gpu_gc(table: pd.DataFrame) -> dict:
+    """benchmarks/README.md: GC on one H100 at GPT-2-small shape, per method and budget."""
+    rows = ["| method | max_memory | seconds | peak GB above the model | GC | \\|GC\\| interval | random null |",
+            "|---|---|---|---|---|---|---|"]
+    for r in table.itertuples():
+        if isinstance(r.error, str):
+            rows.append(f"| {r.method} | {r.max_memory_gb:g} GB | — | — | — | — | {r.error} |")
+            continue
+        interval = "—" if not np.isfinite(r.abs_low) else f"[{r.abs_low:.3f}, {r.abs_high:.3f}]"
+        null = "—" if not np.isfinite(r.null_low) else f"[{r.null_low:.3f}, {r.null_high:.3f}]"
+        rows.append(f"| {r.method} | {r.max_memory_gb:g} GB | {r.seconds:.0f} | {r.peak_gb_above_model:.2f} | "
+                    f"{r.gc:.6f} | {interval} | {null} |")
+    return {"bench.gpu.table": "\n".join(rows)}
+
+
+def _tail_rule(t: Tables) -> dict:
+    """figures/tail/plan_rule.json: the small-cluster rule on the tail run's checkpoints."""
+    plan = t["plan_rule.json"]
+    at = {r["layer"]: r for r in plan["evidence"]["labels_at_warmup"]}
+    return {"tail.rule.step": str(plan["warmup_steps"]), "tail.rule.rule": plan["warmup_rule"],
+            "tail.rule.layers": "–".join(map(str, plan["layers"])),
+            "tail.rule.labels": "; ".join(f"layer {k}: {at[k]['n_pure_tail']} pure tail cluster, tail share "
+                                          f"{at[k]['tail_share']:.2f}" for k in plan["layers"])}
+
+
+def _sweep(t: Tables) -> dict:
+    """The sweep's README lines (figures/sweep): per arm against dense, paired by seed, and the
+    verdict of each pre-registered criterion; the plans' warm-ups."""
+    pairs, verdict, arms = t["paired"], t["tables/verdict.json"], t["arms"]
+    out = {}
+    rows = ["| arm | seeds | legal | biomedical | general | all | tail better than dense (seeds) | "
+            "paired t-test p (legal, biomedical) | DEMix gap closed (legal, biomedical) | shown |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, g in pairs.groupby("arm", sort=False):
+        by = g.set_index("domain")
+        pct = {d: f"{by.loc[d, 'pct']:+.1f} %".replace("-", "−") for d in ("legal", "biomedical", "general", "all")}
+        better = f"{int(by.loc['legal', 'better_seeds'])}/{int(by.loc['legal', 'seeds'])}, " \
+                 f"{int(by.loc['biomedical', 'better_seeds'])}/{int(by.loc['biomedical', 'seeds'])}"
+        gap = ", ".join("—" if not np.isfinite(by.loc[d, "gap_closed"]) else f"{by.loc[d, 'gap_closed']:.2f}"
+                        for d in ("legal", "biomedical"))
+        p = ", ".join("—" if not np.isfinite(by.loc[d, "p"]) else f"{by.loc[d, 'p']:.3f}" for d in ("legal", "biomedical"))
+        found = verdict.get(arm, {})
+        shown = ({True: "yes", False: "no"}.get(found.get("shown"), "not yet (DEMix unfinished)")
+                 if found.get("status") == "complete" else (found.get("status", "—") if arm in verdict else "—"))
+        rows.append(f"| `{arm}` | {int(by['seeds'].max())} | {pct['legal']} | {pct['biomedical']} | {pct['general']} | "
+                    f"{pct['all']} | {better} | {p} | {gap} | {shown} |")
+        out[f"sweep.{arm}.shown"] = shown
+        for d in ("legal", "biomedical", "general", "all"):
+            out[f"sweep.{arm}.{d}.pct"] = pct[d]
+    out["sweep.table"] = "\n".join(rows)
+    for arm, found in verdict.items():
+        if found.get("windows"):
+            out[f"sweep.{arm}.starved"] = f"{found['starved_windows']} of {found['windows']}"
+        for d in ("legal", "biomedical", "general"):
+            numbers = (found.get("numbers") or {}).get(d)
+            if numbers is not None and np.isfinite(numbers["gap_closed"]):
+                out[f"sweep.{arm}.{d}.gap"] = f"{numbers['gap_closed']:.2f}"
+    dense = arms[arms["arm"] == "dense"]
+    out["sweep.dense"] = ", ".join(f"seed {int(r.seed)}: legal {r['ppl legal']:.1f}, biomedical {r['ppl biomedical']:.1f}, "
+                                   f"general {r['ppl general']:.1f}" for _, r in dense.iterrows())
+    remade = arms[arms["arm"] == "dense-remade"]
+    if len(remade):  # the same seed's trunk trained again: how far float-level differences carry
+        parts = []
+        for _, r in remade.iterrows():
+            first_run = dense[dense["seed"] == r.seed].iloc[0]
+            pct = {d: f"{100 * (r[f'ppl {d}'] / first_run[f'ppl {d}'] - 1):+.1f} %".replace("-", "−")
+                   for d in ("legal", "biomedical", "general")}
+            parts.append(f"seed {int(r.seed)}: legal {pct['legal']}, biomedical {pct['biomedical']}, "
+                         f"general {pct['general']}")
+        out["sweep.remade"] = "; ".join(parts)
+    plans, first = [], []
+    for path in sorted((t.folder / "plans").glob("seed*.json")):
+        plan = json.loads(path.read_text())
+        first.append(min((r["step"] for r in plan["evidence"]["labels"] if r["n_pure_tail"] >= 1), default=np.nan))
+        at = "; ".join(f"layer {r['layer']}: {r['n_pure_tail']} pure tail, tail share {r['tail_share']:.2f}"
+                       for r in plan["evidence"]["labels_at_step"])
+        plans.append(f"{path.stem.replace('seed', 'seed ')}: step {plan['warmup_steps']} ({plan['warmup_rule']}; {at})")
+    out["sweep.plans"] = "\n".join(f"- {p}" for p in plans)
+    out["sweep.first_tail"] = _range(first, 0)
+    out["sweep.units"] = str(len(arms))
+    out["sweep.hours"] = _f(arms["seconds"].sum() / 3600, 1)
+    return out
+
+
+def _own_model(folder: Path) -> dict:
+    """The README's "your model, your data" lines (figures/own-model): wall times, the plan, the
+    comparison per domain."""
+    times = json.loads((folder / "times.json").read_text())
+    plan = json.loads((folder / "plan.json").read_text())
+    table = pd.read_csv(folder / "comparison.csv")
+    steps = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in times["seconds"].items())
+    out = {"own.times": f"{steps}; {sum(times['seconds'].values()) / 60:.1f} min in all ({times['machine']})",
+           "own.plan": f"layers {plan['layers']} and the warm-up at step {plan['warmup_steps']} "
+                       f"(rule: {plan['warmup_rule']}; checkpoints {plan['source']['steps'][0]}–"
+                       f"{plan['source']['steps'][-1]})"}
+    arms = list(dict.fromkeys(table["arm"]))
+    rows = ["| domain | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+    for domain, g in table.groupby("domain"):
+        by = g.set_index("arm")
+        cells = []
+        for arm in arms:
+            r = by.loc[arm]
+            vs = "" if arm == "dense" else f", {100 * r['vs_dense']:+.1f} %".replace("-", "−")
+            cells.append(f"{r['ppl']:.1f} [{r['ppl_low']:.1f}, {r['ppl_high']:.1f}]{vs}")
+        rows.append(f"| {domain} ({int(by['texts'].iloc[0])} texts) | " + " | ".join(cells) + " |")
+    out["own.table"] = "\n".join(rows)
+    return out
