@@ -78,29 +78,32 @@ def _masking(model, seed: int, purpose: str, special_ids=()):
 
 @torch.no_grad()
 def block_losses(model, blocks: Blocks, *, batch_size: int = 32, seed: int = 0, special_ids=(),
-                 prior: DomainPrior | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Summed token loss and token count of every block: (N,), (N,). ``prior``: a DEMix model's
-    P(D) (default uniform)."""
+                 prior: DomainPrior | None = None, routes: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Summed token loss and token count of every block: (N,), (N,). A DEMix model is scored by its
+    label-free mixture under ``prior`` (its P(D), default uniform), or, given ``routes`` (N,), with
+    each block sent to that expert (a fixed assignment, :mod:`cse_models.routes`)."""
     model.eval()
     device = next(model.parameters()).device
     masking = _masking(model, seed, "eval-mask", special_ids)
+    routed = routes is not None and _is_demix(model)
     sums, counts = [], []
     for start in range(0, len(blocks), batch_size):
         ids = blocks.input_ids[start:start + batch_size].to(device)
+        experts = routes[start:start + batch_size].to(device) if routed else None
         if masking is not None:
             inputs, labels = masking(ids, start)
-            if _is_demix(model):  # the masked tokens' marginal likelihood under the prior
+            if _is_demix(model) and not routed:  # the masked tokens' marginal likelihood under the prior
                 loglik, _ = sequence_posterior(model, inputs, None, prior, labels)
                 sums.append(-loglik.cpu())
             else:
-                sums.append(lm_loss(model(inputs).float(), labels, reduction="sequence-sum").cpu())
+                sums.append(lm_loss(model(inputs, None, experts).float(), labels, reduction="sequence-sum").cpu())
             counts.append((labels != -100).sum(1).cpu())
             continue
-        if _is_demix(model):
+        if _is_demix(model) and not routed:
             logp, _ = mixture_log_probs(model, ids, prior=prior)
             nll = -logp
         else:
-            logits, targets, _ = causal_pairs(model(ids).float(), ids)
+            logits, targets, _ = causal_pairs(model(ids, None, experts).float(), ids)
             nll = lm_loss(logits, targets, reduction="none")  # (B, T-1)
         sums.append(nll.sum(1).cpu())
         counts.append(torch.full((len(ids),), nll.shape[1]))

@@ -39,6 +39,7 @@ from cse_models.data import (Blocks, global_batch, make_blocks, mask_tokens, pac
 from cse_models.hf import SECTION, load_any_model
 from cse_models.metrics import MetricsLog
 from cse_models.model import build_model
+from cse_models.routes import load_routes_for
 from cse_models.train_config import TrainConfig, apply_plan, check_plan, warmup_after  # noqa: F401 (re-exported)
 from ntkscope.core.files import DirectoryLock, write_json
 from ntkscope.core.lm import lm_loss as token_loss
@@ -93,9 +94,17 @@ _PACK_BLOCKS: dict = {}  # (pack or table identity, tokenizer, split/columns, se
 
 
 def load_data(cfg: TrainConfig, split: str | None = None):
-    """(blocks, tokenizer) from ``cfg.data``: a corpus pack (default: the shipped one) or text files."""
+    """(blocks, tokenizer) from ``cfg.data``: a corpus pack (default: the shipped one), text files
+    or a table; with ``data.routes`` (a :class:`~cse_models.routes.Routes` file) each block is
+    labelled by its expert instead of its domain."""
+    blocks, tokenizer = _load_blocks(cfg, split)
+    return load_routes_for(cfg.data, blocks, split or cfg.data.get("split", "train")), tokenizer
+
+
+def _load_blocks(cfg: TrainConfig, split: str | None = None):
     data = dict(cfg.data)
-    known = {"pack", "split", "domains", "seq_len", "tokenizer", "text_files", "table", "text_column", "label_column"}
+    known = {"pack", "split", "domains", "seq_len", "tokenizer", "text_files", "table", "text_column", "label_column",
+             "routes"}
     if set(data) - known:
         raise ValueError(f"TrainConfig: data has unknown keys {sorted(set(data) - known)} (known: {sorted(known)})")
     seq_len = data.get("seq_len", 64)

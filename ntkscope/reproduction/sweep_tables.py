@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from cse_models.routes import Routes, window_loads
 from ntkscope.core.files import write_json, write_text
 from ntkscope.plotting import expert_loads, save_figure
 
@@ -80,9 +81,25 @@ def paired(arms: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _routed_loads(sweep, arm, seed: int) -> list:
+    """The frozen-encoder arm's rows of :func:`loads`, replayed exactly from its routes and the
+    batches (:func:`cse_models.routes.window_loads`): the same routes at every sparse layer."""
+    result = json.loads(sweep.result_path(arm.name, seed).read_text())
+    routes = Routes.load(sweep.encoder_routes(seed))
+    frame = window_loads(routes, sweep.blocks(), seed=seed, batch_size=sweep.settings.batch_size,
+                         start=int(result["warmup"]), end=sweep.settings.steps)
+    return [{"arm": arm.name, "seed": seed, "layer": str(layer), **row}
+            for layer in sweep.layers for row in frame.to_dict("records")]
+
+
 def loads(sweep) -> pd.DataFrame:
-    """Per CSE arm, seed, logged window, layer, expert: sequences received, in all and per domain."""
+    """Per CSE (or routed) arm, seed, logged window, layer, expert: sequences received, in all and
+    per domain."""
     rows = []
+    for arm in [a for a in sweep.arms if a.kind == "encoder"]:
+        for seed in sweep.seeds:
+            if sweep.done(arm.name, seed):
+                rows.extend(_routed_loads(sweep, arm, seed))
     for arm in [a for a in sweep.arms if a.kind == "cse"]:
         for seed in sweep.seeds:
             path = sweep.model_dir(arm.name, seed) / "metrics.jsonl"
@@ -116,7 +133,7 @@ def routing(sweep) -> pd.DataFrame:
 def verdict(pairs: pd.DataFrame, load: pd.DataFrame, n_seeds: int) -> dict:
     """The pre-registered criteria (figures/sweep/README.md), evaluated on what finished."""
     out = {}
-    for arm in ("cse-rule", "cse-rule-drift", "cse-gc", "cse-gc-drift", "cse-late"):
+    for arm in ("cse-rule", "cse-rule-drift", "cse-gc", "cse-gc-drift", "cse-late", "cse-encoder"):
         rows = pairs[pairs["arm"] == arm] if len(pairs) else pairs
         if not len(rows):
             out[arm] = {"status": "not run"}

@@ -129,3 +129,16 @@ def train_finetuned(settings: ReproduceSettings, out_dir: Path, pack: str | None
                         data={"pack": pack, "seq_len": settings.seq_len, "domains": [domain]}, steps=steps,
                         lr=settings.finetune_lr, warmup_steps=max(1, steps // 10), checkpoint_every=steps,
                         seed=settings.seed if seed is None else seed))
+
+
+def train_routed(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
+                 warmup: int, routes: Path, names: tuple, seed: int, checkpoint_every: int | None = None) -> Path:
+    """Experts at ``layers``' FFN routed by a fixed assignment of blocks (a routes file,
+    :mod:`cse_models.routes`, e.g. the frozen-encoder router's): DEMix's dispatch with the experts'
+    ``names`` as its labels, upcycled from the dense run at the warm-up like DEMix (the same shared
+    warm-up and steps); every block goes to the same expert at every layer."""
+    sparse = {"kind": "demix", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers),
+              "domains": list(names)}
+    data = {"pack": pack, "seq_len": settings.seq_len, "routes": str(routes)}
+    return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, seed, None, None, checkpoint_every,
+                   upcycle={"at": int(warmup)}, data=data)

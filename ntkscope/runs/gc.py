@@ -75,7 +75,11 @@ def _groups(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd.Data
             raise InputError("by", "'label' needs data whose rows carry two or more labels (name the column with "
                              "label_column / --label-column)", f"one label: {labels[0]!r}" if len(labels) else "none")
         return labels, hist
-    return np.array([f"bin {b}" for b in bin_of(scores, bin_edges(scores, bins, kind=binning))]), hist
+    groups = np.array([f"bin {b}" for b in bin_of(scores, bin_edges(scores, bins, kind=binning))])
+    if len(set(groups.tolist())) < 2:  # the same: one bin is the whole set
+        raise InputError("bins", "must give two or more non-empty frequency bins (one bin is the whole set: GC = 1 "
+                         "by construction)", bins)
+    return groups, hist
 
 
 @entry("gc_by_bins")
