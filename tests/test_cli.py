@@ -151,8 +151,9 @@ def test_ctrl_c_is_one_line_with_exit_130_and_no_partial_output(capsys, monkeypa
     assert not (tmp_path / "out").exists()
 
 
-def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path):
-    """Issue 33, defect 5: the tokenizer's contents are part of gc's cache key."""
+def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path, monkeypatch):
+    """Issue 33, defect 5: every input that changes a result is part of gc's cache key: the
+    tokenizer's contents, the data's contents, the weights, an option and the code version."""
     import json
 
     from cse_models import GPT, GPTConfig
@@ -164,15 +165,30 @@ def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path):
     texts = [r.text for r in load_pack().records("validation")][:400]
     tok_path = tmp_path / "tokenizer.json"
     train_bpe(texts[:200], vocab_size=600).backend.save(str(tok_path))
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:80]))
     kw = dict(n=24, seq_len=16, bins=2, resampling=commands.Resampling(resamples=10, null_draws=10),
               tokenizer=str(tok_path), out=tmp_path / "out")
-    first = commands.gc_command(tmp_path / "gpt", **kw)
-    again = commands.gc_command(tmp_path / "gpt", **kw)
+    first = commands.gc_command(tmp_path / "gpt", str(data), **kw)
+    again = commands.gc_command(tmp_path / "gpt", str(data), **kw)
     assert again["key"] == first["key"]  # unchanged inputs: reused
+    keys = {first["key"]}
+
+    def recomputed(**changes):
+        result = commands.gc_command(tmp_path / "gpt", str(data), **{**kw, **changes})
+        assert result["key"] not in keys and "files" in result  # a new key, and computed (files written)
+        assert json.loads((tmp_path / "out" / "result.json").read_text())["key"] == result["key"]
+        keys.add(result["key"])
+
     train_bpe(texts[200:], vocab_size=600).backend.save(str(tok_path))  # retrained in place
-    third = commands.gc_command(tmp_path / "gpt", **kw)
-    assert third["key"] != first["key"]
-    assert json.loads((tmp_path / "out" / "result.json").read_text())["key"] == third["key"]
+    recomputed()
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[80:160]))  # other rows, same file
+    recomputed()
+    GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=1, n_head=2, n_embd=16)).save_pretrained(tmp_path / "gpt")
+    recomputed()  # new weights in place
+    recomputed(bins=3)
+    monkeypatch.setattr(commands, "__version__", "0.0.0-other")
+    recomputed(bins=3)
 
 
 def test_gc_refuses_what_it_would_not_honour(tmp_path, capsys):

@@ -305,3 +305,22 @@ def test_a_run_directory_we_may_not_write_caches_elsewhere(tiny_run, monkeypatch
     table = dynamics.cluster_dynamics(run, batch, k_max=3, projection_dim=8, steps=[2, 4])
     assert len(table) and {p for p in run.rglob("*")} == before  # nothing written into the run
     assert list((tmp_path / "cache" / "runs").glob("tiny-*/*.json"))
+
+
+def test_someone_elses_run_and_cache_dir(tiny_run, monkeypatch, tmp_path):
+    """Issue 33: caches never go into someone else's run, even one we may write (root may write
+    anything); --cache-dir puts them where the user says, for a run, and is refused for one checkpoint."""
+    from ntkscope.app.cli import main
+
+    run, batch, _ = tiny_run
+    monkeypatch.setenv("NTKSCOPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(dynamics.os, "getuid", lambda: run.stat().st_uid + 1)  # the run is another user's
+    before = {p for p in run.rglob("*")}
+    dynamics.cluster_dynamics(run, batch, k_max=3, projection_dim=8, steps=[2, 4])
+    assert {p for p in run.rglob("*")} == before and list((tmp_path / "cache" / "runs").glob("tiny-*/*.json"))
+    monkeypatch.undo()
+    assert main(["-q", "clusters", str(run), "--n", "24", "--seq-len", "24", "--k-max", "3", "--projection-dim", "8",
+                 "--cache-dir", str(tmp_path / "mine")]) == 0
+    assert {p for p in run.rglob("*")} == before and list((tmp_path / "mine").glob("*.json"))
+    step = sorted(run.glob("checkpoints/step-*"))[-1]
+    assert main(["-q", "gc", str(step), "--cache-dir", str(tmp_path / "mine")]) == 1

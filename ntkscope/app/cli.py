@@ -113,7 +113,7 @@ def _freq(args) -> int:
 
 def _analysis_options(args) -> dict:
     return dict(tokenizer=args.tokenizer, n=args.n, seq_len=args.seq_len, point=args.point, k_max=args.k_max,
-                projection_dim=args.projection_dim, top_k=args.top_k, seed=args.seed)
+                projection_dim=args.projection_dim, top_k=args.top_k, seed=args.seed, cache_dir=args.cache_dir)
 
 
 def _clusters(args) -> int:
@@ -171,10 +171,14 @@ GC_COLUMNS = ["n_subset", "abs_gc", "abs_gc_low", "abs_gc_high", "null_low", "nu
 
 def _gc(args) -> int:
     outputs = [o.strip() for o in args.outputs.split(",")] if args.outputs else None
-    if is_run_dir(args.target):
-        if args.device:
-            raise InputError("device", "applies to one checkpoint; a run directory is analysed on the CPU",
-                             args.device, func="ntkscope gc")
+    run = is_run_dir(args.target)
+    if run and args.device:
+        raise InputError("device", "applies to one checkpoint; a run directory is analysed on the CPU",
+                         args.device, func="ntkscope gc")
+    if not run and args.cache_dir:
+        raise InputError("cache_dir", "applies to a run directory (one checkpoint's result is reused from --out)",
+                         args.cache_dir, func="ntkscope gc")
+    if run:
         unused = {"--by label": args.by == "label", "--outputs": args.outputs, "--params": args.params,
                   "--dtype": args.dtype, "--max-memory": args.max_memory, "--homogeneous-label": args.homogeneous_label}
         if any(unused.values()):  # refused rather than silently not honoured
@@ -183,7 +187,8 @@ def _gc(args) -> int:
                              func="ntkscope gc")
         result = commands.gc_run_command(args.target, _source(args), n=args.n, output=args.output,
                                          method=args.method, resampling=_resampling(args), seq_len=args.seq_len,
-                                         seed=args.seed, tokenizer=args.tokenizer, out=args.out)
+                                         seed=args.seed, tokenizer=args.tokenizer, cache_dir=args.cache_dir,
+                                         out=args.out)
         _print_table(f"GC of the long tail (n_tail={result['n_tail']} of {result['n']}, output {args.output}) at "
                      "each checkpoint:", _columns(pd.DataFrame(result["series"]), ["step", "excess", "excess_se",
                                                                                    *GC_COLUMNS[1:]]))
@@ -314,6 +319,12 @@ def _add_analysis_args(parser) -> None:
     parser.add_argument("--k-max", type=int, default=10, help="largest K of the elbow search (default 10)")
     parser.add_argument("--projection-dim", type=int, default=64, help="random projection dimension (default 64)")
     parser.add_argument("--top-k", type=int, default=2, help="CSE layers to choose (default 2)")
+    _add_cache_arg(parser)
+
+
+def _add_cache_arg(parser) -> None:
+    parser.add_argument("--cache-dir", help="where each checkpoint's analysis of a run is cached (default: "
+                        "RUN/analysis when the run is yours to write, else under $NTKSCOPE_CACHE or ~/.cache/ntkscope)")
 
 
 def _add_source_args(parser) -> None:
@@ -372,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--by", default="frequency-bins", choices=GROUPINGS,
                     help="subsets: frequency-score bins (default) or the data's labels")
     gc.add_argument("--bins", type=int, default=6, help="frequency bins (default 6)")
+    _add_cache_arg(gc)
     gc.add_argument("--binning", default="count", choices=BINNINGS,
                     help="equal-count bins (default) or equal-width bins of the frequency score")
     gc.add_argument("--min-count", type=int, default=4, help="smallest subset analysed (default 4)")

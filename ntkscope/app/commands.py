@@ -163,18 +163,22 @@ def flag_warnings(table) -> list:
 
 def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1 / 3, output: str = GC_OUTPUT,
                    method: str = "auto", resampling: Resampling = Resampling(), seq_len: int = 64, seed: int = 0,
-                   tokenizer=None, out=None) -> dict:
+                   tokenizer=None, cache_dir=None, out=None) -> dict:
     """GC of the long-tail subset (lowest frequency scores) against the whole set at every
     checkpoint of a run, with its statistics: ``gc_over_steps.csv``, ``result.json`` and
-    ``gc_over_steps.png``. ``peak``: :func:`ntkscope.gc_peak` (step, shown, why)."""
+    ``gc_over_steps.png``. ``peak``: :func:`ntkscope.gc_peak` (step, shown, why). Each checkpoint's
+    result is cached in ``cache_dir`` (default: RUN/analysis when the run is ours to write, else the
+    user's cache)."""
     check_output("gc", out)
     checkpoints = list_checkpoints(run_dir)
     model, tok = load_model_and_tokenizer(checkpoints[-1][1], tokenizer, data)
     ad = analysis_sentences(model, tok, data, n=n, seq_len=seq_len, seed=seed)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
-    frame = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=resampling)
+    frame = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=resampling,
+                      cache_dir=cache_dir)
     peak = gc_peak(frame)
     result = {"run": str(run_dir), "data": ad.source, "n": n, "n_tail": len(tail), "output": output,
+              "method": method, "seed": seed, "seq_len": seq_len, "tail_fraction": tail_fraction,
               "resampling": dataclasses.asdict(resampling), "peak": peak, "series": frame.to_dict("records")}
     with Staging(out) as files:
         frame.to_csv(files.path("gc_over_steps.csv"), index=False)
@@ -301,14 +305,15 @@ def _analysis_sentences(target, data, tokenizer, n, seq_len, seed, *, run: bool)
 
 def clusters_command(target, data="default", *, tokenizer=None, n: int = 256, seq_len: int = 64,
                      point: str = "block", k_max: int = 10, projection_dim: int = 64, top_k: int = 2, seed: int = 0,
-                     out=None) -> dict:
+                     cache_dir=None, out=None) -> dict:
     """How a model's (or every checkpoint of a run's) sequence embeddings cluster, layer by layer
     (``ntkscope clusters``): elbow K and separation, and for one model the CSE layers they choose."""
     check_output("clusters", out, kind="file", suffixes=(".csv", ".parquet"))
     result = {"n": n, "point": point, "run": is_run_dir(target)}
     ad = _analysis_sentences(target, data, tokenizer, n, seq_len, seed, run=result["run"])
     if result["run"]:
-        table = cluster_dynamics(target, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed)
+        table = cluster_dynamics(target, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed,
+                                 cache_dir=cache_dir)
     else:
         emb = layer_embeddings(load_checkpoint(target), ad.batch, point=point)
         table = layer_separation(emb, k_max=k_max, projection_dim=projection_dim, seed=seed)
@@ -322,7 +327,7 @@ def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_l
                  point: str = "block", k_max: int = 10, projection_dim: int = 64, top_k: int = 2, seed: int = 0,
                  module: str = "ffn", tail_fraction: float = 1 / 3, method: str = "auto", output: str = GC_OUTPUT,
                  overlap: float = 0.8, router: dict | None = None, tail_labels=None, choose_by: str = "structure",
-                 out="plan.json") -> dict:
+                 cache_dir=None, out="plan.json") -> dict:
     """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``
     (:func:`~ntkscope.make_plan`'s rules): the earliest checkpoint from which the router's small
     clusters persist (:func:`~ntkscope.fit_router` with ``router``, default its defaults), else
@@ -332,9 +337,11 @@ def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_l
     (default: every label but the most frequent), and ``choose_by="labels"`` chooses by them."""
     check_output("plan", out, kind="file")
     ad = _analysis_sentences(run_dir, data, tokenizer, n, seq_len, seed, run=True)
-    table = cluster_dynamics(run_dir, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed)
+    table = cluster_dynamics(run_dir, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed,
+                             cache_dir=cache_dir)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
-    gc = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=Resampling(seed=seed))
+    gc = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=Resampling(seed=seed),
+                   cache_dir=cache_dir)
     labelled = ad.labels["label"].nunique() >= 2
     if tail_labels is None and labelled:
         counts = ad.labels["label"].value_counts()
@@ -343,6 +350,7 @@ def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_l
         raise InputError("choose_by", "'labels' needs data whose sentences carry two or more labels", choose_by,
                          func="ntkscope plan")
     routing = dict(point="attn_input" if module == "attn" else "ffn_input", router={"seed": seed, **(router or {})},
+                   cache_dir=cache_dir,
                    **({"domains": ad.labels["label"].astype(str).tolist(), "tail": list(tail_labels)} if labelled else {}))
     every = list(range(int(table["layer"].max()) + 1))  # one router fit per checkpoint and layer, shared
     plan = make_plan(table, gc, top_k=top_k, module=module, overlap=overlap, choose_by=choose_by,

@@ -71,11 +71,11 @@ def _cache(run_dir, cache_dir) -> JsonCache:
     run_dir = Path(run_dir)
     inside = run_dir / "analysis"
     writable = os.access(inside if inside.is_dir() else run_dir, os.W_OK | os.X_OK)
-    if writable:
+    if writable and run_dir.stat().st_uid == os.getuid():  # never into someone else's run, even when we may
         return JsonCache(inside)
     key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
     elsewhere = user_cache_dir() / "runs" / f"{run_dir.name}-{key}"
-    log.info("%s is not writable: caching its analyses in %s", run_dir, elsewhere)
+    log.info("%s is not ours to write: caching its analyses in %s", run_dir, elsewhere)
     return JsonCache(elsewhere)
 
 
