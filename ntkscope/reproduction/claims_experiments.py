@@ -92,8 +92,8 @@ def _sweep(t: Tables) -> dict:
     dense = arms[arms["arm"] == "dense"]
     out["sweep.dense"] = ", ".join(f"seed {int(r.seed)}: legal {r['ppl legal']:.1f}, biomedical {r['ppl biomedical']:.1f}, "
                                    f"general {r['ppl general']:.1f}" for _, r in dense.iterrows())
-    remade = arms[arms["arm"] == "dense-remade"]
-    if len(remade):  # the same seed's trunk trained again: how far float-level differences carry
+    for name in sorted(set(arms.loc[arms["kind"] == "dense", "arm"]) - {"dense"}):
+        remade = arms[arms["arm"] == name]  # the same seed's trunk trained again: how far float-level differences carry
         parts = []
         for _, r in remade.iterrows():
             first_run = dense[dense["seed"] == r.seed].iloc[0]
@@ -101,15 +101,20 @@ def _sweep(t: Tables) -> dict:
                    for d in ("legal", "biomedical", "general")}
             parts.append(f"seed {int(r.seed)}: legal {pct['legal']}, biomedical {pct['biomedical']}, "
                          f"general {pct['general']}")
-        out["sweep.remade"] = "; ".join(parts)
-    plans, first = [], []
-    for path in sorted((t.folder / "plans").glob("seed*.json")):
-        plan = json.loads(path.read_text())
-        first.append(min((r["step"] for r in plan["evidence"]["labels"] if r["n_pure_tail"] >= 1), default=np.nan))
-        at = "; ".join(f"layer {r['layer']}: {r['n_pure_tail']} pure tail, tail share {r['tail_share']:.2f}"
-                       for r in plan["evidence"]["labels_at_step"])
-        plans.append(f"{path.stem.replace('seed', 'seed ')}: step {plan['warmup_steps']} ({plan['warmup_rule']}; {at})")
-    out["sweep.plans"] = "\n".join(f"- {p}" for p in plans)
+        out["sweep.remade" if name == "dense-remade" else f"sweep.{name}.remade"] = "; ".join(parts)
+    first = []
+    for folder, key in [(t.folder / "plans", "sweep.plans")] + [
+            (p, f"sweep.plans.{p.name}") for p in sorted((t.folder / "plans").iterdir()) if p.is_dir()]:
+        plans = []
+        for path in sorted(folder.glob("seed*.json")):
+            plan = json.loads(path.read_text())
+            first.append(min((r["step"] for r in plan["evidence"]["labels"] if r["n_pure_tail"] >= 1),
+                             default=np.nan))
+            at = "; ".join(f"layer {r['layer']}: {r['n_pure_tail']} pure tail, tail share {r['tail_share']:.2f}"
+                           for r in plan["evidence"]["labels_at_step"])
+            plans.append(f"{path.stem.replace('seed', 'seed ')}: step {plan['warmup_steps']} ({plan['warmup_rule']}; "
+                         f"{at})")
+        out[key] = "\n".join(f"- {p}" for p in plans)
     out["sweep.first_tail"] = _range(first, 0)
     out["sweep.units"] = str(len(arms))
     out["sweep.hours"] = _f(arms["seconds"].sum() / 3600, 1)
