@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from cse_models.config import GPTConfig
 from cse_models.hf import load_any_model
+from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import atomic_path, load_safetensors, read_json_object, strict_json, write_json
 
 log = logging.getLogger(__name__)
@@ -91,13 +92,13 @@ def branch_from(checkpoint: str | Path, out_dir: str | Path, *, sparse: dict | N
     :func:`train`). Does nothing when ``out_dir`` has checkpoints already; returns the copy."""
     src, out_dir = Path(checkpoint), Path(out_dir)
     if not (src / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"branch_from: {src} is not a training checkpoint (no trainer_state.json)")
+        raise MissingInput(f"branch_from: {src} is not a training checkpoint (no trainer_state.json)")
     if latest_checkpoint(out_dir) is not None:
         return latest_checkpoint(out_dir)
     config = json.loads((src / "config.json").read_text())
     if config.get("sparse") is not None:
-        raise ValueError(f"branch_from: {src} is a sparse model already ({config['sparse']['kind']}); "
-                         "branch from a dense checkpoint")
+        raise UserError(f"branch_from: {src} is a sparse model already ({config['sparse']['kind']}); "
+                        "branch from a dense checkpoint")
     config["sparse"] = sparse
     GPTConfig.from_dict(config)  # validates the spec against the model
     target = out_dir / "checkpoints" / src.name

@@ -12,6 +12,8 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 
+from ntkscope.core.checks import UserError
+
 SPARSE_KINDS = ("cse", "switch", "demix")
 SPARSE_MODULES = ("ffn", "attn")
 ROUTER_FORMATS = (1, 2)  # CSE router formats a checkpoint may carry; 2 is the current one
@@ -61,44 +63,44 @@ class SparseConfig:
     def check(self, n_layer: int) -> None:
         where = "SparseConfig"
         if self.kind not in SPARSE_KINDS:
-            raise ValueError(f"{where}: kind must be one of {list(SPARSE_KINDS)} (got {self.kind!r})")
+            raise UserError(f"{where}: kind must be one of {list(SPARSE_KINDS)} (got {self.kind!r})")
         if self.module not in SPARSE_MODULES:
-            raise ValueError(f"{where}: module must be one of {list(SPARSE_MODULES)} (got {self.module!r})")
+            raise UserError(f"{where}: module must be one of {list(SPARSE_MODULES)} (got {self.module!r})")
         if self.kind == "switch" and self.module != "ffn":
-            raise ValueError(f"{where}: a Switch layer routes tokens through FFN experts; module must be 'ffn' "
-                             f"(got {self.module!r})")
+            raise UserError(f"{where}: a Switch layer routes tokens through FFN experts; module must be 'ffn' "
+                            f"(got {self.module!r})")
         if not self.layers or len(set(self.layers)) != len(self.layers):
-            raise ValueError(f"{where}: layers must list distinct block indices (got {self.layers!r})")
+            raise UserError(f"{where}: layers must list distinct block indices (got {self.layers!r})")
         bad = [i for i in self.layers if not isinstance(i, int) or not 0 <= i < n_layer]
         if bad:
-            raise ValueError(f"{where}: layers must be block indices in [0, {n_layer}) for a {n_layer}-layer model "
-                             f"(got {bad})")
+            raise UserError(f"{where}: layers must be block indices in [0, {n_layer}) for a {n_layer}-layer model "
+                            f"(got {bad})")
         if self.kind == "demix":
             if len(self.domains) < 1 or len(set(self.domains)) != len(self.domains):
-                raise ValueError(f"{where}: a DEMix model needs distinct domain labels, one per expert "
-                                 f"(got {self.domains!r})")
+                raise UserError(f"{where}: a DEMix model needs distinct domain labels, one per expert "
+                                f"(got {self.domains!r})")
             if any(self.n_experts) or len(self.n_experts) != len(self.layers):  # all 0: dense until upcycled
                 self.n_experts = [len(self.domains)] * len(self.layers)
         if len(self.n_experts) != len(self.layers):
-            raise ValueError(f"{where}: n_experts must give one count per layer in layers "
-                             f"(got {self.n_experts!r} for layers {self.layers!r})")
+            raise UserError(f"{where}: n_experts must give one count per layer in layers "
+                            f"(got {self.n_experts!r} for layers {self.layers!r})")
         minimum = 0  # 0: dense until converted (CSE) or upcycled (Switch, DEMix)
         if any(not isinstance(c, int) or c < minimum for c in self.n_experts):
-            raise ValueError(f"{where}: n_experts must be integers >= {minimum} (got {self.n_experts!r})")
+            raise UserError(f"{where}: n_experts must be integers >= {minimum} (got {self.n_experts!r})")
         if self.router_format not in ROUTER_FORMATS:
-            raise ValueError(f"{where}: router_format must be one of {list(ROUTER_FORMATS)} (got {self.router_format!r})")
+            raise UserError(f"{where}: router_format must be one of {list(ROUTER_FORMATS)} (got {self.router_format!r})")
         if self.normalise and self.router_format < 2:
-            raise ValueError(f"{where}: normalise needs router_format 2 (got router_format={self.router_format})")
+            raise UserError(f"{where}: normalise needs router_format 2 (got router_format={self.router_format})")
         if not 0.0 <= self.alpha < 1.0:
-            raise ValueError(f"{where}: alpha must be in [0, 1) (got {self.alpha!r})")
+            raise UserError(f"{where}: alpha must be in [0, 1) (got {self.alpha!r})")
         if not 0.0 <= self.mean_rate < 1.0:
-            raise ValueError(f"{where}: mean_rate must be in [0, 1) (got {self.mean_rate!r})")
+            raise UserError(f"{where}: mean_rate must be in [0, 1) (got {self.mean_rate!r})")
         if self.mean_rate and self.kind == "cse" and self.router_format < 2 and any(self.n_experts):
-            raise ValueError(f"{where}: mean_rate needs router_format 2 (a centring mean; got router_format="
-                             f"{self.router_format})")
+            raise UserError(f"{where}: mean_rate needs router_format 2 (a centring mean; got router_format="
+                            f"{self.router_format})")
         if self.proj_dim < 1 or self.capacity_factor <= 0 or self.aux_weight < 0:
-            raise ValueError(f"{where}: proj_dim must be >= 1, capacity_factor > 0 and aux_weight >= 0 "
-                             f"(got {self.proj_dim}, {self.capacity_factor}, {self.aux_weight})")
+            raise UserError(f"{where}: proj_dim must be >= 1, capacity_factor > 0 and aux_weight >= 0 "
+                            f"(got {self.proj_dim}, {self.capacity_factor}, {self.aux_weight})")
 
     def experts_at(self, layer: int) -> int:
         return self.n_experts[self.layers.index(layer)] if layer in self.layers else 0
@@ -135,15 +137,15 @@ class GPTConfig:
         for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: {key} must be a positive integer (got {value!r})")
+                raise UserError(f"{name}: {key} must be a positive integer (got {value!r})")
         if self.n_embd % self.n_head:
-            raise ValueError(f"{name}: n_embd must be divisible by n_head (got n_embd={self.n_embd}, n_head={self.n_head})")
+            raise UserError(f"{name}: n_embd must be divisible by n_head (got n_embd={self.n_embd}, n_head={self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"{name}: dropout must be in [0, 1) (got {self.dropout!r})")
+            raise UserError(f"{name}: dropout must be in [0, 1) (got {self.dropout!r})")
         if self.model_type not in ("gpt", "bert"):
-            raise ValueError(f"{name}: model_type must be 'gpt' or 'bert' (got {self.model_type!r})")
+            raise UserError(f"{name}: model_type must be 'gpt' or 'bert' (got {self.model_type!r})")
         if self.model_type == "bert" and (self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size):
-            raise ValueError(f"{name}: a BERT needs mask_token_id in [0, vocab_size) (got {self.mask_token_id!r})")
+            raise UserError(f"{name}: a BERT needs mask_token_id in [0, vocab_size) (got {self.mask_token_id!r})")
         if self.sparse is not None:
             self.sparse.check(self.n_layer)
 
@@ -155,7 +157,7 @@ class GPTConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{cls.__name__}.from_dict: unknown keys {unknown} (known: {sorted(known)})")
+            raise UserError(f"{cls.__name__}.from_dict: unknown keys {unknown} (known: {sorted(known)})")
         return cls(**data)
 
 

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
+from ntkscope.core.checks import UserError
 from ntkscope.representation.router import NoClusterError, RouterFit, fit_router
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,10 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     """
     sparse = model.config.sparse
     if sparse is None or sparse.kind != "cse":
-        raise ValueError("convert_to_cse: model.config.sparse must describe CSE layers (kind='cse')")
+        raise UserError("convert_to_cse: model.config.sparse must describe CSE layers (kind='cse')")
     done = [i for i in sparse.layers if sparse.experts_at(i) > 0]
     if done:
-        raise ValueError(f"convert_to_cse: layers {done} are CSE layers already")
+        raise UserError(f"convert_to_cse: layers {done} are CSE layers already")
     was_training = model.training
     model.eval()
     embeddings = model.module_inputs(input_ids, attention_mask, sparse.layers, sparse.module)
@@ -77,10 +78,10 @@ def upcycle(model, n_experts: int | None = None) -> int:
     domain. Returns the experts per layer."""
     sparse = model.config.sparse
     if sparse is None or sparse.kind not in ("switch", "demix"):
-        raise ValueError("upcycle: model.config.sparse must describe Switch or DEMix layers")
+        raise UserError("upcycle: model.config.sparse must describe Switch or DEMix layers")
     k = len(sparse.domains) if sparse.kind == "demix" else n_experts
     if not isinstance(k, int) or k < 1:
-        raise ValueError(f"upcycle: a Switch layer needs n_experts >= 1 (got {n_experts!r})")
+        raise UserError(f"upcycle: a Switch layer needs n_experts >= 1 (got {n_experts!r})")
     weight = next(model.parameters())  # a new router in the model's device and dtype, whatever torch's default
     for n, i in enumerate(sparse.layers):
         experts = [copy.deepcopy(model._module(i)) for _ in range(k)]

@@ -13,6 +13,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ntkscope.core.checks import UserError
+
 
 @dataclass(frozen=True)
 class Blocks:
@@ -27,7 +29,7 @@ class Blocks:
 
     def select(self, domain: str) -> "Blocks":
         if domain not in self.domain_names:
-            raise ValueError(f"Blocks.select: domain must be one of {list(self.domain_names)} (got {domain!r})")
+            raise UserError(f"Blocks.select: domain must be one of {list(self.domain_names)} (got {domain!r})")
         keep = self.domains == self.domain_names.index(domain)
         return Blocks(self.input_ids[keep], self.domains[keep], self.domain_names)
 
@@ -42,7 +44,7 @@ def _stream_blocks(token_lists: Sequence[Sequence[int]], seq_len: int, sep: int)
 def make_blocks(texts_by_domain: dict[str, Sequence[str]], tokenizer, seq_len: int) -> Blocks:
     """One token stream per domain (texts joined by end-of-text), cut into blocks of ``seq_len``."""
     if not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"make_blocks: seq_len must be an integer >= 2 (got {seq_len!r})")
+        raise UserError(f"make_blocks: seq_len must be an integer >= 2 (got {seq_len!r})")
     sep = tokenizer.backend.token_to_id("<|endoftext|>") if hasattr(tokenizer.backend, "token_to_id") else None
     sep = sep if sep is not None else (tokenizer.pad_id or 0)
     names, ids, doms = [], [], []
@@ -53,7 +55,7 @@ def make_blocks(texts_by_domain: dict[str, Sequence[str]], tokenizer, seq_len: i
             ids.append(blocks)
             doms.append(np.full(len(blocks), len(names) - 1))
     if not ids:
-        raise ValueError(f"make_blocks: the texts hold fewer than seq_len={seq_len} tokens in every domain")
+        raise UserError(f"make_blocks: the texts hold fewer than seq_len={seq_len} tokens in every domain")
     return Blocks(torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(doms)), tuple(names))
 
 
@@ -64,8 +66,8 @@ def pack_blocks(pack, tokenizer, split: str, seq_len: int, domains: Sequence[str
         if domains is None or r.domain in domains:
             by_domain.setdefault(r.domain, []).append(r.text)
     if domains is not None and set(domains) - set(by_domain):
-        raise ValueError(f"pack_blocks: domains {sorted(set(domains) - set(by_domain))} have no records in "
-                         f"split {split!r} (the pack has {sorted({r.domain for r in pack.records(split)})})")
+        raise UserError(f"pack_blocks: domains {sorted(set(domains) - set(by_domain))} have no records in "
+                        f"split {split!r} (the pack has {sorted({r.domain for r in pack.records(split)})})")
     return make_blocks(by_domain, tokenizer, seq_len)
 
 

@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from cse_models.experts import DEMixLayer
+from ntkscope.core.checks import UserError
 
 
 def _demix_layers(model) -> list[DEMixLayer]:
     layers = [m for m in model.modules() if isinstance(m, DEMixLayer)]
     if not layers:
-        raise ValueError("demix: the model has no DEMix layers (config.sparse.kind must be 'demix')")
+        raise UserError("demix: the model has no DEMix layers (config.sparse.kind must be 'demix')")
     return layers
 
 
@@ -69,7 +70,7 @@ class DomainPrior:
 
     def __post_init__(self):
         if self.mode not in ("uniform", "cached", "updating"):
-            raise ValueError(f"DomainPrior: mode must be 'uniform', 'cached' or 'updating' (got {self.mode!r})")
+            raise UserError(f"DomainPrior: mode must be 'uniform', 'cached' or 'updating' (got {self.mode!r})")
         if self.probs is None:
             self.probs = torch.full((self.n_domains,), 1.0 / self.n_domains)
 
@@ -139,9 +140,9 @@ def add_expert(model, domain: str, *, init_from: str) -> int:
     """A new expert for ``domain`` in every DEMix layer, a copy of expert ``init_from``; returns its index."""
     domains = model.config.sparse.domains
     if domain in domains:
-        raise ValueError(f"add_expert: domain {domain!r} has an expert already (domains: {domains})")
+        raise UserError(f"add_expert: domain {domain!r} has an expert already (domains: {domains})")
     if init_from not in domains:
-        raise ValueError(f"add_expert: init_from must be one of {domains} (got {init_from!r})")
+        raise UserError(f"add_expert: init_from must be one of {domains} (got {init_from!r})")
     src = domains.index(init_from)
     for layer in _demix_layers(model):
         layer.experts.append(copy.deepcopy(layer.experts[src]))
@@ -155,9 +156,9 @@ def remove_expert(model, domain: str) -> None:
     """Remove ``domain``'s expert from every DEMix layer (and so from every mixture)."""
     domains = model.config.sparse.domains
     if domain not in domains:
-        raise ValueError(f"remove_expert: domain must be one of {domains} (got {domain!r})")
+        raise UserError(f"remove_expert: domain must be one of {domains} (got {domain!r})")
     if len(domains) == 1:
-        raise ValueError("remove_expert: cannot remove the last expert")
+        raise UserError("remove_expert: cannot remove the last expert")
     j = domains.index(domain)
     for layer in _demix_layers(model):
         del layer.experts[j]

@@ -30,6 +30,7 @@ from cse_models.demix import mixture_log_probs
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
 from cse_models.hf import SparseHF
 from cse_models.model import TransformerLM
+from ntkscope.core.checks import UserError
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +59,15 @@ def context_length(model) -> int:
     for key in ("max_position_embeddings", "n_positions"):
         if getattr(config, key, None):
             return int(getattr(config, key))
-    raise ValueError(f"evaluate_domains: cannot tell the context length of a {type(model).__name__}")
+    raise UserError(f"evaluate_domains: cannot tell the context length of a {type(model).__name__}")
 
 
 def _check_causal(model) -> None:
     if isinstance(model, TransformerLM) and model.config.model_type != "gpt":
-        raise ValueError("evaluate_domains: model must be a causal LM (a GPT); a BERT has no next-token perplexity")
+        raise UserError("evaluate_domains: model must be a causal LM (a GPT); a BERT has no next-token perplexity")
     if not isinstance(model, (TransformerLM, SparseHF)) and "CausalLM" not in type(model).__name__ \
             and "LMHead" not in type(model).__name__:
-        raise ValueError(f"evaluate_domains: model must be a causal LM (got {type(model).__name__})")
+        raise UserError(f"evaluate_domains: model must be a causal LM (got {type(model).__name__})")
 
 
 def _token_log_probs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -120,12 +121,12 @@ def evaluate_domains(model, token_ids: Sequence[Sequence[int]], labels: Sequence
     tokenizer encodes it, no tokens added) labelled ``labels`` (one domain per text). The model is
     put in eval mode for the call and left as it was."""
     if len(token_ids) != len(labels) or not len(labels):
-        raise ValueError(f"evaluate_domains: token_ids and labels must be non-empty and of one length "
-                         f"(got {len(token_ids)} and {len(labels)})")
+        raise UserError(f"evaluate_domains: token_ids and labels must be non-empty and of one length "
+                        f"(got {len(token_ids)} and {len(labels)})")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"evaluate_domains: batch_size must be a positive integer (got {batch_size!r})")
+        raise UserError(f"evaluate_domains: batch_size must be a positive integer (got {batch_size!r})")
     if not 0 < level < 1 or n_boot < 1:
-        raise ValueError(f"evaluate_domains: need 0 < level < 1 and n_boot >= 1 (got {level}, {n_boot})")
+        raise UserError(f"evaluate_domains: need 0 < level < 1 and n_boot >= 1 (got {level}, {n_boot})")
     _check_causal(model)
     context = context_length(model)
     texts = [list(ids)[:context] for ids in token_ids]

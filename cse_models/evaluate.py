@@ -38,6 +38,7 @@ from cse_models.experts import sequence_embedding
 from cse_models.domains import evaluate_domains
 from cse_models.hf import load_any_model
 from cse_models.model import load_model
+from ntkscope.core.checks import UserError
 from ntkscope.core.files import Staging, write_table
 from ntkscope.core.lm import causal_pairs, lm_loss
 from ntkscope.text.corpus.pack import load_pack
@@ -292,8 +293,8 @@ def main(argv=None) -> int:
                                             label_column=args.label_column, tokenizer=args.tokenizer)
         else:
             table = results_table(runs, args.pack, seeds=tuple(range(args.seeds)))
-    except (ValueError, FileNotFoundError) as err:
-        print(f"cse-eval: error: {err}", file=sys.stderr)
+    except UserError as err:  # the user's mistake: one line; anything else keeps its traceback
+        print(f"cse-eval: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     if args.out and args.data:

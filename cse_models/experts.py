@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ntkscope.core.checks import UserError
 from ntkscope.core.lm import masked_mean
 
 
@@ -67,9 +68,9 @@ class CSELayer(nn.Module):
                  normalise: bool = False, mean_rate: float = 0.0):
         super().__init__()
         if mean is None and normalise:
-            raise ValueError("CSELayer: normalise needs a router-format-2 layer (a mean)")
+            raise UserError("CSELayer: normalise needs a router-format-2 layer (a mean)")
         if mean is None and mean_rate:
-            raise ValueError("CSELayer: mean_rate needs a router-format-2 layer (a mean)")
+            raise UserError("CSELayer: mean_rate needs a router-format-2 layer (a mean)")
         self.experts = nn.ModuleList(experts)
         self.alpha = float(alpha)
         self.mean_rate = float(mean_rate)
@@ -214,8 +215,8 @@ class DEMixLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, domains: torch.Tensor | None = None):
         if domains is None:
-            raise ValueError("DEMixLayer.forward: domains must be given (one expert index per sequence); "
-                             "for inference without labels use cse_models.demix.mixture_log_probs")
+            raise UserError("DEMixLayer.forward: domains must be given (one expert index per sequence); "
+                            "for inference without labels use cse_models.demix.mixture_log_probs")
         if self.training:
             with torch.no_grad():
                 self.load += torch.bincount(domains.detach(), minlength=len(self.experts)).to(self.load.device)

@@ -39,6 +39,7 @@ from safetensors.torch import save_model as _save_tensors_of
 from cse_models.config import SparseConfig
 from cse_models.experts import CSELayer, DEMixLayer, sequence_embedding
 from cse_models.model import CONFIG_NAME, WEIGHTS_NAME, SparseRouting, TransformerLM, _sparse_module, load_model
+from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import atomic_path, check_safetensors, read_json_object, write_json
 from ntkscope.core.lm import lm_loss
 
@@ -73,7 +74,7 @@ def _transformers():
     try:
         import transformers  # optional: pip install 'ntkscope[hf]'
     except ImportError:
-        raise ValueError("SparseHF: an HF model needs transformers (pip install 'ntkscope[hf]')") from None
+        raise UserError("SparseHF: an HF model needs transformers (pip install 'ntkscope[hf]')") from None
     return transformers
 
 
@@ -166,15 +167,15 @@ class SparseHF(SparseRouting, nn.Module):
         model_type = getattr(hf_model.config, "model_type", None)
         layout = layout or LAYOUTS.get(model_type)
         if layout is None:
-            raise ValueError(f"SparseHF: no layout for HF model_type {model_type!r} (known: {sorted(LAYOUTS)}); "
-                             "add one Layout to cse_models.hf.LAYOUTS")
+            raise UserError(f"SparseHF: no layout for HF model_type {model_type!r} (known: {sorted(LAYOUTS)}); "
+                            "add one Layout to cse_models.hf.LAYOUTS")
         if isinstance(sparse, dict):  # a copy: conversion fills in n_experts, never the caller's lists
             sparse = SparseConfig(**copy.deepcopy(sparse))
         self.hf = hf_model
         self.config = HFSparseConfig(hf_model.config, layout, sparse)
         if sparse is not None:
             if sparse.module != "ffn":
-                raise ValueError(f"SparseHF: sparse.module must be 'ffn' in an HF model (got {sparse.module!r})")
+                raise UserError(f"SparseHF: sparse.module must be 'ffn' in an HF model (got {sparse.module!r})")
             sparse.check(self.config.n_layer)
         self._context: dict = {}
         self.hf.register_forward_pre_hook(self._capture_mask, with_kwargs=True)
@@ -204,7 +205,7 @@ class SparseHF(SparseRouting, nn.Module):
                       module: str = "ffn", *, chunk: int = 256) -> dict[int, torch.Tensor]:
         """Sequence embeddings (B, d): the mean over real tokens of each layer's FFN input."""
         if module != "ffn":
-            raise ValueError(f"SparseHF.module_inputs: module must be 'ffn' (got {module!r})")
+            raise UserError(f"SparseHF.module_inputs: module must be 'ffn' (got {module!r})")
         captured: dict[int, list] = {i: [] for i in layers}
         hooks = [getattr(self._block(i), self.config.layout.ffn).register_forward_pre_hook(
             lambda _m, args, i=i: captured[i].append(sequence_embedding(args[0], self._context.get("key_mask"))))
@@ -227,8 +228,8 @@ class SparseHF(SparseRouting, nn.Module):
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         T = input_ids.shape[1]
         if T > self.config.block_size:
-            raise ValueError(f"SparseHF.forward: input_ids has {T} positions, more than the model's "
-                             f"context of {self.config.block_size}")
+            raise UserError(f"SparseHF.forward: input_ids has {T} positions, more than the model's "
+                            f"context of {self.config.block_size}")
         self._context["domains"] = domains
         try:
             logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
@@ -258,8 +259,8 @@ def _hf_config(directory: Path, func: str):
     data.pop(SECTION, None)
     model_type = data.get("model_type")
     if model_type not in LAYOUTS:
-        raise ValueError(f"{func}: {directory} holds an HF {model_type!r} model; sparse layers are supported for "
-                         f"{sorted(LAYOUTS)}")
+        raise UserError(f"{func}: {directory} holds an HF {model_type!r} model; sparse layers are supported for "
+                        f"{sorted(LAYOUTS)}")
     data.pop("auto_map", None)  # never custom code
     return transformers, transformers.AutoConfig.for_model(**data)
 
@@ -273,11 +274,11 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
     directory = Path(directory)
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (directory / name).is_file():
-            raise FileNotFoundError(f"{func}: {directory} has no {name} (an HF directory saved with safetensors)")
+            raise MissingInput(f"{func}: {directory} has no {name} (an HF directory saved with safetensors)")
     section = read_json_object(directory / CONFIG_NAME, func).get(SECTION)
     if section is not None and sparse is not None:
-        raise ValueError(f"{func}: {directory} is a converted model already ({section['sparse']['kind']}); "
-                         "convert a dense checkpoint")
+        raise UserError(f"{func}: {directory} is a converted model already ({section['sparse']['kind']}); "
+                        "convert a dense checkpoint")
     transformers, hf_config = _hf_config(directory, func)
     check_safetensors(directory / WEIGHTS_NAME, func)
     if section is None:  # a dense checkpoint, loaded the HF way (which ties the head to the embedding)
@@ -287,8 +288,8 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
                     directory, config=hf_config, local_files_only=True, use_safetensors=True, trust_remote_code=False,
                     output_loading_info=True)
         except (RuntimeError, ValueError, OSError) as err:
-            raise ValueError(f"{func}: the weights in {directory} do not match its config.json "
-                             f"({str(err).splitlines()[0][:200]})") from None
+            raise UserError(f"{func}: the weights in {directory} do not match its config.json "
+                            f"({str(err).splitlines()[0][:200]})") from None
         missing, unexpected = info["missing_keys"], info["unexpected_keys"]
         model = SparseHF(hf, sparse)
     else:
@@ -297,11 +298,11 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
         try:
             missing, unexpected = _load_tensors_into(model, str(directory / WEIGHTS_NAME), strict=False)
         except RuntimeError as err:
-            raise ValueError(f"{func}: the weights in {directory} do not match its config.json "
-                             f"({str(err).splitlines()[0][:200]})") from None
+            raise UserError(f"{func}: the weights in {directory} do not match its config.json "
+                            f"({str(err).splitlines()[0][:200]})") from None
     if missing or unexpected:
-        raise ValueError(f"{func}: the weights in {directory} do not match its config.json "
-                         f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+        raise UserError(f"{func}: the weights in {directory} do not match its config.json "
+                        f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
     return model.eval()
 
 

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from cse_models.config import BERTConfig, GPTConfig
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN, sequence_embedding
 from cse_models.layers import Block
+from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import atomic_path, load_safetensors, read_json_object, write_json
 from ntkscope.core.lm import linear_cross_entropy, lm_loss
 from ntkscope.core.memory import check_fits
@@ -108,8 +109,8 @@ class TransformerLM(SparseRouting, nn.Module):
         super().__init__()
         expected = self.config_class.model_type
         if type(self) is not TransformerLM and config.model_type != expected:
-            raise ValueError(f"{type(self).__name__}: config.model_type must be {expected!r} "
-                             f"(got {config.model_type!r}; use {config.model_type.upper()})")
+            raise UserError(f"{type(self).__name__}: config.model_type must be {expected!r} "
+                            f"(got {config.model_type!r}; use {config.model_type.upper()})")
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -179,8 +180,8 @@ class TransformerLM(SparseRouting, nn.Module):
         """The final normalised hidden states (B, T, d)."""
         B, T = input_ids.size()
         if T > self.config.block_size:
-            raise ValueError(f"{type(self).__name__}.forward: input_ids has {T} positions, "
-                             f"more than block_size={self.config.block_size}")
+            raise UserError(f"{type(self).__name__}.forward: input_ids has {T} positions, "
+                            f"more than block_size={self.config.block_size}")
         pos = torch.arange(T, device=input_ids.device)
         x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))
         key_mask = None if attention_mask is None else attention_mask.bool()
@@ -230,19 +231,19 @@ class TransformerLM(SparseRouting, nn.Module):
         directory = Path(directory)
         for name in (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
-                raise FileNotFoundError(f"{func}: {directory} has no {name}")
+                raise MissingInput(f"{func}: {directory} has no {name}")
         data = read_json_object(directory / CONFIG_NAME, func)
         kind = data.get("model_type")
         if "architectures" in data:
-            raise ValueError(f"{func}: {directory} is an HF transformers checkpoint ({data['architectures']}), "
-                             "not a cse_models one; load it with transformers (ntkscope.runs.checkpoints.load_checkpoint)")
+            raise UserError(f"{func}: {directory} is an HF transformers checkpoint ({data['architectures']}), "
+                            "not a cse_models one; load it with transformers (ntkscope.runs.checkpoints.load_checkpoint)")
         classes = {"gpt": GPT, "bert": BERT}
         if kind not in classes:
-            raise ValueError(f"{func}: {directory} holds a {kind!r} checkpoint, not one of cse_models' "
-                             f"architectures {sorted(classes)}")
+            raise UserError(f"{func}: {directory} holds a {kind!r} checkpoint, not one of cse_models' "
+                            f"architectures {sorted(classes)}")
         target = classes[kind]
         if cls is not TransformerLM and target is not cls:
-            raise ValueError(f"{func}: {directory} holds a {kind!r} model; load it with {target.__name__}.from_pretrained")
+            raise UserError(f"{func}: {directory} holds a {kind!r} model; load it with {target.__name__}.from_pretrained")
         model = build_model(target.config_class.from_dict(data), f"{func}: {directory / CONFIG_NAME}")
         state = load_safetensors(directory / WEIGHTS_NAME, func)
         return load_weights(model, state, func, directory)
@@ -271,11 +272,11 @@ def load_weights(model: TransformerLM, state: dict, func: str, where) -> Transfo
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # shape mismatches: name the first
         lines = [x.strip() for x in str(err).splitlines() if "size mismatch" in x] or [str(err).splitlines()[0]]
-        raise ValueError(f"{func}: weights in {where} do not match its config ({len(lines)} tensors; "
-                         f"first: {lines[0]})") from None
+        raise UserError(f"{func}: weights in {where} do not match its config ({len(lines)} tensors; "
+                        f"first: {lines[0]})") from None
     if missing or unexpected:
-        raise ValueError(f"{func}: weights in {where} do not match its config "
-                         f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+        raise UserError(f"{func}: weights in {where} do not match its config "
+                        f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
     return model
 
 

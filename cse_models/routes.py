@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 
 from cse_models.data import Blocks, global_batch
+from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import read_json_object, write_json
 
 
@@ -49,7 +50,7 @@ class Routes:
     def __post_init__(self):
         for split, e in self.experts.items():
             if len(e) and (int(np.min(e)) < 0 or int(np.max(e)) >= len(self.names)):
-                raise ValueError(f"Routes: split {split!r} routes to experts outside [0, {len(self.names)})")
+                raise UserError(f"Routes: split {split!r} routes to experts outside [0, {len(self.names)})")
 
     def save(self, path: str | Path) -> Path:
         """Written atomically as JSON."""
@@ -65,21 +66,21 @@ class Routes:
             experts = {s: np.asarray(v["experts"], dtype=np.int64) for s, v in splits.items()}
             digests = {s: str(v["digest"]) for s, v in splits.items()}
             if any(len(experts[s]) != int(v["blocks"]) for s, v in splits.items()):
-                raise ValueError("a split's block count differs from its experts list")
+                raise UserError("a split's block count differs from its experts list")
             return cls(tuple(data["names"]), experts, digests, dict(data.get("source") or {}))
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"Routes.load: {path} is not a routes file ({err})") from None
+            raise UserError(f"Routes.load: {path} is not a routes file ({err})") from None
 
     def apply(self, blocks: Blocks, split: str) -> Blocks:
         """``blocks`` labelled by their experts (names: the experts'); refused unless this file
         routes exactly these blocks."""
         if split not in self.experts:
-            raise ValueError(f"Routes.apply: the routes have no split {split!r} (they have {sorted(self.experts)})")
+            raise UserError(f"Routes.apply: the routes have no split {split!r} (they have {sorted(self.experts)})")
         if len(blocks) != len(self.experts[split]) or blocks_digest(blocks) != self.digests[split]:
-            raise ValueError(f"Routes.apply: the routes of split {split!r} were made for other blocks "
-                             f"({len(self.experts[split])} blocks, digest {self.digests[split][:12]}; these are "
-                             f"{len(blocks)} blocks, digest {blocks_digest(blocks)[:12]}): make them again for this "
-                             "data and seq_len")
+            raise UserError(f"Routes.apply: the routes of split {split!r} were made for other blocks "
+                            f"({len(self.experts[split])} blocks, digest {self.digests[split][:12]}; these are "
+                            f"{len(blocks)} blocks, digest {blocks_digest(blocks)[:12]}): make them again for this "
+                            "data and seq_len")
         return Blocks(blocks.input_ids, torch.as_tensor(self.experts[split], dtype=torch.long), tuple(self.names))
 
     def crosstab(self, blocks: Blocks, split: str) -> dict:
@@ -118,5 +119,5 @@ def load_routes_for(data: dict, blocks: Blocks, split: str) -> Blocks:
         return blocks
     path = Path(data["routes"])
     if not path.is_file():
-        raise FileNotFoundError(f"TrainConfig: data.routes {path} does not exist")
+        raise MissingInput(f"TrainConfig: data.routes {path} does not exist")
     return Routes.load(path).apply(blocks, split)

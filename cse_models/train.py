@@ -41,6 +41,7 @@ from cse_models.metrics import MetricsLog
 from cse_models.model import build_model
 from cse_models.routes import load_routes_for
 from cse_models.train_config import TrainConfig, apply_plan, check_plan, warmup_after  # noqa: F401 (re-exported)
+from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import DirectoryLock, write_json
 from ntkscope.core.lm import lm_loss as token_loss
 from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
@@ -106,13 +107,13 @@ def _load_blocks(cfg: TrainConfig, split: str | None = None):
     known = {"pack", "split", "domains", "seq_len", "tokenizer", "text_files", "table", "text_column", "label_column",
              "routes"}
     if set(data) - known:
-        raise ValueError(f"TrainConfig: data has unknown keys {sorted(set(data) - known)} (known: {sorted(known)})")
+        raise UserError(f"TrainConfig: data has unknown keys {sorted(set(data) - known)} (known: {sorted(known)})")
     seq_len = data.get("seq_len", 64)
     if data.get("table"):
         return _table_blocks(data, cfg.init_from, seq_len)
     if data.get("text_files"):
         if not data.get("tokenizer"):
-            raise ValueError("TrainConfig: data.text_files needs data.tokenizer (a tokenizer.json or HF directory)")
+            raise UserError("TrainConfig: data.text_files needs data.tokenizer (a tokenizer.json or HF directory)")
         tokenizer = load_tokenizer(data["tokenizer"])
         return text_file_blocks(data["text_files"], tokenizer, seq_len), tokenizer
     pack = load_pack(data.get("pack"))
@@ -135,12 +136,12 @@ def _table_blocks(data: dict, init_from: str | None, seq_len: int):
         near = tokenizer_near(init_from)
         spec = near.name if near is not None else None
     if not spec:
-        raise ValueError("TrainConfig: data.table needs data.tokenizer, or an init_from with a tokenizer.json in it or "
-                         "beside it (a run of stepN checkpoints)")
+        raise UserError("TrainConfig: data.table needs data.tokenizer, or an init_from with a tokenizer.json in it or "
+                        "beside it (a run of stepN checkpoints)")
     source = DataSource(Path(data["table"]), text_column=data.get("text_column", "text"),
                         label_column=data.get("label_column"))
     if not source.path.exists():
-        raise FileNotFoundError(f"TrainConfig: data.table {source.path} does not exist")
+        raise MissingInput(f"TrainConfig: data.table {source.path} does not exist")
     stat = source.path.stat()
     key = ("table", str(source.path.resolve()), stat.st_size, stat.st_mtime_ns, source.text_column,
            source.label_column, str(spec), seq_len)
@@ -165,8 +166,8 @@ def _build_model(cfg: TrainConfig, vocab_size: int):
         config = Path(cfg.init_from) / "config.json"
         is_hf = config.is_file() and "architectures" in json.loads(config.read_text(encoding="utf-8"))
         if is_hf and set(cfg.model) - {"sparse"}:
-            raise ValueError(f"TrainConfig: with an HF init_from, model may hold only sparse (the architecture is the "
-                             f"checkpoint's; got {sorted(cfg.model)})")
+            raise UserError(f"TrainConfig: with an HF init_from, model may hold only sparse (the architecture is the "
+                            f"checkpoint's; got {sorted(cfg.model)})")
         if is_hf and SECTION not in json.loads(config.read_text(encoding="utf-8")):
             model = load_any_model(cfg.init_from, cfg.model.get("sparse"))
             log.info("continuing from the HF model %s, sparse layers %s", cfg.init_from, cfg.model.get("sparse"))
@@ -202,7 +203,7 @@ def train(cfg: TrainConfig, *, callbacks=()) -> Path:
     into the same directory is refused with the holder's PID.
     """
     if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
-        raise ValueError(f"train: out_dir {cfg.out_dir} exists and is not a directory")
+        raise UserError(f"train: out_dir {cfg.out_dir} exists and is not a directory")
     if int(os.environ.get("RANK", "0")) != 0:
         return _train(cfg, callbacks)
     with DirectoryLock(cfg.out_dir, "train"):
@@ -217,20 +218,20 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     if distributed and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
     if cfg.batch_size % world:
-        raise ValueError(f"train: batch_size must divide among the {world} processes (got {cfg.batch_size})")
+        raise UserError(f"train: batch_size must divide among the {world} processes (got {cfg.batch_size})")
     device = _device(cfg, rank)
     out_dir = Path(cfg.out_dir)
     blocks, tokenizer = load_data(cfg)
     if len(blocks) < cfg.batch_size:
-        raise ValueError(f"train: the corpus is too small for the batch: {len(blocks)} blocks of "
-                         f"{cfg.data.get('seq_len', 64)} tokens, batch_size={cfg.batch_size}")
+        raise UserError(f"train: the corpus is too small for the batch: {len(blocks)} blocks of "
+                        f"{cfg.data.get('seq_len', 64)} tokens, batch_size={cfg.batch_size}")
     torch.manual_seed(cfg.seed)
     resume, model, opt_tensors, trainer_state = resume_point(out_dir)
     model = model if resume else _build_model(cfg, tokenizer.vocab_size)
     model.to(device).train()
     if model.config.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"train: the model's vocab_size {model.config.vocab_size} is below the tokenizer's "
-                         f"{tokenizer.vocab_size}")
+        raise UserError(f"train: the model's vocab_size {model.config.vocab_size} is below the tokenizer's "
+                        f"{tokenizer.vocab_size}")
     check_plan(cfg, model, tokenizer)
     opt = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
@@ -243,15 +244,15 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     upcyclable = sparse is not None and sparse.kind in ("switch", "demix")
     if cfg.upcycle and (not upcyclable or "at" not in cfg.upcycle
                         or (sparse.kind == "switch" and int(cfg.upcycle.get("n_experts", 0)) < 1)):
-        raise ValueError(f"train: upcycle needs a Switch or DEMix model (n_experts 0 until then) and upcycle = "
-                         f"{{at: STEP, n_experts: K >= 1 (Switch)}} (got sparse "
-                         f"{None if sparse is None else sparse.kind!r}, upcycle {cfg.upcycle!r})")
+        raise UserError(f"train: upcycle needs a Switch or DEMix model (n_experts 0 until then) and upcycle = "
+                        f"{{at: STEP, n_experts: K >= 1 (Switch)}} (got sparse "
+                        f"{None if sparse is None else sparse.kind!r}, upcycle {cfg.upcycle!r})")
     if upcyclable and not cfg.upcycle and sparse.experts_at(sparse.layers[0]) == 0:
-        raise ValueError(f"train: a {sparse.kind} model with n_experts 0 is dense until upcycled; give upcycle = "
-                         "{at: STEP, n_experts: K} or n_experts >= 1")
+        raise UserError(f"train: a {sparse.kind} model with n_experts 0 is dense until upcycled; give upcycle = "
+                        "{at: STEP, n_experts: K} or n_experts >= 1")
     if sparse is not None and sparse.kind == "demix" and list(sparse.domains) != list(blocks.domain_names):
-        raise ValueError(f"train: a DEMix model's domains must be the data's domains in order "
-                         f"{list(blocks.domain_names)} (expert j serves domain label j; got {sparse.domains!r})")
+        raise UserError(f"train: a DEMix model's domains must be the data's domains in order "
+                        f"{list(blocks.domain_names)} (expert j serves domain label j; got {sparse.domains!r})")
     convert_at = (cfg.cse.get("warmup_steps") if sparse is not None and sparse.kind == "cse" else
                   cfg.upcycle.get("at") if upcyclable else None)
     if rank == 0:
@@ -312,8 +313,8 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
             dist.all_reduce(loss_all)
         loss = float(loss_all / total)
         if not math.isfinite(loss):  # diverged: stop here; the checkpoints so far hold finite weights
-            raise ValueError(f"train: the loss is not finite at step {step + 1} ({loss}); training stopped, the last "
-                             f"checkpoint is {last or latest_checkpoint(out_dir) or 'none'}; lower lr (now {cfg.lr})")
+            raise UserError(f"train: the loss is not finite at step {step + 1} ({loss}); training stopped, the last "
+                            f"checkpoint is {last or latest_checkpoint(out_dir) or 'none'}; lower lr (now {cfg.lr})")
         metrics = {"step": step + 1, "loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": lr,
                    "aux": float(aux.detach()), "grad_norm": None if norm is None else float(norm)}
         done = step + 1
@@ -349,7 +350,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
 def _check_finite(model, message: str) -> None:
     bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
-        raise ValueError(f"{message} ({len(bad)} tensors, first {bad[0]})")
+        raise UserError(f"{message} ({len(bad)} tensors, first {bad[0]})")
 
 
 def main(argv=None) -> int:
@@ -365,7 +366,7 @@ def main(argv=None) -> int:
         cfg = TrainConfig.load(args.config, **overrides)  # checked with the overrides (--steps 2 over steps: 0)
         with logging_redirect_tqdm():  # log lines print above the progress bar
             last = train(cfg)
-    except (ValueError, FileNotFoundError) as err:
+    except UserError as err:
         print(f"cse-train: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # checkpoints are written whole (temporary name, then renamed)

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from cse_models.hf import architecture
+from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.representation.plan import Plan
 
 log = logging.getLogger("cse_models.train")
@@ -58,7 +59,7 @@ class TrainConfig:
         """A JSON or YAML config file, with ``overrides`` (e.g. ``steps``) applied before it is checked."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"TrainConfig.load: {path} does not exist")
+            raise MissingInput(f"TrainConfig.load: {path} does not exist")
         text = path.read_text(encoding="utf-8")
         try:
             data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
@@ -66,10 +67,10 @@ class TrainConfig:
             where = getattr(err, "problem_mark", None)
             at = f"line {where.line + 1}, column {where.column + 1}: " if where is not None else ""
             what = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ValueError(f"TrainConfig.load: {path} is not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'} "
-                             f"({at}{what})") from None
+            raise UserError(f"TrainConfig.load: {path} is not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'} "
+                            f"({at}{what})") from None
         if not isinstance(data, dict):
-            raise ValueError(f"TrainConfig.load: {path} must hold a mapping of settings (got {type(data).__name__})")
+            raise UserError(f"TrainConfig.load: {path} must hold a mapping of settings (got {type(data).__name__})")
         return cls.from_dict({**data, **overrides})
 
     @classmethod
@@ -77,32 +78,32 @@ class TrainConfig:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"TrainConfig: unknown keys {unknown} (known: {sorted(known)})")
+            raise UserError(f"TrainConfig: unknown keys {unknown} (known: {sorted(known)})")
         cfg = cls(**data)
         for key in ("steps", "batch_size", "checkpoint_every", "log_every"):
             value = getattr(cfg, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TrainConfig: {key} must be a positive integer (got {value!r})")
+                raise UserError(f"TrainConfig: {key} must be a positive integer (got {value!r})")
         if isinstance(cfg.warmup_steps, bool) or not isinstance(cfg.warmup_steps, int) or cfg.warmup_steps < 0:
-            raise ValueError(f"TrainConfig: warmup_steps must be an integer >= 0 (got {cfg.warmup_steps!r})")
+            raise UserError(f"TrainConfig: warmup_steps must be an integer >= 0 (got {cfg.warmup_steps!r})")
         extra = cfg.checkpoint_steps
         if not isinstance(extra, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
                                                        for s in extra):
-            raise ValueError(f"TrainConfig: checkpoint_steps must be a list of positive integer steps (got {extra!r})")
+            raise UserError(f"TrainConfig: checkpoint_steps must be a list of positive integer steps (got {extra!r})")
         cfg = dataclasses.replace(cfg, checkpoint_steps=tuple(sorted(set(extra))))
         if cfg.stop_at is not None and (isinstance(cfg.stop_at, bool) or not isinstance(cfg.stop_at, int)
                                         or not 1 <= cfg.stop_at <= cfg.steps):
-            raise ValueError(f"TrainConfig: stop_at must be a step in [1, steps={cfg.steps}] or null (got {cfg.stop_at!r})")
+            raise UserError(f"TrainConfig: stop_at must be a step in [1, steps={cfg.steps}] or null (got {cfg.stop_at!r})")
         numbers = {k: getattr(cfg, k) for k in ("lr", "min_lr_ratio", "weight_decay", "grad_clip")}
         numbers.update({f"betas[{i}]": b for i, b in enumerate(cfg.betas)})
         bad = {k: v for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float))
                or not math.isfinite(v)}
         if bad:
-            raise ValueError(f"TrainConfig: {', '.join(bad)} must be finite numbers (got "
-                             f"{', '.join(repr(v) for v in bad.values())})")
+            raise UserError(f"TrainConfig: {', '.join(bad)} must be finite numbers (got "
+                            f"{', '.join(repr(v) for v in bad.values())})")
         if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1 or cfg.warmup_steps < 0 or cfg.grad_clip < 0:
-            raise ValueError(f"TrainConfig: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, grad_clip >= 0 "
-                             f"(got {cfg.lr}, {cfg.min_lr_ratio}, {cfg.warmup_steps}, {cfg.grad_clip})")
+            raise UserError(f"TrainConfig: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, grad_clip >= 0 "
+                            f"(got {cfg.lr}, {cfg.min_lr_ratio}, {cfg.warmup_steps}, {cfg.grad_clip})")
         return cfg
 
 
@@ -115,8 +116,8 @@ def apply_plan(cfg: TrainConfig) -> TrainConfig:
     if not wants:
         return cfg
     if not cfg.plan:
-        raise ValueError(f"TrainConfig: {wants} are 'auto' but no plan file is given (plan: PLAN.json, "
-                         "from: ntkscope plan RUN_DIR --out PLAN.json)")
+        raise UserError(f"TrainConfig: {wants} are 'auto' but no plan file is given (plan: PLAN.json, "
+                        "from: ntkscope plan RUN_DIR --out PLAN.json)")
     plan = Plan.load(cfg.plan)
     cfg = copy.deepcopy(cfg)
     sparse = cfg.model["sparse"]
@@ -127,8 +128,8 @@ def apply_plan(cfg: TrainConfig) -> TrainConfig:
         sparse["module"] = plan.module
     if cfg.cse.get("warmup_steps") == "auto":
         if plan.warmup_steps is None:
-            raise ValueError(f"TrainConfig: cse.warmup_steps is 'auto' but plan {cfg.plan} has no warm-up "
-                             "(it was made without a GC series)")
+            raise UserError(f"TrainConfig: cse.warmup_steps is 'auto' but plan {cfg.plan} has no warm-up "
+                            "(it was made without a GC series)")
         cfg.cse["warmup_steps"] = warmup_after(cfg.init_from, int(plan.warmup_steps), cfg.plan)
     log.info("plan %s: CSE layers %s (%s), warm-up %s steps", cfg.plan, sparse["layers"], plan.chosen_by,
              cfg.cse.get("warmup_steps"))
@@ -163,9 +164,9 @@ def check_plan(cfg: TrainConfig, model, tokenizer) -> None:
         return
     arch = architecture(model)
     if source.get("n_layer") != arch["n_layer"]:
-        raise ValueError(f"train: plan {cfg.plan} was measured on a {source.get('n_layer')}-layer "
-                         f"{source.get('model_type')} model and this one has {arch['n_layer']} layers: its layer "
-                         "indices do not transfer; measure a plan on this model's own checkpoints")
+        raise UserError(f"train: plan {cfg.plan} was measured on a {source.get('n_layer')}-layer "
+                        f"{source.get('model_type')} model and this one has {arch['n_layer']} layers: its layer "
+                        "indices do not transfer; measure a plan on this model's own checkpoints")
     differ = [f"{key} {source.get(key)!r} (plan) vs {arch[key]!r}" for key in ("model_type", "n_embd")
               if source.get(key) != arch[key]]
     if source.get("vocab_size") not in (None, tokenizer.vocab_size):

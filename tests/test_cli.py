@@ -250,3 +250,36 @@ def test_demo_checks_its_out_before_the_work(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(files.os, "access", lambda path, mode: False)  # as a read-only directory answers
     assert main(["--quiet", "demo", "--out", str(tmp_path / "gc.csv")]) == 1
     assert "is not a writable directory" in capsys.readouterr().err
+
+
+def test_a_bug_keeps_its_traceback_and_a_user_mistake_is_one_line(tmp_path, monkeypatch, capsys):
+    """Issue 30: one error type for the user's mistakes (UserError, a ValueError), caught alone by both
+    command lines; a ValueError from a bug inside (numpy, pandas, our own code) keeps its traceback."""
+    import subprocess
+    import sys
+
+    from cse_models import train as train_module
+    from ntkscope.app import commands
+    from ntkscope.app.cli import main
+    from ntkscope.core.checks import InputError, MissingInput, UserError
+
+    assert issubclass(InputError, UserError) and issubclass(MissingInput, FileNotFoundError)
+
+    def buggy(*args, **kwargs):
+        raise ValueError("operands could not be broadcast together with shapes (3,) (4,)")  # as numpy says it
+
+    monkeypatch.setattr(commands, "freq_command", buggy)
+    with pytest.raises(ValueError, match="could not be broadcast"):
+        main(["--quiet", "freq", "--out", str(tmp_path / "f")])
+    assert "this is a bug in ntkscope" in capsys.readouterr().err
+    assert main(["--quiet", "gc", str(tmp_path / "nothing-here")]) == 1  # the user's mistake: one line
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not exist" in err, err
+    monkeypatch.setattr(train_module, "train", buggy)
+    (tmp_path / "run.json").write_text('{"out_dir": "%s", "steps": 1}' % (tmp_path / "run"))
+    with pytest.raises(ValueError, match="could not be broadcast"):
+        train_module.main([str(tmp_path / "run.json")])
+    bad = subprocess.run([sys.executable, "-m", "cse_models.train", str(tmp_path / "missing.yaml")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith("cse-train: error:"), bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -26,7 +26,7 @@ from ntkscope.app.parsing import add_column_args as _add_column_args
 from ntkscope.app.parsing import print_table as _print_table
 from ntkscope.app.parsing import source as _source
 from ntkscope.app.demo import perplexity, run_demo
-from ntkscope.core.checks import InputError
+from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import check_output, write_table
 from ntkscope.core.progress import logging_redirect_tqdm
 from ntkscope.kernel.methods import METHODS, method_names, unsupported
@@ -545,9 +545,14 @@ def _run(args) -> int:
     try:
         with logging_redirect_tqdm():  # log lines print above a progress bar
             return args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:  # user errors; anything else is a bug: keep its traceback
+    except UserError as err:  # the user's mistake: one line; anything else is a bug and keeps its traceback
         _error(args, err)
         return 1
+    except Exception:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ntkscope {args.command}: this is a bug in ntkscope, not a mistake in what you gave; please report "
+                  f"it with the traceback that follows, the command and `pip show ntkscope torch`", file=sys.stderr)
+        raise
     except KeyboardInterrupt:  # results are staged and moved only when whole: nothing half-written remains
         if os.environ.get("RANK", "0") == "0":
             print(f"ntkscope {args.command}: interrupted; no partial results were written", file=sys.stderr)

@@ -19,7 +19,7 @@ import numpy as np
 from cse_models.domains import context_length, evaluate_domains
 from cse_models.hf import architecture
 from ntkscope import __version__
-from ntkscope.core.checks import InputError
+from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import Staging, check_output, digest, write_json, write_table
 from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.kernel.distributed import from_rank0, writes
@@ -255,8 +255,8 @@ def freq_command(data="default", *, tokenizer=None, normalisation: str = "max", 
     else:
         records = [Record(t, "file", label, label, f"file:{i}") for i, (t, label) in enumerate(data.rows())]
         if not tokenizer:
-            raise ValueError(f"freq: {data.kind} data needs --tokenizer (a tokenizer.json, an HF directory, or "
-                             "'gpt2')")
+            raise UserError(f"freq: {data.kind} data needs --tokenizer (a tokenizer.json, an HF directory, or "
+                            "'gpt2')")
         tok = load_tokenizer(tokenizer)
     counts = data.reference_counts(tok)
     # a pack's records are paragraphs, split into sentences; a table's or a file's rows are scored as the rows

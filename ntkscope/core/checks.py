@@ -23,7 +23,27 @@ def _shown(value: Any) -> str:
     return shown[:197] + "..." if len(shown) > 200 else shown
 
 
-class InputError(ValueError):
+class UserError(ValueError):
+    """A mistake in what the user gave (an argument, a file, a setting, the data), said in one line
+    that names the function, what was wrong and the value. Both command lines (``ntkscope``,
+    ``cse-train``/``cse-eval``) print it as one line and exit 1; any other exception is a bug in
+    ntkscope or below it and keeps its traceback. A ``ValueError``, so code that catches those
+    keeps working."""
+
+
+class MissingInput(UserError, FileNotFoundError):
+    """A file or directory the user named is not there, or is not what it must be."""
+
+
+class OutputExists(UserError, FileExistsError):
+    """An output the user named exists and is not to be replaced without being asked."""
+
+
+class MissingPackage(UserError, ImportError):
+    """An optional package that the asked work needs is not installed (the message says which)."""
+
+
+class InputError(UserError):
     """A bad argument: ``func: arg rule (got value)``; ``func`` is filled in by :func:`entry`."""
 
     def __init__(self, arg: str, rule: str, value: Any, func: str | None = None):

@@ -31,7 +31,7 @@ import pandas as pd
 import safetensors
 import safetensors.torch
 
-from ntkscope.core.checks import fail
+from ntkscope.core.checks import OutputExists, UserError, fail
 
 _log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def atomic_path(path: str | os.PathLike, *, overwrite: bool = True):
         yield tmp
         if tmp.is_dir() and path.exists():
             if not overwrite:
-                raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+                raise OutputExists(f"{path} exists; pass overwrite=True to replace it")
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
             try:
@@ -182,7 +182,7 @@ class Staging:
             for f in self.out.glob(".*.partial") if self.out.is_dir() else ():
                 f.unlink(missing_ok=True)
             done = f"written before the failure: {[p.name for p in written]}" if written else "nothing was written"
-            raise ValueError(f"could not write the results into {self.out} ({err.strerror or err}); {done}") from None
+            raise UserError(f"could not write the results into {self.out} ({err.strerror or err}); {done}") from None
         return written
 
 
@@ -261,17 +261,17 @@ def check_output(func: str, path, *, kind: str = "dir", suffixes=()) -> Path | N
         return None
     path = Path(path)
     if kind == "dir" and path.exists() and not path.is_dir():
-        raise ValueError(f"{func}: --out {path} exists and is not a directory")
+        raise UserError(f"{func}: --out {path} exists and is not a directory")
     if kind == "file":
         if path.is_dir():
-            raise ValueError(f"{func}: --out {path} is a directory; name a file")
+            raise UserError(f"{func}: --out {path} is a directory; name a file")
         if suffixes and path.suffix not in suffixes:
-            raise ValueError(f"{func}: --out {path} must end in {' or '.join(suffixes)}")
+            raise UserError(f"{func}: --out {path} must end in {' or '.join(suffixes)}")
     parent = path if kind == "dir" else path.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{func}: --out {path} cannot be created: {parent} is not a writable directory")
+        raise UserError(f"{func}: --out {path} cannot be created: {parent} is not a writable directory")
     return path
 
 
@@ -304,8 +304,8 @@ class DirectoryLock:
                 holder = fh.read().strip() or "unknown"
                 fh.close()
                 if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise ValueError(f"{self.what}: {self.directory} is in use by another process ({holder}); "
-                                     "wait for it to finish or use another directory") from None
+                    raise UserError(f"{self.what}: {self.directory} is in use by another process ({holder}); "
+                                    "wait for it to finish or use another directory") from None
                 raise
             try:
                 if os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
@@ -352,9 +352,9 @@ def read_json_object(path: str | os.PathLike, func: str) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{func}: {path} is not valid JSON ({err})") from None
+        raise UserError(f"{func}: {path} is not valid JSON ({err})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{func}: {path} must hold a JSON object (got {type(data).__name__})")
+        raise UserError(f"{func}: {path} must hold a JSON object (got {type(data).__name__})")
     return data
 
 
@@ -363,12 +363,12 @@ def check_safetensors(path: str | os.PathLike, func: str) -> dict:
     truncated or not safetensors. Returns {name: (dtype, shape)}."""
     path = Path(path)
     if path.stat().st_size == 0:
-        raise ValueError(f"{func}: {path} is empty")
+        raise UserError(f"{func}: {path} is empty")
     try:
         with safetensors.safe_open(str(path), framework="pt") as fh:
             return {k: (fh.get_slice(k).get_dtype(), tuple(fh.get_slice(k).get_shape())) for k in fh.keys()}
     except (safetensors.SafetensorError, OSError, RuntimeError) as err:
-        raise ValueError(f"{func}: {path} is not a readable safetensors file ({str(err).splitlines()[0][:160]})") from None
+        raise UserError(f"{func}: {path} is not a readable safetensors file ({str(err).splitlines()[0][:160]})") from None
 
 
 def load_safetensors(path: str | os.PathLike, func: str) -> dict:
@@ -376,8 +376,8 @@ def load_safetensors(path: str | os.PathLike, func: str) -> dict:
     truncated or not safetensors at all."""
     path = Path(path)
     if path.stat().st_size == 0:
-        raise ValueError(f"{func}: {path} is empty")
+        raise UserError(f"{func}: {path} is empty")
     try:
         return safetensors.torch.load_file(str(path))
     except (safetensors.SafetensorError, OSError, RuntimeError) as err:
-        raise ValueError(f"{func}: {path} is not a readable safetensors file ({str(err).splitlines()[0][:160]})") from None
+        raise UserError(f"{func}: {path} is not a readable safetensors file ({str(err).splitlines()[0][:160]})") from None

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from ntkscope.core.checks import UserError
+
 log = logging.getLogger(__name__)
 
 
@@ -63,11 +65,11 @@ def check_fits(n_params: int, itemsize: int, what: str, *, device=None, share: f
     free = available_memory_bytes(device)
     if need > share * free:
         if not math.isfinite(need):
-            raise ValueError(f"{what} asks for a tensor of more than 2^63 bytes; this machine has "
-                             f"{format_bytes(free)} free")
+            raise UserError(f"{what} asks for a tensor of more than 2^63 bytes; this machine has "
+                            f"{format_bytes(free)} free")
         dtype = {8: "float64", 4: "float32", 2: "16-bit floats"}.get(itemsize, f"{itemsize}-byte numbers")
-        raise ValueError(f"{what} asks for {n_params:.1e} parameters ({format_bytes(need)} in {dtype}); this "
-                         f"machine has {format_bytes(free)} free")
+        raise UserError(f"{what} asks for {n_params:.1e} parameters ({format_bytes(need)} in {dtype}); this "
+                        f"machine has {format_bytes(free)} free")
     log.info("%s: %s parameters, %s before loading; %s free", what, f"{n_params:,}", format_bytes(need),
              format_bytes(free))
     return need

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ntkscope.core.checks import check_positive_int, entry, fail
+from ntkscope.core.checks import MissingInput, check_positive_int, entry, fail
 from ntkscope.core.files import write_json
 from ntkscope.representation.persistence import persistent_step
 
@@ -72,7 +72,7 @@ class Plan:
     def load(cls, path: str | Path) -> "Plan":
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"Plan.load: {path} does not exist")
+            raise MissingInput(f"Plan.load: {path} does not exist")
         data = json.loads(path.read_text())
         if data.pop("format", None) not in (1, PLAN_FORMAT):
             raise fail("Plan.load", "path", f"must hold a plan of format 1 or {PLAN_FORMAT}", str(path))

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 from sklearn.cluster import DBSCAN, HDBSCAN
 
-from ntkscope.core.checks import InputError, check_choice, check_positive_int, entry
+from ntkscope.core.checks import InputError, UserError, check_choice, check_positive_int, entry
 from ntkscope.representation.clusters import AutoDBSCAN, check_embeddings, cluster_geometry, knn_distances
 from ntkscope.representation.clusters import projection_matrix
 
@@ -48,7 +48,7 @@ RULES = ("hdbscan", "dbscan-percentile", "dbscan-knee")
 REPRESENTATIONS = ("centred-cosine", "centred", "raw")
 
 
-class NoClusterError(ValueError):
+class NoClusterError(UserError):
     """The clustering rule found no cluster and the caller asked for an error."""
 
 

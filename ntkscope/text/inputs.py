@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ntkscope.core.checks import InputError
+from ntkscope.core.checks import InputError, MissingInput, MissingPackage, UserError
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import normalise_space, read_text, split_sentences
 from ntkscope.text.frequency import TokenCounts, count_tokens
@@ -167,12 +167,12 @@ def as_source(data, *, columns: DataSource | None = None) -> DataSource:
         source = DataSource(path) if columns is None else replace(columns, path=path, frequency_from=None)
     if source.path is not None and not source.path.exists():
         if source.path.is_symlink():  # exists() follows the link: say what is really wrong
-            raise FileNotFoundError(f"{_FUNC}: {source.path} is a symbolic link to nothing, or a loop of links")
-        raise FileNotFoundError(f"{_FUNC}: {source.path} does not exist ({_HELP})")
+            raise MissingInput(f"{_FUNC}: {source.path} is a symbolic link to nothing, or a loop of links")
+        raise MissingInput(f"{_FUNC}: {source.path} does not exist ({_HELP})")
     if source.path is not None and not source.path.is_dir() and not source.path.is_file():
         source = replace(source, path=_spooled(source.path))  # a pipe (FIFO, <(zcat ...)) can be read only once
     if source.frequency_from is not None and not Path(source.frequency_from).exists():
-        raise FileNotFoundError(f"{_FUNC}: frequency_from {source.frequency_from} does not exist ({_HELP})")
+        raise MissingInput(f"{_FUNC}: frequency_from {source.frequency_from} does not exist ({_HELP})")
     return source
 
 
@@ -201,18 +201,18 @@ def _headerless_tsv(path: Path, text_column: str) -> bool:
 
 def _read_table(path: Path) -> pd.DataFrame:
     if path.stat().st_size == 0:
-        raise ValueError(f"{_FUNC}: {path} is empty")
+        raise UserError(f"{_FUNC}: {path} is empty")
     try:
         return _READERS[_suffix(path)](path)
     except pd.errors.EmptyDataError:
-        raise ValueError(f"{_FUNC}: {path} is empty") from None
+        raise UserError(f"{_FUNC}: {path} is empty") from None
     except (EOFError, zlib.error, gzip.BadGzipFile) as err:  # a download cut short
-        raise ValueError(f"{_FUNC}: {path} is a truncated or damaged gzip file ({err})") from None
+        raise UserError(f"{_FUNC}: {path} is a truncated or damaged gzip file ({err})") from None
     except (ValueError, OSError, UnicodeDecodeError, pd.errors.ParserError) as err:
         first = (str(err).splitlines() or [type(err).__name__])[0][:160]
         where = _bad_json_line(path) if _suffix(path) in (".jsonl", ".ndjson") else None
-        raise ValueError(f"{_FUNC}: {path} is not a readable {_suffix(path)[1:]} table "
-                         f"({where or first})") from None
+        raise UserError(f"{_FUNC}: {path} is not a readable {_suffix(path)[1:]} table "
+                        f"({where or first})") from None
 
 
 def _bad_json_line(path: Path) -> str | None:
@@ -234,13 +234,13 @@ def _bad_json_line(path: Path) -> str | None:
 def _read_datasets(path: Path) -> pd.DataFrame:
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
-        raise ValueError(f"{_FUNC}: {path} is a datasets DatasetDict; name one split's directory "
-                         f"({', '.join(str(path / s) for s in splits)})")
+        raise UserError(f"{_FUNC}: {path} is a datasets DatasetDict; name one split's directory "
+                        f"({', '.join(str(path / s) for s in splits)})")
     try:
         import datasets  # optional: pip install 'ntkscope[datasets]'
     except ImportError:
-        raise ImportError(f"{_FUNC}: {path} is a datasets directory; install datasets to read it "
-                          "(pip install 'ntkscope[datasets]')") from None
+        raise MissingPackage(f"{_FUNC}: {path} is a datasets directory; install datasets to read it "
+                             "(pip install 'ntkscope[datasets]')") from None
     return datasets.load_from_disk(str(path)).to_pandas()
 
 
@@ -253,17 +253,17 @@ def _table_rows(path: Path, frame: pd.DataFrame, text_column: str, label_column:
     if label_column is None and "label" in columns and text_column != "label":
         label_column = "label"
     if frame.empty:
-        raise ValueError(f"{_FUNC}: {path} has no rows")
+        raise UserError(f"{_FUNC}: {path} has no rows")
     texts = frame[text_column]
     missing = texts.isna()
     bad = [(i, v) for i, (v, m) in enumerate(zip(texts, missing)) if not m and not isinstance(v, str)]
     if bad:
         row, value = bad[0]
-        raise ValueError(f"{_FUNC}: {path} column {text_column!r} must hold text; row {row + 1} holds "
-                         f"{type(value).__name__} {str(value)[:60]!r} ({len(bad)} such rows in all)")
+        raise UserError(f"{_FUNC}: {path} column {text_column!r} must hold text; row {row + 1} holds "
+                        f"{type(value).__name__} {str(value)[:60]!r} ({len(bad)} such rows in all)")
     keep = ~missing & texts.fillna("").str.strip().astype(bool)
     if not keep.any():
-        raise ValueError(f"{_FUNC}: {path} column {text_column!r} has no non-empty text")
+        raise UserError(f"{_FUNC}: {path} column {text_column!r} has no non-empty text")
     if not keep.all():
         log.warning("%s: %s: %d of %d rows have no text in %r and are left out", _FUNC, path, int((~keep).sum()),
                     len(frame), text_column)
@@ -290,7 +290,7 @@ def _read_text_rows(path: Path) -> list[tuple[str, str]]:
         try:
             data = gzip.decompress(path.read_bytes())
         except (EOFError, zlib.error, gzip.BadGzipFile) as err:
-            raise ValueError(f"{_FUNC}: {path} is a truncated or damaged gzip file ({err})") from None
+            raise UserError(f"{_FUNC}: {path} is a truncated or damaged gzip file ({err})") from None
     text = read_text(path, data, func=_FUNC)
     if _suffix(path) == ".tsv":
         rows = []
@@ -299,7 +299,7 @@ def _read_text_rows(path: Path) -> list[tuple[str, str]]:
                 continue
             label, sep, sentence = line.partition("\t")
             if not sep or not sentence.strip():
-                raise ValueError(f"{_FUNC}: {path} line {i} is not 'label<TAB>text' (got {line[:60]!r})")
+                raise UserError(f"{_FUNC}: {path} line {i} is not 'label<TAB>text' (got {line[:60]!r})")
             rows.append((sentence.strip(), label.strip()))
         return rows
     # a line is a row (its sentences, if it holds several): never joined to the next line

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ntkscope.core.checks import InputError
+from ntkscope.core.checks import InputError, MissingInput, MissingPackage, UserError
 from ntkscope.core.paths import default_data_dir
 
 log = logging.getLogger(__name__)
@@ -88,11 +88,11 @@ def train_bpe(texts: Sequence[str], *, vocab_size: int = 8192, min_frequency: in
     """
 
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 256 + len(BPE_SPECIAL_TOKENS):
-        raise ValueError(f"train_bpe: vocab_size must be an integer >= {256 + len(BPE_SPECIAL_TOKENS)} "
-                         f"(256 bytes + special tokens) (got {vocab_size!r})")
+        raise UserError(f"train_bpe: vocab_size must be an integer >= {256 + len(BPE_SPECIAL_TOKENS)} "
+                        f"(256 bytes + special tokens) (got {vocab_size!r})")
     texts = list(texts)
     if not any(t.strip() for t in texts):
-        raise ValueError(f"train_bpe: texts must hold some non-blank text (got {len(texts)} blank texts)")
+        raise UserError(f"train_bpe: texts must hold some non-blank text (got {len(texts)} blank texts)")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -110,10 +110,10 @@ def gpt2_tokenizer(ranks: str | Path) -> TextTokenizer:
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
     except ImportError:
-        raise ImportError("gpt2_tokenizer: needs tiktoken: pip install tiktoken") from None
+        raise MissingPackage("gpt2_tokenizer: needs tiktoken: pip install tiktoken") from None
     ranks = Path(ranks)
     if not ranks.is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"gpt2_tokenizer: ranks file {ranks} is missing; get it with scripts/fetch_sources.sh gpt2 "
             "(it ships in the openai-whisper==20250625 sdist as whisper/assets/gpt2.tiktoken)")
     encoding = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=load_tiktoken_bpe(str(ranks)),
@@ -133,10 +133,10 @@ def load_tokenizer(spec: str | Path) -> TextTokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"load_tokenizer: spec must be a tokenizer.json, a directory holding one, "
-                                f"a .tiktoken ranks file or 'gpt2'; {path} does not exist (got {str(spec)!r})")
+        raise MissingInput(f"load_tokenizer: spec must be a tokenizer.json, a directory holding one, "
+                           f"a .tiktoken ranks file or 'gpt2'; {path} does not exist (got {str(spec)!r})")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on a malformed file
-        raise ValueError(f"load_tokenizer: {path} is not a tokenizers JSON file ({err})") from None
+        raise UserError(f"load_tokenizer: {path} is not a tokenizers JSON file ({err})") from None
     return _from_hf(tokenizer, str(Path(spec)))

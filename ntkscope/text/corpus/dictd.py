@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+from ntkscope.core.checks import UserError
 from ntkscope.text.corpus.text import Record, make_records, normalise_space, read_text
 
 _B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
@@ -55,8 +56,8 @@ def read_entries(index: Path, dict_dz: Path) -> Iterator[tuple[str, str]]:
     for line_no, line in enumerate(index_text.splitlines(), 1):
         fields = line.split("\t")
         if len(fields) < 3:
-            raise ValueError(f"load_source: {index} line {line_no} is not 'headword<TAB>offset<TAB>length' "
-                             f"(got {line[:80]!r})")
+            raise UserError(f"load_source: {index} line {line_no} is not 'headword<TAB>offset<TAB>length' "
+                            f"(got {line[:80]!r})")
         head, offset, length = fields[0], decode_b64_number(fields[1]), decode_b64_number(fields[2])
         if head.startswith(("00-", "00database")):  # dictd's metadata entries
             continue

@@ -34,7 +34,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from ntkscope.core.checks import check_fraction, check_positive_int, entry, fail
+from ntkscope.core.checks import MissingInput, OutputExists, UserError, check_fraction, check_positive_int, entry, fail
 from ntkscope.core.files import atomic_path, read_json_object
 from ntkscope.text.tokenization import load_tokenizer, train_bpe
 from ntkscope.text.corpus.sources import SOURCES, load_source
@@ -117,7 +117,7 @@ def mix(pools: dict[str, list[Record]], *, share: float, weights: dict[str, floa
         if w > 0:
             total = min(total, available[d] / (share * w))
     if not np.isfinite(total) or total <= 0:
-        raise ValueError(f"build_pack: sources hold no text to mix (tokens available: {available})")
+        raise UserError(f"build_pack: sources hold no text to mix (tokens available: {available})")
     targets = {"general": (1 - share) * total, **{d: share * w * total for d, w in weights.items()}}
     rng = np.random.default_rng(seed)
     chosen: list[Record] = []
@@ -169,7 +169,7 @@ def write_atomic_dir(out: Path, files: dict[str, bytes], *, overwrite: bool) -> 
     """Write ``files`` into a temporary sibling directory, then rename it to ``out``."""
     out = Path(out)
     if out.exists() and not overwrite:
-        raise FileExistsError(f"build_pack: out {out} exists; pass overwrite=True (--force) to replace it")
+        raise OutputExists(f"build_pack: out {out} exists; pass overwrite=True (--force) to replace it")
     with atomic_path(out, overwrite=True) as tmp:
         tmp.mkdir(parents=True)
         for name, data in files.items():
@@ -307,16 +307,16 @@ class CorpusPack:
             try:
                 text = gzip.decompress(file.read_bytes()).decode("utf-8")
             except (OSError, EOFError, UnicodeDecodeError) as err:  # truncated or not gzip
-                raise ValueError(f"CorpusPack: {file} is damaged ({type(err).__name__}: {err})") from None
+                raise UserError(f"CorpusPack: {file} is damaged ({type(err).__name__}: {err})") from None
             rows = []
             for i, line in enumerate(text.splitlines(), 1):
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"CorpusPack: {file} line {i} is not valid JSON ({err.msg})") from None
+                    raise UserError(f"CorpusPack: {file} line {i} is not valid JSON ({err.msg})") from None
                 if not isinstance(row, dict) or (name != "probe.jsonl.gz" and set(Record._fields) - set(row)):
-                    raise ValueError(f"CorpusPack: {file} line {i} is not a record with the fields "
-                                     f"{list(Record._fields)}")
+                    raise UserError(f"CorpusPack: {file} line {i} is not a record with the fields "
+                                    f"{list(Record._fields)}")
                 rows.append(row)
             self._cache[name] = rows
         return self._cache[name]
@@ -353,19 +353,19 @@ def load_pack(path: str | Path | None = None, *, verify: bool = True) -> CorpusP
     path = Path(path) if path is not None else DEFAULT_PACK
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
-        raise FileNotFoundError(f"load_pack: path {path} is not a corpus pack (no manifest.json); "
-                                "build one with: ntkscope corpus build OUT")
+        raise MissingInput(f"load_pack: path {path} is not a corpus pack (no manifest.json); "
+                           "build one with: ntkscope corpus build OUT")
     manifest = read_json_object(manifest_path, "load_pack")
     if manifest.get("format") != PACK_FORMAT:
         raise fail("load_pack", "path", f"must hold a pack of format {PACK_FORMAT}", manifest.get("format"))
     missing = [k for k in ("files", "splits", "version") if k not in manifest]
     if missing or not isinstance(manifest["files"], dict):
-        raise ValueError(f"load_pack: {manifest_path} lacks {missing or ['files']}: the pack is damaged")
+        raise UserError(f"load_pack: {manifest_path} lacks {missing or ['files']}: the pack is damaged")
     if verify:
         for name, info in manifest["files"].items():
             file = path / name
             if not file.is_file():
-                raise FileNotFoundError(f"load_pack: {file} is missing from the pack")
+                raise MissingInput(f"load_pack: {file} is missing from the pack")
             if _sha256(file.read_bytes()) != (info.get("sha256") if isinstance(info, dict) else None):
-                raise ValueError(f"load_pack: {file} does not match its sha256 in the manifest: the pack is damaged")
+                raise UserError(f"load_pack: {file} does not match its sha256 in the manifest: the pack is damaged")
     return CorpusPack(path, manifest)

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+from ntkscope.core.checks import UserError
 from ntkscope.text.corpus.text import Record, make_records, paragraphs, read_text
 
 #: Directives whose indented body is prose worth keeping.
@@ -89,7 +90,7 @@ def rst_records(root: Path, *, source: str = "python-docs") -> Iterator[Record]:
     """Every ``*.rst.txt`` under ``root``; one record per prose paragraph."""
     files = sorted(root.rglob("*.rst.txt"))
     if not files:
-        raise ValueError(f"load_source: {root} has no *.rst.txt files")
+        raise UserError(f"load_source: {root} has no *.rst.txt files")
     for path in files:
         rel = path.relative_to(root)
         category = rel.parts[0] if len(rel.parts) > 1 else "front-matter"

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 import yaml
 
+from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.paths import default_data_dir
 
 from ntkscope.text.corpus.dictd import gcide_records, glossary_records
@@ -38,7 +39,7 @@ HPO_PHENOTYPIC_ABNORMALITY = "HP:0000118"
 SCANCODE_PREFIX = "licensedcode/data/licenses/"
 
 
-class SourceMissingError(FileNotFoundError):
+class SourceMissingError(MissingInput):
     """A corpus source is not installed here."""
 
 
@@ -63,7 +64,7 @@ def fortune_records(root: Path) -> Iterator[Record]:
     files = sorted(p for p in root.iterdir()
                    if p.is_file() and not p.is_symlink() and p.suffix not in (".dat", ".u8"))
     if not files:
-        raise ValueError(f"load_source: {root} has no fortune files")
+        raise UserError(f"load_source: {root} has no fortune files")
     for path in files:
         quotes = re.split(r"^%\s*$", read_text(path), flags=re.MULTILINE)
         for i, quote in enumerate(quotes):
@@ -79,7 +80,7 @@ def scancode_records(wheel: Path) -> Iterator[Record]:
     with zipfile.ZipFile(wheel) as zf:
         names = sorted(n for n in zf.namelist() if n.startswith(SCANCODE_PREFIX) and n.endswith(".LICENSE"))
         if not names:
-            raise ValueError(f"load_source: {wheel} holds no {SCANCODE_PREFIX}*.LICENSE files")
+            raise UserError(f"load_source: {wheel} holds no {SCANCODE_PREFIX}*.LICENSE files")
         for name in names:
             raw = read_text(Path(f"{wheel}!{name}"), zf.read(name))
             match = re.match(r"^---\n(.*?)\n---\n?(.*)$", raw, flags=re.DOTALL)
@@ -99,7 +100,7 @@ def go_records(sqlite_path: Path) -> Iterator[Record]:
     try:
         rows = con.execute("SELECT go_id, ontology, definition FROM go_term ORDER BY go_id").fetchall()
     except sqlite3.DatabaseError as err:
-        raise ValueError(f"load_source: {sqlite_path} is not GO.db's sqlite file ({err})") from None
+        raise UserError(f"load_source: {sqlite_path} is not GO.db's sqlite file ({err})") from None
     finally:
         con.close()
     for go_id, ontology, definition in rows:
@@ -288,8 +289,8 @@ def load_source(name: str, *, root: Path | str = "/", data_dir: Path | str | Non
         ``~/.cache/ntkscope/sources``).
     """
     if name not in SOURCES:
-        raise ValueError(f"load_source: name must be one of {sorted(SOURCES)} (got {name!r})")
+        raise UserError(f"load_source: name must be one of {sorted(SOURCES)} (got {name!r})")
     records = list(SOURCES[name].reader(SOURCES[name].locate(root, data_dir)))
     if not records:
-        raise ValueError(f"load_source: source {name!r} gave no text: its files are installed but hold no records")
+        raise UserError(f"load_source: source {name!r} gave no text: its files are installed but hold no records")
     return records

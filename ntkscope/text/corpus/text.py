@@ -13,6 +13,8 @@ import unicodedata
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple
 
+from ntkscope.core.checks import UserError
+
 #: The pack's tokenizer-free unit, used to measure shares before any BPE exists:
 #: runs of word characters, or single other non-space characters.
 WORD_RE = re.compile(r"\w+|[^\w\s]")
@@ -120,7 +122,7 @@ def read_text(path: Path, data: bytes | None = None, *, func: str = "load_source
     if data is None:
         data = Path(path).read_bytes()
     if not data.strip():
-        raise ValueError(f"{func}: {path} is empty")
+        raise UserError(f"{func}: {path} is empty")
     pieces: list[str] = []
     start = repairs = 0
     first: tuple[int, int] | None = None  # (offset, byte) of the first invalid byte
@@ -138,8 +140,8 @@ def read_text(path: Path, data: bytes | None = None, *, func: str = "load_source
                 except UnicodeDecodeError:
                     pass
             if fixed is None:
-                raise ValueError(f"{func}: {path} is not valid UTF-8 (byte {first[1]:#04x} at offset {first[0]}; "
-                                 f"at most {max_repairs} stray bytes are repaired)") from None
+                raise UserError(f"{func}: {path} is not valid UTF-8 (byte {first[1]:#04x} at offset {first[0]}; "
+                                f"at most {max_repairs} stray bytes are repaired)") from None
             pieces.append(data[start:pos].decode("utf-8"))
             pieces.append(fixed)
             repairs += 1
