@@ -192,8 +192,8 @@ def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path, m
 
 
 def test_gc_refuses_what_it_would_not_honour(tmp_path, capsys):
-    """Issue 33, defect 10: --by label on data with one label and --bins 1 (GC = 1 by construction), and options
-    that apply to one checkpoint given for a run directory, are one line and exit 1."""
+    """Issue 33, defect 10: --by label on data with one label and --bins 1 (GC = 1 by construction) are one
+    line and exit 1; options that apply to one checkpoint given for a run directory are a usage error (exit 2)."""
     import json
 
     from cse_models import GPT, GPTConfig
@@ -216,10 +216,12 @@ def test_gc_refuses_what_it_would_not_honour(tmp_path, capsys):
                  "1", "--n", "24", "--seq-len", "16"]) == 1  # one bin: the whole set, GC = 1 by construction
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "bins must give two or more non-empty frequency bins" in err, err
-    for extra in (["--by", "label"], ["--outputs", "loss,centred-true-logit"], ["--dtype", "float64"]):
-        assert main(["--quiet", "gc", str(tmp_path / "run"), "--n", "24", *extra]) == 1
+    for extra in (["--by", "label"], ["--outputs", "loss,centred-true-logit"], ["--bins", "3"]):
+        with pytest.raises(SystemExit) as exited:  # a usage error (issue 30): exit 2, one line
+            main(["--quiet", "gc", str(tmp_path / "run"), "--n", "24", *extra])
+        assert exited.value.code == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "apply to one checkpoint" in err and extra[0] in err, err
+        assert len(err.splitlines()) == 1 and "applies to one checkpoint" in err and extra[0] in err, err
 
 
 def test_a_rerun_into_the_same_out_replaces_the_whole_result(tmp_path):
@@ -283,3 +285,84 @@ def test_a_bug_keeps_its_traceback_and_a_user_mistake_is_one_line(tmp_path, monk
                          capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith("cse-train: error:"), bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_gc_run(tmp_path_factory):
+    """A run directory of two real checkpoints (a short training) and a labelled table."""
+    import json
+
+    from cse_models.train import TrainConfig, train
+    from ntkscope.text.corpus.pack import load_pack
+
+    root = tmp_path_factory.mktemp("gc-run")
+    train(TrainConfig.from_dict({"out_dir": str(root / "run"), "model": {"n_layer": 1, "n_embd": 16, "n_head": 2},
+                                 "data": {"seq_len": 16, "split": "validation"}, "steps": 4, "batch_size": 4,
+                                 "checkpoint_every": 2, "log_every": 2, "warmup_steps": 1}))
+    rows = [{"text": r.text, "domain": r.domain} for r in load_pack().records("validation")[:120]]
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    legal = [r.text for r in load_pack().records("train") if r.domain == "legal"][:400]  # another reference
+    (root / "other.txt").write_text("\n".join(legal) + "\n")
+    return root
+
+
+def test_every_gc_option_is_honoured_for_a_run_or_refused_with_exit_2(tiny_gc_run, capsys):
+    """Issue 30: each option the gc parser accepts, given for a run directory, either changes what is
+    computed (the run's result records it, and the result differs from the default run's) or is a
+    usage error (exit 2). An option added to the parser fails here until it is placed."""
+    import json
+
+    from ntkscope.app.cli import build_parser, main
+    from ntkscope.text.corpus.pack import DEFAULT_PACK
+
+    run, rows = tiny_gc_run / "run", str(tiny_gc_run / "rows.jsonl")
+    base = ["--quiet", "gc", str(run), "--data", rows, "--n", "24", "--seq-len", "16", "--resamples", "4",
+            "--null-draws", "4"]
+    honoured = {  # option -> (its value, what the result shows)
+        "--data": None, "--n": None, "--seq-len": None, "--resamples": None, "--null-draws": None,  # in base
+        "--out": None,
+        "--frequency-from": (["--frequency-from", str(tiny_gc_run / "other.txt")],
+                             lambda r: r["source"]["frequency_from"].endswith("other.txt")),
+        "--text-column": (["--text-column", "text"], lambda r: r["data"]),
+        "--label-column": (["--label-column", "domain", "--homogeneous-label", "general"],
+                           lambda r: r["homogeneous_label"] == "general"),
+        "--homogeneous-label": None,  # with --label-column above
+        "--tokenizer": (["--tokenizer", str(DEFAULT_PACK / "tokenizer.json")], lambda r: True),
+        "--params": (["--params", "transformer.h.0.*"], lambda r: r["params"] == ["transformer.h.0.*"]),
+        "--output": (["--output", "loss"], lambda r: r["output"] == "loss"),
+        "--method": (["--method", "exact"], lambda r: r["method"] == "exact"),
+        "--dtype": (["--dtype", "float64"], lambda r: r["dtype"] == "float64"),
+        "--device": (["--device", "cpu"], lambda r: r["device"] == "cpu"),
+        "--max-memory": (["--max-memory", "2"], lambda r: r["max_memory"] == 2 * 2 ** 30),
+        "--seed": (["--seed", "3"], lambda r: r["seed"] == 3),
+        "--confidence": (["--confidence", "0.8"], lambda r: r["resampling"]["confidence"] == 0.8),
+        "--interval": (["--interval", "basic"], lambda r: r["resampling"]["interval"] == "basic"),
+        "--tail-fraction": (["--tail-fraction", "0.5"], lambda r: r["n_tail"] == 12),
+        "--cache-dir": (["--cache-dir", str(tiny_gc_run / "cache")], lambda r: (tiny_gc_run / "cache").is_dir()),
+    }
+    refused = {"--by": ["--by", "label"], "--outputs": ["--outputs", "loss,true-logit"], "--bins": ["--bins", "3"],
+               "--binning": ["--binning", "width"], "--min-count": ["--min-count", "2"]}
+    options = {s for a in build_parser()._subparsers._group_actions[0].choices["gc"]._actions
+               for s in a.option_strings if s.startswith("--") and s not in ("--help", "--pack")}
+    assert options == set(honoured) | set(refused), sorted(options ^ (set(honoured) | set(refused)))
+    out = tiny_gc_run / "out"
+    assert main(base + ["--out", str(out)]) == 0
+    default = json.loads((out / "result.json").read_text())
+    for option, spec in honoured.items():
+        if spec is None:
+            continue
+        extra, shows = spec
+        assert main(base + extra + ["--out", str(out)]) == 0, option
+        result = json.loads((out / "result.json").read_text())
+        assert shows(result), (option, {k: result.get(k) for k in ("params", "dtype", "device", "max_memory")})
+        # the same computation by design (the defaults spelled out); --frequency-from rescores the sentences
+        # (tests/test_inputs.py) but here leaves the same lowest third
+        if option not in ("--text-column", "--tokenizer", "--device", "--cache-dir", "--max-memory",
+                          "--frequency-from"):
+            assert result["series"] != default["series"] or result["n_tail"] != default["n_tail"], option
+    for option, extra in refused.items():
+        with pytest.raises(SystemExit) as exited:
+            main(base + extra)
+        assert exited.value.code == 2, option
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "applies to one checkpoint" in err, (option, err)

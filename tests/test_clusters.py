@@ -2,6 +2,7 @@
 separation, cluster dynamics over checkpoints (cached, resumable), and the CSE plan."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -239,7 +240,7 @@ def test_snapshots_annotate_clusters_with_domains_and_scores(tiny_run):
     share_cols = [c for c in clusters.columns if c.startswith("share ")]
     np.testing.assert_allclose(clusters[share_cols].sum(axis=1), 1.0)
     assert clusters.groupby("step")["size"].sum().eq(48).all() and "mean score" in clusters
-    with pytest.raises(ValueError, match=r"cluster_snapshots: steps must be checkpoint steps \[2, 4, 6, 8\]"):
+    with pytest.raises(ValueError, match=r"cluster_snapshots: steps must be steps of the run.s checkpoints \[2, 4, 6, 8\]"):
         cluster_snapshots(run, batch, layer=2, steps=[3])
 
 
@@ -324,3 +325,33 @@ def test_someone_elses_run_and_cache_dir(tiny_run, monkeypatch, tmp_path):
     assert {p for p in run.rglob("*")} == before and list((tmp_path / "mine").glob("*.json"))
     step = sorted(run.glob("checkpoints/step-*"))[-1]
     assert main(["-q", "gc", str(step), "--cache-dir", str(tmp_path / "mine")]) == 1
+
+
+def test_plan_loads_each_checkpoint_once_and_unknown_steps_are_one_rule(tiny_run, monkeypatch, tmp_path):
+    """Issue 30: plan walks the run once (clusters, GC and router fits per checkpoint in one pass),
+    so each checkpoint is loaded once; a step the run lacks is refused by every analysis alike."""
+    from collections import Counter
+
+    from ntkscope.app import commands
+
+    run, batch, _ = tiny_run
+    loads = Counter()
+    for module in (dynamics, commands):
+        real = module.load_checkpoint
+
+        def counting(path, real=real):
+            loads[Path(path).name] += 1
+            return real(path)
+        monkeypatch.setattr(module, "load_checkpoint", counting)
+    common = dict(n=48, seq_len=24, k_max=5, projection_dim=16, router={"min_cluster_size": 5, "min_samples": 3})
+    commands.plan_command(run, "default", out=tmp_path / "plan.json", cache_dir=tmp_path / "fresh", **common)
+    steps = [p.name for p in sorted((run / "checkpoints").iterdir())]
+    assert dict(loads) == {name: 1 for name in steps}, loads
+    loads.clear()
+    commands.plan_command(run, "default", out=tmp_path / "again.json", cache_dir=tmp_path / "fresh", **common)
+    assert dict(loads) == {steps[-1]: 1}  # all cached: only the last checkpoint, for its tokenizer and context
+    for func in (dynamics.cluster_dynamics, dynamics.router_dynamics):
+        with pytest.raises(ValueError, match=r"steps must be steps of the run's checkpoints \[2, 4, 6, 8\] \(got \[3\]\)"):
+            func(run, batch, steps=[2, 3])
+    with pytest.raises(ValueError, match=r"gc_series: steps must be steps of the run's checkpoints"):
+        dynamics.gc_series(run, batch, [0, 1, 2], steps=[3])

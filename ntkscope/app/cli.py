@@ -164,6 +164,16 @@ def _resampling(args) -> Resampling:
                       interval=args.interval, seed=args.seed)
 
 
+# gc's options that have no meaning for a run directory, where gc follows the long tail's GC over
+# the checkpoints, and for one checkpoint (every other option is honoured for both)
+GC_ONE = {"bins": 6, "binning": "count", "min_count": 4}  # defaults of the options for one checkpoint only
+GC_RUN = {"tail_fraction": 1 / 3}                       # and for a run directory only
+_GC_ONE_CHECKPOINT = {"--by label": lambda a: a.by == "label", "--outputs": lambda a: a.outputs,
+                      **{f"--{k.replace('_', '-')}": (lambda a, k=k: getattr(a, k) is not None) for k in GC_ONE}}
+_GC_RUN_ONLY = {"--cache-dir": lambda a: a.cache_dir,
+                **{f"--{k.replace('_', '-')}": (lambda a, k=k: getattr(a, k) is not None) for k in GC_RUN}}
+
+
 GC_COLUMNS = ["n_subset", "abs_gc", "abs_gc_low", "abs_gc_high", "null_low", "null_high", "versus_null",
               "versus_homogeneous", "versus_matched-length", "versus_matched-loss", "gc_signed", "sign_confidence",
               "mean_gradient", "flags"]
@@ -172,22 +182,13 @@ GC_COLUMNS = ["n_subset", "abs_gc", "abs_gc_low", "abs_gc_high", "null_low", "nu
 def _gc(args) -> int:
     outputs = [o.strip() for o in args.outputs.split(",")] if args.outputs else None
     run = is_run_dir(args.target)
-    if run and args.device:
-        raise InputError("device", "applies to one checkpoint; a run directory is analysed on the CPU",
-                         args.device, func="ntkscope gc")
-    if not run and args.cache_dir:
-        raise InputError("cache_dir", "applies to a run directory (one checkpoint's result is reused from --out)",
-                         args.cache_dir, func="ntkscope gc")
     if run:
-        unused = {"--by label": args.by == "label", "--outputs": args.outputs, "--params": args.params,
-                  "--dtype": args.dtype, "--max-memory": args.max_memory, "--homogeneous-label": args.homogeneous_label}
-        if any(unused.values()):  # refused rather than silently not honoured
-            raise InputError("options", "apply to one checkpoint; over a run, gc follows the long tail's GC "
-                             "(frequency, output, method, resampling)", [k for k, v in unused.items() if v],
-                             func="ntkscope gc")
-        result = commands.gc_run_command(args.target, _source(args), n=args.n, output=args.output,
+        tail = GC_RUN["tail_fraction"] if args.tail_fraction is None else args.tail_fraction
+        result = commands.gc_run_command(args.target, _source(args), n=args.n, tail_fraction=tail, output=args.output,
                                          method=args.method, resampling=_resampling(args), seq_len=args.seq_len,
-                                         seed=args.seed, tokenizer=args.tokenizer, cache_dir=args.cache_dir,
+                                         seed=args.seed, tokenizer=args.tokenizer, params=args.params,
+                                         dtype=args.dtype, device=args.device, max_memory=_gib(args.max_memory),
+                                         homogeneous_label=args.homogeneous_label, cache_dir=args.cache_dir,
                                          out=args.out)
         _print_table(f"GC of the long tail (n_tail={result['n_tail']} of {result['n']}, output {args.output}) at "
                      "each checkpoint:", _columns(pd.DataFrame(result["series"]), ["step", "excess", "excess_se",
@@ -195,8 +196,9 @@ def _gc(args) -> int:
         peak = result["peak"]
         print(f"\n|GC| peaks at step {peak['step']}: {'shown' if peak['shown'] else 'not shown'} ({peak['why']})")
     else:
-        result = commands.gc_command(args.target, _source(args), by=args.by, bins=args.bins, binning=args.binning,
-                                     n=args.n, min_count=args.min_count, params=args.params, output=args.output,
+        one = {k: GC_ONE[k] if getattr(args, k) is None else getattr(args, k) for k in GC_ONE}
+        result = commands.gc_command(args.target, _source(args), by=args.by, **one,
+                                     n=args.n, params=args.params, output=args.output,
                                      outputs=outputs, method=args.method, dtype=args.dtype, device=args.device,
                                      max_memory=_gib(args.max_memory), seq_len=args.seq_len,
                                      seed=args.seed, resampling=_resampling(args), tokenizer=args.tokenizer,
@@ -213,7 +215,7 @@ def _gc(args) -> int:
         for warning in result["warnings"]:
             print(f"\nwarning: {warning}")
         if result["skipped"]:
-            print(f"\nskipped (fewer than --min-count {args.min_count} sentences): {json.dumps(result['skipped'])}")
+            print(f"\nskipped (fewer than --min-count {one['min_count']} sentences): {json.dumps(result['skipped'])}")
     if args.out:
         print(f"\nwrote {args.out}/")
     return 0
@@ -382,11 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(gc, 256, "eigen", output=GC_OUTPUT)
     gc.add_argument("--by", default="frequency-bins", choices=GROUPINGS,
                     help="subsets: frequency-score bins (default) or the data's labels")
-    gc.add_argument("--bins", type=int, default=6, help="frequency bins (default 6)")
+    gc.add_argument("--bins", type=int, help=f"frequency bins (default {GC_ONE['bins']}; one checkpoint)")
+    gc.add_argument("--binning", choices=BINNINGS,
+                    help="equal-count bins (default) or equal-width bins of the frequency score (one checkpoint)")
+    gc.add_argument("--min-count", type=int, help=f"smallest subset analysed (default {GC_ONE['min_count']}; one "
+                    "checkpoint)")
+    gc.add_argument("--tail-fraction", type=float, help=f"a run directory: the long tail is this lowest-score share "
+                    f"of the sentences (default {GC_RUN['tail_fraction']:.3g})")
     _add_cache_arg(gc)
-    gc.add_argument("--binning", default="count", choices=BINNINGS,
-                    help="equal-count bins (default) or equal-width bins of the frequency score")
-    gc.add_argument("--min-count", type=int, default=4, help="smallest subset analysed (default 4)")
     gc.add_argument("--outputs", help="several scalar outputs side by side, comma-separated, e.g. "
                     f"{','.join(SCALAR_OUTPUTS)} (a sensitivity view; overrides --output)")
     gc.add_argument("--resamples", type=int, default=200,
@@ -478,14 +483,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _usage_error(args, message: str) -> None:
+    print(f"ntkscope {args.command}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def _refuse_unsupported(args) -> None:
-    """Exit 2 with one line when the method table says the asked combination cannot run."""
+    """Exit 2 with one line when the method table says the asked combination cannot run, or an
+    option has no meaning for what it is given (gc over a run directory or one checkpoint)."""
+    if args.command == "gc":
+        run = is_run_dir(args.target)
+        misplaced = [k for k, given in (_GC_ONE_CHECKPOINT if run else _GC_RUN_ONLY).items() if given(args)]
+        if misplaced:
+            _usage_error(args, f"{', '.join(misplaced)} {'apply' if len(misplaced) > 1 else 'applies'} to "
+                         + ("one checkpoint; over a run directory, gc follows the long tail's GC at every "
+                            "checkpoint (--tail-fraction)" if run else "a run directory (one checkpoint's result is "
+                                                                       "reused from --out)"))
     task = getattr(args, "task", None)
     why = task and unsupported(task, args.method, scalar=OUTPUTS[args.output])
     if why:
         arg, rule = why
-        print(f"ntkscope {args.command}: error: --{arg} {getattr(args, arg)} {rule}", file=sys.stderr)
-        sys.exit(2)
+        _usage_error(args, f"--{arg} {getattr(args, arg)} {rule}")
 
 
 _DISTRIBUTED_COMMANDS = ("gc", "ntk")

@@ -32,7 +32,8 @@ from ntkscope.representation.clusters import layer_separation
 from ntkscope.representation.plan import gc_peak, make_plan
 from ntkscope.runs.checkpoints import (check_vocab, checkpoint_tokenizer, is_run_dir, list_checkpoints,
                                        load_checkpoint)
-from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_dynamics, router_persistence
+from ntkscope.runs.dynamics import (cluster_dynamics, clusters_analysis, clusters_table, gc_analysis, gc_series,
+                                    gc_table, persistence_tables, router_analysis, router_table, walk)
 from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.families import family_of
 from ntkscope.runs.gc import GC_OUTPUT, gc_by_bins, gc_sensitivity
@@ -163,22 +164,34 @@ def flag_warnings(table) -> list:
 
 def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1 / 3, output: str = GC_OUTPUT,
                    method: str = "auto", resampling: Resampling = Resampling(), seq_len: int = 64, seed: int = 0,
-                   tokenizer=None, cache_dir=None, out=None) -> dict:
+                   tokenizer=None, params=None, dtype=None, device=None, max_memory: int | None = None,
+                   homogeneous_label=None, cache_dir=None, out=None) -> dict:
     """GC of the long-tail subset (lowest frequency scores) against the whole set at every
     checkpoint of a run, with its statistics: ``gc_over_steps.csv``, ``result.json`` and
-    ``gc_over_steps.png``. ``peak``: :func:`ntkscope.gc_peak` (step, shown, why). Each checkpoint's
-    result is cached in ``cache_dir`` (default: RUN/analysis when the run is ours to write, else the
-    user's cache)."""
+    ``gc_over_steps.png``. ``peak``: :func:`ntkscope.gc_peak` (step, shown, why). ``params``,
+    ``dtype``, ``device``, ``max_memory`` and ``homogeneous_label`` (the homogeneous null's pool: that
+    label's sentences) as for :func:`gc_command`, at every checkpoint. Each checkpoint's result is
+    cached in ``cache_dir`` (default: RUN/analysis when the run is ours to write, else the user's
+    cache)."""
     check_output("gc", out)
     checkpoints = list_checkpoints(run_dir)
     model, tok = load_model_and_tokenizer(checkpoints[-1][1], tokenizer, data)
     ad = analysis_sentences(model, tok, data, n=n, seq_len=seq_len, seed=seed)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
-    frame = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=resampling,
-                      cache_dir=cache_dir)
+    pools = None
+    if homogeneous_label is not None:
+        labels = ad.labels["label"].astype(str).to_numpy()
+        if not (labels == homogeneous_label).any():
+            raise InputError("homogeneous_label", f"must be one of the data's labels {sorted(set(labels))}",
+                             homogeneous_label, func="gc")
+        pools = [np.flatnonzero(labels == homogeneous_label)]
+    frame = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=resampling, pools=pools,
+                      cache_dir=cache_dir, params=params, dtype=dtype, device=device, max_memory=max_memory)
     peak = gc_peak(frame)
-    result = {"run": str(run_dir), "data": ad.source, "n": n, "n_tail": len(tail), "output": output,
-              "method": method, "seed": seed, "seq_len": seq_len, "tail_fraction": tail_fraction,
+    result = {"run": str(run_dir), "data": ad.source, "source": as_source(data).options(), "n": n, "n_tail": len(tail),
+              "output": output, "method": method, "seed": seed, "seq_len": seq_len, "tail_fraction": tail_fraction,
+              "params": params, "dtype": dtype, "device": device, "max_memory": max_memory,
+              "homogeneous_label": homogeneous_label,
               "resampling": dataclasses.asdict(resampling), "peak": peak, "series": frame.to_dict("records")}
     with Staging(out) as files:
         frame.to_csv(files.path("gc_over_steps.csv"), index=False)
@@ -336,12 +349,10 @@ def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_l
     two or more labels, the plan also reports what the clusters hold of the ``tail_labels``
     (default: every label but the most frequent), and ``choose_by="labels"`` chooses by them."""
     check_output("plan", out, kind="file")
-    ad = _analysis_sentences(run_dir, data, tokenizer, n, seq_len, seed, run=True)
-    table = cluster_dynamics(run_dir, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed,
-                             cache_dir=cache_dir)
+    last_path = list_checkpoints(run_dir)[-1][1]
+    last_model, tok = load_model_and_tokenizer(last_path, tokenizer, data)
+    ad = analysis_sentences(last_model, tok, data, n=n, seq_len=seq_len, seed=seed)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
-    gc = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=Resampling(seed=seed),
-                   cache_dir=cache_dir)
     labelled = ad.labels["label"].nunique() >= 2
     if tail_labels is None and labelled:
         counts = ad.labels["label"].value_counts()
@@ -350,17 +361,21 @@ def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_l
         raise InputError("choose_by", "'labels' needs data whose sentences carry two or more labels", choose_by,
                          func="ntkscope plan")
     routing = dict(point="attn_input" if module == "attn" else "ffn_input", router={"seed": seed, **(router or {})},
-                   cache_dir=cache_dir,
                    **({"domains": ad.labels["label"].astype(str).tolist(), "tail": list(tail_labels)} if labelled else {}))
-    every = list(range(int(table["layer"].max()) + 1))  # one router fit per checkpoint and layer, shared
+    analyses = {"clusters": clusters_analysis(ad.batch, point=point, k_max=k_max, projection_dim=projection_dim,
+                                              seed=seed),
+                "gc": gc_analysis(ad.batch, tail, output=output, method=method, resampling=Resampling(seed=seed)),
+                "router": router_analysis(ad.batch, **routing)}  # every layer: one fit per checkpoint, shared
+    checkpoints, found = walk(run_dir, analyses, cache_dir=cache_dir, models={last_path: last_model},
+                              func="ntkscope plan")  # each checkpoint loaded once, for all three
+    table, gc = clusters_table(found["clusters"]), gc_table(found["gc"])
+    routers = router_table(checkpoints, found["router"])
     plan = make_plan(table, gc, top_k=top_k, module=module, overlap=overlap, choose_by=choose_by,
-                     persistence=lambda layers: {k: v for k, v in router_persistence(
-                         run_dir, ad.batch, every, **routing).items() if k in layers},
-                     labels=(lambda layers: router_dynamics(run_dir, ad.batch, every, **routing)) if labelled else None,
-                     stability=lambda layers: router_dynamics(run_dir, ad.batch, every, **routing).query(
-                         "layer in @layers"))
-    steps = [step for step, _ in list_checkpoints(run_dir)]
-    last_model, tok = load_model_and_tokenizer(list_checkpoints(run_dir)[-1][1], tokenizer, data)
+                     persistence=lambda layers: {k: v for k, v in persistence_tables(
+                         checkpoints, found["router"], n=len(ad.labels)).items() if k in layers},
+                     labels=(lambda layers: routers) if labelled else None,
+                     stability=lambda layers: routers.query("layer in @layers"))
+    steps = [step for step, _ in checkpoints]
     plan = dataclasses.replace(plan, source={
         **architecture(last_model), "family": family_of(last_model).name, "tokenizer": tok.name,
         "vocab_size": tok.vocab_size, **as_source(data).options(), "run": str(run_dir), "steps": steps,

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -79,68 +80,124 @@ def _cache(run_dir, cache_dir) -> JsonCache:
     return JsonCache(elsewhere)
 
 
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """One per-checkpoint analysis of a run for :func:`walk`: its cache ``key`` (the options and
+    the data) and ``compute(model, step) -> JSON-able result``."""
+
+    key: str
+    compute: Callable
+
+
+def select_checkpoints(run_dir, steps, func: str) -> list:
+    """[(step, path)] of the run, or of ``steps`` only: a step the run has no checkpoint for is
+    refused, by every analysis alike."""
+    checkpoints = list_checkpoints(run_dir)
+    if steps is None:
+        return checkpoints
+    wanted = {int(s) for s in steps}
+    missing = sorted(wanted - {s for s, _ in checkpoints})
+    if missing:
+        raise fail(func, "steps", f"must be steps of the run's checkpoints {[s for s, _ in checkpoints]}", missing)
+    return [(s, p) for s, p in checkpoints if s in wanted]
+
+
+def walk(run_dir, analyses: dict, *, steps=None, cache_dir=None, models=None, func: str = "walk"):
+    """One pass over a run's checkpoints for several analyses ({name: :class:`Analysis`}): each
+    checkpoint's result of each analysis is read from the cache, or computed, and a checkpoint
+    is loaded at most once, only when some analysis has no cached result there (``models``:
+    {path: model} already loaded by the caller, used as they are). Returns ([(step, path)],
+    {name: [result per checkpoint]})."""
+    checkpoints = select_checkpoints(run_dir, steps, func)
+    cache = _cache(run_dir, cache_dir)
+    models = {str(k): v for k, v in (models or {}).items()}
+    results = {name: [] for name in analyses}
+    progress = _Progress(func, len(checkpoints))
+    for step, path in checkpoints:
+        loaded = []
+
+        def model(path=path):
+            if not loaded:
+                loaded.append(models.get(str(path)) or load_checkpoint(path))
+            return loaded[0]
+
+        for name, analysis in analyses.items():
+            results[name].append(cache.get(f"step-{step:06d}", analysis.key,
+                                           lambda a=analysis, s=step: a.compute(model(), s)))
+        progress.step(f"step {step}")
+    return checkpoints, results
+
+
+def clusters_analysis(batch: dict, *, point: str = "block", layers=None, k_max: int = 10,
+                      projection_dim: int | None = 64, seed: int = 0) -> Analysis:
+    """:func:`cluster_dynamics`' per-checkpoint analysis."""
+    options = {"what": "clusters", "point": point, "layers": layers, "k_max": k_max,
+               "projection_dim": projection_dim, "seed": seed}
+
+    def compute(model, step):
+        emb = layer_embeddings(model, batch, point=point, layers=layers)
+        table = layer_separation(emb, k_max=k_max, projection_dim=projection_dim, seed=seed)
+        table.insert(0, "step", step)
+        return table.to_dict("records")
+    return Analysis(digest(options, arrays=batch), compute)
+
+
 def cluster_dynamics(run_dir, batch: dict, *, point: str = "block", layers=None, k_max: int = 10,
                      projection_dim: int | None = 64, seed: int = 0, steps=None, cache_dir=None) -> pd.DataFrame:
     """Per (step, layer) over a run's checkpoints: columns step, layer, n, k, inter_distance,
     mean_radius, separation. ``steps`` restricts to some checkpoints; results are cached per
     checkpoint in ``cache_dir`` (default ``RUN/analysis``)."""
-    checkpoints = list_checkpoints(run_dir)
-    if steps is not None:
-        wanted = set(steps)
-        missing = sorted(wanted - {s for s, _ in checkpoints})
-        if missing:
-            raise fail("cluster_dynamics", "steps", f"must be steps of the run's checkpoints "
-                       f"{[s for s, _ in checkpoints]}", missing)
-        checkpoints = [(s, p) for s, p in checkpoints if s in wanted]
-    cache = _cache(run_dir, cache_dir)
-    options = {"what": "clusters", "point": point, "layers": layers, "k_max": k_max,
-               "projection_dim": projection_dim, "seed": seed}
-    key = digest(options, arrays=batch)
-    frames = []
-    progress = _Progress("cluster_dynamics", len(checkpoints))
-    for step, path in checkpoints:
-        def compute(path=path, step=step):
-            emb = layer_embeddings(load_checkpoint(path), batch, point=point, layers=layers)
-            table = layer_separation(emb, k_max=k_max, projection_dim=projection_dim, seed=seed)
-            table.insert(0, "step", step)
-            return table.to_dict("records")
-        frames.append(pd.DataFrame(cache.get(f"step-{step:06d}", key, compute)))
-        progress.step(f"step {step}")
-    return pd.concat(frames, ignore_index=True)[COLUMNS]
+    analysis = clusters_analysis(batch, point=point, layers=layers, k_max=k_max, projection_dim=projection_dim,
+                                 seed=seed)
+    _, results = walk(run_dir, {"clusters": analysis}, steps=steps, cache_dir=cache_dir, func="cluster_dynamics")
+    return clusters_table(results["clusters"])
+
+
+def clusters_table(results: list) -> pd.DataFrame:
+    return pd.concat([pd.DataFrame(r) for r in results], ignore_index=True)[COLUMNS]
+
+
+def gc_analysis(batch: dict, subset, *, output: str = "loss", method: str = "auto",
+                resampling: Resampling | None = Resampling(), pools=None, match=MATCHES, **fields) -> Analysis:
+    """:func:`gc_series`' per-checkpoint analysis; ``fields``: further
+    :class:`~ntkscope.KernelOptions` fields (params, dtype, device, max_memory, ...)."""
+    subset = [int(i) for i in subset]
+    settings = None if resampling is None else dataclasses.asdict(resampling)
+    pools = None if pools is None else [sorted(int(i) for i in pool) for pool in pools]
+    options = {"what": "gc", "format": 3, "subset": subset, "method": method, "output": output, "resampling": settings,
+               "pools": pools, "match": list(match)}
+    given = {k: v for k, v in fields.items() if v is not None}
+    if given:  # a key without them stays the key of the defaults, so earlier caches still serve
+        options["fields"] = {k: str(v) for k, v in sorted(given.items())}
+
+    def compute(model, step):
+        controls = None if resampling is None else analysis_controls(model, batch, pools=pools, match=match,
+                                                                     output=output)
+        res = gradient_consistency(model, batch, subset, method=method, output=output, resampling=resampling,
+                                   controls=controls, **given)
+        return [{"step": step, **res.row()}]
+    return Analysis(digest(options, arrays=batch), compute)
+
+
+def gc_table(results: list) -> pd.DataFrame:
+    return pd.DataFrame([row for rows in results for row in rows]).drop(columns="label")
 
 
 def gc_series(run_dir, batch: dict, subset, *, output: str = "loss", method: str = "auto",
               resampling: Resampling | None = Resampling(), pools=None, match=MATCHES, steps=None,
-              cache_dir=None) -> pd.DataFrame:
+              cache_dir=None, **fields) -> pd.DataFrame:
     """Gradient consistency of ``subset`` (indices into the batch: the long tail) against the
     whole batch at each checkpoint: one :meth:`~ntkscope.GCResult.row` per step (step, gc and
     its interval, abs_gc and its interval, bias, the null bands and versus each, the excess over
     the random null's median and its standard error, sign_confidence, mean_gradient, flags,
     eigengaps, cos_ones, ...). The controls are :func:`~ntkscope.runs.gc.analysis_controls`'
     (``pools``: homogeneous index arrays; ``match``: covariates), measured at each checkpoint.
+    ``fields``: :class:`~ntkscope.KernelOptions` fields, as for :func:`~ntkscope.gradient_consistency`.
     Cached like :func:`cluster_dynamics`."""
-    checkpoints = list_checkpoints(run_dir)
-    if steps is not None:
-        checkpoints = [(s, p) for s, p in checkpoints if s in set(steps)]
-    cache = _cache(run_dir, cache_dir)
-    subset = [int(i) for i in subset]
-    settings = None if resampling is None else dataclasses.asdict(resampling)
-    pools = None if pools is None else [sorted(int(i) for i in pool) for pool in pools]
-    key = digest({"what": "gc", "format": 3, "subset": subset, "method": method, "output": output, "resampling": settings,
-                  "pools": pools, "match": list(match)}, arrays=batch)
-    rows = []
-    progress = _Progress("gc_series", len(checkpoints))
-    for step, path in checkpoints:
-        def compute(path=path, step=step):
-            model = load_checkpoint(path)
-            controls = None if resampling is None else analysis_controls(model, batch, pools=pools, match=match,
-                                                                         output=output)
-            res = gradient_consistency(model, batch, subset, method=method, output=output, resampling=resampling,
-                                       controls=controls)
-            return [{"step": step, **res.row()}]
-        rows.extend(cache.get(f"step-{step:06d}", key, compute))
-        progress.step(f"step {step}")
-    return pd.DataFrame(rows).drop(columns="label")
+    analysis = gc_analysis(batch, subset, output=output, method=method, resampling=resampling, pools=pools,
+                           match=match, **fields)
+    _, results = walk(run_dir, {"gc": analysis}, steps=steps, cache_dir=cache_dir, func="gc_series")
+    return gc_table(results["gc"])
 
 
 STABILITY_COLUMNS = ["step", "layer", "n_clusters", "n_noise", "largest_share", "overlap_next"]
@@ -160,6 +217,43 @@ def _router_layer(X, domains, tail, router: dict) -> dict:
     return out
 
 
+def router_analysis(batch: dict, layers=None, *, domains=None, tail=(), point: str = "ffn_input",
+                    router: dict | None = None) -> Analysis:
+    """The router fits that :func:`router_dynamics` and :func:`router_persistence` read."""
+    router = dict(router or {})
+    domains = None if domains is None else [str(d) for d in domains]
+    options = {"what": "router", "format": 2, "point": point, "layers": layers, "router": router,
+               "domains": domains, "tail": list(tail)}
+
+    def compute(model, step):
+        emb = layer_embeddings(model, batch, point=point, layers=layers).embeddings
+        return {str(layer): _router_layer(X, domains, tail, router) for layer, X in emb.items()}
+    return Analysis(digest(options, arrays=batch), compute)
+
+
+def router_table(checkpoints: list, results: list) -> pd.DataFrame:
+    """:func:`router_dynamics`' table from the router fits of each checkpoint."""
+    rows = []
+    for i, (step, _) in enumerate(checkpoints):
+        for layer, found in results[i].items():
+            after = results[i + 1][layer]["labels"] if i + 1 < len(checkpoints) else None
+            rows.append({"step": step, "layer": int(layer), **{k: v for k, v in found.items() if k != "labels"},
+                         "overlap_next": float(adjusted_rand_score(found["labels"], after)) if after
+                         else float("nan")})
+    frame = pd.DataFrame(rows)
+    return frame[STABILITY_COLUMNS + [c for c in frame.columns if c not in STABILITY_COLUMNS]]
+
+
+def persistence_tables(checkpoints: list, results: list, n: int, *, horizon: int = 2, threshold: float = 0.5) -> dict:
+    """:func:`router_persistence`' {layer: table} from the router fits of each checkpoint."""
+    out = {}
+    for layer in results[0] if results else {}:
+        labels = {step: np.asarray(found[layer]["labels"]) for (step, _), found in zip(checkpoints, results)}
+        table = cluster_persistence(labels, horizon=horizon, threshold=threshold)
+        out[int(layer)] = persistence_summary(table, n)
+    return out
+
+
 def router_dynamics(run_dir, batch: dict, layers=None, *, domains=None, tail=(), point: str = "ffn_input",
                     router: dict | None = None, steps=None, cache_dir=None) -> pd.DataFrame:
     """The CSE router's clusters of ``batch`` over a run: at each checkpoint and each of
@@ -172,39 +266,10 @@ def router_dynamics(run_dir, batch: dict, layers=None, *, domains=None, tail=(),
     n_pure, n_pure_tail, tail_share (and per ``tail`` domain), ari, and per domain the kNN lift
     and silhouette in the routing space. Cached per checkpoint like :func:`cluster_dynamics`.
     """
-    checkpoints, results = _router_fits(run_dir, batch, layers, domains, tail, point, router, steps, cache_dir)
-    rows = []
-    for i, (step, _) in enumerate(checkpoints):
-        for layer, found in results[i].items():
-            labels = found.pop("labels")
-            after = results[i + 1][layer]["labels"] if i + 1 < len(checkpoints) else None
-            rows.append({"step": step, "layer": int(layer), **found,
-                         "overlap_next": float(adjusted_rand_score(labels, after)) if after else float("nan")})
-            found["labels"] = labels
-    frame = pd.DataFrame(rows)
-    return frame[STABILITY_COLUMNS + [c for c in frame.columns if c not in STABILITY_COLUMNS]]
-
-
-def _router_fits(run_dir, batch, layers, domains, tail, point, router, steps, cache_dir):
-    """[(step, path)] and, per checkpoint, {layer: _router_layer(...)}, cached per checkpoint."""
-    checkpoints = list_checkpoints(run_dir)
-    if steps is not None:
-        checkpoints = [(s, p) for s, p in checkpoints if s in set(steps)]
-    router = dict(router or {})
-    domains = None if domains is None else [str(d) for d in domains]
-    cache = _cache(run_dir, cache_dir)
-    options = {"what": "router", "format": 2, "point": point, "layers": layers, "router": router,
-               "domains": domains, "tail": list(tail)}
-    key = digest(options, arrays=batch)
-    results = []
-    progress = _Progress("router_dynamics", len(checkpoints))
-    for step, path in checkpoints:
-        def compute(path=path):
-            emb = layer_embeddings(load_checkpoint(path), batch, point=point, layers=layers).embeddings
-            return {str(layer): _router_layer(X, domains, tail, router) for layer, X in emb.items()}
-        results.append(cache.get(f"step-{step:06d}", key, compute))
-        progress.step(f"step {step}")
-    return checkpoints, results
+    analysis = router_analysis(batch, layers, domains=domains, tail=tail, point=point, router=router)
+    checkpoints, results = walk(run_dir, {"router": analysis}, steps=steps, cache_dir=cache_dir,
+                                func="router_dynamics")
+    return router_table(checkpoints, results["router"])
 
 
 def router_persistence(run_dir, batch: dict, layers=None, *, domains=None, tail=(), point: str = "ffn_input",
@@ -214,14 +279,11 @@ def router_persistence(run_dir, batch: dict, layers=None, *, domains=None, tail=
     router's clusters of ``batch`` over a run: do its small clusters persist? The same fits (and
     cache) as :func:`router_dynamics` with the same arguments; ``horizon`` and ``threshold`` are
     :func:`~ntkscope.representation.persistence.cluster_persistence`'s. Returns {layer: table}."""
-    checkpoints, results = _router_fits(run_dir, batch, layers, domains, tail, point, router, steps, cache_dir)
-    n = len(next(iter(batch.values())))
-    out = {}
-    for layer in results[0] if results else {}:
-        labels = {step: np.asarray(found[layer]["labels"]) for (step, _), found in zip(checkpoints, results)}
-        table = cluster_persistence(labels, horizon=horizon, threshold=threshold)
-        out[int(layer)] = persistence_summary(table, n)
-    return out
+    analysis = router_analysis(batch, layers, domains=domains, tail=tail, point=point, router=router)
+    checkpoints, results = walk(run_dir, {"router": analysis}, steps=steps, cache_dir=cache_dir,
+                                func="router_persistence")
+    return persistence_tables(checkpoints, results["router"], len(next(iter(batch.values()))), horizon=horizon,
+                              threshold=threshold)
 
 
 def cluster_snapshots(run_dir, batch: dict, layer: int, steps, *, labels: pd.DataFrame | None = None,
@@ -238,10 +300,7 @@ def cluster_snapshots(run_dir, batch: dict, layer: int, steps, *, labels: pd.Dat
 
     if method not in ("pca", "tsne"):
         raise fail("cluster_snapshots", "method", "must be 'pca' or 'tsne'", method)
-    chosen = {s: p for s, p in list_checkpoints(run_dir)}
-    missing = [s for s in steps if s not in chosen]
-    if missing:
-        raise fail("cluster_snapshots", "steps", f"must be checkpoint steps {sorted(chosen)}", missing)
+    chosen = dict(select_checkpoints(run_dir, steps, "cluster_snapshots"))
     points, clusters = [], []
     for step in steps:
         X = layer_embeddings(load_checkpoint(chosen[step]), batch, point=point, layers=[layer]).embeddings[layer]
