@@ -25,6 +25,8 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _EXPORTS = {
+    # the one type of a user's mistake (a ValueError); every check raises it or a kind of it
+    "UserError": "ntkscope.core.checks",
     # text
     "CorpusPack": "ntkscope.text.corpus",
     "Record": "ntkscope.text.corpus",
@@ -104,6 +106,7 @@ _EXPORTS = {
     "family_of": "ntkscope.runs.families",
     "list_checkpoints": "ntkscope.runs.checkpoints",
     "load_checkpoint": "ntkscope.runs.checkpoints",
+    "SentenceEncoder": "ntkscope.runs.encoder",
     "LayerEmbeddings": "ntkscope.runs.embeddings",
     "layer_embeddings": "ntkscope.runs.embeddings",
     "cluster_dynamics": "ntkscope.runs.dynamics",

@@ -1,8 +1,10 @@
 """The ``ntkscope`` command. The library computes (:mod:`ntkscope.app.commands`); this module
 parses arguments and presents what comes back.
 
-Exit codes: 0 success, 1 a user error (one clear line on stderr), 2 usage (argparse, and
-combinations the method table refuses, such as ``ntk --method matrix-free``).
+Exit codes: 0 success, 1 a user error (a ``UserError``: one clear line on stderr), 2 usage
+(argparse; combinations the method table refuses, such as ``ntk --method matrix-free``; options
+that mean nothing for what they are given, such as ``gc RUN --bins 3``), 130 interrupted. Any
+other exception is a bug and keeps its traceback.
 The plotting backend is chosen here (Agg: files, no display), never inside the library.
 """
 
@@ -362,7 +364,12 @@ def _add_corpus(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ntkscope", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="ntkscope", description="Why do language models miss long-tail knowledge? Per-sample gradients, the "
+        "empirical NTK and gradient consistency of data subsets (gc, ntk, freq), how representations cluster over "
+        "training (clusters, plan), and CSE models built from that plan (compare, eval, reproduce).",
+        epilog="Exit status: 0 success, 1 a mistake in the input (one line on stderr), 2 a usage error, 130 "
+        "interrupted. Each command's --help has an example.")
     parser.add_argument("--version", action="version", version=f"ntkscope {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
