@@ -195,6 +195,28 @@ def _convert(model, blocks: Blocks, cfg: TrainConfig, device) -> None:
     log.info("CSE conversion: %d sequences embedded and clustered in %.1f s", len(idx), time.perf_counter() - start)
 
 
+def convert_mid_run(model, opt, sched, blocks: Blocks, cfg: TrainConfig, device):
+    """The architecture change at the warm-up: CSE's conversion (its router fitted on the fitting
+    sample of ``blocks``) or Switch / DEMix upcycling, in place on ``model``; then a new optimizer
+    over the new parameters, carrying each old parameter's AdamW state to its copies, and the
+    schedule continued where it was. Returns (optimizer, scheduler)."""
+    sparse = model.config.sparse
+    names = param_names(model)
+    old = {names[id(p)]: state for p, state in opt.state.items()}
+    if sparse.kind == "cse":
+        _convert(model, blocks, cfg, device)
+    else:
+        upcycle(model, cfg.upcycle.get("n_experts"))
+    model.to(device)
+    new_opt = make_optimizer(model, cfg)
+    carry_optimizer_state(old, model, new_opt)
+    new_sched = torch.optim.lr_scheduler.LambdaLR(new_opt, lambda s: lr_factor(s, cfg))
+    new_sched.load_state_dict(sched.state_dict())
+    for group, lr in zip(new_opt.param_groups, new_sched.get_last_lr()):
+        group["lr"] = lr
+    return new_opt, new_sched
+
+
 def train(cfg: TrainConfig, *, callbacks=()) -> Path:
     """Run (or resume) the training that ``cfg`` describes; returns the last checkpoint's directory.
 
@@ -276,21 +298,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     bar = progress_bar(end, "train", "step", initial=start, hidden=rank != 0)
     for step in range(start, end):
         if convert_at is not None and step == convert_at and sparse.experts_at(sparse.layers[0]) == 0:
-            names = param_names(model)
-            old = {names[id(p)]: s for p, s in opt.state.items()}
-            if sparse.kind == "cse":
-                _convert(model, blocks, cfg, device)
-            else:
-                upcycle(model, cfg.upcycle.get("n_experts"))
-            model.to(device)
-            new_opt = make_optimizer(model, cfg)
-            carry_optimizer_state(old, model, new_opt)
-            sched_state = sched.state_dict()
-            opt = new_opt
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-            sched.load_state_dict(sched_state)
-            for group, lr in zip(opt.param_groups, sched.get_last_lr()):
-                group["lr"] = lr
+            opt, sched = convert_mid_run(model, opt, sched, blocks, cfg, device)
             net = wrap(model)
         idx = global_batch(blocks, step, cfg.batch_size, cfg.seed)[rank * per_rank:(rank + 1) * per_rank]
         ids, doms = blocks.input_ids[idx].to(device), blocks.domains[idx].to(device)
