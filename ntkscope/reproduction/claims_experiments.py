@@ -116,8 +116,28 @@ def _sweep(t: Tables) -> dict:
                          f"{at})")
         out[key] = "\n".join(f"- {p}" for p in plans)
     out["sweep.first_tail"] = _range(first, 0)
+    out.update(_tail_experts(t["routing"]))
     out["sweep.units"] = str(len(arms))
     out["sweep.hours"] = _f(arms["seconds"].sum() / 3600, 1)
+    return out
+
+
+def _tail_experts(routing: pd.DataFrame, layer: int = 3) -> dict:
+    """Per routed arm (``sweep.ARM.tail_experts``): at ``layer``, for each seed and tail domain, the
+    share of the domain's test blocks at its most-used expert, and that expert's share of the
+    domain (its purity)."""
+    out = {}
+    routing = routing[routing["layer"] == layer].fillna(0)
+    for arm, g in routing.groupby("arm"):
+        parts = []
+        for seed, rows in g.groupby("seed"):
+            cells = []
+            for d in ("legal", "biomedical"):
+                top = rows.loc[rows[f"n {d}"].idxmax()]
+                cells.append(f"{d} {100 * top[f'n {d}'] / rows[f'n {d}'].sum():.0f} % at one expert "
+                             f"({100 * top[f'n {d}'] / top['n']:.0f} % {d})")
+            parts.append(f"seed {int(seed)}: " + ", ".join(cells))
+        out[f"sweep.{arm}.tail_experts"] = "; ".join(parts)
     return out
 
 

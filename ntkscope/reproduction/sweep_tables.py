@@ -88,7 +88,7 @@ def _routed_loads(sweep, arm, seed: int) -> list:
     routes = Routes.load(sweep.encoder_routes(seed))
     frame = window_loads(routes, sweep.blocks(), seed=seed, batch_size=sweep.settings.batch_size,
                          start=int(result["warmup"]), end=sweep.settings.steps)
-    return [{"arm": arm.name, "seed": seed, "layer": str(layer), **row}
+    return [{"arm": arm.name, "seed": seed, "layer": int(layer), **row}
             for layer in sweep.layers for row in frame.to_dict("records")]
 
 
@@ -177,6 +177,8 @@ def summarise(sweep, *, earlier_load: Path | None = None) -> dict:
         kept = kept[[(a, s) not in logged for a, s in zip(kept["arm"], kept["seed"])]]
         load = pd.concat([kept, load], ignore_index=True).sort_values(["arm", "seed", "step", "layer", "expert"],
                                                                       kind="stable", ignore_index=True)
+    if len(load):  # one name per layer: its block index (training logs name the module, transformer.h.2.mlp)
+        load["layer"] = [int(str(v).split(".h.")[1].split(".")[0]) if ".h." in str(v) else int(v) for v in load["layer"]]
     for name, frame in (("arms", arms), ("paired", pairs), ("load", load), ("routing", routing(sweep))):
         write_text(tables / f"{name}.csv", frame.to_csv(index=False))
     result = verdict(pairs, load, len(sweep.seeds))
