@@ -324,7 +324,9 @@ def test_someone_elses_run_and_cache_dir(tiny_run, monkeypatch, tmp_path):
                  "--cache-dir", str(tmp_path / "mine")]) == 0
     assert {p for p in run.rglob("*")} == before and list((tmp_path / "mine").glob("*.json"))
     step = sorted(run.glob("checkpoints/step-*"))[-1]
-    assert main(["-q", "gc", str(step), "--cache-dir", str(tmp_path / "mine")]) == 1
+    with pytest.raises(SystemExit) as exited:  # a usage error for one checkpoint (issue 30)
+        main(["-q", "gc", str(step), "--cache-dir", str(tmp_path / "mine")])
+    assert exited.value.code == 2
 
 
 def test_plan_loads_each_checkpoint_once_and_unknown_steps_are_one_rule(tiny_run, monkeypatch, tmp_path):
