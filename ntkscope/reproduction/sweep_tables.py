@@ -163,6 +163,12 @@ def verdict(pairs: pd.DataFrame, load: pd.DataFrame, n_seeds: int) -> dict:
     return out
 
 
+def _block_index(layer) -> int:
+    """2 for 2, "2" or "transformer.h.2.mlp"."""
+    text = str(layer)
+    return int(text.split(".h.")[1].split(".")[0]) if ".h." in text else int(text)
+
+
 def summarise(sweep, *, earlier_load: Path | None = None) -> dict:
     """Write RUN/tables (arms, paired, load, routing CSVs; verdict.json) and return the verdict.
     ``earlier_load``: a load.csv of units whose training logs are no longer in RUN (a run directory
@@ -178,7 +184,7 @@ def summarise(sweep, *, earlier_load: Path | None = None) -> dict:
         load = pd.concat([kept, load], ignore_index=True).sort_values(["arm", "seed", "step", "layer", "expert"],
                                                                       kind="stable", ignore_index=True)
     if len(load):  # one name per layer: its block index (training logs name the module, transformer.h.2.mlp)
-        load["layer"] = [int(str(v).split(".h.")[1].split(".")[0]) if ".h." in str(v) else int(v) for v in load["layer"]]
+        load["layer"] = [_block_index(v) for v in load["layer"]]
     for name, frame in (("arms", arms), ("paired", pairs), ("load", load), ("routing", routing(sweep))):
         write_text(tables / f"{name}.csv", frame.to_csv(index=False))
     result = verdict(pairs, load, len(sweep.seeds))
