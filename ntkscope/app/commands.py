@@ -36,7 +36,7 @@ from ntkscope.runs.dynamics import (cluster_dynamics, clusters_analysis, cluster
                                     gc_table, persistence_tables, router_analysis, router_table, walk)
 from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.families import family_of
-from ntkscope.runs.gc import GC_OUTPUT, gc_by_bins, gc_sensitivity
+from ntkscope.runs.gc import GC_OUTPUT, gc_by_bins, gc_sensitivity, homogeneous_pools
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import Record
 from ntkscope.text.frequency import (count_tokens, domain_table, long_tail_subset, score_histogram,
@@ -178,13 +178,10 @@ def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1
     model, tok = load_model_and_tokenizer(checkpoints[-1][1], tokenizer, data)
     ad = analysis_sentences(model, tok, data, n=n, seq_len=seq_len, seed=seed)
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
-    pools = None
-    if homogeneous_label is not None:
-        labels = ad.labels["label"].astype(str).to_numpy()
-        if not (labels == homogeneous_label).any():
-            raise InputError("homogeneous_label", f"must be one of the data's labels {sorted(set(labels))}",
-                             homogeneous_label, func="gc")
-        pools = [np.flatnonzero(labels == homogeneous_label)]
+    try:
+        pools = homogeneous_pools(ad, homogeneous_label)
+    except InputError as err:  # named as the command names it
+        raise InputError("homogeneous_label", err.rule, homogeneous_label, func="gc") from None
     frame = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=resampling, pools=pools,
                       cache_dir=cache_dir, params=params, dtype=dtype, device=device, max_memory=max_memory)
     peak = gc_peak(frame)

@@ -118,7 +118,8 @@ def walk(run_dir, analyses: dict, *, steps=None, cache_dir=None, models=None, fu
 
         def model(path=path):
             if not loaded:
-                loaded.append(models.get(str(path)) or load_checkpoint(path))
+                given = models.get(str(path))
+                loaded.append(given if given is not None else load_checkpoint(path))
             return loaded[0]
 
         for name, analysis in analyses.items():

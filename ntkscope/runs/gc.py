@@ -52,18 +52,21 @@ def analysis_controls(model, batch, *, pools=None, match=MATCHES, output="loss")
     return Controls(homogeneous=pools, matched=covariates)
 
 
+def homogeneous_pools(data, homogeneous) -> list | None:
+    """The homogeneous null's pools: ``homogeneous`` a label of ``data`` (its sentences), index
+    arrays (as they are), or None (none: gradient-space neighbours are used)."""
+    if not isinstance(homogeneous, str):
+        return None if homogeneous is None else list(homogeneous)
+    labels = data.labels["label"].astype(str).to_numpy()
+    if not (labels == homogeneous).any():
+        raise InputError("homogeneous", f"must be one of the data's labels {sorted(set(labels))}", homogeneous)
+    return [np.flatnonzero(labels == homogeneous)]
+
+
 def _controls(controls, model, data, homogeneous, output):
     if controls != "auto":
         return controls
-    pools = None
-    if isinstance(homogeneous, str):
-        labels = data.labels["label"].to_numpy()
-        if not (labels == homogeneous).any():
-            raise InputError("homogeneous", f"must be one of the data's labels {sorted(set(labels))}", homogeneous)
-        pools = [np.flatnonzero(labels == homogeneous)]
-    elif homogeneous is not None:
-        pools = list(homogeneous)
-    return analysis_controls(model, data.batch, pools=pools, output=output)
+    return analysis_controls(model, data.batch, pools=homogeneous_pools(data, homogeneous), output=output)
 
 
 def _groups(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd.DataFrame]:
