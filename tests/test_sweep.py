@@ -66,6 +66,8 @@ def test_bad_arms_layers_and_other_settings_are_refused(swept, tmp_path):
         Sweep(tmp_path / "c", sweep.settings)
     with pytest.raises(ValueError, match=r"Sweep: run_dir holds a sweep with other settings"):
         Sweep(sweep.run_dir, sweep.settings.replace(steps=50), layers=(0, 1))
+    # where a run may take trained models from is not what it is: the same run, with or without it
+    Sweep(sweep.run_dir, sweep.settings.replace(adopt_from=str(tmp_path)), arms=("dense", "cse-rule"), layers=(0, 1))
 
 
 def test_each_arm_is_paired_with_the_trunk_it_branched_from():
@@ -132,3 +134,30 @@ def test_the_frozen_encoder_arm_routes_by_its_clusters(tmp_path):
     assert (load.groupby(["layer"])["n"].sum() == 20 * settings.batch_size).all()
     assert (load.groupby(["seed", "step", "layer"])["share"].sum().round(9) == 1).all()
     assert verdict["cse-encoder"]["status"] == "complete"
+
+
+def test_a_run_that_trains_what_a_sweep_model_did_links_it_and_nothing_else_does(swept, tmp_path, monkeypatch):
+    """``adopt_from`` (reproduce --adopt): the same training is linked, not repeated; another
+    learning rate, or a branch from other start weights, is trained."""
+    from ntkscope.reproduction import training
+
+    sweep, _ = swept
+    trained = []
+    monkeypatch.setattr(training, "train", lambda cfg: trained.append(cfg.out_dir) or cfg.out_dir)
+    monkeypatch.setattr(training, "branch_from", lambda *a, **k: None)
+    settings = sweep.settings.replace(adopt_from=str(sweep.run_dir / "models"))
+    dense = tmp_path / "dense"
+    last = training.train_dense(settings, dense, None, seed=0, base={**settings.model, "model_type": "gpt"},
+                                checkpoints=(10,))
+    assert not trained and last == dense / "checkpoints" / "step-000030"
+    source = sweep.model_dir("dense", 0) / "checkpoints" / "step-000030" / "model.safetensors"
+    assert (last / "model.safetensors").stat().st_ino == source.stat().st_ino  # a link, not a copy
+    assert json.loads((dense / "adopted.json").read_text())["source"] == str(sweep.model_dir("dense", 0))
+    cse = training.train_cse(settings, tmp_path / "cse", None, dense, [0, 1], 10, 0)
+    assert not trained and json.loads((tmp_path / "cse" / "adopted.json").read_text())["source"] == str(
+        sweep.model_dir("cse-rule", 0))
+    training.train_dense(settings.replace(lr=settings.lr / 2), tmp_path / "other-lr", None, seed=0)
+    other_start = training.train_dense(settings, tmp_path / "dense1", None, seed=1)  # seed 1's trunk, adopted
+    training.train_cse(settings, tmp_path / "cse-from-seed1", None, other_start.parent.parent, [0, 1], 10, 0)
+    assert trained == [str(tmp_path / "other-lr"), str(tmp_path / "cse-from-seed1")]
+    assert cse.is_dir() and not (tmp_path / "other-lr" / "adopted.json").exists()

@@ -35,6 +35,7 @@ from ntkscope.kernel.methods import METHODS, method_names, unsupported
 from ntkscope.kernel.objectives import OUTPUTS, SCALAR_OUTPUTS
 from ntkscope.kernel.uncertainty import INTERVALS, Resampling
 from ntkscope.reproduction import reproduce
+from ntkscope.reproduction.settings import settings_for
 from ntkscope.runs.checkpoints import is_run_dir
 from ntkscope.runs.families import POINTS
 from ntkscope.runs.gc import GC_OUTPUT, GROUPINGS
@@ -236,7 +237,6 @@ def _ntk(args) -> int:
 
 
 def _sweep(args, out: Path) -> int:
-    from ntkscope.reproduction.settings import settings_for
     from ntkscope.reproduction.sweep import ARM_NAMES, Sweep
 
     arms = ARM_NAMES if not args.arms else tuple(a.strip() for a in args.arms.split(","))
@@ -247,18 +247,22 @@ def _sweep(args, out: Path) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    verdict = Sweep(out, settings_for("sweep"), arms=arms, pack=args.data).run()
+    verdict = Sweep(out, _reproduce_settings(args), arms=arms, pack=args.data).run()
     print(f"sweep in {out}: tables in {out}/tables (arms.csv, paired.csv, load.csv, routing.csv, verdict.json)")
     for arm, found in verdict.items():
         print(f"  {arm}: {found.get('status')}" + (f", shown: {found['shown']}" if "shown" in found else ""))
     return 0
 
 
+def _reproduce_settings(args):
+    return settings_for(args.mode, **({"adopt_from": str(args.adopt)} if args.adopt else {}))
+
+
 def _reproduce(args) -> int:
     out = Path(args.out or f"runs/reproduce-{args.mode}")
     if args.mode == "sweep":
         return _sweep(args, out)
-    manifest = reproduce(out, args.mode, pack=args.data)
+    manifest = reproduce(out, args.mode, settings=_reproduce_settings(args), pack=args.data)
     plan = manifest["plan"]
     settings = manifest["settings"]
     print(f"reproduced {manifest['mode']} mode in {out}: {manifest['seconds_total'] / 60:.1f} min of work in all, "
@@ -469,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--tables", dest="mode", action="store_const", const="tables",
                       help="the paper's Tables 1-2 and a general-tasks table: every row for BERT and GPT, 3 "
                       "pretraining seeds, at the quick model's size (2 CPU cores, see docs/tables.md); no figures")
+    size.add_argument("--tables-late", dest="mode", action="store_const", const="tables-late",
+                      help="the GPT rows of the tables as the sweep chose them: 2400 steps, every sparse row "
+                      "branched at step 1200, CSE with drift handling (docs/tables.md; hours of CPU)")
     size.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="sized for one GPU (GPT-2 small shape, 20k steps; hours)")
     size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
@@ -484,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--threads", type=int, help="torch threads of this process (default: torch's; --sweep with "
                      "two processes side by side on 2 cores: 1 each)")
     rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
+    rep.add_argument("--adopt", metavar="MODELS", help="a directory of trained model directories (e.g. a sweep's "
+                     "RUN/models): a model this run would train is linked from there when one there trained exactly "
+                     "the same (configuration compared field by field, a branch's start weights byte for byte)")
     rep.add_argument("--data", "--pack", dest="data", help="a corpus pack directory (default: the shipped one; "
                      "--pack is the old name)")
     rep.set_defaults(run=_reproduce)

@@ -189,6 +189,11 @@ class Staging:
 CONTENT_HASHED = 64 * 2**20  # files up to this size enter a key by their contents, larger ones by size and time
 
 
+def sha256_file(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes (a manifest's ``files`` entries; weights compared byte for byte)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def digest(options: dict, *, arrays: dict | None = None, paths=()) -> str:
     """A 16-hex key of ``options`` (JSON), tensors or arrays in ``arrays`` (their bytes), and files
     in ``paths`` (directories recursively, ``analysis/`` skipped): by their contents up to

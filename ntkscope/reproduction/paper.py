@@ -91,8 +91,10 @@ def train_row(rep, arch: str, key: str, seed: int) -> Path:
         dense = rep.model_dir(model_name(arch, "dense", seed))
         makers = {
             "switch": lambda: training.train_switch(s, out, pack, dense, layers, warmup, seed, None, base),
-            "cse-mof": lambda: training.train_cse(s, out, pack, dense, layers, warmup, seed, None, base, "ffn"),
-            "cse-moa": lambda: training.train_cse(s, out, pack, dense, layers, warmup, seed, None, base, "attn"),
+            "cse-mof": lambda: training.train_cse(s, out, pack, dense, layers, warmup, seed, None, base, "ffn",
+                                                  s.table_mean_rate),
+            "cse-moa": lambda: training.train_cse(s, out, pack, dense, layers, warmup, seed, None, base, "attn",
+                                                  s.table_mean_rate),
             "demix": lambda: training.train_demix(s, out, pack, dense, layers, warmup, rep.domain_names(), seed,
                                                   base),
         }

@@ -19,7 +19,6 @@ tables a figure needs and how each panel is drawn are the rows of
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ import torch
 
 import ntkscope
 from ntkscope.core.checks import fail
-from ntkscope.core.files import DirectoryLock, atomic_path, check_output, write_json, write_text
+from ntkscope.core.files import DirectoryLock, atomic_path, check_output, sha256_file, write_json, write_text
 from ntkscope.plotting import save_figure
 from ntkscope.representation.plan import Plan, make_plan
 from ntkscope.reproduction import paper, training
@@ -62,6 +61,8 @@ class Reproduction:
         (self.run_dir / "figures").mkdir(exist_ok=True)
         self._data = {}
         self._nested = 0.0
+        #: where :meth:`_timed` adds up stage times (a side process beside the main one uses its own file)
+        self.timings_path = self.run_dir / "timings.json"
 
     # ---- caching ------------------------------------------------------------------------------
 
@@ -75,7 +76,7 @@ class Reproduction:
         finally:
             elapsed = time.perf_counter() - start
             own, self._nested = elapsed - self._nested, outer + elapsed
-        path = self.run_dir / "timings.json"
+        path = self.timings_path
         timings = json.loads(path.read_text()) if path.is_file() else {}
         timings[stage] = round(timings.get(stage, 0.0) + own, 1)
         write_json(path, timings)
@@ -291,11 +292,6 @@ class Reproduction:
         md = write_text(folder / "results.md", t["results"].to_markdown(index=False, floatfmt=".3f") + "\n")
         seeds = write_text(folder / "seeds_summary.md", t["seeds_summary"].to_markdown(index=False, floatfmt=".3f") + "\n")
         return [folder / "results.csv", md, folder / "seeds_summary.csv", seeds]
-
-
-def sha256_file(path: Path) -> str:
-    """The sha256 of a file's bytes (a manifest's ``files`` entries)."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def environment() -> dict:

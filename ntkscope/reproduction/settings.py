@@ -51,11 +51,16 @@ class ReproduceSettings:
     Paper tables (docs/tables.md): ``table_archs`` ("gpt", "bert"; empty: none) each train, per
     pretraining seed ``seed .. seed + seeds - 1``, a dense model from scratch and from its
     checkpoint at ``table_warmup`` (0: the plan's warm-up) Switch, CSE/MoF, CSE/MoA and DEMix at
-    ``table_layers`` (empty: the plan's layers) to ``steps``; dense and Switch are then tuned for
+    ``table_layers`` (empty: the plan's layers) to ``steps`` (CSE with drift handling
+    ``table_mean_rate``, :class:`cse_models.config.SparseConfig`; 0: Algorithm 1 as written); dense and Switch are then tuned for
     ``finetune_steps`` on each of ``finetune_domains``; each model is evaluated on at most
     ``eval_max_blocks`` test blocks per domain and ``eval_max_items`` probe items per task (0: all;
     smoke runs only). ``figures``: whether the mode draws
     Figures 1-5 (and the GPT slice of the tables that comes with them).
+    ``adopt_from``: a directory of model directories (e.g. a sweep's ``RUN/models``); a model
+    this run would train is linked from there instead when one there trained exactly the same
+    (:func:`ntkscope.reproduction.training._adopt`). It says where results may come from, not
+    what the run is, so a run resumes with or without it.
     """
 
     mode: str
@@ -103,11 +108,13 @@ class ReproduceSettings:
     table_archs: tuple = ()
     table_layers: tuple = ()
     table_warmup: int = 0
+    table_mean_rate: float = 0.0
     eval_max_blocks: int = 0
     eval_max_items: int = 0
     figures: bool = True
     seed: int = 0
     device: str = "auto"
+    adopt_from: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -140,6 +147,12 @@ PRESETS = {
         mode="tables", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=400, checkpoint_every=400,
         finetune_steps=40, seeds=3, table_archs=("gpt", "bert"), table_layers=(2, 3), table_warmup=75,
         figures=False),
+    # the GPT rows of the tables as the sweep chose (figures/sweep/README.md): every seed's small-cluster
+    # rule fell back to step 1200, CSE with drift handling, to step 2400, past the tail's clusters
+    "tables-late": ReproduceSettings(
+        mode="tables-late", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=2400,
+        checkpoint_every=400, finetune_steps=40, seeds=3, table_archs=("gpt",), table_layers=(2, 3),
+        table_warmup=1200, table_mean_rate=0.1, figures=False),
     "full": ReproduceSettings(
         mode="full", model={"n_layer": 12, "n_head": 12, "n_embd": 768}, seq_len=128, steps=20000,
         checkpoint_every=1000, batch_size=64, lr=6e-4, warmup_steps=1000, finetune_steps=1000, finetune_lr=1e-4,
@@ -158,18 +171,24 @@ def settings_for(mode: str, **changes) -> ReproduceSettings:
     return PRESETS[mode].replace(**changes)
 
 
+#: settings that say where a run may take results from, not what it is: not bound to the run
+RUN_LOCAL = ("adopt_from",)
+
+
 def bind_settings(run_dir, settings: ReproduceSettings, pack, func: str, what: str = "reproduction") -> None:
     """Tie ``run_dir`` to ``settings`` and the corpus ``pack``: the first call writes
     ``run_dir/settings.json``; later ones refuse other settings or another pack (a setting added
     since, at its default, changes nothing the run holds), so a resumed run continues the same one."""
     run_dir = Path(run_dir)
-    wanted = {"settings": settings.to_dict(), "pack": pack.manifest.get("version")}
+    wanted = {"settings": {k: v for k, v in settings.to_dict().items() if k not in RUN_LOCAL},
+              "pack": pack.manifest.get("version")}
     saved = run_dir / "settings.json"
     if saved.is_file():
         have = json.loads(saved.read_text())
         defaults = {f.name: f.default for f in dataclasses.fields(ReproduceSettings)
                     if f.default is not dataclasses.MISSING}
-        have["settings"] = json.loads(json.dumps({**defaults, **have["settings"]}))
+        have["settings"] = json.loads(json.dumps({k: v for k, v in {**defaults, **have["settings"]}.items()
+                                                  if k not in RUN_LOCAL}))
         if have != json.loads(json.dumps(wanted)):
             raise fail(func, "run_dir", f"holds a {what} with other settings or another pack (mode "
                        f"{have['settings']['mode']!r}, pack {have['pack']!r}); use another directory", str(run_dir))

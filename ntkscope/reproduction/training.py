@@ -5,12 +5,19 @@ upcycled) and the dense continuation, one per seed. Each lives in ``RUN/models/N
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 from cse_models.checkpointing import branch_from, latest_checkpoint
+from cse_models.config import GPTConfig
 from cse_models.train import TrainConfig, train
+from ntkscope.core.files import sha256_file, write_json
 from ntkscope.reproduction.settings import ReproduceSettings
+from ntkscope.text.corpus.pack import load_pack
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +30,10 @@ def arch_model(settings: ReproduceSettings, arch: str, mask_token_id: int | None
     return {**settings.model, "model_type": "gpt"}
 
 
+#: TrainConfig fields that say where and how often a run saves and logs, not what it trains
+BOOKKEEPING = ("out_dir", "checkpoint_every", "checkpoint_steps", "log_every", "tensorboard")
+
+
 def _config(settings: ReproduceSettings, out_dir: Path, pack: str | None, **changes):
     spec = dict(out_dir=str(out_dir), model=dict(settings.model),
                 data={"pack": pack, "seq_len": settings.seq_len}, steps=settings.steps,
@@ -32,13 +43,65 @@ def _config(settings: ReproduceSettings, out_dir: Path, pack: str | None, **chan
     return TrainConfig.from_dict(spec)
 
 
+def _trajectory(cfg: dict) -> dict:
+    """What a run trains, from its TrainConfig fields: every field but :data:`BOOKKEEPING`, with the
+    model's fields completed by :class:`GPTConfig`'s defaults (so ``model_type`` said or not compares
+    equal) and the corpus pack named by its version (the shipped pack by None or by its path alike)."""
+    kept = {k: v for k, v in cfg.items() if k not in BOOKKEEPING}
+    if "pack" in kept["data"]:
+        kept["data"] = {**kept["data"], "pack": load_pack(kept["data"]["pack"], verify=False).manifest.get("version")}
+    kept["model"] = GPTConfig.from_dict({k: v for k, v in cfg["model"].items() if k != "vocab_size"}).to_dict()
+    kept["model"]["vocab_size"] = cfg["model"].get("vocab_size")
+    return json.loads(json.dumps(kept))
+
+
+def _adopt(cfg: TrainConfig, adopt_from: str, start: Path | None = None) -> Path | None:
+    """A finished run in ``adopt_from`` (a directory of model directories, e.g. a sweep's
+    RUN/models) that trained exactly what ``cfg`` would (:func:`_trajectory` equal, every
+    checkpoint ``cfg`` asks for present, and for a branch, ``start``'s weights the same as the
+    source's first checkpoint, byte for byte), linked into ``cfg.out_dir`` (hard links: nothing copied,
+    the source untouched) with ``adopted.json`` saying from where; its last checkpoint, or None."""
+    if not adopt_from or Path(cfg.out_dir).exists() and any(Path(cfg.out_dir).iterdir()):
+        return None
+    wanted = _trajectory(dataclasses.asdict(cfg))
+    final = f"step-{cfg.stop_at or cfg.steps:06d}"
+    for source in sorted(p for p in Path(adopt_from).iterdir() if (p / "train_config.json").is_file()):
+        have = json.loads((source / "train_config.json").read_text())
+        steps = {p.name for p in (source / "checkpoints").glob("step-*")}
+        needed = {final, *(f"step-{s:06d}" for s in cfg.checkpoint_steps)}
+        if _trajectory(have) != wanted or not needed <= steps:
+            continue
+        if start is not None and not _same_weights(start, source / "checkpoints" / start.name):
+            continue
+        out = Path(cfg.out_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".adopting")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp, copy_function=os.link, ignore=shutil.ignore_patterns("analysis", ".ntkscope.lock"))
+        write_json(tmp / "adopted.json", {"source": str(source), "compared": "every TrainConfig field but "
+                                          + ", ".join(BOOKKEEPING), "checkpoint": final})
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+        log.info("%s: the same training as %s (configuration compared field by field): linked, not trained again",
+                 out, source)
+        return out / "checkpoints" / final
+    return None
+
+
 def _finished(cfg) -> Path | None:
     last = latest_checkpoint(Path(cfg.out_dir))
     return last if last is not None and last.name == f"step-{cfg.stop_at or cfg.steps:06d}" else None
 
 
-def _run(cfg) -> Path:
-    done = _finished(cfg)
+def _same_weights(a: Path, b: Path) -> bool:
+    files = [p / "model.safetensors" for p in (a, b)]
+    return all(f.is_file() for f in files) and sha256_file(files[0]) == sha256_file(files[1])
+
+
+def _run(cfg: TrainConfig, adopt_from: str = "") -> Path:
+    """``cfg``'s last checkpoint: found, adopted (:func:`_adopt`) or trained."""
+    done = _finished(cfg) or _adopt(cfg, adopt_from)
     if done is not None:
         return done
     log.info("training %s (%d steps)", cfg.out_dir, cfg.steps)
@@ -54,7 +117,8 @@ def train_dense(settings: ReproduceSettings, out_dir: Path, pack: str | None, *,
     early = list(range(settings.early_every, settings.early_until + 1, settings.early_every)) \
         if settings.early_every else []
     return _run(_config(settings, out_dir, pack, checkpoint_steps=sorted({*early, *checkpoints}),
-                        model=dict(base or settings.model), seed=settings.seed if seed is None else seed))
+                        model=dict(base or settings.model), seed=settings.seed if seed is None else seed),
+                settings.adopt_from)
 
 
 def _branch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, warmup: int,
@@ -67,8 +131,11 @@ def _branch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_
     model = {**(base or settings.model), "sparse": sparse}
     cfg = _config(settings, out_dir, pack, model=model, checkpoint_every=checkpoint_every or settings.steps, seed=seed,
                   stop_at=stop_at, **changes)
-    if _finished(cfg) is None:
-        branch_from(Path(dense_dir) / "checkpoints" / f"step-{int(warmup):06d}", out_dir, sparse=sparse)
+    start = Path(dense_dir) / "checkpoints" / f"step-{int(warmup):06d}"
+    done = _finished(cfg) or _adopt(cfg, settings.adopt_from, start)
+    if done is not None:
+        return done
+    branch_from(start, out_dir, sparse=sparse)
     return _run(cfg)
 
 
@@ -128,7 +195,7 @@ def train_finetuned(settings: ReproduceSettings, out_dir: Path, pack: str | None
     return _run(_config(settings, out_dir, pack, init_from=str(base_last),
                         data={"pack": pack, "seq_len": settings.seq_len, "domains": [domain]}, steps=steps,
                         lr=settings.finetune_lr, warmup_steps=max(1, steps // 10), checkpoint_every=steps,
-                        seed=settings.seed if seed is None else seed))
+                        seed=settings.seed if seed is None else seed), settings.adopt_from)
 
 
 def train_routed(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
