@@ -167,8 +167,10 @@ def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path, m
     train_bpe(texts[:200], vocab_size=600).backend.save(str(tok_path))
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:80]))
-    kw = dict(n=24, seq_len=16, bins=2, resampling=commands.Resampling(resamples=10, null_draws=10),
-              tokenizer=str(tok_path), out=tmp_path / "out")
+    from ntkscope.app.options import GCOptions, Sentences
+
+    kw = dict(sentences=Sentences(n=24, seq_len=16, tokenizer=str(tok_path)), gc=GCOptions(bins=2),
+              resampling=commands.Resampling(resamples=10, null_draws=10), out=tmp_path / "out")
     first = commands.gc_command(tmp_path / "gpt", str(data), **kw)
     again = commands.gc_command(tmp_path / "gpt", str(data), **kw)
     assert again["key"] == first["key"]  # unchanged inputs: reused
@@ -186,9 +188,12 @@ def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path, m
     recomputed()
     GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=1, n_head=2, n_embd=16)).save_pretrained(tmp_path / "gpt")
     recomputed()  # new weights in place
-    recomputed(bins=3)
+    recomputed(gc=GCOptions(bins=3))
+    recomputed(sentences=Sentences(n=24, seq_len=16, seed=1, tokenizer=str(tok_path)))
+    recomputed(kernel=commands.KernelOptions(output="loss"))
+    recomputed(resampling=commands.Resampling(resamples=11, null_draws=10))
     monkeypatch.setattr(commands, "__version__", "0.0.0-other")
-    recomputed(bins=3)
+    recomputed(resampling=commands.Resampling(resamples=11, null_draws=10))
 
 
 def test_gc_refuses_what_it_would_not_honour(tmp_path, capsys):
@@ -322,21 +327,21 @@ def test_every_gc_option_is_honoured_for_a_run_or_refused_with_exit_2(tiny_gc_ru
         "--data": None, "--n": None, "--seq-len": None, "--resamples": None, "--null-draws": None,  # in base
         "--out": None,
         "--frequency-from": (["--frequency-from", str(tiny_gc_run / "other.txt")],
-                             lambda r: r["source"]["frequency_from"].endswith("other.txt")),
+                             lambda r: r["options"]["frequency_from"].endswith("other.txt")),
         "--text-column": (["--text-column", "text"], lambda r: r["data"]),
         "--label-column": (["--label-column", "domain", "--homogeneous-label", "general"],
-                           lambda r: r["homogeneous_label"] == "general"),
+                           lambda r: r["options"]["gc"]["homogeneous_label"] == "general"),
         "--homogeneous-label": None,  # with --label-column above
         "--tokenizer": (["--tokenizer", str(DEFAULT_PACK / "tokenizer.json")], lambda r: True),
-        "--params": (["--params", "transformer.h.0.*"], lambda r: r["params"] == ["transformer.h.0.*"]),
-        "--output": (["--output", "loss"], lambda r: r["output"] == "loss"),
-        "--method": (["--method", "exact"], lambda r: r["method"] == "exact"),
-        "--dtype": (["--dtype", "float64"], lambda r: r["dtype"] == "float64"),
-        "--device": (["--device", "cpu"], lambda r: r["device"] == "cpu"),
-        "--max-memory": (["--max-memory", "2"], lambda r: r["max_memory"] == 2 * 2 ** 30),
-        "--seed": (["--seed", "3"], lambda r: r["seed"] == 3),
-        "--confidence": (["--confidence", "0.8"], lambda r: r["resampling"]["confidence"] == 0.8),
-        "--interval": (["--interval", "basic"], lambda r: r["resampling"]["interval"] == "basic"),
+        "--params": (["--params", "transformer.h.0.*"], lambda r: r["options"]["kernel"]["params"] == ["transformer.h.0.*"]),
+        "--output": (["--output", "loss"], lambda r: r["options"]["kernel"]["output"] == "loss"),
+        "--method": (["--method", "exact"], lambda r: r["options"]["kernel"]["method"] == "exact"),
+        "--dtype": (["--dtype", "float64"], lambda r: r["options"]["kernel"]["dtype"] == "float64"),
+        "--device": (["--device", "cpu"], lambda r: r["options"]["kernel"]["device"] == "cpu"),
+        "--max-memory": (["--max-memory", "2"], lambda r: r["options"]["kernel"]["max_memory"] == 2 * 2 ** 30),
+        "--seed": (["--seed", "3"], lambda r: r["options"]["sentences"]["seed"] == r["options"]["kernel"]["seed"] == 3),
+        "--confidence": (["--confidence", "0.8"], lambda r: r["options"]["resampling"]["confidence"] == 0.8),
+        "--interval": (["--interval", "basic"], lambda r: r["options"]["resampling"]["interval"] == "basic"),
         "--tail-fraction": (["--tail-fraction", "0.5"], lambda r: r["n_tail"] == 12),
         "--cache-dir": (["--cache-dir", str(tiny_gc_run / "cache")], lambda r: (tiny_gc_run / "cache").is_dir()),
     }
@@ -354,7 +359,7 @@ def test_every_gc_option_is_honoured_for_a_run_or_refused_with_exit_2(tiny_gc_ru
         extra, shows = spec
         assert main(base + extra + ["--out", str(out)]) == 0, option
         result = json.loads((out / "result.json").read_text())
-        assert shows(result), (option, {k: result.get(k) for k in ("params", "dtype", "device", "max_memory")})
+        assert shows(result), (option, result["options"])
         # the same computation by design (the defaults spelled out); --frequency-from rescores the sentences
         # (tests/test_inputs.py) but here leaves the same lowest third
         if option not in ("--text-column", "--tokenizer", "--device", "--cache-dir", "--max-memory",

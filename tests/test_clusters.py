@@ -15,6 +15,7 @@ import ntkscope.runs.dynamics as dynamics
 from ntkscope.representation.clusters import AutoDBSCAN, ElbowKMeans, cluster_geometry, jl_guidance, random_projection
 from ntkscope.representation.clusters import layer_separation
 import ntkscope as ns
+from ntkscope.app.options import Sentences
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.runs.dynamics import cluster_dynamics, cluster_snapshots, gc_series, router_dynamics
 from ntkscope.text.frequency import long_tail_subset
@@ -284,7 +285,7 @@ def test_plan_command_reports_the_labels_and_chooses_by_them_when_asked(tiny_run
     from ntkscope.app.commands import plan_command
 
     run, _, _ = tiny_run
-    common = dict(n=48, seq_len=24, k_max=5, projection_dim=16, router={"min_cluster_size": 5, "min_samples": 3})
+    common = dict(sentences=Sentences(n=48, seq_len=24), k_max=5, projection_dim=16, router={"min_cluster_size": 5, "min_samples": 3})
     found = plan_command(run, "default", out=tmp_path / "plan.json", **common)
     plan = found["plan"]
     assert set(found["tail_labels"]) == {"legal", "biomedical"}  # every label but the most frequent (general)
@@ -345,7 +346,7 @@ def test_plan_loads_each_checkpoint_once_and_unknown_steps_are_one_rule(tiny_run
             loads[Path(path).name] += 1
             return real(path)
         monkeypatch.setattr(module, "load_checkpoint", counting)
-    common = dict(n=48, seq_len=24, k_max=5, projection_dim=16, router={"min_cluster_size": 5, "min_samples": 3})
+    common = dict(sentences=Sentences(n=48, seq_len=24), k_max=5, projection_dim=16, router={"min_cluster_size": 5, "min_samples": 3})
     commands.plan_command(run, "default", out=tmp_path / "plan.json", cache_dir=tmp_path / "fresh", **common)
     steps = [p.name for p in sorted((run / "checkpoints").iterdir())]
     assert dict(loads) == {name: 1 for name in steps}, loads

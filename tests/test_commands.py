@@ -73,9 +73,11 @@ def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
 
 def test_gc_outputs_side_by_side_in_equal_count_bins(checkpoints, tmp_path):
     from ntkscope.app import commands
+    from ntkscope.app.options import GCOptions, Sentences
 
     out = tmp_path / "outputs"
-    commands.gc_command(checkpoints / "gpt", n=48, seq_len=24, bins=3, outputs=["loss", "centred-true-logit"],
+    sentences = Sentences(n=48, seq_len=24)
+    commands.gc_command(checkpoints / "gpt", sentences=sentences, gc=GCOptions(bins=3, outputs=["loss", "centred-true-logit"]),
                         resampling=ns.Resampling(resamples=30, null_draws=30), out=out)
     table = pd.read_csv(out / "gc.csv")
     assert list(dict.fromkeys(table["output"])) == ["loss", "centred-true-logit"]
@@ -83,7 +85,8 @@ def test_gc_outputs_side_by_side_in_equal_count_bins(checkpoints, tmp_path):
     assert (table["abs_gc_low"] <= table["abs_gc"]).all() and (table["abs_gc"] <= table["abs_gc_high"]).all()
     assert json.loads((out / "result.json").read_text())["options"]["resampling"]["resamples"] == 30
     with pytest.raises(ValueError, match=r"gc_sensitivity: outputs must be one of \['centred-true-logit', 'loss'"):
-        commands.gc_command(checkpoints / "gpt", n=48, seq_len=24, outputs=["loss", "logits"], out=tmp_path / "bad")
+        commands.gc_command(checkpoints / "gpt", sentences=sentences, gc=GCOptions(outputs=["loss", "logits"]),
+                            out=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
 
 

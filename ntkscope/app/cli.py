@@ -28,11 +28,13 @@ from ntkscope.app.parsing import add_column_args as _add_column_args
 from ntkscope.app.parsing import print_table as _print_table
 from ntkscope.app.parsing import source as _source
 from ntkscope.app.demo import perplexity, run_demo
+from ntkscope.app.options import GCOptions, Sentences
 from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import check_output, write_table
 from ntkscope.core.progress import logging_redirect_tqdm
 from ntkscope.kernel.methods import METHODS, method_names, unsupported
 from ntkscope.kernel.objectives import OUTPUTS, SCALAR_OUTPUTS
+from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.uncertainty import INTERVALS, Resampling
 from ntkscope.reproduction import reproduce
 from ntkscope.reproduction.settings import settings_for
@@ -114,9 +116,19 @@ def _freq(args) -> int:
     return 0
 
 
+def _sentences(args) -> Sentences:
+    return Sentences(n=args.n, seq_len=args.seq_len, seed=args.seed, tokenizer=args.tokenizer)
+
+
+def _kernel(args) -> KernelOptions:
+    """The kernel options of a kernel command (gc, ntk), built once from its arguments."""
+    return KernelOptions(output=args.output, params=args.params, method=args.method, dtype=args.dtype,
+                         device=args.device, max_memory=_gib(args.max_memory), seed=args.seed)
+
+
 def _analysis_options(args) -> dict:
-    return dict(tokenizer=args.tokenizer, n=args.n, seq_len=args.seq_len, point=args.point, k_max=args.k_max,
-                projection_dim=args.projection_dim, top_k=args.top_k, seed=args.seed, cache_dir=args.cache_dir)
+    return dict(sentences=_sentences(args), point=args.point, k_max=args.k_max, projection_dim=args.projection_dim,
+                top_k=args.top_k, cache_dir=args.cache_dir)
 
 
 def _clusters(args) -> int:
@@ -134,8 +146,8 @@ def _clusters(args) -> int:
 
 def _plan(args) -> int:
     r = commands.plan_command(args.run_dir, _source(args), **_analysis_options(args), module=args.module,
-                              tail_fraction=args.tail_fraction, method=args.method, output=args.output,
-                              overlap=args.overlap, choose_by=args.choose_by,
+                              tail_fraction=args.tail_fraction,
+                              kernel=KernelOptions(output=args.output, method=args.method), overlap=args.overlap, choose_by=args.choose_by,
                               tail_labels=args.tail_labels.split(",") if args.tail_labels else None, out=args.out)
     _print_table("separation per checkpoint and layer:", r["separation"].pivot(
         index="step", columns="layer", values="separation").reset_index())
@@ -183,29 +195,22 @@ GC_COLUMNS = ["n_subset", "abs_gc", "abs_gc_low", "abs_gc_high", "null_low", "nu
 
 
 def _gc(args) -> int:
-    outputs = [o.strip() for o in args.outputs.split(",")] if args.outputs else None
     run = is_run_dir(args.target)
+    fixed = {**GC_ONE, **GC_RUN}  # an option the target's kind does not take was refused by the parser
+    gc = GCOptions(by=args.by, homogeneous_label=args.homogeneous_label,
+                   outputs=tuple(o.strip() for o in args.outputs.split(",")) if args.outputs else None,
+                   **{k: fixed[k] if getattr(args, k) is None else getattr(args, k) for k in fixed})
+    common = dict(sentences=_sentences(args), kernel=_kernel(args), gc=gc, resampling=_resampling(args),
+                  out=args.out)
     if run:
-        tail = GC_RUN["tail_fraction"] if args.tail_fraction is None else args.tail_fraction
-        result = commands.gc_run_command(args.target, _source(args), n=args.n, tail_fraction=tail, output=args.output,
-                                         method=args.method, resampling=_resampling(args), seq_len=args.seq_len,
-                                         seed=args.seed, tokenizer=args.tokenizer, params=args.params,
-                                         dtype=args.dtype, device=args.device, max_memory=_gib(args.max_memory),
-                                         homogeneous_label=args.homogeneous_label, cache_dir=args.cache_dir,
-                                         out=args.out)
+        result = commands.gc_run_command(args.target, _source(args), cache_dir=args.cache_dir, **common)
         _print_table(f"GC of the long tail (n_tail={result['n_tail']} of {result['n']}, output {args.output}) at "
                      "each checkpoint:", _columns(pd.DataFrame(result["series"]), ["step", "excess", "excess_se",
                                                                                    *GC_COLUMNS[1:]]))
         peak = result["peak"]
         print(f"\n|GC| peaks at step {peak['step']}: {'shown' if peak['shown'] else 'not shown'} ({peak['why']})")
     else:
-        one = {k: GC_ONE[k] if getattr(args, k) is None else getattr(args, k) for k in GC_ONE}
-        result = commands.gc_command(args.target, _source(args), by=args.by, **one,
-                                     n=args.n, params=args.params, output=args.output,
-                                     outputs=outputs, method=args.method, dtype=args.dtype, device=args.device,
-                                     max_memory=_gib(args.max_memory), seq_len=args.seq_len,
-                                     seed=args.seed, resampling=_resampling(args), tokenizer=args.tokenizer,
-                                     homogeneous_label=args.homogeneous_label, out=args.out)
+        result = commands.gc_command(args.target, _source(args), **common)
         table = pd.DataFrame(result["groups"])
         cols = [c for c in ("output", "label", "left", "right", *GC_COLUMNS) if c in table]
         _print_table(f"GC of each {'frequency bin' if args.by == 'frequency-bins' else 'label'} against the whole "
@@ -218,17 +223,15 @@ def _gc(args) -> int:
         for warning in result["warnings"]:
             print(f"\nwarning: {warning}")
         if result["skipped"]:
-            print(f"\nskipped (fewer than --min-count {one['min_count']} sentences): {json.dumps(result['skipped'])}")
+            print(f"\nskipped (fewer than --min-count {gc.min_count} sentences): {json.dumps(result['skipped'])}")
     if args.out:
         print(f"\nwrote {args.out}/")
     return 0
 
 
 def _ntk(args) -> int:
-    result = commands.ntk_command(args.target, _source(args), n=args.n, blocks=args.blocks, params=args.params,
-                                  output=args.output, method=args.method, dtype=args.dtype, device=args.device,
-                                  max_memory=_gib(args.max_memory), seq_len=args.seq_len,
-                                  seed=args.seed, tokenizer=args.tokenizer, out=args.out)
+    result = commands.ntk_command(args.target, _source(args), sentences=_sentences(args), kernel=_kernel(args),
+                                  blocks=args.blocks, out=args.out)
     print(f"NTK of {result['n']} sentences by {result['method']} ({result['reason']}); trace {result['trace']:.4g}; "
           f"blocks: {len(result['blocks'])}")
     if args.out:

@@ -15,12 +15,14 @@ import logging
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from cse_models.domains import context_length, evaluate_domains
 from cse_models.hf import architecture
 from ntkscope import __version__
 from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import Staging, check_output, digest, write_json, write_table
+from ntkscope.app.options import GCOptions, Sentences
 from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.kernel.distributed import from_rank0, writes
 from ntkscope.kernel.ntk import empirical_ntk
@@ -67,10 +69,11 @@ def load_model_and_tokenizer(checkpoint, tokenizer=None, data=None):
     return model, tok
 
 
-def analysis_sentences(model, tok, data, *, n: int, seq_len: int, seed: int):
-    """``n`` sentences of ``data`` for ``model``: refused in one line when they are longer than the
+def analysis_sentences(model, tok, data, sentences: Sentences):
+    """The ``sentences`` of ``data`` for ``model``: refused in one line when they are longer than the
     model's context (``seq_len`` above it), before the model sees them."""
-    ad = load_analysis_data(data, tok, n=n, seq_len=seq_len, seed=seed)
+    ad = load_analysis_data(data, tok, n=sentences.n, seq_len=sentences.seq_len, seed=sentences.seed)
+    seq_len = sentences.seq_len
     try:
         context = context_length(model)
     except ValueError:  # a model that does not say: its own error, if any, comes later
@@ -82,68 +85,71 @@ def analysis_sentences(model, tok, data, *, n: int, seq_len: int, seed: int):
     return ad
 
 
-def memory_note(model, n: int, params=None, dtype=None, device=None, max_memory=None) -> str:
-    """The size of J for this analysis, against the memory available on the device (checked first:
-    a device this machine lacks is one line, before any memory is asked of it)."""
-    KernelOptions(dtype=dtype, device=device)
-    P = select_parameters(model, params, None).n_params
-    itemsize = 8 if str(dtype) in ("float64", "torch.float64") else 4
-    need = n * P * itemsize
-    where = device or "cpu"
-    return (f"memory: the model is {format_bytes(P * itemsize)}; J would be {n} x {P:,} = {format_bytes(need)} "
-            f"({'float64' if itemsize == 8 else 'float32'}); {format_bytes(available_memory_bytes(device))} "
-            f"available on {where}; budget "
-            f"{format_bytes(max_memory) if max_memory else 'half of that'}; 'auto' estimates each method's memory "
+def memory_note(model, n: int, options: KernelOptions) -> str:
+    """The size of J for this analysis (``n`` samples, ``options``' parameters and dtype), against the
+    memory available on ``options``' device."""
+    P = select_parameters(model, options.params, None).n_params
+    itemsize = 8 if options.dtype == torch.float64 else 4
+    budget = options.max_memory
+    return (f"memory: the model is {format_bytes(P * itemsize)}; J would be {n} x {P:,} = "
+            f"{format_bytes(n * P * itemsize)} ({'float64' if itemsize == 8 else 'float32'}); "
+            f"{format_bytes(available_memory_bytes(options.device))} available on {options.device or 'cpu'}; budget "
+            f"{format_bytes(budget) if budget else 'half of that'}; 'auto' estimates each method's memory "
             "and time next, and picks the cheapest that fits")
 
 
-def gc_command(checkpoint, data=None, *, by: str = "frequency-bins", bins: int = 6, binning: str = "count",
-               n: int = 256, min_count: int = 4, params=None, output: str = GC_OUTPUT, outputs=None,
-               method: str = "auto", dtype=None, device=None, max_memory: int | None = None, seq_len: int = 64,
-               seed: int = 0, resampling: Resampling = Resampling(), tokenizer=None, homogeneous_label=None,
-               out=None) -> dict:
-    """GC of each subset (frequency bin or label) against the whole set of ``n`` sentences, with
-    intervals, bias, sign confidence, conditioning and the null bands (random, homogeneous:
-    ``homogeneous_label``'s sentences or gradient-space neighbours, matched on length and loss);
-    ``outputs`` (several scalar outputs) puts them side by side with an ``output`` column. A
-    table whose every row is flagged is kept, with a warning in ``result["warnings"]``.
+def _key_options(data, sentences: Sentences, kernel: KernelOptions, resampling: Resampling | None = None,
+                 **more) -> dict:
+    """A command's options as they go into its cache key and ``result.json``: every field of
+    every options object, the data source's, and the code's version."""
+    return {**data.options(), "sentences": sentences.to_dict(), "kernel": kernel.to_dict(),
+            **({} if resampling is None else {"resampling": dataclasses.asdict(resampling)}), **more,
+            "version": __version__}
+
+
+def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),
+               kernel: KernelOptions = KernelOptions(output=GC_OUTPUT), gc: GCOptions = GCOptions(),
+               resampling: Resampling = Resampling(), out=None) -> dict:
+    """GC of each subset (frequency bin or label: ``gc``) against the whole set of the ``sentences``,
+    with intervals, bias, sign confidence, conditioning and the null bands (``resampling``: random,
+    homogeneous: ``gc.homogeneous_label``'s sentences or gradient-space neighbours, matched on length
+    and loss), the kernel computed as ``kernel`` says; ``gc.outputs`` (several scalar outputs) puts
+    them side by side with an ``output`` column. A table whose every row is flagged is kept, with a
+    warning in ``result["warnings"]``.
 
     Writes ``gc.csv``, ``histogram.csv``, ``result.json`` and ``gc_vs_frequency.png`` to ``out``.
     """
     check_output("gc", out)
     data = as_source(data)
-    options = dict(checkpoint=str(checkpoint), **data.options(), by=by, bins=bins, binning=binning, n=n,
-                   min_count=min_count, params=params, output=output, outputs=outputs, method=method, dtype=dtype,
-                   seq_len=seq_len, seed=seed, resampling=dataclasses.asdict(resampling), tokenizer=tokenizer,
-                   homogeneous_label=homogeneous_label, version=__version__)
-    tok = checkpoint_tokenizer(checkpoint, tokenizer, data)  # its file is an input: retrained, it changes the key
+    options = {"checkpoint": str(checkpoint), **_key_options(data, sentences, kernel, resampling, gc=gc.to_dict())}
+    tok = checkpoint_tokenizer(checkpoint, sentences.tokenizer, data)  # its file is an input: retrained, a new key
     tokenizer_files = [Path(tok.name)] if Path(tok.name).exists() else []
     key = digest(options, paths=[checkpoint, *data.files, *tokenizer_files])
     cached = from_rank0(cached_result(out, key))  # every process takes rank 0's decision
     if cached:
         log.info("gc: reusing the result in %s (same options and inputs)", out)
         return cached
-    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
-    ad = analysis_sentences(model, tok, data, n=n, seq_len=seq_len, seed=seed)
-    log.info("%s", memory_note(model, n, params, dtype, device, max_memory))
-    common = dict(by=by, bins=bins, binning=binning, min_count=min_count, resampling=resampling, params=params,
-                  method=method, dtype=dtype, device=device, max_memory=max_memory, seed=seed,
-                  homogeneous=homogeneous_label)
-    if outputs:
-        table, hist, skipped = gc_sensitivity(model, ad, outputs=outputs, **common)
+    model, tok = load_model_and_tokenizer(checkpoint, sentences.tokenizer, data)
+    ad = analysis_sentences(model, tok, data, sentences)
+    log.info("%s", memory_note(model, sentences.n, kernel))
+    common = dict(by=gc.by, bins=gc.bins, binning=gc.binning, min_count=gc.min_count, resampling=resampling,
+                  homogeneous=gc.homogeneous_label, options=kernel)
+    if gc.outputs:
+        table, hist, skipped = gc_sensitivity(model, ad, outputs=gc.outputs, **common)
     else:
-        table, hist, skipped = gc_by_bins(model, ad, output=output, **common)
+        table, hist, skipped = gc_by_bins(model, ad, **common)
     out = out if writes() else None
-    result = {"key": key, "options": options, "data": ad.source, "n": n, "groups": table.to_dict("records"),
+    result = {"key": key, "options": options, "data": ad.source, "n": sentences.n, "groups": table.to_dict("records"),
               "skipped": skipped, "warnings": flag_warnings(table)}
     for warning in result["warnings"]:
         log.warning("gc: %s", warning)
     with Staging(out) as files:
         table.to_csv(files.path("gc.csv"), index=False)
         hist.to_csv(files.path("histogram.csv"), index=False)
-        if by == "frequency-bins":
+        if gc.by == "frequency-bins":
             save_figure(gc_vs_frequency(table, hist, title=f"{Path(checkpoint).name}: GC against sentence "
-                                        f"frequency (n={n})"), files.path("gc_vs_frequency.png"), formats=FORMATS)
+                                        f"frequency (n={sentences.n})"), files.path("gc_vs_frequency.png"),
+                        formats=FORMATS)
         write_json(files.path("result.json"), result)
     result["files"] = files.written
     return result
@@ -162,34 +168,31 @@ def flag_warnings(table) -> list:
     return out
 
 
-def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1 / 3, output: str = GC_OUTPUT,
-                   method: str = "auto", resampling: Resampling = Resampling(), seq_len: int = 64, seed: int = 0,
-                   tokenizer=None, params=None, dtype=None, device=None, max_memory: int | None = None,
-                   homogeneous_label=None, cache_dir=None, out=None) -> dict:
-    """GC of the long-tail subset (lowest frequency scores) against the whole set at every
-    checkpoint of a run, with its statistics: ``gc_over_steps.csv``, ``result.json`` and
-    ``gc_over_steps.png``. ``peak``: :func:`ntkscope.gc_peak` (step, shown, why). ``params``,
-    ``dtype``, ``device``, ``max_memory`` and ``homogeneous_label`` (the homogeneous null's pool: that
-    label's sentences) as for :func:`gc_command`, at every checkpoint. Each checkpoint's result is
-    cached in ``cache_dir`` (default: RUN/analysis when the run is ours to write, else the user's
-    cache)."""
+def gc_run_command(run_dir, data=None, *, sentences: Sentences = Sentences(),
+                   kernel: KernelOptions = KernelOptions(output=GC_OUTPUT), gc: GCOptions = GCOptions(),
+                   resampling: Resampling = Resampling(), cache_dir=None, out=None) -> dict:
+    """GC of the long-tail subset (``gc.tail_fraction`` of the sentences, lowest frequency scores)
+    against the whole set at every checkpoint of a run, with its statistics: ``gc_over_steps.csv``,
+    ``result.json`` and ``gc_over_steps.png``. ``peak``: :func:`ntkscope.gc_peak` (step, shown, why).
+    ``sentences``, ``kernel``, ``resampling`` and ``gc.homogeneous_label`` as for :func:`gc_command`,
+    at every checkpoint (``gc``'s grouping fields are for one checkpoint: the command line refuses
+    them here). Each checkpoint's result is cached in ``cache_dir`` (default: RUN/analysis when
+    the run is ours to write, else the user's cache)."""
     check_output("gc", out)
     checkpoints = list_checkpoints(run_dir)
-    model, tok = load_model_and_tokenizer(checkpoints[-1][1], tokenizer, data)
-    ad = analysis_sentences(model, tok, data, n=n, seq_len=seq_len, seed=seed)
-    tail = long_tail_subset(ad.labels["score"], tail_fraction)
+    model, tok = load_model_and_tokenizer(checkpoints[-1][1], sentences.tokenizer, data)
+    ad = analysis_sentences(model, tok, data, sentences)
+    tail = long_tail_subset(ad.labels["score"], gc.tail_fraction)
     try:
-        pools = homogeneous_pools(ad, homogeneous_label)
+        pools = homogeneous_pools(ad, gc.homogeneous_label)
     except InputError as err:  # named as the command names it
-        raise InputError("homogeneous_label", err.rule, homogeneous_label, func="gc") from None
-    frame = gc_series(run_dir, ad.batch, tail, output=output, method=method, resampling=resampling, pools=pools,
-                      cache_dir=cache_dir, params=params, dtype=dtype, device=device, max_memory=max_memory)
+        raise InputError("homogeneous_label", err.rule, gc.homogeneous_label, func="gc") from None
+    frame = gc_series(run_dir, ad.batch, tail, resampling=resampling, pools=pools, cache_dir=cache_dir, options=kernel)
     peak = gc_peak(frame)
-    result = {"run": str(run_dir), "data": ad.source, "source": as_source(data).options(), "n": n, "n_tail": len(tail),
-              "output": output, "method": method, "seed": seed, "seq_len": seq_len, "tail_fraction": tail_fraction,
-              "params": params, "dtype": dtype, "device": device, "max_memory": max_memory,
-              "homogeneous_label": homogeneous_label,
-              "resampling": dataclasses.asdict(resampling), "peak": peak, "series": frame.to_dict("records")}
+    result = {"run": str(run_dir), "data": ad.source, "n": sentences.n, "n_tail": len(tail),
+              "options": _key_options(as_source(data), sentences, kernel, resampling,
+                                      gc={k: gc.to_dict()[k] for k in ("tail_fraction", "homogeneous_label")}),
+              "peak": peak, "series": frame.to_dict("records")}
     with Staging(out) as files:
         frame.to_csv(files.path("gc_over_steps.csv"), index=False)
         save_figure(gc_over_steps(frame, warmup=peak["step"] if peak["shown"] else None, rule="gc-peak"),
@@ -199,28 +202,27 @@ def gc_run_command(run_dir, data=None, *, n: int = 256, tail_fraction: float = 1
     return result
 
 
-def ntk_command(checkpoint, data=None, *, n: int = 64, blocks=None, params=None, output: str = "loss",
-                method: str = "auto", dtype=None, device=None, max_memory: int | None = None, seq_len: int = 64,
-                seed: int = 0, tokenizer=None, out=None) -> dict:
-    """The empirical NTK of ``n`` sentences: ``ntk.npy`` (n, n), ``blocks.npz`` (one kernel per
-    block), ``labels.csv`` and ``ntk.png`` (samples ordered by label)."""
+def ntk_command(checkpoint, data=None, *, sentences: Sentences = Sentences(n=64),
+                kernel: KernelOptions = KernelOptions(), blocks=None, out=None) -> dict:
+    """The empirical NTK of the ``sentences``, computed as ``kernel`` says: ``ntk.npy`` (n, n),
+    ``blocks.npz`` (one kernel per block of ``blocks``), ``labels.csv`` and ``ntk.png`` (samples
+    ordered by label)."""
     check_output("ntk", out)
-    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
-    ad = analysis_sentences(model, tok, data, n=n, seq_len=seq_len, seed=seed)
-    log.info("%s", memory_note(model, n, params, dtype, device, max_memory))
-    result_ntk = empirical_ntk(model, ad.batch, output=output, params=params, blocks=blocks, method=method,
-                               dtype=dtype, device=device, max_memory=max_memory, seed=seed)
+    model, tok = load_model_and_tokenizer(checkpoint, sentences.tokenizer, data)
+    ad = analysis_sentences(model, tok, data, sentences)
+    log.info("%s", memory_note(model, sentences.n, kernel))
+    result_ntk = empirical_ntk(model, ad.batch, blocks=blocks, options=kernel)
     matrix = result_ntk.matrix.detach().cpu().numpy()
     out = out if writes() else None
-    result = {"checkpoint": str(checkpoint), "data": ad.source, "n": n, "method": result_ntk.method,
+    result = {"checkpoint": str(checkpoint), "data": ad.source, "n": sentences.n, "method": result_ntk.method,
               "reason": result_ntk.reason, "blocks": list(result_ntk.blocks or {}),
-              "trace": float(np.trace(matrix))}
+              "trace": float(np.trace(matrix)), "options": _key_options(as_source(data), sentences, kernel)}
     with Staging(out) as files:
         np.save(files.path("ntk.npy"), matrix)
         if result_ntk.blocks:
             np.savez(files.path("blocks.npz"), **{k: v.detach().cpu().numpy() for k, v in result_ntk.blocks.items()})
         ad.labels.to_csv(files.path("labels.csv"), index=False)
-        save_figure(ntk_heatmap(matrix, ad.labels["label"], title=f"NTK of {Path(checkpoint).name} (n={n})"),
+        save_figure(ntk_heatmap(matrix, ad.labels["label"], title=f"NTK of {Path(checkpoint).name} (n={sentences.n})"),
                     files.path("ntk.png"), formats=FORMATS)
         write_json(files.path("result.json"), result)
     result["files"] = files.written
@@ -306,21 +308,17 @@ def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int 
             "tokenizer": tok, "files": written}
 
 
-def _analysis_sentences(target, data, tokenizer, n, seq_len, seed, *, run: bool):
-    """AnalysisData tokenized for a checkpoint, or (``run``) for a run's last checkpoint."""
-    checkpoint = list_checkpoints(target)[-1][1] if run else target
-    model, tok = load_model_and_tokenizer(checkpoint, tokenizer, data)
-    return analysis_sentences(model, tok, data, n=n, seq_len=seq_len, seed=seed)
-
-
-def clusters_command(target, data="default", *, tokenizer=None, n: int = 256, seq_len: int = 64,
-                     point: str = "block", k_max: int = 10, projection_dim: int = 64, top_k: int = 2, seed: int = 0,
-                     cache_dir=None, out=None) -> dict:
+def clusters_command(target, data="default", *, sentences: Sentences = Sentences(), point: str = "block",
+                     k_max: int = 10, projection_dim: int = 64, top_k: int = 2, cache_dir=None, out=None) -> dict:
     """How a model's (or every checkpoint of a run's) sequence embeddings cluster, layer by layer
-    (``ntkscope clusters``): elbow K and separation, and for one model the CSE layers they choose."""
+    (``ntkscope clusters``): elbow K and separation, and for one model the CSE layers they choose;
+    the projection and K-means are seeded with ``sentences.seed``."""
     check_output("clusters", out, kind="file", suffixes=(".csv", ".parquet"))
-    result = {"n": n, "point": point, "run": is_run_dir(target)}
-    ad = _analysis_sentences(target, data, tokenizer, n, seq_len, seed, run=result["run"])
+    result = {"n": sentences.n, "point": point, "run": is_run_dir(target)}
+    checkpoint = list_checkpoints(target)[-1][1] if result["run"] else target
+    model, tok = load_model_and_tokenizer(checkpoint, sentences.tokenizer, data)
+    ad = analysis_sentences(model, tok, data, sentences)
+    seed = sentences.seed
     if result["run"]:
         table = cluster_dynamics(target, ad.batch, point=point, k_max=k_max, projection_dim=projection_dim, seed=seed,
                                  cache_dir=cache_dir)
@@ -333,9 +331,9 @@ def clusters_command(target, data="default", *, tokenizer=None, n: int = 256, se
     return {**result, "table": table}
 
 
-def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_len: int = 64,
-                 point: str = "block", k_max: int = 10, projection_dim: int = 64, top_k: int = 2, seed: int = 0,
-                 module: str = "ffn", tail_fraction: float = 1 / 3, method: str = "auto", output: str = GC_OUTPUT,
+def plan_command(run_dir, data="default", *, sentences: Sentences = Sentences(),
+                 kernel: KernelOptions = KernelOptions(output=GC_OUTPUT), point: str = "block", k_max: int = 10,
+                 projection_dim: int = 64, top_k: int = 2, module: str = "ffn", tail_fraction: float = 1 / 3,
                  overlap: float = 0.8, router: dict | None = None, tail_labels=None, choose_by: str = "structure",
                  cache_dir=None, out="plan.json") -> dict:
     """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``
@@ -344,11 +342,14 @@ def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_l
     the long tail's GC peak when its statistics show one, else the earliest checkpoint whose
     router clusters are stable (adjusted Rand >= ``overlap``). When the data's sentences carry
     two or more labels, the plan also reports what the clusters hold of the ``tail_labels``
-    (default: every label but the most frequent), and ``choose_by="labels"`` chooses by them."""
+    (default: every label but the most frequent), and ``choose_by="labels"`` chooses by them. The
+    long tail's GC is computed as ``kernel`` says; the clusters, router and GC statistics are
+    seeded with ``sentences.seed``."""
     check_output("plan", out, kind="file")
     last_path = list_checkpoints(run_dir)[-1][1]
-    last_model, tok = load_model_and_tokenizer(last_path, tokenizer, data)
-    ad = analysis_sentences(last_model, tok, data, n=n, seq_len=seq_len, seed=seed)
+    last_model, tok = load_model_and_tokenizer(last_path, sentences.tokenizer, data)
+    ad = analysis_sentences(last_model, tok, data, sentences)
+    seed = sentences.seed
     tail = long_tail_subset(ad.labels["score"], tail_fraction)
     labelled = ad.labels["label"].nunique() >= 2
     if tail_labels is None and labelled:
@@ -361,7 +362,7 @@ def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_l
                    **({"domains": ad.labels["label"].astype(str).tolist(), "tail": list(tail_labels)} if labelled else {}))
     analyses = {"clusters": clusters_analysis(ad.batch, point=point, k_max=k_max, projection_dim=projection_dim,
                                               seed=seed),
-                "gc": gc_analysis(ad.batch, tail, output=output, method=method, resampling=Resampling(seed=seed)),
+                "gc": gc_analysis(ad.batch, tail, resampling=Resampling(seed=seed), options=kernel),
                 "router": router_analysis(ad.batch, **routing)}  # every layer: one fit per checkpoint, shared
     checkpoints, found = walk(run_dir, analyses, cache_dir=cache_dir, models={last_path: last_model},
                               func="ntkscope plan")  # each checkpoint loaded once, for all three
@@ -376,6 +377,6 @@ def plan_command(run_dir, data="default", *, tokenizer=None, n: int = 256, seq_l
     plan = dataclasses.replace(plan, source={
         **architecture(last_model), "family": family_of(last_model).name, "tokenizer": tok.name,
         "vocab_size": tok.vocab_size, **as_source(data).options(), "run": str(run_dir), "steps": steps,
-        "sentences": n, "seq_len": seq_len})
+        "sentences": sentences.n, "seq_len": sentences.seq_len})
     plan.save(out)
     return {"separation": table, "gc": gc, "n_tail": len(tail), "plan": plan, "tail_labels": tail_labels}

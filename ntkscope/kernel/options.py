@@ -92,6 +92,28 @@ class KernelOptions:
         object.__setattr__(self, "dtype", _dtype(self.dtype))
         object.__setattr__(self, "device", _device(self.device))
 
+    def to_dict(self) -> dict:
+        """The fields as JSON values (a dtype by its name, a device as a string, an output or
+        parameter selection that is not a name by its ``str``): for cache keys and result files."""
+        names = {v: k for k, v in DTYPES.items()}
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "dtype" and value is not None:
+                value = names.get(value, str(value))
+            elif f.name == "device" and value is not None:
+                value = str(value)
+            elif f.name in ("output", "params") and not _plain(value):
+                value = str(value)
+            out[f.name] = value
+        return out
+
+    def changed(self, *, leave=()) -> dict:
+        """:meth:`to_dict`'s fields that differ from the defaults (``leave``: names to leave out): a
+        cache key that options at their defaults leave as it was before a field was added."""
+        default = KernelOptions().to_dict()
+        return {k: v for k, v in self.to_dict().items() if k not in leave and v != default[k]}
+
     @classmethod
     def build(cls, options: "KernelOptions | None" = None, *, methods=None, **fields) -> "KernelOptions":
         """``options`` with ``fields`` replaced (or a new object from ``fields``); unknown names are
@@ -105,6 +127,12 @@ class KernelOptions:
         if methods is not None and "method" in fields:
             check_choice("method", fields["method"], set(methods))
         return dataclasses.replace(options, **fields) if options is not None else cls(**fields)
+
+
+def _plain(value) -> bool:
+    """A value JSON holds as it is: None, a string, or a list or tuple of strings."""
+    return value is None or isinstance(value, str) or (
+        isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))
 
 
 def _dtype(dtype) -> torch.dtype | None:

@@ -30,6 +30,7 @@ from ntkscope.core.files import JsonCache, digest
 from ntkscope.core.paths import user_cache_dir
 from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.consistency import gradient_consistency
+from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.representation.persistence import cluster_persistence, persistence_summary
 from ntkscope.representation.clusters import LAYER_COLUMNS, ElbowKMeans, layer_separation, random_projection
@@ -158,45 +159,44 @@ def clusters_table(results: list) -> pd.DataFrame:
     return pd.concat([pd.DataFrame(r) for r in results], ignore_index=True)[COLUMNS]
 
 
-def gc_analysis(batch: dict, subset, *, output: str = "loss", method: str = "auto",
-                resampling: Resampling | None = Resampling(), pools=None, match=MATCHES, **fields) -> Analysis:
-    """:func:`gc_series`' per-checkpoint analysis; ``fields``: further
-    :class:`~ntkscope.KernelOptions` fields (params, dtype, device, max_memory, ...)."""
+def gc_analysis(batch: dict, subset, *, resampling: Resampling | None = Resampling(), pools=None, match=MATCHES,
+                options: KernelOptions | None = None, **fields) -> Analysis:
+    """:func:`gc_series`' per-checkpoint analysis; ``options`` (:class:`~ntkscope.KernelOptions`,
+    its fields replaced by ``fields``) is built once here and used at every checkpoint."""
+    opts = KernelOptions.build(options, **fields)
     subset = [int(i) for i in subset]
     settings = None if resampling is None else dataclasses.asdict(resampling)
     pools = None if pools is None else [sorted(int(i) for i in pool) for pool in pools]
-    options = {"what": "gc", "format": 3, "subset": subset, "method": method, "output": output, "resampling": settings,
-               "pools": pools, "match": list(match)}
-    given = {k: v for k, v in fields.items() if v is not None}
-    if given:  # a key without them stays the key of the defaults, so earlier caches still serve
-        options["fields"] = {k: str(v) for k, v in sorted(given.items())}
+    key = {"what": "gc", "format": 3, "subset": subset, "method": opts.method, "output": str(opts.output),
+           "resampling": settings, "pools": pools, "match": list(match)}
+    changed = opts.changed(leave=("method", "output"))
+    if changed:  # a key without them stays the key of the defaults, so earlier caches still serve
+        key["fields"] = dict(sorted(changed.items()))
 
     def compute(model, step):
         controls = None if resampling is None else analysis_controls(model, batch, pools=pools, match=match,
-                                                                     output=output)
-        res = gradient_consistency(model, batch, subset, method=method, output=output, resampling=resampling,
-                                   controls=controls, **given)
+                                                                     output=opts.output)
+        res = gradient_consistency(model, batch, subset, resampling=resampling, controls=controls, options=opts)
         return [{"step": step, **res.row()}]
-    return Analysis(digest(options, arrays=batch), compute)
+    return Analysis(digest(key, arrays=batch), compute)
 
 
 def gc_table(results: list) -> pd.DataFrame:
     return pd.DataFrame([row for rows in results for row in rows]).drop(columns="label")
 
 
-def gc_series(run_dir, batch: dict, subset, *, output: str = "loss", method: str = "auto",
-              resampling: Resampling | None = Resampling(), pools=None, match=MATCHES, steps=None,
-              cache_dir=None, **fields) -> pd.DataFrame:
+def gc_series(run_dir, batch: dict, subset, *, resampling: Resampling | None = Resampling(), pools=None,
+              match=MATCHES, steps=None, cache_dir=None, options: KernelOptions | None = None,
+              **fields) -> pd.DataFrame:
     """Gradient consistency of ``subset`` (indices into the batch: the long tail) against the
     whole batch at each checkpoint: one :meth:`~ntkscope.GCResult.row` per step (step, gc and
     its interval, abs_gc and its interval, bias, the null bands and versus each, the excess over
     the random null's median and its standard error, sign_confidence, mean_gradient, flags,
     eigengaps, cos_ones, ...). The controls are :func:`~ntkscope.runs.gc.analysis_controls`'
     (``pools``: homogeneous index arrays; ``match``: covariates), measured at each checkpoint.
-    ``fields``: :class:`~ntkscope.KernelOptions` fields, as for :func:`~ntkscope.gradient_consistency`.
-    Cached like :func:`cluster_dynamics`."""
-    analysis = gc_analysis(batch, subset, output=output, method=method, resampling=resampling, pools=pools,
-                           match=match, **fields)
+    ``options``/``fields``: :class:`~ntkscope.KernelOptions`, as for :func:`~ntkscope.gradient_consistency`
+    (output, method, params, dtype, device, max_memory, ...). Cached like :func:`cluster_dynamics`."""
+    analysis = gc_analysis(batch, subset, resampling=resampling, pools=pools, match=match, options=options, **fields)
     _, results = walk(run_dir, {"gc": analysis}, steps=steps, cache_dir=cache_dir, func="gc_series")
     return gc_table(results["gc"])
 
