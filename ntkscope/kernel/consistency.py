@@ -32,7 +32,7 @@ from ntkscope.kernel.eigen import EigenResult
 from ntkscope.kernel.distributed import weighted_gradient
 from ntkscope.kernel.grads import functional_model
 from ntkscope.kernel.methods import solve_top
-from ntkscope.kernel.ntk import prepare_scalar
+from ntkscope.kernel.ntk import scalar_workload
 from ntkscope.kernel.objectives import batch_size, take
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.nulls import Controls, check_controls
@@ -145,8 +145,9 @@ def principal_direction(model, batch, *, options: KernelOptions | None = None, *
     """
     opts = KernelOptions.build(options, **fields)
     with functional_model(model, opts) as fm:
-        data, n, chunk, budget = prepare_scalar(fm, batch, opts)
-        eig, _, used = solve_top(fm, data, n, chunk, budget, opts)
+        w = scalar_workload(fm, batch, opts)
+        data, chunk = w.data1, w.chunk
+        eig, _, used = solve_top(w)
         u = torch.as_tensor(eig.eigenvector, dtype=fm.dtype, device=fm.device)
         g = weighted_gradient(fm, data, u, chunk)
         return DirectionResult(g, eig, fm.selection.names, fm.selection.shapes, used)
@@ -155,8 +156,9 @@ def principal_direction(model, batch, *, options: KernelOptions | None = None, *
 def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptions, resampling, controls) -> list:
     """GC of each index array in ``subsets`` against the whole batch; the whole set is solved once."""
     with functional_model(model, opts) as fm:
-        data, n, chunk, budget = prepare_scalar(fm, batch, opts)
-        whole, kernel, used = solve_top(fm, data, n, chunk, budget, opts)
+        w = scalar_workload(fm, batch, opts)
+        data, n, chunk = w.data1, w.n1, w.chunk
+        whole, kernel, used = solve_top(w)
         common = dict(method=used, dtype=fm.dtype, output=fm.objective.name)
         if kernel is not None:
             K = kernel.detach().double().cpu().numpy()  # (n, n)
@@ -170,7 +172,7 @@ def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptio
         for idx, label in zip(subsets, names):
             m = len(idx)
             sub_data = take(data, torch.as_tensor(idx, device=fm.device))
-            sub, _, _ = solve_top(fm, sub_data, m, chunk, budget, opts, method="matrix-free")
+            sub, _, _ = solve_top(w.of(sub_data, m), method="matrix-free")
             u_s = torch.as_tensor(sub.eigenvector, dtype=fm.dtype, device=fm.device)
             g_s = weighted_gradient(fm, sub_data, u_s, chunk)
             ones_s = torch.full((m,), 1.0 / m, dtype=fm.dtype, device=fm.device)

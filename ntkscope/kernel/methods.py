@@ -16,6 +16,7 @@ Adding a method: a member of :class:`~ntkscope.kernel.options.Method`, its funct
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from ntkscope.core.checks import InputError
 from ntkscope.core.memory import format_bytes
 from ntkscope.kernel import distributed
 from ntkscope.kernel.eigen import EigenResult, NTKOperator, dense_top_eigenpair, lanczos_top_eigenpair
-from ntkscope.kernel.grads import FunctionalModel
+from ntkscope.kernel.grads import FunctionalModel, default_chunk_size, memory_budget
 from ntkscope.kernel.kernels import (
     exact_kernels,
     exact_panel,
@@ -37,6 +38,7 @@ from ntkscope.kernel.kernels import (
     projected_kernels,
     projected_memory,
 )
+from ntkscope.kernel.objectives import batch_size
 from ntkscope.kernel.options import KernelOptions, Method
 from ntkscope.kernel.structured import held_bytes, layout, pair_cost, probe, structured_kernels, work_elements
 
@@ -62,16 +64,14 @@ class MethodSpec:
     summary : str
         One line for ``--help`` and the docs.
     kernel : callable or None
-        ``(fm, data1, data2, n1, n2, chunk, budget, reduction, opts) -> Blocks``; None when the
-        method never forms the kernel.
+        ``(workload, reduction) -> Blocks``; None when the method never forms the kernel.
     eigen : callable
-        ``(fm, data, n, chunk, budget, opts) -> (EigenResult, kernel (n, n) or None)``.
+        ``(workload) -> (EigenResult, kernel (n, n) or None)`` (a symmetric workload).
     memory : callable
-        ``(task, fm, data, n1, n2, chunk, opts, symmetric) -> bytes`` held at the peak when nothing
-        has to be streamed.
+        ``(task, workload) -> bytes`` held at the peak when nothing has to be streamed.
     cost : callable
-        ``(task, fm, data, n1, n2, chunk, budget, opts, symmetric) -> multiply-adds``, the estimate
-        "auto" compares (:func:`step_cost` is one forward and backward over the n1 samples).
+        ``(task, workload) -> multiply-adds``, the estimate "auto" compares (:func:`step_cost` is
+        one forward and backward over the n1 samples).
     vector_outputs : bool
         Whether vector outputs ("logits", "hidden-mean") are supported (eigenpairs need a scalar one).
     approximate : bool
@@ -88,35 +88,72 @@ class MethodSpec:
     approximate: bool = False
 
 
-def _exact_blocks(fm, data1, data2, n1, n2, chunk, budget, reduction, opts) -> Blocks:
-    compute = distributed.exact_kernels if distributed.active() else exact_kernels
-    kernels, passes = compute(fm, data1, data2, n1, n2, chunk, budget, reduction)
+@dataclass(frozen=True)
+class Workload:
+    """One kernel computation, made once per call by :func:`workload`: the functional model, the
+    prepared data (``data2`` None: the symmetric K(X, X)), the sample counts, the samples per vmap
+    call (``chunk``), the memory ``budget`` in bytes, the options, and whether the processes of a
+    distributed run share the work (``sharded``, decided once here)."""
+
+    fm: FunctionalModel
+    data1: dict
+    data2: dict | None
+    n1: int
+    n2: int
+    chunk: int
+    budget: int
+    opts: KernelOptions
+    sharded: bool
+
+    @property
+    def symmetric(self) -> bool:
+        return self.data2 is None
+
+    def of(self, data: dict, n: int) -> "Workload":
+        """The symmetric workload of ``n`` prepared rows ``data`` (e.g. a subset), all else the same."""
+        return dataclasses.replace(self, data1=data, data2=None, n1=n, n2=n)
+
+
+def workload(fm: FunctionalModel, batch, batch2=None, *, opts: KernelOptions) -> Workload:
+    """The :class:`Workload` of ``batch`` (and ``batch2``; None: the symmetric kernel of ``batch``)."""
+    n1 = batch_size(batch, "batch")
+    n2 = n1 if batch2 is None else batch_size(batch2, "batch2")
+    data1 = fm.prepare(batch, "batch")
+    data2 = None if batch2 is None else fm.prepare(batch2, "batch2")
+    budget = memory_budget(opts.max_memory, fm.device)
+    chunk = opts.chunk_size or default_chunk_size(max(n1, n2), fm, budget)
+    return Workload(fm, data1, data2, n1, n2, chunk, budget, opts, distributed.active())
+
+
+def _exact_blocks(w: Workload, reduction: str) -> Blocks:
+    compute = distributed.exact_kernels if w.sharded else exact_kernels
+    kernels, passes = compute(w.fm, w.data1, w.data2, w.n1, w.n2, w.chunk, w.budget, reduction)
     return Blocks(kernels, passes)
 
 
-def _structured_blocks(fm, data1, data2, n1, n2, chunk, budget, reduction, opts) -> Blocks:
-    compute = distributed.structured_kernels if distributed.active() else structured_kernels
-    kernels, costs = compute(fm, data1, data2, n1, n2, budget, opts.chunk_size)
+def _structured_blocks(w: Workload, reduction: str) -> Blocks:
+    compute = distributed.structured_kernels if w.sharded else structured_kernels
+    kernels, costs = compute(w.fm, w.data1, w.data2, w.n1, w.n2, w.budget, w.opts.chunk_size)
     return Blocks(kernels, costs.passes)
 
 
-def _projected_blocks(fm, data1, data2, n1, n2, chunk, budget, reduction, opts) -> Blocks:
-    compute = distributed.projected_kernels if distributed.active() else projected_kernels
-    kernels = compute(fm, data1, data2, n1, n2, chunk, reduction, opts)
-    n_vectors = (n1 + n2) ** 2 * fm.n_outputs * len(kernels)
-    return Blocks(kernels, 1, jl_error_bound(opts.projection_dim, n_vectors, opts.confidence))
+def _projected_blocks(w: Workload, reduction: str) -> Blocks:
+    compute = distributed.projected_kernels if w.sharded else projected_kernels
+    kernels = compute(w.fm, w.data1, w.data2, w.n1, w.n2, w.chunk, reduction, w.opts)
+    n_vectors = (w.n1 + w.n2) ** 2 * w.fm.n_outputs * len(kernels)
+    return Blocks(kernels, 1, jl_error_bound(w.opts.projection_dim, n_vectors, w.opts.confidence))
 
 
 def _dense_eigen(kernel_fn):
-    def solve(fm, data, n, chunk, budget, opts):
-        kernel = sum(kernel_fn(fm, data, None, n, n, chunk, budget, "trace", opts).kernels.values())
+    def solve(w: Workload):
+        kernel = sum(kernel_fn(w, "trace").kernels.values())
         return dense_top_eigenpair(kernel), kernel
     return solve
 
 
-def _lanczos_eigen(fm, data, n, chunk, budget, opts):
-    operator = (distributed.ShardedNTKOperator if distributed.active() else NTKOperator)(fm, data, n, chunk)
-    return lanczos_top_eigenpair(operator, tol=opts.tol, ncv=opts.ncv), None
+def _lanczos_eigen(w: Workload):
+    operator = (distributed.ShardedNTKOperator if w.sharded else NTKOperator)(w.fm, w.data1, w.n1, w.chunk)
+    return lanczos_top_eigenpair(operator, tol=w.opts.tol, ncv=w.opts.ncv), None
 
 
 # ---- the cost model: multiply-adds, compared by "auto" and reported in training steps --------------
@@ -149,56 +186,53 @@ def _sample_passes(n1: int, n2: int, panel: int, symmetric: bool) -> float:
     return n1 + panels * n2 if panels > 1 else n1 + n2
 
 
-def _exact_cost(task, fm, data, n1, n2, chunk, budget, opts, symmetric):
-    grads = _sample_passes(n1, n2, exact_panel(fm, n1, chunk, budget), symmetric)
-    gram = n1 * n2 * fm.n_outputs * fm.selection.n_params / (2 if symmetric else 1)
-    return _VMAP_FACTOR * step_cost(fm, data, 1) * grads + gram
+def _exact_cost(task: str, w: Workload) -> float:
+    grads = _sample_passes(w.n1, w.n2, exact_panel(w.fm, w.n1, w.chunk, w.budget), w.symmetric)
+    gram = w.n1 * w.n2 * w.fm.n_outputs * w.fm.selection.n_params / (2 if w.symmetric else 1)
+    return _VMAP_FACTOR * step_cost(w.fm, w.data1, 1) * grads + gram
 
 
-def _structured_cost(task, fm, data, n1, n2, chunk, budget, opts, symmetric):
-    pr = probe(fm, data, n1)
-    panel, _, _ = layout(pr, n1, n2, budget, opts.chunk_size, symmetric)
-    passes = _sample_passes(n1, n2, panel, symmetric)
-    fallback = _VMAP_FACTOR * step_cost(fm, data, 1) * passes if pr.plan.fallback else 0.0
-    products = pair_cost(pr, n1, n2, work_elements(budget, fm.itemsize))
-    return step_cost(fm, data, 1) * passes + fallback + products / (2 if symmetric else 1)
+def _structured_cost(task: str, w: Workload) -> float:
+    pr = probe(w.fm, w.data1, w.n1)
+    panel, _, _ = layout(pr, w.n1, w.n2, w.budget, w.opts.chunk_size, w.symmetric)
+    passes = _sample_passes(w.n1, w.n2, panel, w.symmetric)
+    one = step_cost(w.fm, w.data1, 1)
+    fallback = _VMAP_FACTOR * one * passes if pr.plan.fallback else 0.0
+    products = pair_cost(pr, w.n1, w.n2, work_elements(w.budget, w.fm.itemsize))
+    return one * passes + fallback + products / (2 if w.symmetric else 1)
 
 
-def _structured_memory(task, fm, data, n1, n2, chunk, opts, symmetric):
-    return held_bytes(probe(fm, data, n1), n1, n2, symmetric)
+def _projected_cost(task: str, w: Workload) -> float:
+    P, k, K = w.fm.selection.n_params, w.opts.projection_dim, w.fm.n_outputs
+    n = w.n1 + (0 if w.symmetric else w.n2)
+    chunks = math.ceil(n / max(1, w.chunk))
+    return _VMAP_FACTOR * step_cost(w.fm, w.data1, n) + n * K * P * k + 2 * chunks * P * k + w.n1 * w.n2 * K * k
 
 
-def _projected_cost(task, fm, data, n1, n2, chunk, budget, opts, symmetric):
-    P, k, K = fm.selection.n_params, opts.projection_dim, fm.n_outputs
-    n = n1 + (0 if symmetric else n2)
-    chunks = math.ceil(n / max(1, chunk))
-    return _VMAP_FACTOR * step_cost(fm, data, n) + n * K * P * k + 2 * chunks * P * k + n1 * n2 * K * k
-
-
-def _matrix_free_cost(task, fm, data, n1, n2, chunk, budget, opts, symmetric):
-    return _MATVECS * _MATVEC_FACTOR * step_cost(fm, data, n1)
+def _matrix_free_cost(task: str, w: Workload) -> float:
+    return _MATVECS * _MATVEC_FACTOR * step_cost(w.fm, w.data1, w.n1)
 
 
 METHODS: dict[str, MethodSpec] = {
     Method.EXACT.value: MethodSpec(
         Method.EXACT, "per-sample gradients (vmap) streamed into the Gram matrix (in panels when J does not fit)",
         _exact_blocks, _dense_eigen(_exact_blocks),
-        lambda task, fm, data, n1, n2, chunk, opts, symmetric: exact_memory(fm, n1, n2, chunk), _exact_cost, True),
+        lambda task, w: exact_memory(w.fm, w.n1, w.n2, w.chunk), _exact_cost, True),
     Method.STRUCTURED.value: MethodSpec(
         Method.STRUCTURED, "exact, from each layer's inputs and output cotangents (one forward and backward of "
         "the batch; ghost or materialised per layer by a cost model); scalar outputs",
-        _structured_blocks, _dense_eigen(_structured_blocks), _structured_memory, _structured_cost, False),
+        _structured_blocks, _dense_eigen(_structured_blocks),
+        lambda task, w: held_bytes(probe(w.fm, w.data1, w.n1), w.n1, w.n2, w.symmetric), _structured_cost, False),
     Method.PROJECTED.value: MethodSpec(
         Method.PROJECTED, "seeded random projection of each block, (JR)(JR)^T, generated tile by tile "
         "(never stored), with the JL error bound",
         _projected_blocks, _dense_eigen(_projected_blocks),
-        lambda task, fm, data, n1, n2, chunk, opts, symmetric: projected_memory(
-            fm, n1, n2, chunk, opts.projection_dim, symmetric), _projected_cost, True, approximate=True),
+        lambda task, w: projected_memory(w.fm, w.n1, w.n2, w.chunk, w.opts.projection_dim, w.symmetric),
+        _projected_cost, True, approximate=True),
     Method.MATRIX_FREE.value: MethodSpec(
         Method.MATRIX_FREE, "Lanczos on v -> J(J^T v) (one VJP and one JVP per matvec), memory O(P + n); "
         "eigenpairs only", None, _lanczos_eigen,
-        lambda task, fm, data, n1, n2, chunk, opts, symmetric: matrix_free_memory(fm, n1, chunk),
-        _matrix_free_cost, False),
+        lambda task, w: matrix_free_memory(w.fm, w.n1, w.chunk), _matrix_free_cost, False),
 }
 
 #: An approximate method is taken by "auto" only when its estimate is this many times below the best exact one.
@@ -247,33 +281,34 @@ def _candidates(task: str, scalar: bool) -> list:
             if unsupported(task, name, scalar=scalar) is None and (task == "eigen" or spec.kernel is not None)]
 
 
-def choose(task: str, fm: FunctionalModel, data: dict, n1: int, n2: int, chunk: int, budget: int,
-           opts: KernelOptions, *, symmetric: bool = True) -> Choice:
-    """The method for ``task`` under ``opts.method`` and a memory ``budget`` in bytes (the one "auto" rule).
+def choose(task: str, w: Workload, *, method: str | None = None) -> Choice:
+    """The method for ``task`` on workload ``w`` under ``method`` (default ``w.opts.method``) and
+    ``w.budget`` bytes (the one "auto" rule).
 
     "auto": every method that can do the task is estimated (memory, and multiply-adds by its cost
     column); one whose memory does not fit runs in panels where it can (exact, structured) or is
     dropped; the cheapest exact estimate wins, and an approximate method (projected) only when it is
     :data:`APPROXIMATE_GAIN` times cheaper still. The estimates are in the reason.
     """
+    fm, chunk, budget, asked = w.fm, w.chunk, w.budget, method or w.opts.method
     row = fm.n_outputs * fm.selection.n_params * fm.itemsize
-    if task == "kernel" and 4 * chunk * row > budget and opts.method == Method.EXACT.value:
+    if task == "kernel" and 4 * chunk * row > budget and asked == Method.EXACT.value:
         raise InputError("max_memory", f"is too small for even one chunk of per-sample gradients "
                          f"({format_bytes(4 * chunk * row)} for chunk_size={chunk}, P={fm.selection.n_params}, "
                          f"K={fm.n_outputs}); select fewer params, a smaller chunk_size, or method='structured' "
                          "or 'projected'", budget)
-    step = step_cost(fm, data, n1)
+    step = step_cost(fm, w.data1, w.n1)
 
     def estimate(spec: MethodSpec) -> tuple[int, float]:
-        memory = spec.memory(task, fm, data, n1, n2, chunk, opts, symmetric)
-        return memory, spec.cost(task, fm, data, n1, n2, chunk, budget, opts, symmetric) / max(step, 1.0)
+        return spec.memory(task, w), spec.cost(task, w) / max(step, 1.0)
 
-    if opts.method != "auto":
-        spec = METHODS[opts.method]
+    if asked != "auto":
+        spec = METHODS[asked]
         memory, steps = estimate(spec)
         if spec.method == Method.PROJECTED and memory > budget:
             raise InputError("projection_dim", f"needs {format_bytes(memory)} of sketches, more than "
-                             f"max_memory={format_bytes(budget)}; lower it or use method='exact'", opts.projection_dim)
+                             f"max_memory={format_bytes(budget)}; lower it or use method='exact'",
+                             w.opts.projection_dim)
         reason = f"asked for; about {steps:.3g} training steps"
         if spec.method in (Method.EXACT, Method.STRUCTURED) and memory > budget:
             reason += f"; needs {format_bytes(memory)} > max_memory {format_bytes(budget)}, so it runs in panels"
@@ -307,14 +342,10 @@ def choose(task: str, fm: FunctionalModel, data: dict, n1: int, n2: int, chunk: 
     return choice
 
 
-def solve_top(fm: FunctionalModel, data: dict, n: int, chunk: int, budget: int, opts: KernelOptions,
-              *, method: str | None = None) -> tuple[EigenResult, torch.Tensor | None, str]:
-    """Top eigenpair of the NTK of prepared ``data``: (EigenResult, kernel (n, n) or None, method name).
-
-    ``method`` overrides ``opts.method`` (e.g. matrix-free for subsets once the whole set was).
-    """
-    if method is not None and method != opts.method:
-        opts = KernelOptions.build(opts, method=method)
-    choice = choose("eigen", fm, data, n, n, chunk, budget, opts)
-    result, kernel = choice.spec.eigen(fm, data, n, chunk, budget, opts)
+def solve_top(w: Workload, *, method: str | None = None) -> tuple[EigenResult, torch.Tensor | None, str]:
+    """Top eigenpair of the NTK of the symmetric workload ``w``: (EigenResult, kernel (n, n) or
+    None, method name). ``method`` overrides ``w.opts.method`` (e.g. matrix-free for subsets once
+    the whole set was)."""
+    choice = choose("eigen", w, method=method)
+    result, kernel = choice.spec.eigen(w)
     return result, kernel, choice.name

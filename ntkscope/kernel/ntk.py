@@ -23,9 +23,8 @@ import torch
 
 from ntkscope.core.checks import InputError, check_choice, entry
 from ntkscope.kernel.eigen import EigenResult
-from ntkscope.kernel.grads import default_chunk_size, functional_model, memory_budget
-from ntkscope.kernel.methods import choose, method_names, solve_top, unsupported
-from ntkscope.kernel.objectives import batch_size
+from ntkscope.kernel.grads import functional_model
+from ntkscope.kernel.methods import Workload, choose, method_names, solve_top, unsupported, workload
 from ntkscope.kernel.options import KernelOptions
 
 REDUCTIONS = ("trace", "diagonal")
@@ -103,14 +102,9 @@ def empirical_ntk(model, batch, batch2=None, *, reduction="trace", blocks=None,
         why = unsupported("kernel", opts.method, scalar=fm.scalar)
         if why:
             raise InputError(*why, opts.method if why[0] == "method" else fm.objective.name)
-        n1 = batch_size(batch, "batch")
-        n2 = n1 if batch2 is None else batch_size(batch2, "batch2")
-        data1 = fm.prepare(batch, "batch")
-        data2 = None if batch2 is None else fm.prepare(batch2, "batch2")
-        budget = memory_budget(opts.max_memory, fm.device)
-        chunk = opts.chunk_size or default_chunk_size(max(n1, n2), fm, budget)
-        choice = choose("kernel", fm, data1, n1, n2, chunk, budget, opts, symmetric=batch2 is None)
-        parts = choice.spec.kernel(fm, data1, data2, n1, n2, chunk, budget, reduction, opts)
+        w = workload(fm, batch, batch2, opts=opts)
+        choice = choose("kernel", w)
+        parts = choice.spec.kernel(w, reduction)
         kernels = parts.kernels
         matrix = sum(kernels.values()) if len(kernels) > 1 else next(iter(kernels.values()))
         projected = parts.error_bound is not None
@@ -133,15 +127,13 @@ def empirical_ntk(model, batch, batch2=None, *, reduction="trace", blocks=None,
         )
 
 
-def prepare_scalar(fm, batch, opts: KernelOptions):
-    """Check the output is scalar and prepare ``batch``: returns (data, n, chunk, budget)."""
+def scalar_workload(fm, batch, opts: KernelOptions) -> Workload:
+    """The symmetric :class:`~ntkscope.kernel.methods.Workload` of ``batch``, once the output is
+    checked to be scalar (an eigenvector over samples needs one)."""
     why = unsupported("eigen", opts.method, scalar=fm.scalar)
     if why:
         raise InputError(*why, fm.objective.name)
-    n = batch_size(batch)
-    data = fm.prepare(batch)
-    budget = memory_budget(opts.max_memory, fm.device)
-    return data, n, opts.chunk_size or default_chunk_size(n, fm, budget), budget
+    return workload(fm, batch, opts=opts)
 
 
 @entry("ntk_top_eigenpair")
@@ -165,8 +157,7 @@ def ntk_top_eigenpair(model, batch, *, options: KernelOptions | None = None, **f
     """
     opts = KernelOptions.build(options, **fields)
     with functional_model(model, opts) as fm:
-        data, n, chunk, budget = prepare_scalar(fm, batch, opts)
-        result, _, _ = solve_top(fm, data, n, chunk, budget, opts)
+        result, _, _ = solve_top(scalar_workload(fm, batch, opts))
         return result
 
 
