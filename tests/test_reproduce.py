@@ -237,3 +237,19 @@ def test_cosine_kernel_known_answer():
     np.testing.assert_allclose(got, want, rtol=1e-12)
     with pytest.raises(ValueError, match=r"cosine_kernel: matrix must be a square \(n, n\) kernel"):
         cosine_kernel(np.ones((2, 3)))
+
+
+def test_the_committed_notebooks_show_the_calls_the_panels_make():
+    """Each panel's call is written once (panels.PANELS); the committed notebooks' cells are what
+    scripts/make_notebooks.py writes from it, so a comment cannot drift from what is drawn."""
+    import importlib.util
+
+    import nbformat
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("make_notebooks", root / "scripts" / "make_notebooks.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    for name, cells in make.NOTEBOOKS.items():
+        committed = nbformat.read(root / "notebooks" / f"{name}.ipynb", as_version=4)
+        assert [c.source for c in committed.cells] == [c.source for c in make.build(name, cells).cells], name

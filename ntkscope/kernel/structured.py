@@ -72,7 +72,7 @@ def _supported(module: nn.Module) -> bool:
 
 
 @dataclass
-class Plan:
+class FactorPlan:
     """Which parameters go through factors, which through per-sample gradients, and why."""
 
     modules: dict  # module -> {role ("weight"/"bias"): param key}
@@ -102,7 +102,7 @@ def _owners(fm: FunctionalModel) -> dict:
 class _Capture:
     """Forward hooks that record each supported module's input and output during one forward."""
 
-    def __init__(self, plan: Plan, c: int):
+    def __init__(self, plan: FactorPlan, c: int):
         self.records = []
         self.c = c
         self.plan = plan
@@ -156,7 +156,7 @@ def _factors(module, x, delta, roles: dict, c: int) -> dict:
     return out
 
 
-def capture(fm: FunctionalModel, plan: Plan, data: dict, c: int, first_row: int = 0, *, check: bool = False):
+def capture(fm: FunctionalModel, plan: FactorPlan, data: dict, c: int, first_row: int = 0, *, check: bool = False):
     """One forward and backward of ``sum_i f_i`` over ``c`` prepared samples.
 
     Returns ({param key: [factor per use]}, f (c,), and with ``check`` autograd's batch gradient
@@ -191,11 +191,11 @@ def capture(fm: FunctionalModel, plan: Plan, data: dict, c: int, first_row: int 
     return uses, y.detach(), batch_grad
 
 
-def make_plan(fm: FunctionalModel, data: dict, n: int) -> Plan:
+def plan_factors(fm: FunctionalModel, data: dict, n: int) -> FactorPlan:
     """Decide which selected parameters are structured, on a probe of the first (up to 2) samples."""
     owners = _owners(fm)
     broadcast = {m for m in owners if isinstance(m, nn.Embedding)}
-    plan = Plan(owners, sorted({k for roles in owners.values() for k in roles.values()}), [], broadcast)
+    plan = FactorPlan(owners, sorted({k for roles in owners.values() for k in roles.values()}), [], broadcast)
     c = min(n, 2)
     first = take(data, slice(0, c))
     with torch.no_grad():
@@ -284,7 +284,7 @@ def _join(chunks: list) -> Chunk:
 class Probe:
     """The plan, one sample's factor bytes, and the factors of the probe samples (for the cost model)."""
 
-    plan: Plan
+    plan: FactorPlan
     sample_bytes: int
     uses: dict
     fallback_params: int
@@ -295,7 +295,7 @@ def probe(fm: FunctionalModel, data: dict, n: int) -> Probe:
     cache = fm.__dict__.setdefault("_structured_probes", {})
     if id(data) in cache:
         return cache[id(data)]
-    plan = make_plan(fm, data, n)
+    plan = plan_factors(fm, data, n)
     c = min(n, 2)
     ch = _chunk(fm, plan, _sub(fm, plan), data, slice(0, c))
     total = sum(t.numel() * t.element_size() for parts in ch.uses.values() for f in parts

@@ -10,8 +10,9 @@ tables), and its row in :data:`PANELS`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ntkscope import plotting
 from ntkscope.reproduction import analyses, paper
@@ -29,14 +30,31 @@ class Stage:
 
 @dataclass(frozen=True)
 class Panel:
-    """One panel: its ``figure`` ("fig1" ... "fig5"), the ``call`` that draws it (as shown in the
-    notebooks), and ``draw(rep, tables) -> matplotlib Figure``; ``uses_tables=False`` for a panel
-    drawn from nothing measured (the schematic)."""
+    """One panel of ``figure`` ("fig1" ... "fig5"): ``plotting.FUNCTION(t[TABLE], ..., **constants,
+    **{name: value(rep, t)})`` over the figure's tables ``t``, written once, drawn by :meth:`draw` and
+    shown in the notebooks by :attr:`call`. A panel without ``tables`` is drawn from nothing measured
+    (the schematic)."""
 
     figure: str
-    call: str
-    draw: Callable
-    uses_tables: bool = True
+    function: str
+    tables: tuple = ()
+    constants: dict = field(default_factory=dict)
+    computed: dict = field(default_factory=dict)  # keyword -> (rep, tables) -> its value
+
+    @property
+    def uses_tables(self) -> bool:
+        return bool(self.tables)
+
+    @property
+    def call(self) -> str:
+        """The call as the notebooks show it, computed keywords as ``...``."""
+        args = [f"t[{json.dumps(name)}]" for name in self.tables]
+        args += [f"{k}={json.dumps(v)}" for k, v in self.constants.items()] + [f"{k}=..." for k in self.computed]
+        return f"plotting.{self.function}({', '.join(args)})"
+
+    def draw(self, rep, tables: dict):
+        return getattr(plotting, self.function)(*(tables[name] for name in self.tables), **self.constants,
+                                                **{k: value(rep, tables) for k, value in self.computed.items()})
 
 
 def _routing(rep) -> dict:
@@ -74,39 +92,27 @@ def _n(k: int, word: str) -> str:
 
 
 PANELS: dict[str, Panel] = {
-    "fig1a": Panel("fig1", 'plotting.domain_sizes(t["domain_sizes"])',
-                   lambda rep, t: plotting.domain_sizes(t["domain_sizes"])),
-    "fig1b": Panel("fig1", 'plotting.perplexity_vs_frequency(t["perplexity"], t["perplexity_by_bin"])',
-                   lambda rep, t: plotting.perplexity_vs_frequency(t["perplexity"], t["perplexity_by_bin"])),
-    "fig2a": Panel("fig2", 'plotting.gc_vs_frequency(t["gc_outputs"], t["histogram"], chosen=..., title=...)',
-                   lambda rep, t: plotting.gc_vs_frequency(
-                       t["gc_outputs"], t["histogram"], chosen=rep.settings.gc_output,
-                       title=f"dense GPT ({rep.settings.mode}): GC against sentence frequency, three outputs")),
-    "fig2b": Panel("fig2", 'plotting.cluster_view(t["fit_points"], colour_by="cluster", title=...)',
-                   lambda rep, t: plotting.cluster_view(
-                       t["fit_points"], colour_by="cluster",
-                       title=f"layer {rep.plan().layers[0]}'s FFN input at the warm-up (step "
-                             f"{rep.plan().warmup_steps}): {rep.settings.router_rule} on "
-                             f"{rep.settings.router_representation} finds "
-                             f"{_n(int((t['fit_points']['cluster'].unique() >= 0).sum()), 'cluster')}")),
-    "fig3a": Panel("fig3", 'plotting.gc_over_steps(t["gc_over_steps"], warmup=..., rule=...)',
-                   lambda rep, t: plotting.gc_over_steps(
-                       t["gc_over_steps"], warmup=rep.plan().warmup_steps,
-                       rule=f"{rep.plan().warmup_rule}, plan.json: the CSE runs'",
-                       title=f"dense GPT ({rep.settings.mode}): |GC| of the long tail ({rep.settings.gc_output})")),
-    "fig3bc": Panel("fig3", 'plotting.layer_dynamics(t["dynamics"], t["router_dynamics"])',
-                    lambda rep, t: plotting.layer_dynamics(t["dynamics"], t["router_dynamics"])),
-    "fig4a": Panel("fig4", "plotting.cse_schematic()", lambda rep, t: plotting.cse_schematic(), uses_tables=False),
-    "fig4b": Panel("fig4", 'plotting.cluster_view(t["snapshot_points"], colour_by="cluster", title=...)',
-                   lambda rep, t: plotting.cluster_view(
-                       t["snapshot_points"], colour_by="cluster",
-                       title=f"dense GPT, layer {rep.plan().layers[0]}'s FFN input (fitting sample): the router's "
-                             f"clusters over training")),
-    "fig5a": Panel("fig5", 'plotting.cluster_view(t["routing"], colour_by="expert", title=...)',
-                   lambda rep, t: plotting.cluster_view(
-                       t["routing"], colour_by="expert",
-                       title=f"CSE layer {rep.plan().layers[0]}: the expert each held-out block is routed to "
-                             f"({_n(t['routing']['expert'].nunique(), 'expert')} used)")),
-    "fig5bc": Panel("fig5", 'plotting.expert_kernels(t["expert_ntk"])',
-                    lambda rep, t: plotting.expert_kernels(t["expert_ntk"])),
+    "fig1a": Panel("fig1", "domain_sizes", ("domain_sizes",)),
+    "fig1b": Panel("fig1", "perplexity_vs_frequency", ("perplexity", "perplexity_by_bin")),
+    "fig2a": Panel("fig2", "gc_vs_frequency", ("gc_outputs", "histogram"), computed={
+        "chosen": lambda rep, t: rep.settings.gc_output,
+        "title": lambda rep, t: f"dense GPT ({rep.settings.mode}): GC against sentence frequency, three outputs"}),
+    "fig2b": Panel("fig2", "cluster_view", ("fit_points",), {"colour_by": "cluster"}, computed={
+        "title": lambda rep, t: f"layer {rep.plan().layers[0]}'s FFN input at the warm-up (step "
+                                f"{rep.plan().warmup_steps}): {rep.settings.router_rule} on "
+                                f"{rep.settings.router_representation} finds "
+                                f"{_n(int((t['fit_points']['cluster'].unique() >= 0).sum()), 'cluster')}"}),
+    "fig3a": Panel("fig3", "gc_over_steps", ("gc_over_steps",), computed={
+        "warmup": lambda rep, t: rep.plan().warmup_steps,
+        "rule": lambda rep, t: f"{rep.plan().warmup_rule}, plan.json: the CSE runs'",
+        "title": lambda rep, t: f"dense GPT ({rep.settings.mode}): |GC| of the long tail ({rep.settings.gc_output})"}),
+    "fig3bc": Panel("fig3", "layer_dynamics", ("dynamics", "router_dynamics")),
+    "fig4a": Panel("fig4", "cse_schematic"),
+    "fig4b": Panel("fig4", "cluster_view", ("snapshot_points",), {"colour_by": "cluster"}, computed={
+        "title": lambda rep, t: f"dense GPT, layer {rep.plan().layers[0]}'s FFN input (fitting sample): the "
+                                f"router's clusters over training"}),
+    "fig5a": Panel("fig5", "cluster_view", ("routing",), {"colour_by": "expert"}, computed={
+        "title": lambda rep, t: f"CSE layer {rep.plan().layers[0]}: the expert each held-out block is routed to "
+                                f"({_n(t['routing']['expert'].nunique(), 'expert')} used)"}),
+    "fig5bc": Panel("fig5", "expert_kernels", ("expert_ntk",)),
 }
