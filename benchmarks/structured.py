@@ -50,6 +50,7 @@ from cse_models import GPT, GPTConfig  # noqa: E402
 from ntk_methods import (PeakRSS, gram_seconds, jacrev_tutorial, loop_and_gram, loss_fn, matmul_rate,  # noqa: E402
                          tokenizer_and_batches, train_step_seconds)
 from ntkscope.kernel.eigen import krylov_top_two  # noqa: E402
+from ntkscope.kernel.eigen import top_eigenpair
 
 ROWS = []
 
@@ -151,7 +152,7 @@ def small(n_list, batches):
         res, t, m = measure(lambda: ns.empirical_ntk(model, batch, method="structured", max_memory=n * P * 4 // 3))
         record("small", label, n, 64, "structured, same memory", t, m, step,
                f"{res.gradient_passes} passes; rel diff {rel(res.matrix, ref):.1e}")
-        dense = ns.top_eigenpair(ref)
+        dense = top_eigenpair(ref)
         mf, t, m = measure(lambda: ns.ntk_top_eigenpair(model, batch, method="matrix-free"))
         record("small", label, n, 64, "matrix-free (eigenpair)", t, m, step,
                f"{mf.matvecs} matvecs at lambda1/lambda2 {1 / dense.eigengap:.2f}; "

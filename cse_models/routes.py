@@ -113,11 +113,11 @@ def window_loads(routes: Routes, blocks: Blocks, *, seed: int, batch_size: int, 
     return pd.DataFrame(rows)
 
 
-def load_routes_for(data: dict, blocks: Blocks, split: str) -> Blocks:
-    """The blocks of a TrainConfig's data labelled by ``data["routes"]`` (a routes file), or as they are."""
-    if not data.get("routes"):
+def load_routes_for(routes: str | None, blocks: Blocks, split: str) -> Blocks:
+    """The blocks of a TrainConfig's data labelled by ``routes`` (its ``data.routes`` file), or as they are."""
+    if not routes:
         return blocks
-    path = Path(data["routes"])
+    path = Path(routes)
     if not path.is_file():
         raise MissingInput(f"TrainConfig: data.routes {path} does not exist")
     return Routes.load(path).apply(blocks, split)

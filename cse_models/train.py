@@ -40,7 +40,7 @@ from cse_models.hf import SECTION, load_any_model
 from cse_models.metrics import MetricsLog
 from cse_models.model import build_model
 from cse_models.routes import load_routes_for
-from cse_models.train_config import TrainConfig, apply_plan, check_plan, warmup_after  # noqa: F401 (re-exported)
+from cse_models.train_config import DataConfig, TrainConfig, apply_plan, check_plan, warmup_after  # noqa: F401 (re-exported)
 from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import DirectoryLock, write_json
 from ntkscope.core.lm import lm_loss as token_loss
@@ -99,47 +99,40 @@ def load_data(cfg: TrainConfig, split: str | None = None):
     or a table; with ``data.routes`` (a :class:`~cse_models.routes.Routes` file) each block is
     labelled by its expert instead of its domain."""
     blocks, tokenizer = _load_blocks(cfg, split)
-    return load_routes_for(cfg.data, blocks, split or cfg.data.get("split", "train")), tokenizer
+    return load_routes_for(cfg.data.routes, blocks, split or cfg.data.split), tokenizer
 
 
 def _load_blocks(cfg: TrainConfig, split: str | None = None):
-    data = dict(cfg.data)
-    known = {"pack", "split", "domains", "seq_len", "tokenizer", "text_files", "table", "text_column", "label_column",
-             "routes"}
-    if set(data) - known:
-        raise UserError(f"TrainConfig: data has unknown keys {sorted(set(data) - known)} (known: {sorted(known)})")
-    seq_len = data.get("seq_len", 64)
-    if data.get("table"):
+    data = cfg.data
+    seq_len = data.seq_len
+    if data.table:
         return _table_blocks(data, cfg.init_from, seq_len)
-    if data.get("text_files"):
-        if not data.get("tokenizer"):
-            raise UserError("TrainConfig: data.text_files needs data.tokenizer (a tokenizer.json or HF directory)")
-        tokenizer = load_tokenizer(data["tokenizer"])
-        return text_file_blocks(data["text_files"], tokenizer, seq_len), tokenizer
-    pack = load_pack(data.get("pack"))
-    split = split or data.get("split", "train")
-    domains = None if data.get("domains") is None else tuple(data["domains"])
-    key = (str(pack.path), pack.manifest.get("version"), data.get("tokenizer"), split, seq_len, domains)
+    if data.text_files:
+        tokenizer = load_tokenizer(data.tokenizer)
+        return text_file_blocks(data.text_files, tokenizer, seq_len), tokenizer
+    pack = load_pack(data.pack)
+    split = split or data.split
+    domains = None if data.domains is None else tuple(data.domains)
+    key = (str(pack.path), pack.manifest.get("version"), data.tokenizer, split, seq_len, domains)
     if key not in _PACK_BLOCKS:  # a reproduction trains dozens of runs on the same blocks: tokenize once
-        tokenizer = load_tokenizer(data["tokenizer"]) if data.get("tokenizer") else pack.tokenizer()
+        tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else pack.tokenizer()
         _PACK_BLOCKS[key] = (pack_blocks(pack, tokenizer, split, seq_len, domains), tokenizer)
     return _PACK_BLOCKS[key]
 
 
-def _table_blocks(data: dict, init_from: str | None, seq_len: int):
+def _table_blocks(data: DataConfig, init_from: str | None, seq_len: int):
     """Blocks from the user's rows (a JSONL / CSV / TSV / Parquet table or a ``datasets``
     directory, read as ``ntkscope --data`` reads it): one token stream per label of
     ``label_column`` (or one domain, "text"), tokenized by ``data.tokenizer`` or the tokenizer
     that ships with ``init_from`` (in its directory or beside it)."""
-    spec = data.get("tokenizer")
+    spec = data.tokenizer
     if not spec and init_from:  # the one init_from goes with (in its directory, its run, or beside it)
         near = tokenizer_near(init_from)
         spec = near.name if near is not None else None
     if not spec:
         raise UserError("TrainConfig: data.table needs data.tokenizer, or an init_from with a tokenizer.json in it or "
                         "beside it (a run of stepN checkpoints)")
-    source = DataSource(Path(data["table"]), text_column=data.get("text_column", "text"),
-                        label_column=data.get("label_column"))
+    source = DataSource(Path(data.table), text_column=data.text_column, label_column=data.label_column)
     if not source.path.exists():
         raise MissingInput(f"TrainConfig: data.table {source.path} does not exist")
     stat = source.path.stat()
@@ -149,7 +142,7 @@ def _table_blocks(data: dict, init_from: str | None, seq_len: int):
         return _PACK_BLOCKS[key]
     by_domain: dict[str, list] = {}
     for text, label in source.rows():
-        by_domain.setdefault(label if data.get("label_column") else "text", []).append(text)
+        by_domain.setdefault(label if data.label_column else "text", []).append(text)
     tokenizer = load_tokenizer(spec)
     _PACK_BLOCKS[key] = (make_blocks(by_domain, tokenizer, seq_len), tokenizer)
     return _PACK_BLOCKS[key]
@@ -177,7 +170,7 @@ def _build_model(cfg: TrainConfig, vocab_size: int):
         return model
     spec = dict(cfg.model)
     spec.setdefault("vocab_size", vocab_size)
-    spec.setdefault("block_size", cfg.data.get("seq_len", 64))
+    spec.setdefault("block_size", cfg.data.seq_len)
     return build_model(GPTConfig.from_dict(spec), "TrainConfig: model")
 
 
@@ -188,10 +181,9 @@ def fitting_sample(n_blocks: int, n: int, seed: int) -> torch.Tensor:
 
 
 def _convert(model, blocks: Blocks, cfg: TrainConfig, device) -> None:
-    opts = {"n_samples": 3000, **{k: v for k, v in cfg.cse.items() if k != "warmup_steps"}}
-    idx = fitting_sample(len(blocks), opts.pop("n_samples"), cfg.seed)
+    idx = fitting_sample(len(blocks), cfg.cse.n_samples, cfg.seed)
     start = time.perf_counter()
-    convert_to_cse(model, blocks.input_ids[idx].to(device), None, seed=cfg.seed, **opts)
+    convert_to_cse(model, blocks.input_ids[idx].to(device), None, seed=cfg.seed, **cfg.cse.router_options())
     log.info("CSE conversion: %d sequences embedded and clustered in %.1f s", len(idx), time.perf_counter() - start)
 
 
@@ -206,7 +198,7 @@ def convert_mid_run(model, opt, sched, blocks: Blocks, cfg: TrainConfig, device)
     if sparse.kind == "cse":
         _convert(model, blocks, cfg, device)
     else:
-        upcycle(model, cfg.upcycle.get("n_experts"))
+        upcycle(model, cfg.upcycle.n_experts)
     model.to(device)
     new_opt = make_optimizer(model, cfg)
     carry_optimizer_state(old, model, new_opt)
@@ -246,7 +238,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     blocks, tokenizer = load_data(cfg)
     if len(blocks) < cfg.batch_size:
         raise UserError(f"train: the corpus is too small for the batch: {len(blocks)} blocks of "
-                        f"{cfg.data.get('seq_len', 64)} tokens, batch_size={cfg.batch_size}")
+                        f"{cfg.data.seq_len} tokens, batch_size={cfg.batch_size}")
     torch.manual_seed(cfg.seed)
     resume, model, opt_tensors, trainer_state = resume_point(out_dir)
     model = model if resume else _build_model(cfg, tokenizer.vocab_size)
@@ -264,19 +256,18 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
         log.info("resuming from %s (step %d)", resume, start)
     sparse = model.config.sparse
     upcyclable = sparse is not None and sparse.kind in ("switch", "demix")
-    if cfg.upcycle and (not upcyclable or "at" not in cfg.upcycle
-                        or (sparse.kind == "switch" and int(cfg.upcycle.get("n_experts", 0)) < 1)):
+    if cfg.upcycle and (not upcyclable or (sparse.kind == "switch" and not cfg.upcycle.n_experts)):
         raise UserError(f"train: upcycle needs a Switch or DEMix model (n_experts 0 until then) and upcycle = "
                         f"{{at: STEP, n_experts: K >= 1 (Switch)}} (got sparse "
-                        f"{None if sparse is None else sparse.kind!r}, upcycle {cfg.upcycle!r})")
+                        f"{None if sparse is None else sparse.kind!r}, upcycle {asdict(cfg.upcycle)!r})")
     if upcyclable and not cfg.upcycle and sparse.experts_at(sparse.layers[0]) == 0:
         raise UserError(f"train: a {sparse.kind} model with n_experts 0 is dense until upcycled; give upcycle = "
                         "{at: STEP, n_experts: K} or n_experts >= 1")
     if sparse is not None and sparse.kind == "demix" and list(sparse.domains) != list(blocks.domain_names):
         raise UserError(f"train: a DEMix model's domains must be the data's domains in order "
                         f"{list(blocks.domain_names)} (expert j serves domain label j; got {sparse.domains!r})")
-    convert_at = (cfg.cse.get("warmup_steps") if sparse is not None and sparse.kind == "cse" else
-                  cfg.upcycle.get("at") if upcyclable else None)
+    convert_at = (cfg.cse.warmup_steps if sparse is not None and sparse.kind == "cse" else
+                  cfg.upcycle.at if upcyclable else None)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_json(out_dir / "train_config.json", asdict(cfg))

@@ -24,18 +24,113 @@ log = logging.getLogger("cse_models.train")
 
 
 @dataclass
+class DataConfig:
+    """Where the training blocks come from, ``seq_len`` tokens each: a corpus pack (``pack``, None:
+    the shipped one; its ``split``; only ``domains``), text files (``text_files``, tokenized by
+    ``tokenizer``), or the user's table (``table`` with ``text_column`` and ``label_column``, the one
+    ``ntkscope --data`` reads, tokenized by ``tokenizer`` or the one beside ``init_from``). ``routes``:
+    a :class:`~cse_models.routes.Routes` file whose experts label the blocks instead of their domains."""
+
+    pack: str | None = None
+    split: str = "train"
+    domains: list | None = None
+    seq_len: int = 64
+    tokenizer: str | None = None
+    text_files: list | None = None
+    table: str | None = None
+    text_column: str = "text"
+    label_column: str | None = None
+    routes: str | None = None
+
+    def __post_init__(self):
+        _positive("data.seq_len", self.seq_len)
+        if self.text_files and not self.tokenizer:
+            raise UserError("TrainConfig: data.text_files needs data.tokenizer (a tokenizer.json or HF directory)")
+
+
+@dataclass
+class CSEConfig:
+    """When and how a CSE model's router is fitted: at step ``warmup_steps`` (an int, "auto": the
+    plan's, or None: never), on ``n_samples`` training blocks, by
+    :func:`~cse_models.cse.convert_to_cse` with the rest of the fields."""
+
+    warmup_steps: int | str | None = None
+    n_samples: int = 3000
+    rule: str = "hdbscan"
+    representation: str = "centred-cosine"
+    min_cluster_size: int = 15
+    min_samples: int = 5
+    max_experts: int | None = 8
+    eps: float | dict | None = None
+    percentile: float = 10.0
+    selection: str = "eom"
+    on_no_cluster: str = "single"
+
+    def __post_init__(self):
+        if not (self.warmup_steps is None or self.warmup_steps == "auto" or (
+                isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool)
+                and self.warmup_steps >= 0)):
+            raise UserError(f"TrainConfig: cse.warmup_steps must be a step >= 0, 'auto' (the plan's) or null "
+                            f"(got {self.warmup_steps!r})")
+        _positive("cse.n_samples", self.n_samples)
+
+    def router_options(self) -> dict:
+        """The fields :func:`~cse_models.cse.convert_to_cse` takes."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("warmup_steps", "n_samples")}
+
+
+@dataclass
+class UpcycleConfig:
+    """Switch or DEMix from a dense run (sparse upcycling): at step ``at``, each dense module copied
+    into ``n_experts`` experts (Switch; DEMix: one per domain). Empty (``at`` None): no upcycling."""
+
+    at: int | None = None
+    n_experts: int | None = None
+
+    def __post_init__(self):
+        if self.at is not None and (isinstance(self.at, bool) or not isinstance(self.at, int) or self.at < 0):
+            raise UserError(f"TrainConfig: upcycle.at must be a step >= 0 (got {self.at!r})")
+        if self.n_experts is not None:
+            _positive("upcycle.n_experts", self.n_experts)
+        if self.at is None and self.n_experts is not None:
+            raise UserError(f"TrainConfig: upcycle needs at: STEP (got n_experts {self.n_experts} alone)")
+
+    def __bool__(self) -> bool:
+        return self.at is not None
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"TrainConfig: {name} must be a positive integer (got {value!r})")
+
+
+def _section(cls, name: str, value):
+    """A sub-configuration from its mapping (or as it is), unknown keys refused in one line."""
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise UserError(f"TrainConfig: {name} must be a mapping (got {type(value).__name__})")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise UserError(f"TrainConfig: {name} has unknown keys {unknown} (known: {sorted(known)})")
+    return cls(**value)
+
+
+@dataclass
 class TrainConfig:
     """Everything a run needs. ``model`` holds :class:`GPTConfig` fields (``sparse`` included);
     ``vocab_size`` defaults to the tokenizer's."""
 
     out_dir: str = "runs/run"
-    model: dict = field(default_factory=dict)
-    data: dict = field(default_factory=dict)   # pack, split, domains, seq_len, tokenizer, text_files, or
-    #                                            table (+ text_column, label_column): the user's rows
-    cse: dict = field(default_factory=dict)    # warmup_steps, n_samples, and convert_to_cse's options (rule, ...)
+    model: dict = field(default_factory=dict)  # GPTConfig fields, checked when the model is built
+    data: DataConfig = field(default_factory=DataConfig)
+    cse: CSEConfig = field(default_factory=CSEConfig)
     init_from: str | None = None               # a checkpoint to continue from: cse_models, or an HF causal
     #                                            LM directory (model.sparse then says what to convert)
-    upcycle: dict = field(default_factory=dict)  # Switch from a dense run: at, n_experts (sparse upcycling)
+    upcycle: UpcycleConfig = field(default_factory=UpcycleConfig)
     plan: str | None = None                    # an ntkscope plan: sparse.layers / cse.warmup_steps "auto"
     steps: int = 1000
     stop_at: int | None = None                # stop (with a checkpoint) after this many steps of the `steps` schedule
@@ -79,7 +174,10 @@ class TrainConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"TrainConfig: unknown keys {unknown} (known: {sorted(known)})")
-        cfg = cls(**data)
+        sections = {"data": DataConfig, "cse": CSEConfig, "upcycle": UpcycleConfig}
+        cfg = cls(**{k: _section(sections[k], k, v) if k in sections else v for k, v in data.items()})
+        if not isinstance(cfg.model, dict):
+            raise UserError(f"TrainConfig: model must be a mapping of GPTConfig fields (got {type(cfg.model).__name__})")
         for key in ("steps", "batch_size", "checkpoint_every", "log_every"):
             value = getattr(cfg, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -112,7 +210,7 @@ def apply_plan(cfg: TrainConfig) -> TrainConfig:
     from the plan file (written by ``ntkscope plan``)."""
     sparse = (cfg.model or {}).get("sparse") or {}
     wants = [k for k in ("layers", "module") if sparse.get(k) == "auto"] + \
-        (["warmup_steps"] if cfg.cse.get("warmup_steps") == "auto" else [])
+        (["warmup_steps"] if cfg.cse.warmup_steps == "auto" else [])
     if not wants:
         return cfg
     if not cfg.plan:
@@ -126,13 +224,13 @@ def apply_plan(cfg: TrainConfig) -> TrainConfig:
         sparse["n_experts"] = [0] * len(plan.layers)
     if sparse.get("module") == "auto":
         sparse["module"] = plan.module
-    if cfg.cse.get("warmup_steps") == "auto":
+    if cfg.cse.warmup_steps == "auto":
         if plan.warmup_steps is None:
             raise UserError(f"TrainConfig: cse.warmup_steps is 'auto' but plan {cfg.plan} has no warm-up "
                             "(it was made without a GC series)")
-        cfg.cse["warmup_steps"] = warmup_after(cfg.init_from, int(plan.warmup_steps), cfg.plan)
+        cfg.cse.warmup_steps = warmup_after(cfg.init_from, int(plan.warmup_steps), cfg.plan)
     log.info("plan %s: CSE layers %s (%s), warm-up %s steps", cfg.plan, sparse["layers"], plan.chosen_by,
-             cfg.cse.get("warmup_steps"))
+             cfg.cse.warmup_steps)
     return cfg
 
 
@@ -151,7 +249,7 @@ def check_plan(cfg: TrainConfig, model, tokenizer) -> None:
     """Refuse a plan measured on a model with another number of layers (its layer indices do not
     transfer), and warn, one line each, where the architecture or tokenizer differs from what the
     plan was measured on, or where the conversion falls at or after the run's last step."""
-    warmup, sparse = cfg.cse.get("warmup_steps"), model.config.sparse
+    warmup, sparse = cfg.cse.warmup_steps, model.config.sparse
     if sparse is not None and sparse.kind == "cse" and isinstance(warmup, int) and warmup >= cfg.steps \
             and not any(sparse.n_experts):
         log.warning("cse.warmup_steps %d is at or beyond the run's %d steps: this run stays dense (the CSE layers "

@@ -31,6 +31,7 @@ import pandas as pd
 import ntkscope as ns
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.frequency import bin_edges, bin_of
+from ntkscope.text.frequency import save_table
 
 log = logging.getLogger("gc_calibration")
 
@@ -132,7 +133,7 @@ def main() -> None:
                      draws=args.draws or 40)
         shown = summary(table)
     if args.out:
-        ns.save_table(table, args.out)
+        save_table(table, args.out)
     print(shown.to_markdown(index=False, floatfmt=".3f"))
 
 

@@ -22,6 +22,7 @@ from ntkscope.text.frequency import long_tail_subset
 from ntkscope.representation.plan import Plan, make_plan
 from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.text.sentences import encode_texts
+from ntkscope.representation.plan import stable_step
 
 
 @pytest.mark.parametrize("k", [2, 3, 5])
@@ -172,7 +173,7 @@ def test_plan_takes_the_best_layers_and_the_gc_peak_and_training_accepts_it(tiny
     if peak["shown"]:
         assert plan.warmup_steps == peak["step"] and plan.warmup_rule == "gc-peak"
     else:
-        stable = ns.stable_step(stability, plan.layers)
+        stable = stable_step(stability, plan.layers)
         assert plan.warmup_steps == (stable or 8) and plan.warmup_rule == ("stable-clusters" if stable else "window-end")
     at = table[table.step == plan.evidence["scores_at_step"]].sort_values("separation", ascending=False)
     assert plan.layers == sorted(at["layer"].head(2).tolist())
@@ -183,7 +184,7 @@ def test_plan_takes_the_best_layers_and_the_gc_peak_and_training_accepts_it(tiny
 
     cfg = apply_plan(TrainConfig.from_dict({"plan": str(path), "model": {"n_layer": 3, "sparse": {
         "kind": "cse", "layers": "auto", "module": "auto"}}, "cse": {"warmup_steps": "auto"}}))
-    assert cfg.model["sparse"]["layers"] == plan.layers and cfg.cse["warmup_steps"] == plan.warmup_steps
+    assert cfg.model["sparse"]["layers"] == plan.layers and cfg.cse.warmup_steps == plan.warmup_steps
     with pytest.raises(ValueError, match="are 'auto' but no plan file is given"):
         apply_plan(TrainConfig.from_dict({"model": {"sparse": {"kind": "cse", "layers": "auto"}}}))
     fraction = make_plan(table[table.step == 8], min_fraction=0.5)

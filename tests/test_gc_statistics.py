@@ -14,6 +14,7 @@ from ntkscope.kernel import replicates as R
 from ntkscope.kernel import uncertainty as U
 from ntkscope.kernel.objectives import resolve_output
 from tests.reference import jacobian_loop, masked_jacobian
+from ntkscope.representation.plan import stable_step
 
 
 def _one_direction(n=60, P=12, noise=0.05, seed=0):
@@ -242,7 +243,7 @@ def test_plan_falls_back_to_stable_clusters_then_to_the_window_end():
     assert seen == [[1]] and plan.layers == [1] and plan.evidence["scores_at_step"] == 30
     assert plan.warmup_steps == 20 and plan.warmup_rule == "stable-clusters"  # step 10: 2 clusters, then 3
     assert plan.evidence["gc_peak"]["shown"] is False and plan.evidence["overlap"] == 0.8
-    assert ns.stable_step(stability, [1], overlap=0.88) is None
+    assert stable_step(stability, [1], overlap=0.88) is None
     loose = ns.make_plan(separation, noisy, top_k=1, stability=stability, overlap=0.95)
     assert loose.warmup_steps == 30 and loose.warmup_rule == "window-end"
     clear = ns.make_plan(separation, _series([0.6, 0.9, 0.6]), top_k=1,

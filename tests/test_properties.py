@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import ntkscope as ns
 from cse_models import GPT, GPTConfig
 from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.frequency import bin_indices
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 scores = st.lists(st.one_of(st.floats(0, 1), st.sampled_from([math.nan, math.inf, -1.0])), min_size=0, max_size=60)
@@ -29,7 +30,7 @@ def tokenizer():
 @given(scores=scores, bins=sizes, min_count=sizes, cap=sizes)
 def test_bin_indices(scores, bins, min_count, cap):
     try:
-        out = ns.bin_indices(scores, bins=bins, min_count=min_count, cap=cap)
+        out = bin_indices(scores, bins=bins, min_count=min_count, cap=cap)
     except ValueError as err:
         assert str(err).startswith("bin_indices: "), err
         return

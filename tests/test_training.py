@@ -2,6 +2,7 @@
 domain finetuning, the command, and its errors."""
 
 import importlib.util
+import dataclasses
 import json
 import math
 import os
@@ -95,7 +96,7 @@ def test_two_process_gloo_matches_one_process(tmp_path):
     train(single)
     cfg_path = tmp_path / "ddp.json"
     ddp = config(tmp_path, "ddp", **dense)
-    cfg_path.write_text(json.dumps(ddp.__dict__))
+    cfg_path.write_text(json.dumps(dataclasses.asdict(ddp)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            "29517", "-m", "cse_models.train", str(cfg_path)], capture_output=True, text=True,
@@ -129,6 +130,18 @@ def test_errors_are_clear(tmp_path):
         train(config(tmp_path, model={"n_layer": 2, "sparse": {"kind": "cse", "layers": [7], "n_experts": [0]}}))
     with pytest.raises(ValueError, match=r"TrainConfig: unknown keys \['stepz'\]"):
         TrainConfig.from_dict({"stepz": 3})
+    # each section is a typed configuration, checked when the file is read, before any data is loaded
+    for section, message in [({"data": {"seqlen": 32}}, r"TrainConfig: data has unknown keys \['seqlen'\]"),
+                             ({"data": {"seq_len": 0}}, r"TrainConfig: data.seq_len must be a positive integer"),
+                             ({"data": {"text_files": ["a.txt"]}}, r"data.text_files needs data.tokenizer"),
+                             ({"cse": {"warmup_steps": "soon"}}, r"cse.warmup_steps must be a step >= 0, 'auto'"),
+                             ({"upcycle": {"n_experts": 4}}, r"upcycle needs at: STEP \(got n_experts 4 alone\)"),
+                             ({"upcycle": [1]}, r"TrainConfig: upcycle must be a mapping \(got list\)")]:
+        with pytest.raises(ValueError, match=message):
+            TrainConfig.from_dict(section)
+    cfg = TrainConfig.from_dict({"data": {"seq_len": 32}, "cse": {"warmup_steps": 5, "rule": "kmeans"}})
+    assert (cfg.data.seq_len, cfg.data.split, cfg.cse.warmup_steps, cfg.cse.router_options()["rule"]) == (
+        32, "train", 5, "kmeans") and not cfg.upcycle
     with pytest.raises(ValueError, match=r"pack_blocks: domains \['medieval'\] have no records"):
         train(config(tmp_path, data={"seq_len": 32, "domains": ["medieval"]}))
 
@@ -145,7 +158,7 @@ def test_cse_train_command(tmp_path):
     path = tmp_path / "run.yaml"
     import yaml
 
-    path.write_text(yaml.safe_dump(json.loads(json.dumps(cfg.__dict__))))
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg)))))
     proc = subprocess.run([sys.executable, "-m", "cse_models.train", str(path)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -165,7 +178,7 @@ def test_shipped_configs_are_valid(path):
 
     cfg = TrainConfig.load(path)
     if cfg.model:
-        config = GPTConfig.from_dict({"vocab_size": 8192, "block_size": cfg.data["seq_len"], **cfg.model})
+        config = GPTConfig.from_dict({"vocab_size": 8192, "block_size": cfg.data.seq_len, **cfg.model})
         assert config.n_embd % config.n_head == 0
     else:
         assert cfg.init_from  # a finetuning run continues a checkpoint

@@ -47,7 +47,8 @@ def _trajectory(cfg: dict) -> dict:
     """What a run trains, from its TrainConfig fields: every field but :data:`BOOKKEEPING`, with the
     model's fields completed by :class:`GPTConfig`'s defaults (so ``model_type`` said or not compares
     equal) and the corpus pack named by its version (the shipped pack by None or by its path alike)."""
-    kept = {k: v for k, v in cfg.items() if k not in BOOKKEEPING}
+    full = dataclasses.asdict(TrainConfig.from_dict(cfg))  # every section with its defaults, old files alike
+    kept = {k: v for k, v in full.items() if k not in BOOKKEEPING}
     if "pack" in kept["data"]:
         kept["data"] = {**kept["data"], "pack": load_pack(kept["data"]["pack"], verify=False).manifest.get("version")}
     kept["model"] = GPTConfig.from_dict({k: v for k, v in cfg["model"].items() if k != "vocab_size"}).to_dict()
