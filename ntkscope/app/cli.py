@@ -55,10 +55,10 @@ def _demo(args) -> int:
     check_output("demo", args.out, kind="file", suffixes=(".csv",))  # before the 20 s of work, not after
     result = run_demo(steps=args.steps, n=args.n, seed=args.seed, method=args.method)
     final = sum(result.losses[-20:]) / min(20, len(result.losses))
-    print(f"trained a 2-layer GPT on {result.n_sentences} sentences of the default corpus pack for "
+    print(f"trained a 2-layer GPT on {result.n_blocks} training blocks of the default corpus pack for "
           f"{len(result.losses)} steps: loss {result.losses[0]:.2f} -> {final:.2f} "
           f"(perplexity {perplexity(final):.1f} per BPE token)")
-    cols = ["by", "label", "mean_frequency_score", *GC_COLUMNS]
+    cols = ["by", "label", "left", "right", "mean_frequency_score", *GC_COLUMNS]
     _print_table(f"gradient consistency of each group against the whole analysis batch (n={args.n}, output "
                  f"{result.output}):", _columns(result.table, cols))
     print(f"\ndone in {result.seconds:.0f} s")

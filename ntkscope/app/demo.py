@@ -4,8 +4,8 @@ Data: the default pack (``ntkscope/data/pack-small``): real general text (GCIDE,
 WordNet, Python docs, FOLDOC, Jargon, fortunes) with legal (ScanCode licences) and
 biomedical (GO, HPO) text as a 7% long tail; its byte-level BPE of 8192 tokens.
 
-The demo trains a small GPT from :mod:`cse_models` on sentences of the train split,
-scores held-out validation sentences by their sentence frequency score (docs/design.md §2,
+The demo trains a small GPT from :mod:`cse_models` on the train split's blocks (the same
+training as ``cse-train``), scores held-out validation sentences by their sentence frequency score (docs/design.md §2,
 ``"max"``, counts over the train split) and measures the gradient consistency of each
 domain and of each frequency bin against the whole analysis batch. The analysis batch is
 stratified, so that each long-tail domain has enough sentences for its own eigenvector:
@@ -14,24 +14,26 @@ stratified, so that each long-tail domain has enough sentences for its own eigen
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
-from cse_models import GPT, GPTConfig
+from cse_models.model import load_model
+from cse_models.train import TrainConfig, load_data, train
 from ntkscope.core.checks import InputError, check_positive_int, entry
-from ntkscope.core.lm import causal_pairs, lm_loss
-from ntkscope.kernel.consistency import gradient_consistency_groups
 from ntkscope.kernel.uncertainty import Resampling
+from ntkscope.runs.gc import gc_by_bins
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import split_sentences
-from ntkscope.text.frequency import bin_edges, bin_of, count_tokens, sentence_scores, token_frequency
-from ntkscope.text.sentences import encode_texts
+from ntkscope.text.frequency import count_tokens, sentence_scores, token_frequency
+from ntkscope.text.sentences import AnalysisData, encode_texts
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +60,11 @@ def analysis_batch(frame: pd.DataFrame, n: int, n_tail: int, seed: int) -> pd.Da
 @dataclass(frozen=True)
 class DemoResult:
     """What the demo measured: GC per group (with intervals and the null band), the output it
-    used, the training curve, sizes and timings."""
+    used, the training curve (the loss at each step), the training blocks and the time."""
 
     table: pd.DataFrame
     losses: list
-    n_sentences: int
+    n_blocks: int
     seconds: float
     output: str = "centred-true-logit"
 
@@ -70,53 +72,41 @@ class DemoResult:
 @entry("run_demo")
 def run_demo(*, steps: int = 800, n: int = 128, n_tail: int = 12, seq_len: int = 48, seed: int = 0,
              method: str = "auto", output: str = "centred-true-logit", pack=None) -> DemoResult:
-    """Train a small GPT on the pack's train sentences, then GC per domain and per frequency bin
-    (``output``: the centred true-token logit by default, the reproduction's choice: see
-    docs/gc-outputs.md)."""
+    """Train a small GPT on the pack's training blocks (:func:`cse_models.train.train`, in a
+    temporary directory), then GC per domain and per frequency bin (:func:`~ntkscope.gc_by_bins`,
+    the ``ntkscope gc`` table: "bin k" with its edges; ``output``: the centred true-token logit by
+    default, the reproduction's choice: see docs/gc-outputs.md)."""
     check_positive_int("steps", steps)
     if isinstance(n, bool) or not isinstance(n, int) or n < 8:
         raise InputError("n", "must be an integer >= 8 (two long-tail domains, general text, 3 frequency bins)", n)
     start = time.perf_counter()
-    torch.manual_seed(seed)
     pack = load_pack(pack)
     tokenizer = pack.tokenizer()
+    with tempfile.TemporaryDirectory(prefix="ntkscope-demo-") as run:
+        cfg = TrainConfig.from_dict({
+            "out_dir": run, "model": {"n_layer": 2, "n_head": 2, "n_embd": 64},
+            "data": {"pack": str(pack.path), "seq_len": seq_len}, "steps": steps, "batch_size": 32, "lr": 3e-3,
+            "warmup_steps": min(50, steps // 10), "checkpoint_every": steps, "log_every": max(1, steps // 8),
+            "seed": seed, "tensorboard": False, "device": "cpu"})
+        last = train(cfg)
+        model = load_model(last).eval()
+        losses = [json.loads(line)["loss"] for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+        n_blocks = len(load_data(cfg)[0])
     train_records = pack.records("train")
-    train = _sentences(train_records)
     probe = analysis_batch(_sentences(pack.records("validation")), n, n_tail, seed)
-    data = encode_texts(tokenizer, train.text, seq_len)
-    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=seq_len, n_layer=2, n_head=2, n_embd=64))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(seed)
-    losses = []
-    model.train()
-    for step in range(steps):
-        rows = torch.randint(0, len(train), (32,), generator=gen)
-        ids, mask = data["input_ids"][rows], data["attention_mask"][rows]
-        logits, targets, keep = causal_pairs(model(ids, mask), ids, mask.bool())
-        loss = lm_loss(logits, targets, keep, reduction="mean")
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if step % 100 == 0 or step == steps - 1:
-            log.info("demo: step %d/%d, loss %.3f", step + 1, steps, loss.item())
-    model.eval()
-
-    batch = encode_texts(tokenizer, probe.text, seq_len)
     phi = token_frequency(count_tokens(train_records, tokenizer))
     scores, _ = sentence_scores(list(probe.text), tokenizer, phi)
-    edges = bin_edges(scores, 3, kind="count")
-    bins = bin_of(scores, edges)
-    labels = [f"freq {edges[b]:.3f}-{edges[b + 1]:.3f}" for b in bins]
+    data = AnalysisData(encode_texts(tokenizer, probe.text, seq_len),
+                        pd.DataFrame({"text": probe.text, "label": probe.domain, "score": scores}),
+                        "the pack's validation sentences, stratified")
     frames = []
-    for by, groups in (("domain", list(probe.domain)), ("frequency bin", labels)):
-        frame = gradient_consistency_groups(model, batch, groups, method=method, output=output,
-                                            resampling=Resampling(seed=seed)).to_frame()
-        frame.insert(0, "by", by)
-        frame["mean_frequency_score"] = [float(np.mean(scores[np.array(groups) == lab])) for lab in frame.label]
+    for by, name in (("label", "domain"), ("frequency-bins", "frequency bin")):
+        frame, _, _ = gc_by_bins(model, data, by=by, bins=3, min_count=2, resampling=Resampling(seed=seed),
+                                 controls=None, method=method, output=output)
+        frame.insert(0, "by", name)
         frames.append(frame)
     table = pd.concat(frames, ignore_index=True)
-    return DemoResult(table, losses, len(train), time.perf_counter() - start, output)
+    return DemoResult(table, losses, n_blocks, time.perf_counter() - start, output)
 
 
 def perplexity(loss: float) -> float:
