@@ -15,7 +15,6 @@ import logging
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from cse_models.domains import context_length, evaluate_domains
 from cse_models.hf import architecture
@@ -27,7 +26,6 @@ from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.kernel.distributed import from_rank0, writes
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.options import KernelOptions
-from ntkscope.kernel.params import select_parameters
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.plotting import gc_over_steps, gc_vs_frequency, ntk_heatmap, routing_shares, save_figure
 from ntkscope.representation.clusters import layer_separation
@@ -85,16 +83,13 @@ def analysis_sentences(model, tok, data, sentences: Sentences):
     return ad
 
 
-def memory_note(model, n: int, options: KernelOptions) -> str:
-    """The size of J for this analysis (``n`` samples, ``options``' parameters and dtype), against the
-    memory available on ``options``' device."""
-    P = select_parameters(model, options.params, None).n_params
-    itemsize = 8 if options.dtype == torch.float64 else 4
+def memory_note(model, options: KernelOptions) -> str:
+    """The memory this analysis may use on ``options``' device; what each method needs is the
+    method table's to estimate (:func:`ntkscope.kernel.methods.choose` logs it next)."""
     budget = options.max_memory
-    return (f"memory: the model is {format_bytes(P * itemsize)}; J would be {n} x {P:,} = "
-            f"{format_bytes(n * P * itemsize)} ({'float64' if itemsize == 8 else 'float32'}); "
-            f"{format_bytes(available_memory_bytes(options.device))} available on {options.device or 'cpu'}; budget "
-            f"{format_bytes(budget) if budget else 'half of that'}; 'auto' estimates each method's memory "
+    return (f"memory: {format_bytes(available_memory_bytes(options.device))} available on "
+            f"{options.device or 'cpu'}; budget {format_bytes(budget) if budget else 'half of that'}; the model "
+            f"has {sum(p.numel() for p in model.parameters()):,} parameters; 'auto' estimates each method's memory "
             "and time next, and picks the cheapest that fits")
 
 
@@ -131,7 +126,7 @@ def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),
         return cached
     model, tok = load_model_and_tokenizer(checkpoint, sentences.tokenizer, data)
     ad = analysis_sentences(model, tok, data, sentences)
-    log.info("%s", memory_note(model, sentences.n, kernel))
+    log.info("%s", memory_note(model, kernel))
     common = dict(by=gc.by, bins=gc.bins, binning=gc.binning, min_count=gc.min_count, resampling=resampling,
                   homogeneous=gc.homogeneous_label, options=kernel)
     if gc.outputs:
@@ -210,7 +205,7 @@ def ntk_command(checkpoint, data=None, *, sentences: Sentences = Sentences(n=64)
     check_output("ntk", out)
     model, tok = load_model_and_tokenizer(checkpoint, sentences.tokenizer, data)
     ad = analysis_sentences(model, tok, data, sentences)
-    log.info("%s", memory_note(model, sentences.n, kernel))
+    log.info("%s", memory_note(model, kernel))
     result_ntk = empirical_ntk(model, ad.batch, blocks=blocks, options=kernel)
     matrix = result_ntk.matrix.detach().cpu().numpy()
     out = out if writes() else None
