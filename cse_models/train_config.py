@@ -149,6 +149,10 @@ class TrainConfig:
     device: str = "auto"
     bf16: bool = True
 
+    def __post_init__(self):  # the sections typed however the config was made (a file, keywords, replace)
+        for name, section in (("data", DataConfig), ("cse", CSEConfig), ("upcycle", UpcycleConfig)):
+            setattr(self, name, _section(section, name, getattr(self, name)))
+
     @classmethod
     def load(cls, path: str | Path, **overrides) -> "TrainConfig":
         """A JSON or YAML config file, with ``overrides`` (e.g. ``steps``) applied before it is checked."""
@@ -174,8 +178,7 @@ class TrainConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"TrainConfig: unknown keys {unknown} (known: {sorted(known)})")
-        sections = {"data": DataConfig, "cse": CSEConfig, "upcycle": UpcycleConfig}
-        cfg = cls(**{k: _section(sections[k], k, v) if k in sections else v for k, v in data.items()})
+        cfg = cls(**data)
         if not isinstance(cfg.model, dict):
             raise UserError(f"TrainConfig: model must be a mapping of GPTConfig fields (got {type(cfg.model).__name__})")
         for key in ("steps", "batch_size", "checkpoint_every", "log_every"):
