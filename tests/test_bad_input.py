@@ -203,23 +203,23 @@ def _metrics_steps(run: Path) -> list:
                                   pytest.param("between checkpoints", marks=pytest.mark.slow)])  # CI time: -m slow
 def test_sigkilled_training_resumes_to_the_uninterrupted_weights(tmp_path, when):
     torch.set_default_dtype(torch.float32)
-    spec = _tiny_config(tmp_path, "killed", steps=400, checkpoint_every=100)
+    spec = _tiny_config(tmp_path, "killed", steps=200, checkpoint_every=50)
     (tmp_path / "run.json").write_text(json.dumps(spec))
     proc = subprocess.Popen([sys.executable, "-m", "cse_models.train", str(tmp_path / "run.json")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run, deadline = tmp_path / "killed", time.time() + 240
     while time.time() < deadline and proc.poll() is None:
-        done = (run / "checkpoints" / "step-000100").is_dir()
+        done = (run / "checkpoints" / "step-000050").is_dir()
         if when == "after a checkpoint" and done:
             break
-        if when == "between checkpoints" and any(150 <= s < 200 for s in _metrics_steps(run)):
+        if when == "between checkpoints" and any(75 <= s < 100 for s in _metrics_steps(run)):
             break
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert (run / "checkpoints" / "step-000100").is_dir() and not (run / "checkpoints" / "step-000400").is_dir()
+    assert (run / "checkpoints" / "step-000050").is_dir() and not (run / "checkpoints" / "step-000200").is_dir()
     resumed = train(TrainConfig.from_dict(spec))
-    full = train(TrainConfig.from_dict(_tiny_config(tmp_path, "full", steps=400, checkpoint_every=100)))
+    full = train(TrainConfig.from_dict(_tiny_config(tmp_path, "full", steps=200, checkpoint_every=50)))
     a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert _metrics_steps(run) == _metrics_steps(tmp_path / "full")  # the log rewound to the checkpoint
