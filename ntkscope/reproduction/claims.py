@@ -5,7 +5,7 @@ A quoted number sits between markers that name its claim::
     the three rarest bins lie below it (|GC| <!--claim:tail.fig2a.abs_gc.0-->0.838<!--/claim-->, ...)
 
 (the markers do not show in rendered Markdown). :func:`claims` computes every claim from the
-committed runs (``figures/tail``, ``figures/tables``, ``docs/router-table.csv``);
+committed runs (``figures/tail``, ``figures/tables``, ``figures/tables-late``, ``docs/router-table.csv``);
 :func:`render` rewrites the text between markers from them (``python -m
 ntkscope.reproduction.claims README.md docs/*.md``), and :func:`mismatches` lists the markers
 whose text differs or whose claim is unknown (the test that keeps the README honest).
@@ -212,15 +212,34 @@ def _tail_tables(t: Tables) -> dict:
     return out
 
 
-def _paper_tables(t: Tables) -> dict:
+def _paper_tables(t: Tables, prefix: str = "tables", archs=("bert", "gpt")) -> dict:
     """Our columns of the README's Tables 1-2 (test, legal, biomedical, general perplexity and
     the probe average, mean ± std over seeds), a row per claim; the paper's columns are quotes."""
     out = {}
-    for arch in ("bert", "gpt"):
+    for arch in archs:
         for i, row in t[f"table_{arch}"].iterrows():
             cells = [f"{_f(row[f'{c} mean'], d)} ± {_f(row[f'{c} std'], d)}" for c, d in
                      (("perplexity", 1), ("ppl legal", 1), ("ppl biomedical", 1), ("ppl general", 1), ("average", 3))]
-            out[f"tables.table.{arch}.{i}"] = " | ".join(cells)
+            out[f"{prefix}.table.{arch}.{i}"] = " | ".join(cells)
+    return out
+
+
+def _late_tables(t: Tables) -> dict:
+    """The GPT rows at the sweep's warm-up (figures/tables-late): the table's rows and cells, each
+    test's verdict (``tables-late.test.ROW.AGAINST.METRIC``: "better/worse/not shown (p = ...)"), the
+    general-tasks changes, and the run's time."""
+    out = _paper_tables(t, "tables-late", ("gpt",)) | cells("tables-late.gpt", t["table_gpt"], "model")
+    tests = t["table_tests"]
+    out["tables-late.tests.n"] = str(len(tests))
+    out["tables-late.tests.shown"] = str(int((tests["verdict"] != "not shown").sum()))
+    for row in tests.to_dict("records"):
+        key = f"tables-late.test.{_slug(row['row'])}.{_slug(row['against'])}.{_slug(row['metric'])}"
+        out[key] = f"{row['verdict']} (p = {_f(row['welch_p'])})"
+    general = t["general_tasks"]
+    out |= cells("tables-late.general", general.assign(row=general["model"]), "row")
+    timings = t["timings.json"]
+    out["tables-late.timings.total_min"] = _f(sum(timings.values()) / 60, 1)
+    out["tables-late.adopted"] = str(len(t["adopted.json"]))
     return out
 
 
@@ -425,6 +444,8 @@ def claims(root: str | Path = ROOT) -> dict:
     out.update(_gc_outputs_quick(pd.read_csv(root / "docs/gc-outputs-quick.csv")))
     if (root / "figures/sweep/tables/paired.csv").is_file():
         out.update(_sweep(Tables(root / "figures/sweep")))
+    if (root / "figures/tables-late/tables/table_gpt.csv").is_file():
+        out.update(_late_tables(Tables(root / "figures/tables-late")))
     if (root / "figures/own-model/comparison.csv").is_file():
         out.update(_own_model(root / "figures/own-model"))
     if (root / "benchmarks/gpu_gc.csv").is_file():
