@@ -19,6 +19,16 @@ SPARSE_MODULES = ("ffn", "attn")
 ROUTER_FORMATS = (1, 2)  # CSE router formats a checkpoint may carry; 2 is the current one
 
 
+def from_fields(cls, data: dict, where: str):
+    """``cls(**data)`` for a dataclass ``cls``; keys that are not its fields are refused in one line,
+    ``where`` (e.g. "TrainConfig: data has") followed by the unknown and the known keys."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(f"{where} unknown keys {unknown} (known: {sorted(known)})")
+    return cls(**data)
+
+
 @dataclass
 class SparseConfig:
     """Which layers are sparse, and how.
@@ -154,11 +164,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "GPTConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise UserError(f"{cls.__name__}.from_dict: unknown keys {unknown} (known: {sorted(known)})")
-        return cls(**data)
+        return from_fields(cls, data, f"{cls.__name__}.from_dict:")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from cse_models.config import from_fields
 from cse_models.hf import architecture
 from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.representation.plan import Plan
@@ -112,11 +113,7 @@ def _section(cls, name: str, value):
         value = {}
     if not isinstance(value, dict):
         raise UserError(f"TrainConfig: {name} must be a mapping (got {type(value).__name__})")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise UserError(f"TrainConfig: {name} has unknown keys {unknown} (known: {sorted(known)})")
-    return cls(**value)
+    return from_fields(cls, value, f"TrainConfig: {name} has")
 
 
 @dataclass
@@ -174,11 +171,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise UserError(f"TrainConfig: unknown keys {unknown} (known: {sorted(known)})")
-        cfg = cls(**data)
+        cfg = from_fields(cls, data, "TrainConfig:")
         if not isinstance(cfg.model, dict):
             raise UserError(f"TrainConfig: model must be a mapping of GPTConfig fields (got {type(cfg.model).__name__})")
         for key in ("steps", "batch_size", "checkpoint_every", "log_every"):
