@@ -136,7 +136,8 @@ def test_errors_are_clear(tmp_path):
                              ({"data": {"text_files": ["a.txt"]}}, r"data.text_files needs data.tokenizer"),
                              ({"cse": {"warmup_steps": "soon"}}, r"cse.warmup_steps must be a step >= 0, 'auto'"),
                              ({"upcycle": {"n_experts": 4}}, r"upcycle needs at: STEP \(got n_experts 4 alone\)"),
-                             ({"upcycle": [1]}, r"TrainConfig: upcycle must be a mapping \(got list\)")]:
+                             ({"upcycle": [1]}, r"TrainConfig: upcycle must be a mapping \(got list\)"),
+                             ({"model": [1]}, r"TrainConfig: model must be a mapping of GPTConfig fields")]:
         with pytest.raises(ValueError, match=message):
             TrainConfig.from_dict(section)
     cfg = TrainConfig.from_dict({"data": {"seq_len": 32}, "cse": {"warmup_steps": 5, "rule": "kmeans"}})
