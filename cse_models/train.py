@@ -212,7 +212,9 @@ def convert_mid_run(model, opt, sched, blocks: Blocks, cfg: TrainConfig, device)
 def train(cfg: TrainConfig, *, callbacks=()) -> Path:
     """Run (or resume) the training that ``cfg`` describes; returns the last checkpoint's directory.
 
-    ``callbacks``: functions ``(step, metrics)`` called after each step (step = steps done).
+    ``callbacks``: functions ``(step, metrics, model)`` called after each step (step = steps done,
+    after that step's checkpoint is written: ``model`` holds the checkpoint's weights), e.g. an
+    :class:`ntkscope.GCTracker`; ``cfg.track`` adds one that writes ``OUT/track/gc.csv``.
     One process writes a run: the first rank holds ``out_dir``'s lock, and a second training
     into the same directory is refused with the holder's PID.
     """
@@ -247,6 +249,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
         raise UserError(f"train: the model's vocab_size {model.config.vocab_size} is below the tokenizer's "
                         f"{tokenizer.vocab_size}")
     check_plan(cfg, model, tokenizer)
+    callbacks = [*callbacks, *([_tracker(cfg, tokenizer, world)] if cfg.track and rank == 0 else [])]
     opt = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     start = load_optimizer_state(resume, model, opt, sched, opt_tensors, trainer_state) if resume else 0
@@ -338,12 +341,42 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
                               f"last checkpoint is {last or latest_checkpoint(out_dir) or 'none'}")
                 last = save_checkpoint(out_dir / "checkpoints" / f"step-{done:06d}", model, opt, sched, done, cfg)
         for callback in callbacks:
-            callback(done, metrics)
+            callback(done, metrics, model)
     bar.close()
+    for callback in callbacks:
+        if hasattr(callback, "close"):
+            callback.close()
     metrics_log.close()
     if distributed:
         dist.barrier()
     return last if last is not None else latest_checkpoint(out_dir)
+
+
+def _tracker(cfg: TrainConfig, tokenizer, world: int):
+    """The :class:`ntkscope.GCTracker` that ``cfg.track`` describes, writing to ``OUT/track``."""
+    from ntkscope.kernel.options import KernelOptions
+    from ntkscope.kernel.uncertainty import Resampling
+    from ntkscope.runs.tracker import GCTracker, Probes
+
+    track = cfg.track
+    if world > 1:
+        raise UserError(f"train: track runs in a single process (got {world}); train without torchrun, or measure "
+                        "the checkpoints afterwards with ntkscope gc RUN_DIR")
+    if track.data is not None:
+        data = track.data
+    elif cfg.data.table:
+        data = DataSource(Path(cfg.data.table), text_column=cfg.data.text_column, label_column=cfg.data.label_column)
+    elif cfg.data.text_files:
+        raise UserError("train: track.data must name the probe sentences when training on data.text_files")
+    else:
+        data = cfg.data.pack or "default"
+    probes = Probes.load(data, tokenizer, n=track.n, seq_len=track.seq_len or cfg.data.seq_len, seed=track.seed,
+                         by=track.by, tail_fraction=track.tail_fraction, bins=track.bins,
+                         homogeneous=track.homogeneous)
+    resampling = Resampling(resamples=track.resamples, null_draws=track.null_draws, seed=track.seed)
+    return GCTracker(probes, every=track.every, out=Path(cfg.out_dir) / "track", per_layer=track.per_layer,
+                     options=KernelOptions(output=track.output, method=track.method), resampling=resampling,
+                     tensorboard=cfg.tensorboard)
 
 
 def _check_finite(model, message: str) -> None:

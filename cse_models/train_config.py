@@ -100,6 +100,49 @@ class UpcycleConfig:
         return self.at is not None
 
 
+@dataclass
+class TrackConfig:
+    """Gradient consistency of fixed probe sentences during training (:class:`ntkscope.GCTracker`),
+    written to ``OUT/track/gc.csv``: every ``every`` steps (0: off), ``n`` sentences of ``data`` (a
+    ``--data`` input; None: the training pack's validation split, or the training table) of at most
+    ``seq_len`` tokens (None: ``data.seq_len``), drawn with ``seed``. The subsets: ``by`` "tail" (the
+    lowest ``tail_fraction`` of frequency scores), "frequency-bins" (``bins``) or "label";
+    ``homogeneous``: a label whose sentences make the homogeneous null. The kernel: ``output``,
+    ``method``; the statistics: ``resamples`` (the jackknife's deletions at most; 0: no interval)
+    and ``null_draws`` (0: no null band); ``per_layer``: each layer's block too."""
+
+    every: int = 0
+    n: int = 128
+    data: str | None = None
+    seq_len: int | None = None
+    seed: int = 0
+    by: str = "tail"
+    tail_fraction: float = 0.25
+    bins: int = 4
+    homogeneous: str | None = None
+    output: str = "centred-true-logit"
+    method: str = "auto"
+    resamples: int = 200
+    null_draws: int = 200
+    per_layer: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
+            raise UserError(f"TrainConfig: track.every must be a step count >= 0 (0: off) (got {self.every!r})")
+        _positive("track.n", self.n)
+        if self.seq_len is not None:
+            _positive("track.seq_len", self.seq_len)
+        if self.by not in ("tail", "frequency-bins", "label"):
+            raise UserError(f"TrainConfig: track.by must be 'tail', 'frequency-bins' or 'label' (got {self.by!r})")
+        for name in ("resamples", "null_draws"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UserError(f"TrainConfig: track.{name} must be an integer >= 0 (got {value!r})")
+
+    def __bool__(self) -> bool:
+        return self.every > 0
+
+
 def _positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UserError(f"TrainConfig: {name} must be a positive integer (got {value!r})")
@@ -128,6 +171,7 @@ class TrainConfig:
     init_from: str | None = None               # a checkpoint to continue from: cse_models, or an HF causal
     #                                            LM directory (model.sparse then says what to convert)
     upcycle: UpcycleConfig = field(default_factory=UpcycleConfig)
+    track: TrackConfig = field(default_factory=TrackConfig)  # GC during training (OUT/track/gc.csv)
     plan: str | None = None                    # an ntkscope plan: sparse.layers / cse.warmup_steps "auto"
     steps: int = 1000
     stop_at: int | None = None                # stop (with a checkpoint) after this many steps of the `steps` schedule
@@ -147,7 +191,8 @@ class TrainConfig:
     bf16: bool = True
 
     def __post_init__(self):  # the sections typed however the config was made (a file, keywords, replace)
-        for name, section in (("data", DataConfig), ("cse", CSEConfig), ("upcycle", UpcycleConfig)):
+        for name, section in (("data", DataConfig), ("cse", CSEConfig), ("upcycle", UpcycleConfig),
+                              ("track", TrackConfig)):
             setattr(self, name, _section(section, name, getattr(self, name)))
 
     @classmethod

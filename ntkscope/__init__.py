@@ -104,6 +104,9 @@ _EXPORTS = {
     "domain_silhouette": "ntkscope.representation.structure",
     "gc_by_bins": "ntkscope.runs.gc",
     "gc_sensitivity": "ntkscope.runs.gc",
+    "Probes": "ntkscope.runs.tracker",
+    "GCTracker": "ntkscope.runs.tracker",
+    "GCCallback": "ntkscope.runs.callbacks",
     # the reproduction
     "ReproduceSettings": "ntkscope.reproduction",
     "Reproduction": "ntkscope.reproduction",

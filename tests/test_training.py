@@ -53,7 +53,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     torch.set_default_dtype(torch.float32)
     full = train(config(tmp_path, "full"))
 
-    def kill_at(step, _metrics):
+    def kill_at(step, _metrics, _model):
         if step == 10:  # two steps after the checkpoint at 8: their work is lost
             raise Killed
 

@@ -31,7 +31,7 @@ def arch_model(settings: ReproduceSettings, arch: str, mask_token_id: int | None
 
 
 #: TrainConfig fields that say where and how often a run saves and logs, not what it trains
-BOOKKEEPING = ("out_dir", "checkpoint_every", "checkpoint_steps", "log_every", "tensorboard")
+BOOKKEEPING = ("out_dir", "checkpoint_every", "checkpoint_steps", "log_every", "tensorboard", "track")
 
 
 def _config(settings: ReproduceSettings, out_dir: Path, pack: str | None, **changes):

@@ -69,7 +69,9 @@ def _controls(controls, model, data, homogeneous, output):
     return analysis_controls(model, data.batch, pools=homogeneous_pools(data, homogeneous), output=output)
 
 
-def _groups(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd.DataFrame]:
+def group_labels(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd.DataFrame]:
+    """One group label per sentence of ``data`` ("bin k" of the frequency score, or the data's
+    labels: ``by``) and the histogram of the scores; one group only is refused (GC = 1 by construction)."""
     scores = data.labels["score"].to_numpy()
     hist = score_histogram(scores, bins=bins, kind=binning)
     if by == "label":
@@ -103,7 +105,7 @@ def gc_by_bins(model, data, *, by: str = "frequency-bins", bins: int = 6, binnin
     """
     check_choice("by", by, GROUPINGS)
     check_choice("binning", binning, BINNINGS)
-    labels, hist = _groups(data, by, bins, binning)
+    labels, hist = group_labels(data, by, bins, binning)
     scores = data.labels["score"].to_numpy()
     given = options.get("options")
     output = options.get("output", given.output if given is not None else "loss")

@@ -1,0 +1,36 @@
+"""A :class:`~ntkscope.GCTracker` inside a Hugging Face ``Trainer`` (``transformers`` stays an
+optional dependency: this module is imported only when :class:`GCCallback` is asked for)."""
+
+from __future__ import annotations
+
+from ntkscope.core.checks import MissingPackage, fail
+from ntkscope.runs.tracker import GCTracker
+
+try:
+    from transformers import TrainerCallback
+except ImportError as err:  # pragma: no cover - the hf extra is part of dev
+    raise MissingPackage("GCCallback needs transformers: pip install 'ntkscope[hf]'") from err
+
+
+class GCCallback(TrainerCallback):
+    """Calls ``tracker`` after every optimizer step of a ``transformers.Trainer``, on the main
+    process, with the model as it is at ``state.global_step`` (the weights a checkpoint saved at
+    that step holds)::
+
+        tracker = GCTracker(Probes.load(data, tokenizer, n=128), every=100, out="run/track")
+        Trainer(model, args, train_dataset=..., callbacks=[GCCallback(tracker)]).train()
+    """
+
+    def __init__(self, tracker: GCTracker):
+        if not isinstance(tracker, GCTracker):
+            raise fail("GCCallback", "tracker", "must be a GCTracker", type(tracker).__name__)
+        self.tracker = tracker
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero:
+            self.tracker.step(model, state.global_step)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.tracker.close()
+        return control
