@@ -45,6 +45,9 @@ from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import DirectoryLock, write_json
 from ntkscope.core.lm import lm_loss as token_loss
 from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
+from ntkscope.gc.tracker import GCTracker, Probes
+from ntkscope.kernel.options import KernelOptions
+from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.inputs import DataSource
 from ntkscope.text.tokenization import load_tokenizer
@@ -354,10 +357,6 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
 
 def _tracker(cfg: TrainConfig, tokenizer, world: int):
     """The :class:`ntkscope.GCTracker` that ``cfg.track`` describes, writing to ``OUT/track``."""
-    from ntkscope.kernel.options import KernelOptions
-    from ntkscope.kernel.uncertainty import Resampling
-    from ntkscope.runs.tracker import GCTracker, Probes
-
     track = cfg.track
     if world > 1:
         raise UserError(f"train: track runs in a single process (got {world}); train without torchrun, or measure "

@@ -455,3 +455,62 @@ def routing_shares(routing, *, title: str = ""):
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def gc_by_label(table, *, title: str = ""):
+    """GC of each labelled subset against the whole set (``table``: :func:`ntkscope.gc_by_bins`
+    with ``by="label"``, or a :class:`ntkscope.GCTracker` step): |GC| with its interval, over
+    the random null band (grey) and the homogeneous one (green) where measured."""
+    plt = _pyplot()
+    rows = table.reset_index(drop=True)
+    fig, ax = plt.subplots(figsize=(6.4, 0.42 * len(rows) + 1.3))
+    y = np.arange(len(rows))
+    for i, row in rows.iterrows():
+        ax.plot([row["null_low"], row["null_high"]], [i, i], color="#95a5a6", lw=7, alpha=0.5, solid_capstyle="butt",
+                label="random null band" if i == 0 else None)
+        if "null_homogeneous_low" in rows and np.isfinite(row["null_homogeneous_low"]):
+            ax.plot([row["null_homogeneous_low"], row["null_homogeneous_high"]], [i + 0.22, i + 0.22], color="#27ae60",
+                    lw=3, alpha=0.6, label="homogeneous null band" if i == 0 else None)
+    flagged = rows["flags"].fillna("").astype(str) != ""
+    err = np.vstack([rows["abs_gc"] - rows["abs_gc_low"], rows["abs_gc_high"] - rows["abs_gc"]]).clip(min=0)
+    ax.errorbar(rows["abs_gc"], y, xerr=err, fmt="none", ecolor="#c0392b", capsize=3)
+    ax.scatter(rows["abs_gc"][~flagged], y[~flagged], color="#c0392b", zorder=3, label="|GC| and its interval")
+    ax.scatter(rows["abs_gc"][flagged], y[flagged], facecolor="white", edgecolor="#c0392b", zorder=3,
+               label="flagged: direction ill-defined")
+    ax.set_yticks(y, [f"{label} (n={int(m)})" for label, m in zip(rows["label"], rows["n_subset"])])
+    ax.set_xlabel("|GC| against the whole set")
+    ax.set_xlim(_lowest(rows, ["abs_gc_low", "null_low"]), 1.01)
+    ax.set_title(title or "GC of each subset against the whole set", fontsize=10)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def training_curve(metrics, *, title: str = ""):
+    """Training loss over steps (``metrics``: a run's ``metrics.csv``: step, loss, lr)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    ax.plot(metrics["step"], metrics["loss"], color="#2c3e50", lw=1.2, label="training loss")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("loss (nats per token)")
+    if "lr" in metrics:
+        other = ax.twinx()
+        other.plot(metrics["step"], metrics["lr"], color="#95a5a6", lw=0.8, ls="--")
+        other.set_ylabel("learning rate", color="#7f8c8d")
+    ax.set_title(title or "Training", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def score_histogram_bars(histogram, *, title: str = ""):
+    """The sentences' frequency scores in bins (``histogram``: :func:`ntkscope.score_histogram`:
+    left, right, count): a long tail at the low end."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.0))
+    ax.bar(histogram["left"], histogram["count"], width=(histogram["right"] - histogram["left"]), align="edge",
+           color="#5d6d7e", edgecolor="white")
+    ax.set_xlabel("sentence frequency score")
+    ax.set_ylabel("sentences")
+    ax.set_title(title or "Sentence frequency", fontsize=10)
+    fig.tight_layout()
+    return fig

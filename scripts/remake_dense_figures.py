@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ntkscope.core.files import write_json
 from ntkscope.reproduction.panels import PANELS, STAGES
-from ntkscope.reproduction.pipeline import Reproduction, environment, sha256_file
+from ntkscope.core.provenance import environment
+from ntkscope.reproduction.pipeline import Reproduction, sha256_file
 
 DENSE_STAGES = ("fig1", "fig2a", "fig3", "fig4")
 log = logging.getLogger("remake")

@@ -15,6 +15,7 @@ import torch
 from commandline import in_process, strict_json_load
 
 import ntkscope as ns
+from ntkscope.core.files import sha256_file
 from ntkscope.text.sentences import load_analysis_data
 from ntkscope.runs.checkpoints import load_checkpoint
 from ntkscope.text.corpus.pack import DEFAULT_PACK
@@ -64,7 +65,13 @@ def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
     assert pd.read_csv(out / "histogram.csv")["count"].sum() == 48
     assert "versus_null" in proc.stdout and "null bands of 200 subsets each" in proc.stdout
     assert {"versus_homogeneous", "versus_matched-length", "versus_matched-loss", "abs_gc_bias"} <= set(table.columns)
-    strict_json_load(out / "result.json")  # RFC 8259: no NaN
+    made = strict_json_load(out / "result.json")  # RFC 8259: no NaN
+    source = made["provenance"]  # what made it: version, weights, data, options, the command line
+    assert source["ntkscope"] == ns.__version__ and source["torch"] == torch.__version__
+    assert source["weights_sha256"] == sha256_file(checkpoints / "gpt" / "model.safetensors")
+    assert len(source["data_sha256"]) == 64 and source["command"].startswith("ntkscope -q gc ")
+    assert made["options"]["kernel"]["method"] == "auto" and made["options"]["kernel"]["dtype"] == "float64"
+    assert made["options"]["sentences"]["seed"] == 0 and made["options"]["resampling"]["seed"] == 0
     mtime = (out / "result.json").stat().st_mtime_ns
     again = in_process("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--binning", "width",
                        "--out", out, "--dtype", "float64")
@@ -104,6 +111,10 @@ def test_gc_by_label_and_over_a_run(tmp_path):
     assert list(series["step"]) == [2, 4] and series["gc"].between(-1, 1).all()
     assert {"abs_gc_low", "abs_gc_high", "null_low", "null_high", "sign_confidence", "flags"} <= set(series.columns)
     assert "|GC| peaks at step" in proc.stdout
+    made = json.loads((tmp_path / "over" / "result.json").read_text())  # the run-level result keeps seed and method
+    assert made["options"]["sentences"]["seed"] == 0 and made["options"]["kernel"]["method"] == "auto"
+    assert made["provenance"]["weights_sha256"] == {
+        str(step): sha256_file(run_dir / "checkpoints" / f"step-{step:06d}" / "model.safetensors") for step in (2, 4)}
     assert (tmp_path / "over" / "gc_over_steps.png").stat().st_size > 1000
     assert (tmp_path / "over" / "gc_over_steps.pdf").read_bytes()[:4] == b"%PDF"
     labels = in_process("gc", run_dir / "checkpoints" / "step-000004", "--by", "label", "--n", 64, "--seq-len", 24,

@@ -380,7 +380,7 @@ def test_the_experts_mean_cosine_and_its_jackknife_against_a_leave_one_out_loop(
 
 
 def test_analysis_controls_match_on_length_and_the_outputs_own_loss(hf_bert, gpt, lm_batch):
-    from ntkscope.runs.gc import analysis_controls
+    from ntkscope.gc.groups import analysis_controls
 
     masked = ns.LMLoss(objective="masked", mask_token_id=1, mask_prob=0.3, seed=7, value="centred-true-logit")
     controls = analysis_controls(hf_bert, lm_batch, output=masked)  # the masked objective's own mask settings

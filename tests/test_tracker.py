@@ -16,8 +16,8 @@ from ntkscope.core.checks import UserError
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.plotting import gc_over_steps
 from ntkscope.representation.plan import gc_peak
-from ntkscope.runs.gc import GC_OUTPUT, analysis_controls
-from ntkscope.runs.tracker import GCTracker, Probes, kernel_cka
+from ntkscope.gc.groups import GC_OUTPUT, analysis_controls
+from ntkscope.gc.tracker import GCTracker, Probes, kernel_cka
 from ntkscope.text.corpus.pack import load_pack
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

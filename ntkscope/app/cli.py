@@ -32,6 +32,7 @@ from ntkscope.app.options import GCOptions, Sentences
 from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import check_output, write_table
 from ntkscope.core.progress import logging_redirect_tqdm
+from ntkscope.core.provenance import set_command
 from ntkscope.kernel.methods import METHODS, method_names, unsupported
 from ntkscope.kernel.objectives import OUTPUTS, SCALAR_OUTPUTS
 from ntkscope.kernel.options import KernelOptions
@@ -40,7 +41,7 @@ from ntkscope.reproduction import reproduce
 from ntkscope.reproduction.settings import settings_for
 from ntkscope.runs.checkpoints import is_run_dir
 from ntkscope.runs.families import POINTS
-from ntkscope.runs.gc import GC_OUTPUT, GROUPINGS
+from ntkscope.gc.groups import GC_OUTPUT, GROUPINGS
 from ntkscope.text.corpus.pack import build_pack, load_pack
 from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
 from ntkscope.text.frequency import BINNINGS, NORMALISATIONS
@@ -141,6 +142,14 @@ def _clusters(args) -> int:
                      f"JL dimension for distortion 0.1/0.2/0.3/0.5: {list(table.attrs['jl_guidance'].values())}):",
                      table)
         print(f"\nCSE layers by {r['plan'].chosen_by}: {r['plan'].layers}")
+    return 0
+
+
+def _report(args) -> int:
+    from ntkscope.app.report import report
+
+    made = report(args.path, args.out)
+    print(f"{made['path']}: {len(made['sections'])} sections of the {made['kind']} in {args.path}")
     return 0
 
 
@@ -258,7 +267,13 @@ def _sweep(args, out: Path) -> int:
 
 
 def _reproduce_settings(args):
-    return settings_for(args.mode, **({"adopt_from": str(args.adopt)} if args.adopt else {}))
+    changes = {"adopt_from": str(args.adopt)} if args.adopt else {}
+    if args.track_every < 0:
+        raise InputError("track-every", "must be a step count >= 0 (0: off)", args.track_every,
+                         func="ntkscope reproduce")
+    if args.track_every:
+        changes["track_every"] = args.track_every
+    return settings_for(args.mode, **changes)
 
 
 def _reproduce(args) -> int:
@@ -463,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_method_arg(plan, "eigen")
     plan.add_argument("--out", default="plan.json", help="the plan file (default plan.json)")
     plan.set_defaults(run=_plan)
+    report = sub.add_parser("report", help="one self-contained HTML page of an analysis: a result directory, a run, "
+                            "or a reproduction", description="Example: ntkscope report figures/tail --out tail.html")
+    report.add_argument("path", help="a result directory (of gc, ntk, eval, plan), a training run (cse-train's "
+                        "out_dir, with track/ when it tracked GC) or a reproduction (e.g. figures/tail)")
+    report.add_argument("--out", help="the HTML file (default PATH/report.html)")
+    report.set_defaults(run=_report)
     rep = sub.add_parser("reproduce", help="the CSE paper's Figures 1-5 and Tables 1-2, from nothing",
                          description="Trains dense, Switch, CSE and domain-finetuned GPTs on a corpus pack, runs "
                          "every analysis and writes RUN/figures (PNG + PDF), RUN/tables (CSV + Markdown) and "
@@ -494,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--threads", type=int, help="torch threads of this process (default: torch's; --sweep with "
                      "two processes side by side on 2 cores: 1 each)")
     rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
+    rep.add_argument("--track-every", type=int, default=0, metavar="STEPS",
+                     help="also train the dense model with a GC tracker on Figure 3(a)'s sentences every STEPS steps "
+                     "and draw fig3a-tracked from it (default 0: off)")
     rep.add_argument("--adopt", metavar="MODELS", help="a directory of trained model directories (e.g. a sweep's "
                      "RUN/models): a model this run would train is linked from there when one there trained exactly "
                      "the same (configuration compared field by field, a branch's start weights byte for byte)")
@@ -557,6 +581,7 @@ def _process_group(args) -> bool:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    set_command(["ntkscope", *(sys.argv[1:] if argv is None else argv)])
     _refuse_unsupported(args)
     matplotlib.use("Agg")  # the command writes figures to files; no display
     try:

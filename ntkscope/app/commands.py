@@ -23,6 +23,7 @@ from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import Staging, check_output, digest, write_json, write_table
 from ntkscope.app.options import GCOptions, Sentences
 from ntkscope.core.memory import available_memory_bytes, format_bytes
+from ntkscope.core.provenance import provenance
 from ntkscope.kernel.distributed import from_rank0, writes
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.options import KernelOptions
@@ -36,7 +37,7 @@ from ntkscope.runs.dynamics import (cluster_dynamics, clusters_analysis, cluster
                                     gc_table, persistence_tables, router_analysis, router_table, walk)
 from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.families import family_of
-from ntkscope.runs.gc import GC_OUTPUT, gc_by_bins, gc_sensitivity, homogeneous_pools
+from ntkscope.gc.groups import GC_OUTPUT, gc_by_bins, gc_sensitivity, homogeneous_pools
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import Record
 from ntkscope.text.frequency import (count_tokens, domain_table, long_tail_subset, score_histogram,
@@ -135,7 +136,8 @@ def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),
         table, hist, skipped = gc_by_bins(model, ad, **common)
     out = out if writes() else None
     result = {"key": key, "options": options, "data": ad.source, "n": sentences.n, "groups": table.to_dict("records"),
-              "skipped": skipped, "warnings": flag_warnings(table)}
+              "skipped": skipped, "warnings": flag_warnings(table),
+              "provenance": provenance(weights=checkpoint, data_files=data.files, tokenizer=tok.name)}
     for warning in result["warnings"]:
         log.warning("gc: %s", warning)
     with Staging(out) as files:
@@ -187,7 +189,9 @@ def gc_run_command(run_dir, data=None, *, sentences: Sentences = Sentences(),
     result = {"run": str(run_dir), "data": ad.source, "n": sentences.n, "n_tail": len(tail),
               "options": _key_options(as_source(data), sentences, kernel, resampling,
                                       gc={k: gc.to_dict()[k] for k in ("tail_fraction", "homogeneous_label")}),
-              "peak": peak, "series": frame.to_dict("records")}
+              "peak": peak, "series": frame.to_dict("records"),
+              "provenance": provenance(weights={step: path for step, path in checkpoints},
+                                       data_files=as_source(data).files, tokenizer=tok.name)}
     with Staging(out) as files:
         frame.to_csv(files.path("gc_over_steps.csv"), index=False)
         save_figure(gc_over_steps(frame, warmup=peak["step"] if peak["shown"] else None, rule="gc-peak"),
@@ -211,7 +215,8 @@ def ntk_command(checkpoint, data=None, *, sentences: Sentences = Sentences(n=64)
     out = out if writes() else None
     result = {"checkpoint": str(checkpoint), "data": ad.source, "n": sentences.n, "method": result_ntk.method,
               "reason": result_ntk.reason, "blocks": list(result_ntk.blocks or {}),
-              "trace": float(np.trace(matrix)), "options": _key_options(as_source(data), sentences, kernel)}
+              "trace": float(np.trace(matrix)), "options": _key_options(as_source(data), sentences, kernel),
+              "provenance": provenance(weights=checkpoint, data_files=as_source(data).files, tokenizer=tok.name)}
     with Staging(out) as files:
         np.save(files.path("ntk.npy"), matrix)
         if result_ntk.blocks:
@@ -297,7 +302,8 @@ def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int 
             write_json(files.path("result.json"), {
                 "checkpoint": str(checkpoint), **source.options(), "tokenizer": tok.name, "texts": len(texts),
                 "context": result.context, "interval": f"{result.level:.0%} percentile bootstrap over texts",
-                "n_boot": n_boot, "seed": seed, "perplexity": result.perplexity.to_dict("records")})
+                "n_boot": n_boot, "seed": seed, "batch_size": batch_size, "perplexity": result.perplexity.to_dict("records"),
+                "provenance": provenance(weights=checkpoint, data_files=source.files, tokenizer=tok.name)})
         written = files.written
     return {"perplexity": result.perplexity, "routing": result.routing, "context": result.context,
             "tokenizer": tok, "files": written}
@@ -372,6 +378,10 @@ def plan_command(run_dir, data="default", *, sentences: Sentences = Sentences(),
     plan = dataclasses.replace(plan, source={
         **architecture(last_model), "family": family_of(last_model).name, "tokenizer": tok.name,
         "vocab_size": tok.vocab_size, **as_source(data).options(), "run": str(run_dir), "steps": steps,
-        "sentences": sentences.n, "seq_len": sentences.seq_len})
+        "sentences": sentences.n, "seq_len": sentences.seq_len, "options": _key_options(
+            as_source(data), sentences, kernel, Resampling(seed=seed), point=point, k_max=k_max,
+            projection_dim=projection_dim, top_k=top_k, module=module, tail_fraction=tail_fraction, overlap=overlap,
+            router=router, choose_by=choose_by),
+        "provenance": provenance(weights=dict(checkpoints), data_files=as_source(data).files, tokenizer=tok.name)})
     plan.save(out)
     return {"separation": table, "gc": gc, "n_tail": len(tail), "plan": plan, "tail_labels": tail_labels}

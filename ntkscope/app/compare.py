@@ -23,6 +23,7 @@ from cse_models.train import train
 from cse_models.train_config import TrainConfig, warmup_after
 from ntkscope.core.checks import InputError
 from ntkscope.core.files import DirectoryLock, Staging, write_json, write_table
+from ntkscope.core.provenance import provenance
 from ntkscope.plotting import routing_shares, save_figure
 from ntkscope.representation.plan import Plan
 from ntkscope.runs.checkpoints import checkpoint_tokenizer, is_run_dir, list_checkpoints
@@ -141,6 +142,9 @@ def _evaluate(results, eval_data, text_column, label_column, tokenizer, n_boot, 
             write_table(frame, files.path("routing.csv"))
             for (arm, seed), part in routing.items():
                 save_figure(routing_shares(part, title=f"{arm}, seed {seed}"), files.path(f"routing-{arm}-seed{seed}"))
+        weights = {f"{arm} seed {seed}": checkpoint for seed, last in results for arm, checkpoint in last.items()}
         write_json(files.path("result.json"), {"arms": list(ARMS), "seeds": [s for s, _ in results],
-                                               "eval_data": str(source), "comparison": table.to_dict("records")})
+                                               "eval_data": str(source), "n_boot": n_boot,
+                                               "comparison": table.to_dict("records"),
+                                               "provenance": provenance(weights=weights, data_files=source.files)})
     return {"table": table, "files": files.written}

@@ -29,7 +29,7 @@ from cse_models.model import load_model
 from cse_models.train import TrainConfig, load_data, train
 from ntkscope.core.checks import InputError, check_positive_int, entry
 from ntkscope.kernel.uncertainty import Resampling
-from ntkscope.runs.gc import gc_by_bins
+from ntkscope.gc.groups import gc_by_bins
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import split_sentences
 from ntkscope.text.frequency import count_tokens, sentence_scores, token_frequency

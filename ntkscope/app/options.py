@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ntkscope.core.checks import InputError, check_choice, check_positive_int
-from ntkscope.runs.gc import GROUPINGS
+from ntkscope.gc.groups import GROUPINGS
 from ntkscope.text.frequency import BINNINGS
 
 

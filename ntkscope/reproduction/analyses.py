@@ -21,9 +21,11 @@ from ntkscope.kernel.objectives import sample_outputs, take
 from ntkscope.representation.router import fit_router
 from ntkscope.reproduction.settings import ReproduceSettings
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
+from ntkscope.gc.tracker import GCTracker, Probes
+from ntkscope.kernel.options import KernelOptions
 from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_dynamics
 from ntkscope.runs.embeddings import layer_embeddings
-from ntkscope.runs.gc import gc_sensitivity
+from ntkscope.gc.groups import gc_sensitivity
 from ntkscope.text.frequency import bin_indices, domain_table, long_tail_subset, score_histogram
 from ntkscope.text.corpus.text import split_sentences
 
@@ -69,7 +71,7 @@ def source_pools(pack, data, settings: ReproduceSettings) -> list:
 
 def gc_by_frequency(dense_last: Path, data, pools: list, settings: ReproduceSettings) -> dict:
     """Figure 2(a): gc_outputs (every output of ``settings.gc_outputs`` side by side, one
-    :meth:`~ntkscope.GCResult.row` per bin and output, by :func:`ntkscope.runs.gc.gc_sensitivity`),
+    :meth:`~ntkscope.GCResult.row` per bin and output, by :func:`ntkscope.gc.groups.gc_sensitivity`),
     gc_by_bin (the rows of ``settings.gc_output``) and the histogram of the same bins."""
     outputs = list(dict.fromkeys([settings.gc_output, *settings.gc_outputs]))
     table, hist, _ = gc_sensitivity(load_checkpoint(dense_last), data, outputs=outputs, bins=settings.bins,
@@ -114,6 +116,26 @@ def training_dynamics(dense_dir: Path, draws: list, pools: list, fitting, settin
     router = router_dynamics(dense_dir, fitting["batch"], domains=fitting["domains"],
                              tail=settings.finetune_domains, router=router_options(settings), steps=steps)
     return {"gc_over_steps": gc, "dynamics": dynamics, "router_dynamics": router}
+
+
+def tail_probes(data, pool: list, settings: ReproduceSettings) -> Probes:
+    """Figure 3(a)'s probe set: the long tail (the lowest ``tail_fraction`` of frequency scores) of
+    the analysis sentences ``data``, with the homogeneous null's ``pool`` (:func:`source_pools`)."""
+    tail = long_tail_subset(data.labels["score"], settings.tail_fraction)
+    return Probes(data.batch, {"tail": tail}, pools=pool or None, source=data.source)
+
+
+def tracked_gc(train_dense, model_dir: Path, data, pool: list, settings: ReproduceSettings) -> dict:
+    """Figure 3(a) measured inside training: ``train_dense(callbacks)`` trains the dense model again
+    (into ``model_dir``) with a :class:`~ntkscope.GCTracker` every ``settings.track_every`` steps
+    on draw 0's sentences, their long tail and pools, ``settings.gc_output`` and the statistics of
+    :func:`training_dynamics`; gc_tracked is its table (the columns of gc_over_steps, plus
+    kernel_cka and seconds), read back from ``model_dir/track`` when the run was already trained."""
+    def tracker():
+        return GCTracker(tail_probes(data, pool, settings), every=settings.track_every, out=model_dir / "track",
+                         options=KernelOptions(output=settings.gc_output), resampling=settings.resampling())
+    train_dense([tracker()])
+    return {"gc_tracked": tracker().series("tail")}
 
 
 def _routing_view(z: np.ndarray, seed: int) -> np.ndarray:

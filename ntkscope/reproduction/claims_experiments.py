@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ntkscope.representation.plan import gc_peak
 from ntkscope.reproduction.claim_values import Tables, _f, _range
 
 
@@ -164,3 +165,34 @@ def _own_model(folder: Path) -> dict:
         rows.append(f"| {domain} ({int(by['texts'].iloc[0])} texts) | " + " | ".join(cells) + " |")
     out["own.table"] = "\n".join(rows)
     return out
+
+
+def _tracker(table: pd.DataFrame) -> dict:
+    """README and benchmarks/README.md: the GC tracker's overhead inside training, per setting."""
+    plain = table[table["n"].isna()].iloc[0]
+    out = {"bench.tracker.s_per_step": _f(plain["wall_s"] / plain["steps"], 2),
+           "bench.tracker.steps": str(int(plain["steps"]))}
+    for r in table[table["n"].notna()].itertuples():
+        key = f"bench.tracker.n{int(r.n)}.every{int(r.every)}"
+        out.update({f"{key}.overhead": f"{100 * r.overhead:.1f} %", f"{key}.probe_s": _f(r.s_per_probe, 1),
+                    f"{key}.estimate_s": _f(r.estimate_s, 1), f"{key}.wall_excess": f"{100 * r.wall_excess:.1f} %",
+                    f"{key}.same_losses": "identical" if r.same_losses else "different", f"{key}.method": r.method,
+                    f"{key}.every_for_5pct": str(int(np.ceil(r.every_for_5pct)))})
+    return out
+
+
+def _tracked(t) -> dict:
+    """README: Figure 3(a) from the tracker (figures/tail/tables/gc_tracked.csv) against the
+    checkpoints' series (gc_over_steps.csv, draw 0) at the steps both measured."""
+    tracked, walked = t["gc_tracked"], t["gc_over_steps"]
+    walked = walked[walked["draw"] == 0] if "draw" in walked else walked
+    both = tracked.merge(walked, on="step", suffixes=("", "_checkpoints"))
+    diff = (both["abs_gc"] - both["abs_gc_checkpoints"]).abs()
+    same = (both["versus_null"] == both["versus_null_checkpoints"]).sum()
+    peak = gc_peak(tracked)
+    return {"tracked.probes": str(len(tracked)), "tracked.common": str(len(both)),
+            "tracked.max_diff": f"{diff.max():.1e}", "tracked.same_verdict": f"{int(same)} of {len(both)}",
+            "tracked.peak": f"at step {peak['step']}" if peak["shown"] else "not shown",
+            "tracked.seconds": _f(float(tracked["seconds"].median()), 1),
+            "tracked.cka_min": _f(float(tracked["kernel_cka"].min()), 3),
+            "tracked.cka_min_step": str(int(tracked.loc[tracked["kernel_cka"].idxmin(), "step"]))}

@@ -77,6 +77,9 @@ STAGES: dict[str, Stage] = {
         rep.cse(), rep.dense(), rep.data(), rep.plan().layers[0], rep.settings.gc_output), "fig5bc"),
     "tables": Stage(("results", "seeds", "seeds_summary"), lambda rep: analyses.results(
         rep.runs(), rep.seed_runs(), rep.pack, rep.settings), "tables"),
+    "fig3-tracked": Stage(("gc_tracked",), lambda rep: analyses.tracked_gc(
+        rep.dense_tracked, rep.model_dir("gpt-dense-tracked"), rep.data(),
+        analyses.source_pools(rep.pack, rep.data(), rep.settings), rep.settings), "fig3 tracked"),
     "paper": Stage(("paper_runs", "table_gpt", "table_bert", "general_tasks", "table_tests"), paper.paper_tables,
                    "paper tables"),
 }
@@ -84,7 +87,7 @@ STAGES: dict[str, Stage] = {
 #: figure -> the stages whose tables it shows
 FIGURES: dict[str, tuple] = {"fig1": ("fig1",), "fig2": ("fig2a", "routing"), "fig3": ("fig3",),
                              "fig4": ("fig4",), "fig5": ("routing", "fig5bc"), "tables": ("tables",),
-                             "paper": ("paper",)}
+                             "paper": ("paper",), "fig3-tracked": ("fig3-tracked",)}
 
 
 def _n(k: int, word: str) -> str:
@@ -115,4 +118,12 @@ PANELS: dict[str, Panel] = {
         "title": lambda rep, t: f"CSE layer {rep.plan().layers[0]}: the expert each held-out block is routed to "
                                 f"({_n(t['routing']['expert'].nunique(), 'expert')} used)"}),
     "fig5bc": Panel("fig5", "expert_kernels", ("expert_ntk",)),
+}
+
+#: panels drawn only when asked for (``settings.track_every``): Figure 3(a) from the GC tracker's
+#: probes during a second, tracked training of the dense model, every ``track_every`` steps
+TRACKED_PANELS: dict[str, Panel] = {
+    "fig3a-tracked": Panel("fig3-tracked", "gc_over_steps", ("gc_tracked",), computed={
+        "title": lambda rep, t: f"dense GPT ({rep.settings.mode}): |GC| of the long tail, measured by the tracker "
+                                f"every {rep.settings.track_every} steps during training"}),
 }

@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -31,13 +28,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-import ntkscope
 from ntkscope.core.checks import fail
+from ntkscope.core.provenance import environment
 from ntkscope.core.files import DirectoryLock, atomic_path, check_output, sha256_file, write_json, write_text
 from ntkscope.plotting import save_figure
 from ntkscope.representation.plan import Plan, make_plan
 from ntkscope.reproduction import paper, training
-from ntkscope.reproduction.panels import FIGURES, PANELS, STAGES
+from ntkscope.reproduction.panels import FIGURES, PANELS, STAGES, TRACKED_PANELS
 from ntkscope.reproduction.settings import ReproduceSettings, bind_settings, settings_for
 from ntkscope.runs.dynamics import STABILITY_COLUMNS
 from cse_models.train import TrainConfig, fitting_sample, load_data
@@ -121,6 +118,12 @@ class Reproduction:
         """The dense GPT's last checkpoint (trained on first use)."""
         return self._timed("train gpt-dense", lambda: training.train_dense(
             self.settings, self.model_dir("gpt-dense"), self.pack_path))
+
+    def dense_tracked(self, callbacks=()) -> Path:
+        """The dense GPT trained again with ``callbacks`` (a GC tracker), into ``models/gpt-dense-tracked``:
+        the same training (a tracker changes nothing it does), measured from inside."""
+        return self._timed("train gpt-dense-tracked", lambda: training.train_dense(
+            self.settings, self.model_dir("gpt-dense-tracked"), self.pack_path, callbacks=callbacks))
 
     def dense_run(self) -> Path:
         """The dense run's directory, all of its checkpoints trained."""
@@ -270,9 +273,9 @@ class Reproduction:
 
     def figure(self, panel: str):
         """Panel ``panel`` (e.g. "fig2a", "fig3bc") as a matplotlib Figure."""
-        spec = PANELS.get(panel)
+        spec = PANELS.get(panel) or TRACKED_PANELS.get(panel)
         if spec is None:
-            raise fail("Reproduction.figure", "panel", f"must be one of {list(PANELS)}", panel)
+            raise fail("Reproduction.figure", "panel", f"must be one of {[*PANELS, *TRACKED_PANELS]}", panel)
         return spec.draw(self, self.tables(spec.figure) if spec.uses_tables else {})
 
     def write_figure(self, panel: str, formats=("png", "pdf")) -> list[Path]:
@@ -294,20 +297,6 @@ class Reproduction:
         return [folder / "results.csv", md, folder / "seeds_summary.csv", seeds]
 
 
-def environment() -> dict:
-    """What made a run: ntkscope's version and commit, torch, Python and the machine."""
-    try:  # the code's commit, when ntkscope runs from a git checkout
-        commit = subprocess.run(["git", "-C", str(Path(ntkscope.__file__).parent), "rev-parse", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"ntkscope": ntkscope.__version__, "commit": commit, "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, threads "
-                       f"{torch.get_num_threads()}" + (f", {torch.cuda.get_device_name(0)}"
-                                                       if torch.cuda.is_available() else ", no GPU")}
-
-
 def reproduce(run_dir, mode: str = "quick", *, settings: ReproduceSettings | None = None, pack=None) -> dict:
     """Everything the mode asks for: train, analyse, write Figures 1-5 (PNG + PDF), Tables 1-2
     (CSV + MD), the paper's tables (``tables/paper.md``) and ``manifest.json``; returns the
@@ -321,7 +310,7 @@ def reproduce(run_dir, mode: str = "quick", *, settings: ReproduceSettings | Non
 def _reproduce(rep: Reproduction, start: float) -> dict:
     written = []
     if rep.settings.figures:
-        for panel in PANELS:
+        for panel in [*PANELS, *(TRACKED_PANELS if rep.settings.track_every else ())]:
             written += rep.write_figure(panel)
             log.info("wrote %s", panel)
         written += rep.write_tables()

@@ -61,6 +61,10 @@ class ReproduceSettings:
     this run would train is linked from there instead when one there trained exactly the same
     (:func:`ntkscope.reproduction.training._adopt`). It says where results may come from, not
     what the run is, so a run resumes with or without it.
+    ``track_every``: when above 0, the dense model is trained a second time with a
+    :class:`ntkscope.GCTracker` on Figure 3(a)'s sentences every ``track_every`` steps, and
+    ``fig3a-tracked`` is drawn from its table (``gc_tracked.csv``); an addition to the run, not a
+    change of it, so it too is left out of what the run is bound to.
     """
 
     mode: str
@@ -115,6 +119,7 @@ class ReproduceSettings:
     seed: int = 0
     device: str = "auto"
     adopt_from: str = ""
+    track_every: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,7 +177,7 @@ def settings_for(mode: str, **changes) -> ReproduceSettings:
 
 
 #: settings that say where a run may take results from, not what it is: not bound to the run
-RUN_LOCAL = ("adopt_from",)
+RUN_LOCAL = ("adopt_from", "track_every")
 
 
 def bind_settings(run_dir, settings: ReproduceSettings, pack, func: str, what: str = "reproduction") -> None:

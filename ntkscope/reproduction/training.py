@@ -100,26 +100,26 @@ def _same_weights(a: Path, b: Path) -> bool:
     return all(f.is_file() for f in files) and sha256_file(files[0]) == sha256_file(files[1])
 
 
-def _run(cfg: TrainConfig, adopt_from: str = "") -> Path:
-    """``cfg``'s last checkpoint: found, adopted (:func:`_adopt`) or trained."""
+def _run(cfg: TrainConfig, adopt_from: str = "", callbacks=()) -> Path:
+    """``cfg``'s last checkpoint: found, adopted (:func:`_adopt`) or trained (with ``callbacks``)."""
     done = _finished(cfg) or _adopt(cfg, adopt_from)
     if done is not None:
         return done
     log.info("training %s (%d steps)", cfg.out_dir, cfg.steps)
-    return train(cfg)
+    return train(cfg, callbacks=callbacks)
 
 
 def train_dense(settings: ReproduceSettings, out_dir: Path, pack: str | None, *, seed: int | None = None,
-                base: dict | None = None, checkpoints: tuple = ()) -> Path:
+                base: dict | None = None, checkpoints: tuple = (), callbacks=()) -> Path:
     """The dense model (``base``: its fields, default ``settings.model``, a GPT) from scratch with
     init and data order ``seed`` (default the settings'); returns its last checkpoint (all kept:
     the analyses walk them), with the early checkpoints every ``early_every`` steps through
-    ``early_until`` and at ``checkpoints``."""
+    ``early_until`` and at ``checkpoints``; ``callbacks`` run when it trains (not when found)."""
     early = list(range(settings.early_every, settings.early_until + 1, settings.early_every)) \
         if settings.early_every else []
     return _run(_config(settings, out_dir, pack, checkpoint_steps=sorted({*early, *checkpoints}),
                         model=dict(base or settings.model), seed=settings.seed if seed is None else seed),
-                settings.adopt_from)
+                settings.adopt_from, callbacks)
 
 
 def _branch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, warmup: int,

@@ -38,7 +38,7 @@ from ntkscope.representation.router import fit_router
 from ntkscope.representation.structure import cluster_purity, domain_silhouette, knn_lift
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
 from ntkscope.runs.embeddings import layer_embeddings
-from ntkscope.runs.gc import MATCHES, analysis_controls
+from ntkscope.gc.groups import MATCHES, analysis_controls
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def gc_series(run_dir, batch: dict, subset, *, resampling: Resampling | None = R
     whole batch at each checkpoint: one :meth:`~ntkscope.GCResult.row` per step (step, gc and
     its interval, abs_gc and its interval, bias, the null bands and versus each, the excess over
     the random null's median and its standard error, sign_confidence, mean_gradient, flags,
-    eigengaps, cos_ones, ...). The controls are :func:`~ntkscope.runs.gc.analysis_controls`'
+    eigengaps, cos_ones, ...). The controls are :func:`~ntkscope.gc.groups.analysis_controls`'
     (``pools``: homogeneous index arrays; ``match``: covariates), measured at each checkpoint.
     ``options``/``fields``: :class:`~ntkscope.KernelOptions`, as for :func:`~ntkscope.gradient_consistency`
     (output, method, params, dtype, device, max_memory, ...). Cached like :func:`cluster_dynamics`."""

@@ -25,6 +25,7 @@ resumes keeps the rows before its step and measures the rest again. TensorBoard 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
 import time
@@ -35,9 +36,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ntkscope import __version__
 from ntkscope.core.checks import check_choice, check_positive_int, fail
-from ntkscope.core.files import digest, read_json_object, write_json, write_table
+from ntkscope.core.files import digest, read_json_object, strict_json, write_json, write_table
+from ntkscope.core.provenance import provenance
 from ntkscope.kernel.consistency import subset_indices
 from ntkscope.kernel.grads import functional_model
 from ntkscope.kernel.methods import choose, method_names, step_cost, workload
@@ -45,8 +46,9 @@ from ntkscope.kernel.nulls import check_controls
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.objectives import batch_size, take
 from ntkscope.kernel.options import KernelOptions
+from ntkscope.kernel.params import select_parameters
 from ntkscope.kernel.uncertainty import GCResult, Resampling, check_resampling, kernel_statistics
-from ntkscope.runs.gc import GC_OUTPUT, analysis_controls, group_labels, homogeneous_pools
+from ntkscope.gc.groups import GC_OUTPUT, analysis_controls, group_labels, homogeneous_pools
 from ntkscope.text.frequency import long_tail_subset
 from ntkscope.text.sentences import AnalysisData, load_analysis_data
 
@@ -136,11 +138,13 @@ class Probes:
 @dataclasses.dataclass(frozen=True)
 class ProbeCost:
     """A tracker's cost before it runs: the method "auto" picks, its estimate in forward and
-    backward passes over the probe set, one such pass timed, and so the seconds per probe."""
+    backward passes over the probe set, one such pass timed, the statistics' seconds, and so the
+    seconds per probe."""
 
     method: str
     passes: float
     pass_seconds: float
+    statistics_seconds: float
     seconds: float
 
 
@@ -180,7 +184,7 @@ class GCTracker:
         The intervals and random null, as for :func:`ntkscope.gradient_consistency_groups`.
     controls : "auto" or None
         "auto": the homogeneous null (the probes' pools, else gradient-space neighbours) and
-        nulls matched on length and loss, measured at each probe (:func:`ntkscope.runs.gc.analysis_controls`).
+        nulls matched on length and loss, measured at each probe (:func:`ntkscope.gc.groups.analysis_controls`).
     per_layer : bool
         Also each layer's block of the kernel (``layer`` column: the module path, e.g.
         ``transformer.h.0``; the whole kernel is ``"all"``).
@@ -222,6 +226,10 @@ class GCTracker:
 
     # ---- files --------------------------------------------------------------------------------
 
+    def _data_files(self) -> list:
+        source = Path(self.probes.source) if self.probes.source else None
+        return [source] if source is not None and source.exists() else []
+
     def describe(self) -> dict:
         """What makes this tracker's rows: the probes' digest and every option."""
         return {"probes": digest(self.probes.key(), arrays=self.probes.batch), "n": self.probes.n,
@@ -235,12 +243,12 @@ class GCTracker:
         made, csv = self.out / "tracker.json", self.out / "gc.csv"
         if made.is_file():
             have = read_json_object(made, "GCTracker")
-            if have.get("made_by") != self.describe():
+            if have.get("made_by") != json.loads(strict_json(self.describe())):  # as the file holds it
                 raise fail("GCTracker", "out", "holds a tracker with other probes or options (tracker.json); use "
                            "another directory", str(self.out))
             if csv.is_file():
                 self.rows = pd.read_csv(csv, keep_default_na=False, na_values=[""]).to_dict("records")
-        write_json(made, {"made_by": self.describe(), "version": __version__})
+        write_json(made, {"made_by": self.describe(), "provenance": provenance(data_files=self._data_files())})
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -309,8 +317,10 @@ class GCTracker:
 
     def estimate(self, model) -> ProbeCost:
         """The seconds one probe will take, before it runs: the method table's estimate in
-        forward and backward passes over the probe set times one such pass, timed on a slice of
-        at most 16 probe sentences and scaled to the set by the cost model."""
+        forward and backward passes over the probe set times one such pass (timed on a slice of at
+        most 16 probe sentences, scaled to the set by the cost model), plus the statistics: one
+        eigendecomposition of a subset-sized kernel, timed, per jackknife replicate and null draw
+        of every subset and band (per layer too with ``per_layer``)."""
         probes = self.probes
         with _training_untouched(model), functional_model(model, self.options) as fm:
             w = workload(fm, probes.batch, opts=self.options)
@@ -318,12 +328,35 @@ class GCTracker:
             m = min(16, probes.n)
             part = take(w.data1, slice(0, m))
             params = {k: v.detach().requires_grad_(True) for k, v in fm.params.items()}
-            start = time.perf_counter()
-            with torch.enable_grad():
-                torch.autograd.grad(fm.outputs(params, part).sum(), list(params.values()), allow_unused=True)
-            seconds = (time.perf_counter() - start) * step_cost(fm, w.data1, probes.n) / step_cost(fm, w.data1, m)
-        self.cost = ProbeCost(choice.name, choice.steps, seconds, choice.steps * seconds)
+            times = []
+            for _ in range(2):  # the first pass pays for warm-up
+                start = time.perf_counter()
+                with torch.enable_grad():
+                    torch.autograd.grad(fm.outputs(params, part).sum(), list(params.values()), allow_unused=True)
+                times.append(time.perf_counter() - start)
+            pass_seconds = times[-1] * step_cost(fm, w.data1, probes.n) / step_cost(fm, w.data1, m)
+            blocks = len(select_parameters(model, self.options.params, "layer").blocks) if self.per_layer else 0
+        statistics = self._statistics_seconds() * (1 + blocks)
+        controls = pass_seconds / 3 if self.resampling is not None and self.controls == "auto" else 0.0
+        self.cost = ProbeCost(choice.name, choice.steps, pass_seconds, statistics,
+                              choice.steps * pass_seconds + controls + statistics)
         return self.cost
+
+    def _statistics_seconds(self) -> float:
+        r = self.resampling
+        if r is None:
+            return 0.0
+        bands = 1 + (3 if self.controls == "auto" else 0)  # random; homogeneous, matched on length and loss
+        sizes = [len(idx) for idx in self.probes.groups.values()]
+        solves = sum(min(r.resamples, self.probes.n) + r.null_draws * bands for _ in sizes)
+        x = np.random.default_rng(0).normal(size=(int(np.median(sizes)), 8))
+        K = x @ x.T + np.eye(len(x))
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            np.linalg.eigh(K)
+            times.append(time.perf_counter() - start)
+        return 2 * solves * min(times)  # an eigendecomposition and the products around it
 
     # ---- probing ------------------------------------------------------------------------------
 
@@ -343,9 +376,9 @@ class GCTracker:
         if self.cost is None:
             cost = self.estimate(model)
             log.info("GCTracker: %d probe sentences, %d subsets%s, every %d steps: about %.1f s a probe (method %s, "
-                     "%.2g forward+backward passes over the probes at %.2f s)", self.probes.n,
+                     "%.2g forward+backward passes over the probes at %.2f s, statistics %.1f s)", self.probes.n,
                      len(self.probes.groups), ", per layer" if self.per_layer else "", self.every, cost.seconds,
-                     cost.method, cost.passes, cost.pass_seconds)
+                     cost.method, cost.passes, cost.pass_seconds, cost.statistics_seconds)
         rows = None
         if step > 0 and step % self.every == 0:
             rows = self.probe(model, step)

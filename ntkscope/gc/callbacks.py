@@ -4,7 +4,7 @@ optional dependency: this module is imported only when :class:`GCCallback` is as
 from __future__ import annotations
 
 from ntkscope.core.checks import MissingPackage, fail
-from ntkscope.runs.tracker import GCTracker
+from ntkscope.gc.tracker import GCTracker
 
 try:
     from transformers import TrainerCallback

@@ -1,0 +1,350 @@
+"""``ntkscope report``: one self-contained HTML page of an analysis (a result directory of
+``ntkscope gc``/``ntk``/``eval``/``plan``, a training run, or a reproduction such as
+``figures/tail``): what was found, in words, with its figures drawn from the tables beside
+them, embedded as PNG data, a glossary of every column shown, and what made it (commands,
+versions, hashes). No script, no stylesheet or image from elsewhere: it opens offline.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from ntkscope.app.glossary import describe
+from ntkscope.core.checks import MissingInput, fail
+from ntkscope.core.files import write_text
+from ntkscope.core.provenance import environment
+from ntkscope.plotting import (gc_by_label, gc_over_steps, gc_vs_frequency, layer_dynamics, routing_shares,
+                               score_histogram_bars, training_curve)
+from ntkscope.representation.plan import gc_peak
+
+log = logging.getLogger(__name__)
+
+#: rows of a table shown in the page (the whole table is the file it names)
+MAX_ROWS = 30
+FLAG_WORDS = {
+    "eigengap": "the whole set's top two NTK eigenvalues are close, so its primary direction is ill-defined",
+    "eigengap-subset": "the subset's top two NTK eigenvalues are close, so its direction is ill-defined",
+    "cos-ones": "the whole set's top eigenvector is far from all-ones: a few samples dominate its direction",
+    "cos-ones-subset": "the subset's top eigenvector is far from all-ones: a few samples dominate it",
+    "sign": "GC's sign is a coin toss between independent draws",
+}
+
+
+@dataclass
+class Section:
+    """One part of the page: a title, what it shows in words, figures (PNG bytes), tables
+    ({caption: DataFrame}) and notes (findings, flags and warnings, in words)."""
+
+    title: str
+    text: str = ""
+    figures: list = field(default_factory=list)
+    tables: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+class _Files:
+    """The tables and JSON files of the directory, wherever its kind keeps them."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.folders = [root, root / "tables", root / "track", root / "analysis"]
+
+    def path(self, name: str) -> Path | None:
+        return next((f / name for f in self.folders if (f / name).is_file()), None)
+
+    def csv(self, name: str) -> pd.DataFrame | None:
+        path = self.path(name)
+        return None if path is None else pd.read_csv(path, keep_default_na=False, na_values=[""])
+
+    def json(self, name: str) -> dict | None:
+        path = self.path(name)
+        return None if path is None else json.loads(path.read_text())
+
+
+def kind_of(path: Path) -> str:
+    """"reproduction" (tables/ and a manifest or settings), "run" (checkpoints/ or metrics.csv)
+    or "result" (a result.json, plan.json or CSV tables)."""
+    if (path / "tables").is_dir() and ((path / "manifest.json").is_file() or (path / "settings.json").is_file()):
+        return "reproduction"
+    if (path / "checkpoints").is_dir() or (path / "metrics.csv").is_file() or (path / "track" / "gc.csv").is_file():
+        return "run"
+    if any(path.glob("*.json")) or any(path.glob("*.csv")):
+        return "result"
+    raise fail("report", "path", "must be a result directory (result.json, CSVs), a training run (checkpoints/, "
+               "metrics.csv) or a reproduction (tables/, manifest.json)", str(path))
+
+
+def _flag_notes(table: pd.DataFrame, what: str) -> list:
+    flags = table["flags"].fillna("").astype(str) if "flags" in table else pd.Series([], dtype=str)
+    found = sorted({f for row in flags for f in row.split()})
+    return [f"{what}: {int((flags.str.contains(f)).sum())} of {len(table)} rows flagged '{f}': {FLAG_WORDS.get(f, f)}."
+            for f in found]
+
+
+def _versus(row) -> str:
+    words = {"below": "below", "within": "within", "above": "above"}
+    text = (f"{row['label']}: |GC| {row['abs_gc']:.3f} [{row['abs_gc_low']:.3f}, {row['abs_gc_high']:.3f}] "
+            f"(n = {int(row['n_subset'])}), {words.get(row.get('versus_null'), 'not compared with')} the random null "
+            f"band [{row['null_low']:.3f}, {row['null_high']:.3f}]")
+    if isinstance(row.get("versus_homogeneous"), str):
+        text += f", {row['versus_homogeneous']} the homogeneous one"
+    return text + "."
+
+
+def _gc_groups(files: _Files) -> Section | None:
+    table = files.csv("gc.csv") if files.path("gc.csv") and files.path("result.json") else files.csv("gc_by_bin.csv")
+    if table is None or "abs_gc" not in table:
+        return None
+    if "output" in table:  # several outputs side by side: the report shows the first (the figures' output)
+        table = table[table["output"] == table["output"].iloc[0]]
+    hist = files.csv("histogram.csv")
+    bins = table["label"].astype(str).str.startswith("bin ").all()
+    section = Section("GC of each subset against the whole set",
+                      "Gradient consistency of each frequency bin (or label) against all the analysis sentences, "
+                      "with its interval, and the null bands: random subsets of the same size, homogeneous text, "
+                      "and subsets matched on length and loss. A subset below the random null is less coherent with "
+                      "the whole than chance; this is the long tail the CSE paper describes.")
+    fig = gc_vs_frequency(table, hist) if bins and hist is not None else gc_by_label(table)
+    section.figures.append(_png(fig))
+    section.notes += [_versus(row) for _, row in table.iterrows()]
+    section.notes += _flag_notes(table, "GC by subset")
+    section.tables["gc by subset"] = table
+    return section
+
+
+def _frequency(files: _Files) -> Section | None:
+    hist = files.csv("histogram.csv")
+    if hist is None or "count" not in hist:
+        return None
+    section = Section("Sentence frequency", "How many analysis sentences fall in each frequency-score bin (the "
+                      "score is the mean log frequency of a sentence's tokens in the training text).")
+    section.figures.append(_png(score_histogram_bars(hist)))
+    section.tables["histogram"] = hist
+    return section
+
+
+def _gc_steps(files: _Files) -> Section | None:
+    frame = files.csv("gc_over_steps.csv")
+    source = "checkpoints"
+    if frame is None and files.path("gc.csv") is not None and files.path("tracker.json") is not None:
+        frame, source = files.csv("gc.csv"), "the tracker's probes during training"
+    if frame is None or "step" not in frame:
+        return None
+    section = Section("GC over training", f"|GC| of the long-tail subset against the whole set at each step "
+                      f"(from {source}), above; below, its excess over the random null's median with a 90 % band. "
+                      "A rise and fall beyond the noise and against the null is the GC peak the plan reads.")
+    parts = [("", frame)]
+    if "label" in frame:
+        frame = frame[frame["layer"].astype(str) == "all"] if "layer" in frame else frame
+        parts = [(str(label), rows.drop(columns=["label", "layer"], errors="ignore"))
+                 for label, rows in frame.groupby("label", sort=False)][:6]
+    for label, rows in parts:
+        peak = gc_peak(rows)
+        section.figures.append(_png(gc_over_steps(rows, warmup=peak["step"] if peak["shown"] else None,
+                                                  rule="gc-peak", title=f"GC over training{': ' + label if label else ''}")))
+        section.notes.append(f"{label or 'long tail'}: {'a GC peak at step ' + str(peak['step']) if peak['shown'] else 'no GC peak shown'}"
+                             f" ({peak['why']}).")
+        section.notes += _flag_notes(rows, label or "GC over training")
+    if "kernel_cka" in frame and frame["kernel_cka"].notna().any():
+        cka = frame.drop_duplicates("step")[["step", "kernel_cka"]].dropna()
+        low = cka.loc[cka["kernel_cka"].idxmin()]
+        section.notes.append(f"The kernel moved most between probes before step {int(low['step'])} (CKA "
+                             f"{low['kernel_cka']:.3f} with the previous probe); the last probe's CKA is "
+                             f"{cka['kernel_cka'].iloc[-1]:.3f}.")
+    section.tables["gc over steps"] = frame
+    return section
+
+
+def _dynamics(files: _Files) -> Section | None:
+    table, router = files.csv("dynamics.csv"), files.csv("router_dynamics.csv")
+    if table is None:
+        return None
+    section = Section("Cluster and router dynamics", "Per layer over training: the elbow K and the separation of "
+                      "the layer's clusters, and (where measured) the CSE router's clusters, their purity and the "
+                      "share of long-tail text in pure tail clusters.")
+    section.figures.append(_png(layer_dynamics(table, router)))
+    section.tables["cluster dynamics"] = table
+    if router is not None:
+        section.tables["router dynamics"] = router
+        if "n_pure_tail" in router:
+            first = router[router["n_pure_tail"] > 0]["step"]
+            section.notes.append("Pure long-tail clusters first appear at step "
+                                 f"{int(first.min())}." if len(first) else "No pure long-tail cluster appears.")
+    return section
+
+
+def _plan(files: _Files) -> Section | None:
+    plan = files.json("plan.json")
+    if plan is None:
+        result = files.json("result.json") or {}
+        plan = result.get("plan") if isinstance(result.get("plan"), dict) else None
+    if plan is None or "layers" not in plan:
+        return None
+    section = Section("The plan", "Which layers get CSE experts, and the dense warm-up before the router is fitted, "
+                      "with the evidence behind each choice, as plan.json recorded them when the plan was made (the "
+                      "sections below measure again from the tables).")
+    section.notes.append(f"CSE layers {plan['layers']} ({plan.get('module', 'ffn')}), chosen by "
+                         f"{plan.get('chosen_by', 'unknown')}.")
+    warmup = plan.get("warmup_steps")
+    section.notes.append(f"Dense warm-up: {warmup} steps" + (f", by the rule '{plan['warmup_rule']}'"
+                                                              if plan.get("warmup_rule") else "") + "." if warmup
+                         is not None else "No warm-up was chosen (no GC series or router dynamics).")
+    peak = (plan.get("evidence") or {}).get("gc_peak")
+    if isinstance(peak, dict):
+        section.notes.append(f"GC peak: {'shown at step ' + str(peak.get('step')) if peak.get('shown') else 'not shown'}"
+                             f" ({peak.get('why', '')}).")
+    separation = (plan.get("evidence") or {}).get("separation")
+    if isinstance(separation, list) and separation:
+        section.tables["separation per layer (evidence)"] = pd.DataFrame(separation)
+    return section
+
+
+def _routing(files: _Files) -> Section | None:
+    summary, routing = files.csv("routing_summary.csv"), files.csv("routing.csv")
+    if summary is None and (routing is None or "share_of_domain" not in routing):
+        return None
+    section = Section("Routing", "Where each domain's text is routed by the sparse layers.")
+    if routing is not None and "share_of_domain" in routing:
+        section.figures.append(_png(routing_shares(routing)))
+        section.tables["routing"] = routing
+    if summary is not None:
+        section.tables["routing table"] = summary
+    return section
+
+
+def _results(files: _Files) -> Section | None:
+    found = {name: files.csv(f"{name}.csv") for name in ("results", "seeds_summary", "perplexity", "comparison")}
+    found = {k: v for k, v in found.items() if v is not None}
+    if not found:
+        return None
+    return Section("Perplexity and probes", "Test perplexity per domain and probing accuracy of the trained models "
+                   "(lower perplexity is better).", tables=found)
+
+
+def _training(files: _Files) -> Section | None:
+    metrics = files.csv("metrics.csv")
+    if metrics is None or "loss" not in metrics:
+        return None
+    section = Section("Training", "The run's training loss and learning rate.")
+    section.figures.append(_png(training_curve(metrics)))
+    section.notes.append(f"{int(metrics['step'].max())} steps; final training loss {metrics['loss'].iloc[-1]:.3f}.")
+    return section
+
+
+def _made_by(root: Path, kind: str, files: _Files) -> Section:
+    section = Section("What made this", "The commands, versions and inputs behind these results.")
+    made = {}
+    manifest = files.json("manifest.json")
+    if kind == "reproduction" and manifest:
+        section.notes.append(f"Command: ntkscope reproduce --{manifest['mode']} {root}")
+        made.update({"environment": manifest.get("environment"), "settings": manifest.get("settings"),
+                     "corpus pack version": manifest.get("pack_version")})
+    for name in ("result.json", "tracker.json", "train_config.json", "plan.json"):
+        data = files.json(name)
+        if not data:
+            continue
+        provenance = data.get("provenance") or (data.get("source") or {}).get("provenance")
+        if provenance:
+            if provenance.get("command"):
+                section.notes.append(f"Command: {provenance['command']}")
+            made[f"{name}: provenance"] = provenance
+        if data.get("options"):
+            made[f"{name}: options"] = data["options"]
+        if name == "train_config.json":
+            section.notes.append(f"Command: cse-train {root / name}")
+            made[name] = data
+    made["this report"] = environment()
+    section.tables["made by"] = made
+    return section
+
+
+def _glossary(sections: list) -> Section:
+    columns = {c: None for s in sections for t in s.tables.values() if isinstance(t, pd.DataFrame) for c in t.columns}
+    rows = [(c, describe(str(c)) or "not described") for c in columns]
+    return Section("Glossary", "Every column of the tables above.", tables={
+        "glossary": pd.DataFrame(rows, columns=["column", "meaning"])})
+
+
+STYLE = """body{font-family:sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222;line-height:1.4}
+h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
+table{border-collapse:collapse;font-size:.78em;margin:.6em 0;display:block;overflow-x:auto}
+td,th{border:1px solid #ddd;padding:.2em .45em;text-align:right}th{background:#f3f3f3}
+td:first-child,th:first-child{text-align:left}img{max-width:100%}.notes li{margin:.25em 0}
+pre{background:#f6f6f6;padding:.6em;font-size:.75em;overflow-x:auto}.muted{color:#777;font-size:.85em}"""
+
+
+def _table_html(caption: str, table) -> str:
+    if isinstance(table, dict):
+        text = json.dumps(table, indent=1, default=str, allow_nan=True).replace("NaN", "null")
+        return f"<h3>{html.escape(caption)}</h3><pre>{html.escape(text)}</pre>"
+    shown = table.head(MAX_ROWS)
+    more = (f"<p class='muted'>The first {MAX_ROWS} of {len(table)} rows.</p>" if len(table) > MAX_ROWS else "")
+    body = shown.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0, escape=True)
+    return f"<h3>{html.escape(caption)}</h3>{body}{more}"
+
+
+def render(title: str, sections: list) -> str:
+    """The page: a table of contents, then each section's text, notes, figures and tables."""
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1><ol>"]
+    parts += [f"<li><a href='#s{i}'>{html.escape(s.title)}</a></li>" for i, s in enumerate(sections)]
+    parts.append("</ol>")
+    for i, s in enumerate(sections):
+        parts.append(f"<section id='s{i}'><h2>{html.escape(s.title)}</h2><p>{html.escape(s.text)}</p>")
+        if s.notes:
+            parts.append("<ul class='notes'>" + "".join(f"<li>{html.escape(n)}</li>" for n in s.notes) + "</ul>")
+        for png in s.figures:
+            data = base64.b64encode(png).decode()
+            parts.append(f"<p><img alt='{html.escape(s.title)}' src='data:image/png;base64,{data}'></p>")
+        parts += [_table_html(caption, table) for caption, table in s.tables.items()]
+        parts.append("</section>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def report(path, out=None) -> dict:
+    """Write one self-contained HTML page of the analysis in ``path`` to ``out`` (default
+    ``PATH/report.html``). Returns {"path", "kind", "sections", "undescribed": columns without a
+    glossary entry}."""
+    root = Path(path)
+    if not root.is_dir():
+        raise MissingInput(f"report: path {root} is not a directory")
+    kind = kind_of(root)
+    out = Path(out) if out is not None else root / "report.html"
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise fail("report", "out", "must end in .html", str(out))
+    files = _Files(root)
+    builders = (_plan, _frequency, _gc_groups, _gc_steps, _dynamics, _routing, _results, _training)
+    sections = [s for s in (build(files) for build in builders) if s is not None]
+    if not sections:
+        raise fail("report", "path", "holds no table this report knows (gc.csv, gc_over_steps.csv, dynamics.csv, "
+                   "plan.json, metrics.csv, ...)", str(root))
+    sections.append(_made_by(root, kind, files))
+    glossary = _glossary(sections)
+    sections.append(glossary)
+    summary = Section("What was found", f"A summary of the {kind} in {root}.",
+                      notes=[n for s in sections[:-2] for n in s.notes][:40])
+    page = render(f"ntkscope report: {root.name}", [summary, *sections])
+    write_text(out, page)
+    undescribed = glossary.tables["glossary"].query("meaning == 'not described'")["column"].tolist()
+    log.info("report: %s (%d sections, %d kB)", out, len(sections), len(page) // 1024)
+    return {"path": out, "kind": kind, "sections": [s.title for s in sections], "undescribed": undescribed}
+
+

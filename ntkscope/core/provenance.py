@@ -1,0 +1,81 @@
+"""What made a result: the code's version and commit, the libraries and machine, the command
+line, and the sha256 of the weights and of the data read, for every ``result.json``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+from pathlib import Path
+
+import torch
+
+#: weight files a checkpoint directory may hold (cse_models, HF single or sharded)
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.pt")
+
+_command: str | None = None
+
+
+def set_command(argv) -> None:
+    """Record the command line a result comes from (the ``ntkscope`` command sets it)."""
+    global _command
+    _command = shlex.join(str(a) for a in argv)
+
+
+def environment() -> dict:
+    """ntkscope's version and commit, torch, Python and the machine."""
+    import ntkscope
+
+    try:  # the code's commit, when ntkscope runs from a git checkout
+        commit = subprocess.run(["git", "-C", str(Path(ntkscope.__file__).parent), "rev-parse", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"ntkscope": ntkscope.__version__, "commit": commit, "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, threads "
+                       f"{torch.get_num_threads()}" + (f", {torch.cuda.get_device_name(0)}"
+                                                       if torch.cuda.is_available() else ", no GPU")}
+
+
+def files_sha256(paths) -> str | None:
+    """One sha256 over the bytes of ``paths`` (directories: their files, recursively, in sorted
+    order, ``analysis/`` caches left out), each file's relative name included; None for none."""
+    h, seen = hashlib.sha256(), False
+    for p in map(Path, paths):
+        if p.is_dir():
+            files = [f for f in sorted(p.rglob("*")) if f.is_file() and "analysis" not in f.relative_to(p).parts]
+        else:
+            files = [p] if p.is_file() else []
+        for f in files:
+            h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+            seen = True
+    return h.hexdigest() if seen else None
+
+
+def weights_sha256(checkpoint) -> str | None:
+    """The sha256 of a checkpoint's weight files (a directory's ``*.safetensors`` / ``*.bin`` /
+    ``*.pt``, or the file itself); None when there are none (e.g. a model given in memory)."""
+    path = Path(checkpoint)
+    if path.is_file():
+        return files_sha256([path])
+    if not path.is_dir():
+        return None
+    return files_sha256(sorted({f for pattern in WEIGHT_FILES for f in path.glob(pattern)}))
+
+
+def provenance(*, weights=None, data_files=(), **more) -> dict:
+    """``result.json``'s ``provenance``: :func:`environment`, the command line (or None for a
+    library call), ``weights`` ({name: sha256} of checkpoints, or one checkpoint's), and the data's sha256."""
+    out = {**environment(), "command": _command}
+    if weights is not None:
+        out["weights_sha256"] = ({str(k): weights_sha256(v) for k, v in weights.items()}
+                                 if isinstance(weights, dict) else weights_sha256(weights))
+    out["data_sha256"] = files_sha256(data_files)
+    out.update(more)
+    return out
