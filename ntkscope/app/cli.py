@@ -16,13 +16,12 @@ import logging
 import math
 import os
 import sys
-from pathlib import Path
 
 import matplotlib
 import pandas as pd
 
 from ntkscope import __version__
-from ntkscope.app import commands, own_model
+from ntkscope.app import commands, corpus_cli, own_model, reproduce_cli
 from ntkscope.app.parsing import DATA_HELP as _DATA_HELP
 from ntkscope.app.parsing import add_column_args as _add_column_args
 from ntkscope.app.parsing import print_table as _print_table
@@ -37,13 +36,9 @@ from ntkscope.kernel.methods import METHODS, method_names, unsupported
 from ntkscope.kernel.objectives import OUTPUTS, SCALAR_OUTPUTS
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.uncertainty import INTERVALS, Resampling
-from ntkscope.reproduction import reproduce
-from ntkscope.reproduction.settings import settings_for
 from ntkscope.runs.checkpoints import is_run_dir
 from ntkscope.runs.families import POINTS
 from ntkscope.gc.groups import GC_OUTPUT, GROUPINGS
-from ntkscope.text.corpus.pack import build_pack, load_pack
-from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
 from ntkscope.text.frequency import BINNINGS, NORMALISATIONS
 
 
@@ -66,43 +61,6 @@ def _demo(args) -> int:
     if args.out:
         write_table(result.table, args.out)
         print(f"wrote {args.out}")
-    return 0
-
-
-def _corpus_sources(args) -> int:
-    for name, source in SOURCES.items():
-        try:
-            where = str(source.locate(args.root, args.data_dir))
-        except SourceMissingError:
-            where = f"missing: {source.install}"
-        print(f"{name:12s} {source.domain:10s} {where}")
-    return 0
-
-
-def _corpus_build(args) -> int:
-    out = build_pack(args.out, sources=args.sources, share=args.share, max_tokens=args.max_tokens, seed=args.seed,
-                     vocab_size=args.vocab_size, root=args.root, data_dir=args.data_dir, overwrite=args.force)
-    m = load_pack(out).manifest
-    print(f"wrote {out} (version {m['version']}): "
-          + ", ".join(f"{s} {v['records']} records / {v['tokens']} tokens" for s, v in m["splits"].items()))
-    print(f"long-tail share: asked {m['share_asked']:.2%}, measured {m['share_measured']:.2%} "
-          f"({m['share_measured_bpe']:.2%} of BPE tokens)")
-    return 0
-
-
-def _corpus_info(args) -> int:
-    r = commands.corpus_info(args.pack, tokenizer=args.tokenizer, normalisation=args.normalisation, bins=args.bins,
-                             top=args.top, out=args.out)
-    m = r["pack"].manifest
-    print(f"pack {r['pack'].path} version {m['version']}, seed {m['seed']}: long-tail share "
-          f"{m['share_measured']:.2%} (asked {m['share_asked']:.2%})")
-    _print_table(f"the {args.top} largest categories (tokens = regex words):", r["domains"], 2)
-    print(f"\nsentence frequency score ({args.normalisation}, tokenizer {r['tokenizer'].name}, counts over train):\n")
-    print(r["sentences"].groupby("domain")["score"].describe()[["count", "25%", "50%", "75%"]]
-          .rename(columns={"50%": "median"}).to_string(float_format=lambda x: f"{x:.3f}"))
-    _print_table("percentage of sentences per score bin:", r["histogram"])
-    if args.out:
-        print(f"\nwrote the tables to {args.out}/")
     return 0
 
 
@@ -248,55 +206,6 @@ def _ntk(args) -> int:
     return 0
 
 
-def _sweep(args, out: Path) -> int:
-    from ntkscope.reproduction.sweep import ARM_NAMES, Sweep
-
-    arms = ARM_NAMES if not args.arms else tuple(a.strip() for a in args.arms.split(","))
-    unknown = sorted(set(arms) - set(ARM_NAMES))
-    if unknown:
-        raise InputError("--arms", f"must name arms of {list(ARM_NAMES)}", unknown)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    verdict = Sweep(out, _reproduce_settings(args), arms=arms, pack=args.data).run()
-    print(f"sweep in {out}: tables in {out}/tables (arms.csv, paired.csv, load.csv, routing.csv, verdict.json)")
-    for arm, found in verdict.items():
-        print(f"  {arm}: {found.get('status')}" + (f", shown: {found['shown']}" if "shown" in found else ""))
-    return 0
-
-
-def _reproduce_settings(args):
-    changes = {"adopt_from": str(args.adopt)} if args.adopt else {}
-    if args.track_every < 0:
-        raise InputError("track-every", "must be a step count >= 0 (0: off)", args.track_every,
-                         func="ntkscope reproduce")
-    if args.track_every:
-        changes["track_every"] = args.track_every
-    return settings_for(args.mode, **changes)
-
-
-def _reproduce(args) -> int:
-    out = Path(args.out or f"runs/reproduce-{args.mode}")
-    if args.mode == "sweep":
-        return _sweep(args, out)
-    manifest = reproduce(out, args.mode, settings=_reproduce_settings(args), pack=args.data)
-    plan = manifest["plan"]
-    settings = manifest["settings"]
-    print(f"reproduced {manifest['mode']} mode in {out}: {manifest['seconds_total'] / 60:.1f} min of work in all, "
-          f"{manifest['seconds_this_call'] / 60:.1f} min this call, on {manifest['environment']['machine']}")
-    print(f"CSE layers {plan['layers']}, warm-up {plan['warmup_steps']} steps ({plan['chosen_by']})")
-    if settings["figures"]:
-        print(f"\nTables 1-2 analogue, the figures' GPT slice ({out}/tables/results.md):\n")
-        print((out / "tables" / "results.md").read_text())
-        print("figures:", ", ".join(sorted({Path(f).stem for f in manifest["files"] if f.startswith("figures/")})))
-    if settings["table_archs"]:
-        print(f"\nthe paper's tables ({out}/tables/paper.md):\n")
-        print((out / "tables" / "paper.md").read_text())
-    print(f"manifest: {out}/manifest.json")
-    return 0
-
-
 # ---- arguments: one vocabulary across commands --------------------------------------------------
 
 
@@ -353,38 +262,6 @@ def _add_cache_arg(parser) -> None:
                         "RUN/analysis when the run is yours to write, else under $NTKSCOPE_CACHE or ~/.cache/ntkscope)")
 
 
-def _add_source_args(parser) -> None:
-    parser.add_argument("--root", default="/", help="file-system root of the system packages (default /)")
-    parser.add_argument("--data-dir", help="downloaded sources (default $NTKSCOPE_SOURCES or ~/.cache/ntkscope/sources)")
-
-
-def _add_corpus(sub) -> None:
-    corpus = sub.add_parser("corpus", help="list sources, build a corpus pack, show a pack's tables")
-    csub = corpus.add_subparsers(dest="corpus_command", required=True)
-    sources = csub.add_parser("sources", help="which text sources are installed, and how to install the others")
-    _add_source_args(sources)
-    sources.set_defaults(run=_corpus_sources)
-    build = csub.add_parser("build", help="build a pack from the installed sources",
-                            description="Example: ntkscope corpus build packs/full --share 0.07")
-    build.add_argument("out", help="directory to create")
-    build.add_argument("--sources", nargs="+", help="source names (default: all)")
-    build.add_argument("--share", type=float, default=0.07, help="legal + biomedical share of tokens (default 0.07)")
-    build.add_argument("--max-tokens", type=int, help="total tokens (default: as many as the sources allow)")
-    build.add_argument("--seed", type=int, default=0)
-    build.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained on train (default 8192)")
-    build.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    _add_source_args(build)
-    build.set_defaults(run=_corpus_build)
-    info = csub.add_parser("info", help="domain sizes and sentence frequency scores of a pack")
-    info.add_argument("pack", nargs="?", help="pack directory (default: the small pack shipped with ntkscope)")
-    info.add_argument("--tokenizer", help="tokenizer.json, HF directory, .tiktoken file or 'gpt2' (default: the pack's BPE)")
-    info.add_argument("--normalisation", default="max", choices=NORMALISATIONS)
-    info.add_argument("--bins", type=int, default=10)
-    info.add_argument("--top", type=int, default=20, help="rows of the domain table (default 20)")
-    info.add_argument("--out", help="directory for the tables (CSV and parquet)")
-    info.set_defaults(run=_corpus_info)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ntkscope", description="Why do language models miss long-tail knowledge? Per-sample gradients, the "
@@ -406,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_method_arg(demo, "eigen")
     demo.add_argument("--out", help="also write the GC table to this CSV file")
     demo.set_defaults(run=_demo)
-    _add_corpus(sub)
+    corpus_cli.add_parsers(sub)
     gc = sub.add_parser("gc", help="gradient consistency of frequency bins or labels against the whole set",
                         description="Examples: ntkscope gc runs/toy-dense/checkpoints/step-001000 --out gc/  |  "
                         "ntkscope gc runs/toy-dense --out gc-over-steps/ (every checkpoint of a run)")
@@ -484,46 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "out_dir, with track/ when it tracked GC) or a reproduction (e.g. figures/tail)")
     report.add_argument("--out", help="the HTML file (default PATH/report.html)")
     report.set_defaults(run=_report)
-    rep = sub.add_parser("reproduce", help="the CSE paper's Figures 1-5 and Tables 1-2, from nothing",
-                         description="Trains dense, Switch, CSE and domain-finetuned GPTs on a corpus pack, runs "
-                         "every analysis and writes RUN/figures (PNG + PDF), RUN/tables (CSV + Markdown) and "
-                         "RUN/manifest.json. Resumes from what RUN holds. Example: ntkscope reproduce --quick")
-    size = rep.add_mutually_exclusive_group()
-    size.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="2 CPU cores, about 20 minutes (the default)")
-    size.add_argument("--tail", dest="mode", action="store_const", const="tail",
-                      help="2 CPU cores, about an hour: the quick model trained until the long tail clusters, "
-                      "CSE against dense and Switch over 3 seeds (the committed run)")
-    size.add_argument("--tables", dest="mode", action="store_const", const="tables",
-                      help="the paper's Tables 1-2 and a general-tasks table: every row for BERT and GPT, 3 "
-                      "pretraining seeds, at the quick model's size (2 CPU cores, see docs/tables.md); no figures")
-    size.add_argument("--tables-late", dest="mode", action="store_const", const="tables-late",
-                      help="the GPT rows of the tables as the sweep chose them: 2400 steps, every sparse row "
-                      "branched at step 1200, CSE with drift handling (docs/tables.md; hours of CPU)")
-    size.add_argument("--full", dest="mode", action="store_const", const="full",
-                      help="sized for one GPU (GPT-2 small shape, 20k steps; hours)")
-    size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
-                      help="every stage and every table row at toy size, a few minutes: checks the pipeline, the "
-                      "results mean nothing")
-    size.add_argument("--sweep", dest="mode", action="store_const", const="sweep",
-                      help="the experiment that decides CSE: 3 seeds x arms (dense, CSE at the small-cluster rule, "
-                      "DEMix, Switch, CSE at the GC peak, drift handling, ...), each branched from its seed's dense "
-                      "trunk; hours of CPU, resumable per arm and seed, two processes may run side by side "
-                      "(docs/sweep.md)")
-    rep.set_defaults(mode="quick")
-    rep.add_argument("--arms", help="--sweep: a comma-separated subset of the arms (default: all, in order)")
-    rep.add_argument("--threads", type=int, help="torch threads of this process (default: torch's; --sweep with "
-                     "two processes side by side on 2 cores: 1 each)")
-    rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
-    rep.add_argument("--track-every", type=int, default=0, metavar="STEPS",
-                     help="also train the dense model with a GC tracker on Figure 3(a)'s sentences every STEPS steps "
-                     "and draw fig3a-tracked from it (default 0: off)")
-    rep.add_argument("--adopt", metavar="MODELS", help="a directory of trained model directories (e.g. a sweep's "
-                     "RUN/models): a model this run would train is linked from there when one there trained exactly "
-                     "the same (configuration compared field by field, a branch's start weights byte for byte)")
-    rep.add_argument("--data", "--pack", dest="data", help="a corpus pack directory (default: the shipped one; "
-                     "--pack is the old name)")
-    rep.set_defaults(run=_reproduce)
+    reproduce_cli.add_parsers(sub)
     return parser
 
 

@@ -157,10 +157,11 @@ def _gc_steps(files: _Files) -> Section | None:
                  for label, rows in frame.groupby("label", sort=False)][:6]
     for label, rows in parts:
         peak = gc_peak(rows)
+        title = f"GC over training{': ' + label if label else ''}"
         section.figures.append(_png(gc_over_steps(rows, warmup=peak["step"] if peak["shown"] else None,
-                                                  rule="gc-peak", title=f"GC over training{': ' + label if label else ''}")))
-        section.notes.append(f"{label or 'long tail'}: {'a GC peak at step ' + str(peak['step']) if peak['shown'] else 'no GC peak shown'}"
-                             f" ({peak['why']}).")
+                                                  rule="gc-peak", title=title)))
+        found = f"a GC peak at step {peak['step']}" if peak["shown"] else "no GC peak shown"
+        section.notes.append(f"{label or 'long tail'}: {found} ({peak['why']}).")
         section.notes += _flag_notes(rows, label or "GC over training")
     if "kernel_cka" in frame and frame["kernel_cka"].notna().any():
         cka = frame.drop_duplicates("step")[["step", "kernel_cka"]].dropna()
@@ -208,8 +209,8 @@ def _plan(files: _Files) -> Section | None:
                          is not None else "No warm-up was chosen (no GC series or router dynamics).")
     peak = (plan.get("evidence") or {}).get("gc_peak")
     if isinstance(peak, dict):
-        section.notes.append(f"GC peak: {'shown at step ' + str(peak.get('step')) if peak.get('shown') else 'not shown'}"
-                             f" ({peak.get('why', '')}).")
+        found = f"shown at step {peak.get('step')}" if peak.get("shown") else "not shown"
+        section.notes.append(f"GC peak: {found} ({peak.get('why', '')}).")
     separation = (plan.get("evidence") or {}).get("separation")
     if isinstance(separation, list) and separation:
         section.tables["separation per layer (evidence)"] = pd.DataFrame(separation)

@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ntkscope.core.checks import check_choice, check_positive_int, fail
+from ntkscope.core.checks import check_choice, check_positive_int, entry, fail
 from ntkscope.core.files import digest, read_json_object, strict_json, write_json, write_table
 from ntkscope.core.provenance import provenance
 from ntkscope.kernel.consistency import subset_indices
@@ -92,6 +92,7 @@ class Probes:
     pools: list | None = None
     source: str = ""
 
+    @entry("Probes")
     def __post_init__(self):
         if not isinstance(self.batch, dict) or "input_ids" not in self.batch:
             raise fail("Probes", "batch", "must be a dict with input_ids (n, T) and attention_mask", type(self.batch))
@@ -108,6 +109,7 @@ class Probes:
         return batch_size(self.batch)
 
     @classmethod
+    @entry("Probes.from_data")
     def from_data(cls, data: AnalysisData, *, by: str = "tail", tail_fraction: float = 0.25, bins: int = 4,
                   binning: str = "count", min_count: int = 4, homogeneous=None) -> "Probes":
         """Subsets of analysis sentences (:func:`ntkscope.load_analysis_data`): ``by`` "tail" (the
@@ -125,6 +127,7 @@ class Probes:
         return cls(data.batch, groups, homogeneous_pools(data, homogeneous), data.source)
 
     @classmethod
+    @entry("Probes.load")
     def load(cls, data, tokenizer, *, n: int = 128, seq_len: int = 64, seed: int = 0, **subsets) -> "Probes":
         """``n`` sentences of ``data`` (a ``--data`` input: pack, table, text file, ``datasets``
         directory; :func:`ntkscope.load_analysis_data`) and their subsets (:meth:`from_data`'s keywords)."""
@@ -195,6 +198,7 @@ class GCTracker:
     :class:`ntkscope.GCCallback` in a Hugging Face ``Trainer``, or call :meth:`step` in a loop.
     """
 
+    @entry("GCTracker")
     def __init__(self, probes: Probes, *, every: int = 100, out=None, options: KernelOptions | None = None,
                  resampling: Resampling | None = Resampling(), controls: str | None = "auto",
                  per_layer: bool = False, tensorboard: bool = False):
@@ -366,6 +370,7 @@ class GCTracker:
             raise fail("GCTracker", "model", "must be passed (callbacks receive (step, metrics, model))", model)
         self.step(model, step)
 
+    @entry("GCTracker.step")
     def step(self, model, step: int) -> pd.DataFrame | None:
         """Call after every optimizer step (``step`` = steps done): probes when ``step`` is a
         multiple of ``every`` and returns that probe's rows, else None. The time between calls
@@ -389,6 +394,7 @@ class GCTracker:
         self._last_call = time.perf_counter()
         return rows
 
+    @entry("GCTracker.probe")
     def probe(self, model, step: int) -> pd.DataFrame:
         """Measure now, at ``step``: one row per subset (and per layer with ``per_layer``)."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:

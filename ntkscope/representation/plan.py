@@ -84,7 +84,13 @@ def excess_series(gc: pd.DataFrame) -> pd.DataFrame:
     abs_gc, null_median, flags and draws. With a ``draw`` column (independent draws of analysis
     sentences), the mean over draws, and the larger of two standard errors of that mean: the
     spread between draws and the within-draw one (``excess_se``, else ``abs_gc_se``); a step is
-    flagged when any draw is."""
+    flagged when any draw is. A tracker's table (:class:`ntkscope.GCTracker`: label and layer
+    columns) is read as it is when it holds one subset at one layer."""
+    for column in ("label", "layer"):
+        if column in gc.columns and gc[column].nunique() > 1:
+            raise fail("excess_series (gc_peak, gc_over_steps)", "gc", f"must hold one subset at one layer; its "
+                       f"{column} column has {sorted(map(str, gc[column].unique()))[:8]} (select one: "
+                       "GCTracker.series(label, layer))", f"{len(gc)} rows")
     gc = gc.copy()
     gc["excess"] = gc["abs_gc"] - gc["null_median"]
     if "excess_se" not in gc.columns:

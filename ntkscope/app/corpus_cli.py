@@ -1,0 +1,80 @@
+"""The ``ntkscope corpus`` commands: which text sources are installed, building a corpus pack,
+and a pack's tables (:mod:`ntkscope.app.cli` adds them to the command line)."""
+
+from __future__ import annotations
+
+from ntkscope.app import commands
+from ntkscope.app.parsing import print_table
+from ntkscope.text.corpus.pack import build_pack, load_pack
+from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
+from ntkscope.text.frequency import NORMALISATIONS
+
+
+def _corpus_sources(args) -> int:
+    for name, source in SOURCES.items():
+        try:
+            where = str(source.locate(args.root, args.data_dir))
+        except SourceMissingError:
+            where = f"missing: {source.install}"
+        print(f"{name:12s} {source.domain:10s} {where}")
+    return 0
+
+
+def _corpus_build(args) -> int:
+    out = build_pack(args.out, sources=args.sources, share=args.share, max_tokens=args.max_tokens, seed=args.seed,
+                     vocab_size=args.vocab_size, root=args.root, data_dir=args.data_dir, overwrite=args.force)
+    m = load_pack(out).manifest
+    print(f"wrote {out} (version {m['version']}): "
+          + ", ".join(f"{s} {v['records']} records / {v['tokens']} tokens" for s, v in m["splits"].items()))
+    print(f"long-tail share: asked {m['share_asked']:.2%}, measured {m['share_measured']:.2%} "
+          f"({m['share_measured_bpe']:.2%} of BPE tokens)")
+    return 0
+
+
+def _corpus_info(args) -> int:
+    r = commands.corpus_info(args.pack, tokenizer=args.tokenizer, normalisation=args.normalisation, bins=args.bins,
+                             top=args.top, out=args.out)
+    m = r["pack"].manifest
+    print(f"pack {r['pack'].path} version {m['version']}, seed {m['seed']}: long-tail share "
+          f"{m['share_measured']:.2%} (asked {m['share_asked']:.2%})")
+    print_table(f"the {args.top} largest categories (tokens = regex words):", r["domains"], 2)
+    print(f"\nsentence frequency score ({args.normalisation}, tokenizer {r['tokenizer'].name}, counts over train):\n")
+    print(r["sentences"].groupby("domain")["score"].describe()[["count", "25%", "50%", "75%"]]
+          .rename(columns={"50%": "median"}).to_string(float_format=lambda x: f"{x:.3f}"))
+    print_table("percentage of sentences per score bin:", r["histogram"])
+    if args.out:
+        print(f"\nwrote the tables to {args.out}/")
+    return 0
+
+
+def _add_source_args(parser) -> None:
+    parser.add_argument("--root", default="/", help="file-system root of the system packages (default /)")
+    parser.add_argument("--data-dir", help="downloaded sources (default $NTKSCOPE_SOURCES or ~/.cache/ntkscope/sources)")
+
+
+def add_parsers(sub) -> None:
+    """``ntkscope corpus sources|build|info``."""
+    corpus = sub.add_parser("corpus", help="list sources, build a corpus pack, show a pack's tables")
+    csub = corpus.add_subparsers(dest="corpus_command", required=True)
+    sources = csub.add_parser("sources", help="which text sources are installed, and how to install the others")
+    _add_source_args(sources)
+    sources.set_defaults(run=_corpus_sources)
+    build = csub.add_parser("build", help="build a pack from the installed sources",
+                            description="Example: ntkscope corpus build packs/full --share 0.07")
+    build.add_argument("out", help="directory to create")
+    build.add_argument("--sources", nargs="+", help="source names (default: all)")
+    build.add_argument("--share", type=float, default=0.07, help="legal + biomedical share of tokens (default 0.07)")
+    build.add_argument("--max-tokens", type=int, help="total tokens (default: as many as the sources allow)")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained on train (default 8192)")
+    build.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    _add_source_args(build)
+    build.set_defaults(run=_corpus_build)
+    info = csub.add_parser("info", help="domain sizes and sentence frequency scores of a pack")
+    info.add_argument("pack", nargs="?", help="pack directory (default: the small pack shipped with ntkscope)")
+    info.add_argument("--tokenizer", help="tokenizer.json, HF directory, .tiktoken file or 'gpt2' (default: the pack's BPE)")
+    info.add_argument("--normalisation", default="max", choices=NORMALISATIONS)
+    info.add_argument("--bins", type=int, default=10)
+    info.add_argument("--top", type=int, default=20, help="rows of the domain table (default 20)")
+    info.add_argument("--out", help="directory for the tables (CSV and parquet)")
+    info.set_defaults(run=_corpus_info)

@@ -1,0 +1,103 @@
+"""The ``ntkscope reproduce`` command: the paper's figures and tables, the sweep
+(:mod:`ntkscope.app.cli` adds it to the command line)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ntkscope.core.checks import InputError
+from ntkscope.reproduction import reproduce
+from ntkscope.reproduction.settings import settings_for
+
+
+def _sweep(args, out: Path) -> int:
+    from ntkscope.reproduction.sweep import ARM_NAMES, Sweep
+
+    arms = ARM_NAMES if not args.arms else tuple(a.strip() for a in args.arms.split(","))
+    unknown = sorted(set(arms) - set(ARM_NAMES))
+    if unknown:
+        raise InputError("--arms", f"must name arms of {list(ARM_NAMES)}", unknown)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    verdict = Sweep(out, _reproduce_settings(args), arms=arms, pack=args.data).run()
+    print(f"sweep in {out}: tables in {out}/tables (arms.csv, paired.csv, load.csv, routing.csv, verdict.json)")
+    for arm, found in verdict.items():
+        print(f"  {arm}: {found.get('status')}" + (f", shown: {found['shown']}" if "shown" in found else ""))
+    return 0
+
+
+def _reproduce_settings(args):
+    changes = {"adopt_from": str(args.adopt)} if args.adopt else {}
+    if args.track_every < 0:
+        raise InputError("track-every", "must be a step count >= 0 (0: off)", args.track_every,
+                         func="ntkscope reproduce")
+    if args.track_every:
+        changes["track_every"] = args.track_every
+    return settings_for(args.mode, **changes)
+
+
+def _reproduce(args) -> int:
+    out = Path(args.out or f"runs/reproduce-{args.mode}")
+    if args.mode == "sweep":
+        return _sweep(args, out)
+    manifest = reproduce(out, args.mode, settings=_reproduce_settings(args), pack=args.data)
+    plan = manifest["plan"]
+    settings = manifest["settings"]
+    print(f"reproduced {manifest['mode']} mode in {out}: {manifest['seconds_total'] / 60:.1f} min of work in all, "
+          f"{manifest['seconds_this_call'] / 60:.1f} min this call, on {manifest['environment']['machine']}")
+    print(f"CSE layers {plan['layers']}, warm-up {plan['warmup_steps']} steps ({plan['chosen_by']})")
+    if settings["figures"]:
+        print(f"\nTables 1-2 analogue, the figures' GPT slice ({out}/tables/results.md):\n")
+        print((out / "tables" / "results.md").read_text())
+        print("figures:", ", ".join(sorted({Path(f).stem for f in manifest["files"] if f.startswith("figures/")})))
+    if settings["table_archs"]:
+        print(f"\nthe paper's tables ({out}/tables/paper.md):\n")
+        print((out / "tables" / "paper.md").read_text())
+    print(f"manifest: {out}/manifest.json")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """``ntkscope reproduce`` (and its ``--sweep``)."""
+    rep = sub.add_parser("reproduce", help="the CSE paper's Figures 1-5 and Tables 1-2, from nothing",
+                         description="Trains dense, Switch, CSE and domain-finetuned GPTs on a corpus pack, runs "
+                         "every analysis and writes RUN/figures (PNG + PDF), RUN/tables (CSV + Markdown) and "
+                         "RUN/manifest.json. Resumes from what RUN holds. Example: ntkscope reproduce --quick")
+    size = rep.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="2 CPU cores, about 20 minutes (the default)")
+    size.add_argument("--tail", dest="mode", action="store_const", const="tail",
+                      help="2 CPU cores, about an hour: the quick model trained until the long tail clusters, "
+                      "CSE against dense and Switch over 3 seeds (the committed run)")
+    size.add_argument("--tables", dest="mode", action="store_const", const="tables",
+                      help="the paper's Tables 1-2 and a general-tasks table: every row for BERT and GPT, 3 "
+                      "pretraining seeds, at the quick model's size (2 CPU cores, see docs/tables.md); no figures")
+    size.add_argument("--tables-late", dest="mode", action="store_const", const="tables-late",
+                      help="the GPT rows of the tables as the sweep chose them: 2400 steps, every sparse row "
+                      "branched at step 1200, CSE with drift handling (docs/tables.md; hours of CPU)")
+    size.add_argument("--full", dest="mode", action="store_const", const="full",
+                      help="sized for one GPU (GPT-2 small shape, 20k steps; hours)")
+    size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
+                      help="every stage and every table row at toy size, a few minutes: checks the pipeline, the "
+                      "results mean nothing")
+    size.add_argument("--sweep", dest="mode", action="store_const", const="sweep",
+                      help="the experiment that decides CSE: 3 seeds x arms (dense, CSE at the small-cluster rule, "
+                      "DEMix, Switch, CSE at the GC peak, drift handling, ...), each branched from its seed's dense "
+                      "trunk; hours of CPU, resumable per arm and seed, two processes may run side by side "
+                      "(docs/sweep.md)")
+    rep.set_defaults(mode="quick")
+    rep.add_argument("--arms", help="--sweep: a comma-separated subset of the arms (default: all, in order)")
+    rep.add_argument("--threads", type=int, help="torch threads of this process (default: torch's; --sweep with "
+                     "two processes side by side on 2 cores: 1 each)")
+    rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
+    rep.add_argument("--track-every", type=int, default=0, metavar="STEPS",
+                     help="also train the dense model with a GC tracker on Figure 3(a)'s sentences every STEPS steps "
+                     "and draw fig3a-tracked from it (default 0: off)")
+    rep.add_argument("--adopt", metavar="MODELS", help="a directory of trained model directories (e.g. a sweep's "
+                     "RUN/models): a model this run would train is linked from there when one there trained exactly "
+                     "the same (configuration compared field by field, a branch's start weights byte for byte)")
+    rep.add_argument("--data", "--pack", dest="data", help="a corpus pack directory (default: the shipped one; "
+                     "--pack is the old name)")
+    rep.set_defaults(run=_reproduce)
