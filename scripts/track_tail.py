@@ -39,7 +39,8 @@ def track(committed: Path, work: Path, every: int) -> dict:
     manifest["tracked"] = {
         "what": "the dense run trained again with a GC tracker on Figure 3(a)'s sentences (draw 0) every "
                 f"{every} steps; gc_tracked.csv is the tracker's table, fig3a-tracked is drawn from it",
-        "every": every, "seconds": timings.get("fig3 tracked"), "environment": environment(),
+        "every": every, "seconds": round(timings.get("train gpt-dense-tracked", 0) + timings.get("fig3 tracked", 0), 1),
+        "environment": environment(),
         "files": ["tables/gc_tracked.csv", *figures]}
     for path in manifest["tracked"]["files"]:
         manifest["files"][path] = sha256_file(committed / path)

@@ -76,6 +76,11 @@ def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
     again = in_process("gc", checkpoints / "gpt", "--n", 48, "--seq-len", 24, "--bins", 4, "--binning", "width",
                        "--out", out, "--dtype", "float64")
     assert again.returncode == 0 and (out / "result.json").stat().st_mtime_ns == mtime  # reused, not recomputed
+    page = in_process("report", out, "--out", tmp_path / "gc.html")  # the result directory as one page
+    assert page.returncode == 0, page.stderr
+    html = (tmp_path / "gc.html").read_text()
+    assert ">GC of each subset against the whole set</h2>" in html and "ntkscope -q gc " in html
+    assert source["weights_sha256"] in html and "not described" not in html
 
 
 def test_gc_outputs_side_by_side_in_equal_count_bins(checkpoints, tmp_path):

@@ -48,6 +48,8 @@ from ntkscope.text.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
 
+#: result.json's layout: 2 added ``provenance``; a result cached in an older layout is computed again
+RESULT_FORMAT = 2
 #: every figure a command writes, as PNG and PDF
 FORMATS = ("png", "pdf")
 
@@ -100,7 +102,7 @@ def _key_options(data, sentences: Sentences, kernel: KernelOptions, resampling: 
     every options object, the data source's, and the code's version."""
     return {**data.options(), "sentences": sentences.to_dict(), "kernel": kernel.to_dict(),
             **({} if resampling is None else {"resampling": dataclasses.asdict(resampling)}), **more,
-            "version": __version__}
+            "version": __version__, "format": RESULT_FORMAT}
 
 
 def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),

@@ -190,8 +190,11 @@ def _tracked(t) -> dict:
     diff = (both["abs_gc"] - both["abs_gc_checkpoints"]).abs()
     same = (both["versus_null"] == both["versus_null_checkpoints"]).sum()
     peak = gc_peak(tracked)
+    early = both["step"] <= 150
     return {"tracked.probes": str(len(tracked)), "tracked.common": str(len(both)),
-            "tracked.max_diff": f"{diff.max():.1e}", "tracked.same_verdict": f"{int(same)} of {len(both)}",
+            "tracked.max_diff": f"{diff.max():.1e}", "tracked.first_diff": f"{diff.iloc[0]:.0e}",
+            "tracked.first_step": str(int(both["step"].iloc[0])),
+            "tracked.early_diff": f"{diff[early].max():.0e}", "tracked.same_verdict": f"{int(same)} of {len(both)}",
             "tracked.peak": f"at step {peak['step']}" if peak["shown"] else "not shown",
             "tracked.seconds": _f(float(tracked["seconds"].median()), 1),
             "tracked.cka_min": _f(float(tracked["kernel_cka"].min()), 3),
