@@ -143,7 +143,7 @@ def test_a_run_that_trains_what_a_sweep_model_did_links_it_and_nothing_else_does
 
     sweep, _ = swept
     trained = []
-    monkeypatch.setattr(training, "train", lambda cfg: trained.append(cfg.out_dir) or cfg.out_dir)
+    monkeypatch.setattr(training, "train", lambda cfg, callbacks=(): trained.append(cfg.out_dir) or cfg.out_dir)
     monkeypatch.setattr(training, "branch_from", lambda *a, **k: None)
     settings = sweep.settings.replace(adopt_from=str(sweep.run_dir / "models"))
     dense = tmp_path / "dense"

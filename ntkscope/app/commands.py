@@ -96,6 +96,11 @@ def memory_note(model, options: KernelOptions) -> str:
             "and time next, and picks the cheapest that fits")
 
 
+def data_files(source) -> list:
+    """The files ``source``'s text comes from, for ``provenance``: its files, or the pack's directory."""
+    return source.files or ([source.pack().path] if source.kind == "pack" else [])
+
+
 def _key_options(data, sentences: Sentences, kernel: KernelOptions, resampling: Resampling | None = None,
                  **more) -> dict:
     """A command's options as they go into its cache key and ``result.json``: every field of
@@ -139,7 +144,7 @@ def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),
     out = out if writes() else None
     result = {"key": key, "options": options, "data": ad.source, "n": sentences.n, "groups": table.to_dict("records"),
               "skipped": skipped, "warnings": flag_warnings(table),
-              "provenance": provenance(weights=checkpoint, data_files=data.files, tokenizer=tok.name)}
+              "provenance": provenance(weights=checkpoint, data_files=data_files(data), tokenizer=tok.name)}
     for warning in result["warnings"]:
         log.warning("gc: %s", warning)
     with Staging(out) as files:
@@ -193,7 +198,7 @@ def gc_run_command(run_dir, data=None, *, sentences: Sentences = Sentences(),
                                       gc={k: gc.to_dict()[k] for k in ("tail_fraction", "homogeneous_label")}),
               "peak": peak, "series": frame.to_dict("records"),
               "provenance": provenance(weights={step: path for step, path in checkpoints},
-                                       data_files=as_source(data).files, tokenizer=tok.name)}
+                                       data_files=data_files(as_source(data)), tokenizer=tok.name)}
     with Staging(out) as files:
         frame.to_csv(files.path("gc_over_steps.csv"), index=False)
         save_figure(gc_over_steps(frame, warmup=peak["step"] if peak["shown"] else None, rule="gc-peak"),
@@ -218,7 +223,8 @@ def ntk_command(checkpoint, data=None, *, sentences: Sentences = Sentences(n=64)
     result = {"checkpoint": str(checkpoint), "data": ad.source, "n": sentences.n, "method": result_ntk.method,
               "reason": result_ntk.reason, "blocks": list(result_ntk.blocks or {}),
               "trace": float(np.trace(matrix)), "options": _key_options(as_source(data), sentences, kernel),
-              "provenance": provenance(weights=checkpoint, data_files=as_source(data).files, tokenizer=tok.name)}
+              "provenance": provenance(weights=checkpoint, data_files=data_files(as_source(data)),
+                                       tokenizer=tok.name)}
     with Staging(out) as files:
         np.save(files.path("ntk.npy"), matrix)
         if result_ntk.blocks:
@@ -304,8 +310,10 @@ def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int 
             write_json(files.path("result.json"), {
                 "checkpoint": str(checkpoint), **source.options(), "tokenizer": tok.name, "texts": len(texts),
                 "context": result.context, "interval": f"{result.level:.0%} percentile bootstrap over texts",
-                "n_boot": n_boot, "seed": seed, "batch_size": batch_size, "perplexity": result.perplexity.to_dict("records"),
-                "provenance": provenance(weights=checkpoint, data_files=source.files, tokenizer=tok.name)})
+                "n_boot": n_boot, "seed": seed, "batch_size": batch_size,
+                "perplexity": result.perplexity.to_dict("records"),
+                "provenance": provenance(weights=checkpoint, data_files=data_files(source),
+                                         tokenizer=tok.name)})
         written = files.written
     return {"perplexity": result.perplexity, "routing": result.routing, "context": result.context,
             "tokenizer": tok, "files": written}
@@ -384,6 +392,7 @@ def plan_command(run_dir, data="default", *, sentences: Sentences = Sentences(),
             as_source(data), sentences, kernel, Resampling(seed=seed), point=point, k_max=k_max,
             projection_dim=projection_dim, top_k=top_k, module=module, tail_fraction=tail_fraction, overlap=overlap,
             router=router, choose_by=choose_by),
-        "provenance": provenance(weights=dict(checkpoints), data_files=as_source(data).files, tokenizer=tok.name)})
+        "provenance": provenance(weights=dict(checkpoints), data_files=data_files(as_source(data)),
+                                 tokenizer=tok.name)})
     plan.save(out)
     return {"separation": table, "gc": gc, "n_tail": len(tail), "plan": plan, "tail_labels": tail_labels}

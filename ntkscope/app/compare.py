@@ -21,6 +21,7 @@ from cse_models.hf import load_any_model
 from cse_models.checkpointing import latest_checkpoint
 from cse_models.train import train
 from cse_models.train_config import TrainConfig, warmup_after
+from ntkscope.app.commands import data_files
 from ntkscope.core.checks import InputError
 from ntkscope.core.files import DirectoryLock, Staging, write_json, write_table
 from ntkscope.core.provenance import provenance
@@ -146,5 +147,5 @@ def _evaluate(results, eval_data, text_column, label_column, tokenizer, n_boot, 
         write_json(files.path("result.json"), {"arms": list(ARMS), "seeds": [s for s, _ in results],
                                                "eval_data": str(source), "n_boot": n_boot,
                                                "comparison": table.to_dict("records"),
-                                               "provenance": provenance(weights=weights, data_files=source.files)})
+                                               "provenance": provenance(weights=weights, data_files=data_files(source))})
     return {"table": table, "files": files.written}

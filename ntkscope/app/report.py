@@ -79,8 +79,8 @@ class _Files:
 
 
 def kind_of(path: Path) -> str:
-    """"reproduction" (tables/ and a manifest or settings), "run" (checkpoints/ or metrics.csv)
-    or "result" (a result.json, plan.json or CSV tables)."""
+    """What ``path`` holds: "reproduction" (tables/ and a manifest or settings), "run"
+    (checkpoints/ or metrics.csv) or "result" (a result.json, plan.json or CSV tables)."""
     if (path / "tables").is_dir() and ((path / "manifest.json").is_file() or (path / "settings.json").is_file()):
         return "reproduction"
     if (path / "checkpoints").is_dir() or (path / "metrics.csv").is_file() or (path / "track" / "gc.csv").is_file():
@@ -94,8 +94,8 @@ def kind_of(path: Path) -> str:
 def _flag_notes(table: pd.DataFrame, what: str) -> list:
     flags = table["flags"].fillna("").astype(str) if "flags" in table else pd.Series([], dtype=str)
     found = sorted({f for row in flags for f in row.split()})
-    return [f"{what}: {int((flags.str.contains(f)).sum())} of {len(table)} rows flagged '{f}': {FLAG_WORDS.get(f, f)}."
-            for f in found]
+    return [f"{what}: {sum(f in row.split() for row in flags)} of {len(table)} rows flagged '{f}': "
+            f"{FLAG_WORDS.get(f, f)}." for f in found]
 
 
 def _versus(row) -> str:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-#: weight files a checkpoint directory may hold (cse_models, HF single or sharded)
-WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.pt")
+#: weight files a checkpoint directory may hold (cse_models, HF single or sharded, plain state dicts; not the
+#: optimizer state beside them)
+WEIGHT_FILES = ("model*.safetensors", "pytorch_model*.bin", "model*.pt")
 
 _command: str | None = None
 
@@ -41,26 +42,36 @@ def environment() -> dict:
 
 
 def files_sha256(paths) -> str | None:
-    """One sha256 over the bytes of ``paths`` (directories: their files, recursively, in sorted
-    order, ``analysis/`` caches left out), each file's relative name included; None for none."""
-    h, seen = hashlib.sha256(), False
+    """The sha256 of the data or weights in ``paths`` (directories: their files, recursively, in
+    sorted order, ``analysis/`` caches left out): one file's is the sha256 of its bytes (what
+    ``sha256sum`` prints); several files' is the sha256 of their "relative name  sha256" lines;
+    None for none."""
+    files = []
     for p in map(Path, paths):
         if p.is_dir():
-            files = [f for f in sorted(p.rglob("*")) if f.is_file() and "analysis" not in f.relative_to(p).parts]
-        else:
-            files = [p] if p.is_file() else []
-        for f in files:
-            h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-            seen = True
-    return h.hexdigest() if seen else None
+            files += [(str(f.relative_to(p)), f) for f in sorted(p.rglob("*"))
+                      if f.is_file() and "analysis" not in f.relative_to(p).parts]
+        elif p.is_file():
+            files.append((p.name, p))
+    if not files:
+        return None
+    sums = [(name, _sha256(f)) for name, f in files]
+    if len(sums) == 1:
+        return sums[0][1]
+    return hashlib.sha256("".join(f"{name}  {digest}\n" for name, digest in sums).encode()).hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def weights_sha256(checkpoint) -> str | None:
-    """The sha256 of a checkpoint's weight files (a directory's ``*.safetensors`` / ``*.bin`` /
-    ``*.pt``, or the file itself); None when there are none (e.g. a model given in memory)."""
+    """The sha256 of a checkpoint's weight files (a directory's :data:`WEIGHT_FILES`, or the file
+    itself): one file's is ``sha256sum``'s; None when there are none."""
     path = Path(checkpoint)
     if path.is_file():
         return files_sha256([path])
