@@ -1,9 +1,14 @@
 """Shared fixtures: float64 by default (reference comparisons), tiny models, padded batches."""
 
+import os
+
 import pytest
 import torch
 
 from cse_models import GPT, GPTConfig
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each, not four on two
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

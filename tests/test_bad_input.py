@@ -205,8 +205,9 @@ def test_sigkilled_training_resumes_to_the_uninterrupted_weights(tmp_path, when)
     torch.set_default_dtype(torch.float32)
     spec = _tiny_config(tmp_path, "killed", steps=200, checkpoint_every=50)
     (tmp_path / "run.json").write_text(json.dumps(spec))
+    threads = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # bit-equal: the same summation order
     proc = subprocess.Popen([sys.executable, "-m", "cse_models.train", str(tmp_path / "run.json")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=threads)
     run, deadline = tmp_path / "killed", time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         done = (run / "checkpoints" / "step-000050").is_dir()
