@@ -120,7 +120,7 @@ def test_the_tracker_resumes_and_refuses_other_options(gpt, lm_batch, tmp_path):
     assert "label" not in series and gc_peak(series)["shown"] in (True, False)  # a gc_series reader takes it
 
 
-def test_bad_tracker_input_is_named(gpt, lm_batch):
+def test_bad_tracker_input_is_named(gpt, lm_batch, monkeypatch):
     with pytest.raises(UserError, match="GCTracker.*probes.*Probes"):
         GCTracker(lm_batch)
     with pytest.raises(UserError, match="^GCTracker: every must be a positive integer"):
@@ -129,6 +129,13 @@ def test_bad_tracker_input_is_named(gpt, lm_batch):
         Probes(lm_batch, {"a": [3]})
     with pytest.raises(UserError, match="^Probes.from_data: by must be one of"):
         Probes.from_data(None, by="domain")
+    from ntkscope.gc import tracker as module
+
+    monkeypatch.setattr(module.distributed, "world", lambda: (0, 2))
+    monkeypatch.setattr(module.distributed, "active", lambda: True)
+    with pytest.raises(UserError, match="^GCTracker.probe: world must be 1: the tracker runs in single-process"):
+        GCTracker(Probes(lm_batch, {"a": [0, 1]})).probe(gpt, 1)
+    monkeypatch.undo()
     with pytest.raises(UserError, match="^GCTracker: method must be one of"):
         GCTracker(Probes(lm_batch, {"a": [0, 1]}), options=KernelOptions(method="matrix-free"))
 

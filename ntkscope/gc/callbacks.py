@@ -26,6 +26,13 @@ class GCCallback(TrainerCallback):
             raise fail("GCCallback", "tracker", "must be a GCTracker", type(tracker).__name__)
         self.tracker = tracker
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.world_size > 1:  # every rank refuses before the first step, so none waits on another
+            raise fail("GCCallback", "world_size", "must be 1: the tracker runs in single-process training "
+                       "(measure a data-parallel run's checkpoints afterwards with ntkscope gc RUN_DIR)",
+                       args.world_size)
+        return control
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.is_world_process_zero:
             self.tracker.step(model, state.global_step)

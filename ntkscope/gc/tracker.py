@@ -39,6 +39,7 @@ import torch
 from ntkscope.core.checks import check_choice, check_positive_int, entry, fail
 from ntkscope.core.files import digest, read_json_object, strict_json, write_json, write_table
 from ntkscope.core.provenance import provenance
+from ntkscope.kernel import distributed
 from ntkscope.kernel.consistency import subset_indices
 from ntkscope.kernel.grads import functional_model
 from ntkscope.kernel.methods import choose, method_names, step_cost, workload
@@ -195,7 +196,9 @@ class GCTracker:
         Also write scalars to ``OUT/tensorboard`` (needs the ``tensorboard`` package and ``out``).
 
     Use it as a ``cse_models.train`` callback (``train(cfg, callbacks=[tracker])``), through
-    :class:`ntkscope.GCCallback` in a Hugging Face ``Trainer``, or call :meth:`step` in a loop.
+    :class:`ntkscope.GCCallback` in a Hugging Face ``Trainer``, or call :meth:`step` in a loop,
+    in single-process training: under a process group of several ranks a probe is refused (its
+    kernel's collectives would wait for ranks that are training).
     """
 
     @entry("GCTracker")
@@ -399,6 +402,9 @@ class GCTracker:
         """Measure now, at ``step``: one row per subset (and per layer with ``per_layer``)."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise fail("GCTracker.probe", "step", "must be an integer >= 0", step)
+        if distributed.active() and distributed.world()[1] > 1:  # its kernel would wait for ranks that train
+            raise fail("GCTracker.probe", "world", "must be 1: the tracker runs in single-process training (measure "
+                       "a data-parallel run's checkpoints afterwards with ntkscope gc RUN_DIR)", distributed.world()[1])
         start = time.perf_counter()
         probes = self.probes
         with _training_untouched(model):
