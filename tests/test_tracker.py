@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
+from cse_models.data import pack_blocks
 from cse_models.train import TrainConfig, main as cse_train, train
 from ntkscope import Resampling, gradient_consistency_groups, load_checkpoint
 from ntkscope.core.checks import UserError
@@ -141,7 +142,6 @@ def test_bad_tracker_input_is_named(gpt, lm_batch, monkeypatch):
 
 
 def _blocks(tokenizer, n: int, seq_len: int) -> list:
-    from cse_models.data import pack_blocks
     return list(pack_blocks(load_pack(None), tokenizer, "train", seq_len, None).input_ids[:n])
 
 

@@ -32,13 +32,13 @@ from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import check_output, write_table
 from ntkscope.core.progress import logging_redirect_tqdm
 from ntkscope.core.provenance import set_command
+from ntkscope.gc.groups import GC_OUTPUT, GROUPINGS
 from ntkscope.kernel.methods import METHODS, method_names, unsupported
 from ntkscope.kernel.objectives import OUTPUTS, SCALAR_OUTPUTS
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.uncertainty import INTERVALS, Resampling
 from ntkscope.runs.checkpoints import is_run_dir
 from ntkscope.runs.families import POINTS
-from ntkscope.gc.groups import GC_OUTPUT, GROUPINGS
 from ntkscope.text.frequency import BINNINGS, NORMALISATIONS
 
 

@@ -19,7 +19,7 @@ import pandas as pd
 
 from ntkscope.app.glossary import describe
 from ntkscope.core.checks import MissingInput, fail
-from ntkscope.core.files import write_text
+from ntkscope.core.files import strict_json, write_text
 from ntkscope.core.provenance import environment
 from ntkscope.plotting import (gc_by_label, gc_over_steps, gc_vs_frequency, layer_dynamics, routing_shares,
                                score_histogram_bars, training_curve)
@@ -293,7 +293,7 @@ pre{background:#f6f6f6;padding:.6em;font-size:.75em;overflow-x:auto}.muted{color
 
 def _table_html(caption: str, table) -> str:
     if isinstance(table, dict):
-        text = json.dumps(table, indent=1, default=str, allow_nan=True).replace("NaN", "null")
+        text = strict_json(table, indent=1)  # NaN as null, paths and dtypes as text
         return f"<h3>{html.escape(caption)}</h3><pre>{html.escape(text)}</pre>"
     shown = table.head(MAX_ROWS)
     more = (f"<p class='muted'>The first {MAX_ROWS} of {len(table)} rows.</p>" if len(table) > MAX_ROWS else "")

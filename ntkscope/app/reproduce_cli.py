@@ -59,6 +59,24 @@ def _reproduce(args) -> int:
     return 0
 
 
+#: each mode's flag (``--MODE``) and what it runs, in the order ``--help`` lists them
+MODES = {
+    "quick": "2 CPU cores, about 20 minutes (the default)",
+    "tail": "2 CPU cores, about an hour: the quick model trained until the long tail clusters, CSE against dense and "
+            "Switch over 3 seeds (the committed run)",
+    "tables": "the paper's Tables 1-2 and a general-tasks table: every row for BERT and GPT, 3 pretraining seeds, at "
+              "the quick model's size (2 CPU cores, see docs/tables.md); no figures",
+    "tables-late": "the GPT rows of the tables as the sweep chose them: 2400 steps, every sparse row branched at step "
+                   "1200, CSE with drift handling (docs/tables.md; hours of CPU)",
+    "full": "sized for one GPU (GPT-2 small shape, 20k steps; hours)",
+    "smoke": "every stage and every table row at toy size, a few minutes: checks the pipeline, the results mean "
+             "nothing",
+    "sweep": "the experiment that decides CSE: 3 seeds x arms (dense, CSE at the small-cluster rule, DEMix, Switch, "
+             "CSE at the GC peak, drift handling, ...), each branched from its seed's dense trunk; hours of CPU, "
+             "resumable per arm and seed, two processes may run side by side (docs/sweep.md)",
+}
+
+
 def add_parsers(sub) -> None:
     """``ntkscope reproduce`` (and its ``--sweep``)."""
     rep = sub.add_parser("reproduce", help="the CSE paper's Figures 1-5 and Tables 1-2, from nothing",
@@ -66,27 +84,8 @@ def add_parsers(sub) -> None:
                          "every analysis and writes RUN/figures (PNG + PDF), RUN/tables (CSV + Markdown) and "
                          "RUN/manifest.json. Resumes from what RUN holds. Example: ntkscope reproduce --quick")
     size = rep.add_mutually_exclusive_group()
-    size.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="2 CPU cores, about 20 minutes (the default)")
-    size.add_argument("--tail", dest="mode", action="store_const", const="tail",
-                      help="2 CPU cores, about an hour: the quick model trained until the long tail clusters, "
-                      "CSE against dense and Switch over 3 seeds (the committed run)")
-    size.add_argument("--tables", dest="mode", action="store_const", const="tables",
-                      help="the paper's Tables 1-2 and a general-tasks table: every row for BERT and GPT, 3 "
-                      "pretraining seeds, at the quick model's size (2 CPU cores, see docs/tables.md); no figures")
-    size.add_argument("--tables-late", dest="mode", action="store_const", const="tables-late",
-                      help="the GPT rows of the tables as the sweep chose them: 2400 steps, every sparse row "
-                      "branched at step 1200, CSE with drift handling (docs/tables.md; hours of CPU)")
-    size.add_argument("--full", dest="mode", action="store_const", const="full",
-                      help="sized for one GPU (GPT-2 small shape, 20k steps; hours)")
-    size.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
-                      help="every stage and every table row at toy size, a few minutes: checks the pipeline, the "
-                      "results mean nothing")
-    size.add_argument("--sweep", dest="mode", action="store_const", const="sweep",
-                      help="the experiment that decides CSE: 3 seeds x arms (dense, CSE at the small-cluster rule, "
-                      "DEMix, Switch, CSE at the GC peak, drift handling, ...), each branched from its seed's dense "
-                      "trunk; hours of CPU, resumable per arm and seed, two processes may run side by side "
-                      "(docs/sweep.md)")
+    for mode, text in MODES.items():
+        size.add_argument(f"--{mode}", dest="mode", action="store_const", const=mode, help=text)
     rep.set_defaults(mode="quick")
     rep.add_argument("--arms", help="--sweep: a comma-separated subset of the arms (default: all, in order)")
     rep.add_argument("--threads", type=int, help="torch threads of this process (default: torch's; --sweep with "

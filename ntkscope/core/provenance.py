@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ntkscope.core.files import sha256_file
+
 #: weight files a checkpoint directory may hold (cse_models, HF single or sharded, plain state dicts; not the
 #: optimizer state beside them)
 WEIGHT_FILES = ("model*.safetensors", "pytorch_model*.bin", "model*.pt")
@@ -55,18 +57,10 @@ def files_sha256(paths) -> str | None:
             files.append((p.name, p))
     if not files:
         return None
-    sums = [(name, _sha256(f)) for name, f in files]
+    sums = [(name, sha256_file(f)) for name, f in files]
     if len(sums) == 1:
         return sums[0][1]
     return hashlib.sha256("".join(f"{name}  {digest}\n" for name, digest in sums).encode()).hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def weights_sha256(checkpoint) -> str | None:

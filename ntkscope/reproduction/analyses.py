@@ -16,16 +16,16 @@ import torch
 from sklearn.decomposition import PCA
 
 from cse_models.evaluate import results_table
+from ntkscope.gc.groups import gc_sensitivity
+from ntkscope.gc.tracker import GCTracker, Probes
 from ntkscope.kernel.ntk import cosine_kernel, empirical_ntk
 from ntkscope.kernel.objectives import sample_outputs, take
+from ntkscope.kernel.options import KernelOptions
 from ntkscope.representation.router import fit_router
 from ntkscope.reproduction.settings import ReproduceSettings
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
-from ntkscope.gc.tracker import GCTracker, Probes
-from ntkscope.kernel.options import KernelOptions
 from ntkscope.runs.dynamics import cluster_dynamics, gc_series, router_dynamics
 from ntkscope.runs.embeddings import layer_embeddings
-from ntkscope.gc.groups import gc_sensitivity
 from ntkscope.text.frequency import bin_indices, domain_table, long_tail_subset, score_histogram
 from ntkscope.text.corpus.text import split_sentences
 
@@ -131,11 +131,10 @@ def tracked_gc(train_dense, model_dir: Path, data, pool: list, settings: Reprodu
     on draw 0's sentences, their long tail and pools, ``settings.gc_output`` and the statistics of
     :func:`training_dynamics`; gc_tracked is its table (the columns of gc_over_steps, plus
     kernel_cka and seconds), read back from ``model_dir/track`` when the run was already trained."""
-    def tracker():
-        return GCTracker(tail_probes(data, pool, settings), every=settings.track_every, out=model_dir / "track",
-                         options=KernelOptions(output=settings.gc_output), resampling=settings.resampling())
-    train_dense([tracker()])
-    return {"gc_tracked": tracker().series("tail")}
+    tracker = GCTracker(tail_probes(data, pool, settings), every=settings.track_every, out=model_dir / "track",
+                        options=KernelOptions(output=settings.gc_output), resampling=settings.resampling())
+    train_dense([tracker])  # a run already trained calls nothing: the tracker read its rows when it opened them
+    return {"gc_tracked": tracker.series("tail")}
 
 
 def _routing_view(z: np.ndarray, seed: int) -> np.ndarray:

@@ -87,7 +87,7 @@ STAGES: dict[str, Stage] = {
 #: figure -> the stages whose tables it shows
 FIGURES: dict[str, tuple] = {"fig1": ("fig1",), "fig2": ("fig2a", "routing"), "fig3": ("fig3",),
                              "fig4": ("fig4",), "fig5": ("routing", "fig5bc"), "tables": ("tables",),
-                             "paper": ("paper",), "fig3-tracked": ("fig3-tracked",)}
+                             "paper": ("paper",)}
 
 
 def _n(k: int, word: str) -> str:

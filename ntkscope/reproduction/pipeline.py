@@ -29,8 +29,8 @@ import pandas as pd
 import torch
 
 from ntkscope.core.checks import fail
-from ntkscope.core.provenance import environment
 from ntkscope.core.files import DirectoryLock, atomic_path, check_output, sha256_file, write_json, write_text
+from ntkscope.core.provenance import environment
 from ntkscope.plotting import save_figure
 from ntkscope.representation.plan import Plan, make_plan
 from ntkscope.reproduction import paper, training
