@@ -38,7 +38,8 @@ def test_nan_in_the_loss_names_the_samples(gpt, lm_batch):
 
 
 def test_exact_that_cannot_fit_one_chunk(gpt, lm_batch):
-    with pytest.raises(ValueError, match=r"empirical_ntk: max_memory is too small for even one chunk.*\(got 1000\)"):
+    with pytest.raises(ValueError, match=r"empirical_ntk: max_memory is too small for method='exact' here: it needs "
+                       r"at least \d+\.\d KiB .*\(got '1000 B'\)"):
         ns.empirical_ntk(gpt, lm_batch, method="exact", chunk_size=1, max_memory=1000)
 
 

@@ -73,3 +73,119 @@ def check_fits(n_params: int, itemsize: int, what: str, *, device=None, share: f
     log.info("%s: %s parameters, %s before loading; %s free", what, f"{n_params:,}", format_bytes(need),
              format_bytes(free))
     return need
+
+
+# ---- measured peaks -----------------------------------------------------------------------------
+
+_OPEN: list = []  # PeakMemory blocks now open (outermost first): a reset folds the peak so far into each
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the system (glibc), so that a peak above now counts new memory."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+_MMAP_THRESHOLD = 1 << 20
+_threshold_fixed = False
+
+
+def hand_back_freed_memory() -> None:
+    """Have glibc's malloc give freed blocks of 1 MiB or more back to the system at once.
+
+    glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, and keeps
+    later blocks below it in its heap, where freed memory stays resident: alternating tensor
+    sizes then hold several times what is alive, and no memory budget can be kept. A fixed
+    threshold (``mallopt(M_MMAP_THRESHOLD)``) stops that, for the whole process, from the first
+    call on. Nothing happens on other C libraries."""
+    global _threshold_fixed
+    if _threshold_fixed:
+        return
+    _threshold_fixed = True
+    try:
+        import ctypes
+
+        ok = ctypes.CDLL("libc.so.6").mallopt(-3, _MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return
+    if ok:
+        log.debug("malloc: blocks of %s or more now go back to the system when freed", format_bytes(_MMAP_THRESHOLD))
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the process's peak resident set to its current size (Linux: /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """The peak memory above the start of a ``with`` block, in bytes (``.bytes``; None where it
+    cannot be read).
+
+    On a CUDA device: the caching allocator's peak of allocated bytes. On the CPU: the
+    process's peak resident set (``VmHWM``, reset at the start through ``/proc/self/clear_refs``;
+    Linux only) above its size at the start, after freed heap memory is given back. Blocks may
+    nest: an inner block's reset is folded into the outer ones' peaks. Other threads' memory
+    counts too. Resetting the peak also lowers what ``getrusage``'s ``ru_maxrss`` reports later.
+    """
+
+    def __init__(self, device=None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.bytes: int | None = None
+        self._base = None
+        self._peak = 0
+
+    def _cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def __enter__(self) -> "PeakMemory":
+        if self._cuda():
+            torch.cuda.synchronize(self.device)
+            for outer in _OPEN:
+                if outer._cuda() and outer._base is not None:
+                    outer._peak = max(outer._peak, torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            _trim()
+            hwm = _status_bytes("VmHWM")
+            for outer in _OPEN:
+                if not outer._cuda() and outer._base is not None and hwm is not None:
+                    outer._peak = max(outer._peak, hwm)
+            self._base = _status_bytes("VmRSS") if _reset_peak_rss() else None
+        self._peak = 0
+        _OPEN.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _OPEN.remove(self)
+        if self._base is None:
+            return
+        if self._cuda():
+            torch.cuda.synchronize(self.device)
+            peak = max(self._peak, torch.cuda.max_memory_allocated(self.device))
+        else:
+            hwm = _status_bytes("VmHWM")
+            if hwm is None:
+                return
+            peak = max(self._peak, hwm)
+        self.bytes = max(0, int(peak - self._base))

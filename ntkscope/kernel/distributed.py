@@ -30,10 +30,10 @@ import torch.distributed as dist
 from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.eigen import NTKOperator
 from ntkscope.kernel.grads import FunctionalModel, jacobian_rows, jvp_rows, vjp_rows
-from ntkscope.kernel.kernels import _gram, _place, projected_sketch
+from ntkscope.kernel.kernels import _gram, _place, kernel_bytes, projected_sketch
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.options import KernelOptions
-from ntkscope.kernel.structured import Costs, accumulate, layout, load_factors, setup
+from ntkscope.kernel.structured import WORK_SHARE, Costs, accumulate, layout, load_factors, setup
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def _subpanel_size(largest: int, fits: int, what: str) -> int:
     return m
 
 
-def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, reduction):
+def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, reduction, transient: int):
     """:func:`ntkscope.kernel.kernels.exact_kernels` across processes: ({block: kernel}, passes)."""
     _, size = world()
     sel, K, P = fm.selection, fm.n_outputs, fm.selection.n_params
@@ -230,8 +230,9 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
         for name, (s, e) in sel.blocks.items():
             _place(out, name, _gram(JA, JB, slice(s, e), reduction), rows, cols, mirror)
 
-    row = K * P * fm.itemsize  # held: a sub-panel, one in flight and a chunk's working set
-    m = _subpanel_size(shard(max(n1, n2), 0, size).stop, (budget // row - chunk) // 2, "exact")
+    row = K * P * fm.itemsize  # held: a sub-panel, one in flight, a chunk's rows and transient, the kernels
+    free = budget - kernel_bytes(fm, n1, n2) - chunk * row - transient
+    m = _subpanel_size(shard(max(n1, n2), 0, size).stop, free // row // 2, "exact")
     if data2 is None:
         return out, _ring(out, n1, m, lambda rows: rows_of(data1, rows), product, fm.device)
     return out, _cross(out, n1, n2, m, lambda rows: rows_of(data1, rows), lambda rows: rows_of(data2, rows),
@@ -269,9 +270,12 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
     """:func:`ntkscope.kernel.structured.structured_kernels` across processes."""
     _, size = world()
     st = setup(fm, data1, n1, budget)
-    _, _, chunk = layout(st.probe, n1, n2, budget, chunk, data2 is None)
+    kernels = kernel_bytes(fm, n1, n2)
+    _, _, chunk = layout(st.probe, n1, n2, budget, chunk, data2 is None, kernels)
     out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in fm.selection.blocks}
-    m = _subpanel_size(shard(max(n1, n2), 0, size).stop, budget // (2 * st.probe.sample_bytes), "structured")
+    # held: a sub-panel, one in flight, a chunk's transient, the kernels and the tiles' share
+    free = budget - int(WORK_SHARE * budget) - st.probe.transient.bytes(chunk) - kernels
+    m = _subpanel_size(shard(max(n1, n2), 0, size).stop, free // (2 * st.probe.sample_bytes), "structured")
 
     def product(A, B, rows, cols, mirror):  # B is A for a sub-panel's own pair: each use pair once
         accumulate(out, st, A, B, rows, cols, mirror)

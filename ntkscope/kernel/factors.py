@@ -18,6 +18,7 @@ factors; :mod:`ntkscope.kernel.structured` captures them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -67,13 +68,19 @@ class Dense:
         return self.grads
 
 
-def concat(parts: list):
-    first = parts[0]
-    if isinstance(first, Linear):
-        return Linear(torch.cat([p.a for p in parts]), torch.cat([p.delta for p in parts]), first.io)
-    if isinstance(first, Embed):
-        return Embed(torch.cat([p.tokens for p in parts]), torch.cat([p.delta for p in parts]), first.vocab)
-    return Dense(torch.cat([p.grads for p in parts]))
+def _tensors(f) -> dict:
+    return {k: v for k, v in vars(f).items() if torch.is_tensor(v)}
+
+
+def empty_rows(f, n: int):
+    """A factor like ``f`` with room for ``n`` samples (every tensor field has the samples first)."""
+    return dataclasses.replace(f, **{k: v.new_empty((n, *v.shape[1:])) for k, v in _tensors(f).items()})
+
+
+def put_rows(dst, src, start: int) -> None:
+    """Copy the samples of factor ``src`` into ``dst`` from row ``start`` on."""
+    for k, v in _tensors(src).items():
+        getattr(dst, k)[start : start + v.shape[0]] = v
 
 
 def rows_of(f, rows: slice):
@@ -217,6 +224,7 @@ def pair_kernel(fa, fb, work_elements: int, *, symmetric: bool = False) -> tuple
             if symmetric and b0 == a0:
                 B, GB = A, GA
             else:
+                GB = None  # the last tile's gradients go before the next are formed
                 B = rows_of(fb, slice(b0, b0 + tb))
                 GB = B.materialise() if form == "materialised" else None
             block = _ghost(A, B) if form == "ghost" else GA @ GB.T

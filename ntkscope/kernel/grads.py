@@ -32,7 +32,7 @@ from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ntkscope.core.checks import InputError, entry
-from ntkscope.core.memory import available_memory_bytes, format_bytes
+from ntkscope.core.memory import PeakMemory, available_memory_bytes, format_bytes
 from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.objectives import (
     CallableOutput,
@@ -210,6 +210,57 @@ def jacobian_rows(fm: FunctionalModel, data: dict, out: torch.Tensor, first_row:
     for (k, p), offset in zip(fm.params.items(), fm.selection.offsets):
         out[:, :, offset : offset + p.numel()] = grads[k].reshape(c, K, -1)
     return values
+
+
+@dataclass(frozen=True)
+class Transient:
+    """Bytes that one chunk's computation holds beyond what it returns (activations, the graph,
+    autograd's buffers), measured on a probe: ``first`` the first call (one-off caches
+    included), ``per_sample`` a later call's bytes per sample; ``measured`` False where no peak
+    could be read and the figures are a stated guess."""
+
+    first: int
+    per_sample: int
+    measured: bool
+
+    #: measured peaks of the same call vary by 10-15 % (pages, the allocator): the estimate takes this much more
+    MARGIN = 1.25
+
+    def bytes(self, chunk: int) -> int:
+        """The peak of a chunk of ``chunk`` samples: no less than the first call's, linear above."""
+        return int(max(self.first, self.MARGIN * chunk * self.per_sample))
+
+
+def measure_transient(run, rows: int, guess: int, device) -> tuple[Transient, object]:
+    """(:class:`Transient` of ``run()``, one chunk of ``rows`` samples, run twice; what the last
+    run returned). ``guess`` bytes a sample where the peak cannot be read (no ``/proc``)."""
+    peaks, out = [], None
+    for _ in range(2):
+        out = None  # the last result is freed before the next measurement starts
+        with PeakMemory(device) as mem:
+            out = run()
+        peaks.append(mem.bytes)
+    if None in peaks:
+        return Transient(guess * rows, guess, False), out
+    return Transient(peaks[0], -(-peaks[1] // rows), True), out
+
+
+def vmap_transient(fm: FunctionalModel, data: dict) -> Transient:
+    """What ``jacobian_rows`` holds per sample beyond its output rows (the per-sample gradients
+    inside vmap, the forward's activations), probed on the first sample; cached on ``fm``."""
+    cache = fm.__dict__.setdefault("_vmap_transients", {})
+    if id(data) not in cache:
+        one = take(data, slice(0, 1))
+        out = torch.empty(1, fm.n_outputs, fm.selection.n_params, dtype=fm.dtype, device=fm.device)
+        row = fm.n_outputs * fm.selection.n_params * fm.itemsize
+        try:
+            cache[id(data)], _ = measure_transient(lambda: jacobian_rows(fm, one, out), 1, 3 * row, fm.device)
+        except InputError:  # a non-finite output: the computation itself reports every such sample
+            return Transient(3 * row, 3 * row, False)
+        log.info("per-sample gradients: %s a sample beyond its row of J (%s)",
+                 format_bytes(cache[id(data)].per_sample),
+                 "measured" if cache[id(data)].measured else "a guess: no peak memory to read here")
+    return cache[id(data)]
 
 
 def vjp_rows(fm: FunctionalModel, data: dict, weights: torch.Tensor, chunk_size: int) -> torch.Tensor:

@@ -68,17 +68,30 @@ def _place(out: dict, name: str, G: torch.Tensor, r: slice, c: slice, mirror: bo
         out[name][..., c, r] = G.transpose(-1, -2)
 
 
-def exact_panel(fm: FunctionalModel, n1: int, chunk: int, budget: int) -> int:
-    """Rows of J held at once: what fits ``budget`` beside a chunk's working set (at least 1)."""
-    row_bytes = fm.n_outputs * fm.selection.n_params * fm.itemsize
-    return int(min(n1, max(1, (budget - 3 * chunk * row_bytes) // row_bytes)))
+def kernel_bytes(fm: FunctionalModel, n1: int, n2: int) -> int:
+    """The finished kernels: one (K, n1, n2) per block and their sum."""
+    return (len(fm.selection.blocks) + 1) * fm.n_outputs * n1 * n2 * fm.itemsize
 
 
-def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, reduction):
-    """Exact NTK blocks, in panels of J rows that fit ``budget`` bytes; returns ({block: kernel}, gradient passes)."""
+def exact_panel(fm: FunctionalModel, n1: int, n2: int, chunk: int, budget: int, transient: int) -> int:
+    """Rows of J held at once: what fits ``budget`` beside the kernels, a chunk's rows and its
+    ``transient`` bytes (at least 1; :func:`exact_minimum` says whether 1 fits)."""
+    row = fm.n_outputs * fm.selection.n_params * fm.itemsize
+    free = budget - kernel_bytes(fm, n1, n2) - chunk * row - transient
+    return int(min(n1, max(1, free // row)))
+
+
+def exact_minimum(fm: FunctionalModel, n1: int, n2: int, transient_one: int) -> int:
+    """The smallest budget exact runs in: the kernels, one held row, one streamed row and its transient."""
+    return kernel_bytes(fm, n1, n2) + 2 * fm.n_outputs * fm.selection.n_params * fm.itemsize + transient_one
+
+
+def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, reduction, transient: int):
+    """Exact NTK blocks, in panels of J rows that fit ``budget`` bytes beside a chunk's ``transient``
+    bytes; returns ({block: kernel}, gradient passes)."""
     sel, K, P = fm.selection, fm.n_outputs, fm.selection.n_params
     symmetric = data2 is None
-    panel = exact_panel(fm, n1, chunk, budget)
+    panel = exact_panel(fm, n1, n2, chunk, budget, transient)
     kshape = (K,) if (K > 1 and reduction == "diagonal") else ()
     out = {b: torch.zeros(*kshape, n1, n2, dtype=fm.dtype, device=fm.device) for b in sel.blocks}
     chunk_buf = torch.empty(chunk, K, P, dtype=fm.dtype, device=fm.device)
@@ -169,24 +182,26 @@ def projected_sketch(fm: FunctionalModel, data, rows: slice, chunk: int, opts: K
         for name, cols, tile_seed in tiles:
             R = _projection_tile(fm, tile_seed, cols.stop - cols.start, k, opts.projection)
             Z[name][c0 - rows.start : c1 - rows.start] += J[:, :, cols] @ R  # (c, K, rows) @ (rows, k) -> (c, K, k)
+            del R  # one tile at a time: this one goes before the next is drawn
         bar.update(c1 - c0)
     return Z
 
 
-def exact_memory(fm: FunctionalModel, n1: int, n2: int, chunk: int) -> int:
-    """Bytes for exact in one pass: all n1 rows of J, a chunk's working set, the kernels."""
+def exact_memory(fm: FunctionalModel, n1: int, n2: int, chunk: int, transient: int) -> int:
+    """Bytes for exact in one pass: all n1 rows of J, a chunk's rows and ``transient`` bytes, the kernels."""
     row = fm.n_outputs * fm.selection.n_params * fm.itemsize
-    kernels = (len(fm.selection.blocks) + 1) * fm.n_outputs * n1 * n2 * fm.itemsize
-    return n1 * row + 3 * chunk * row + kernels
+    return n1 * row + chunk * row + transient + kernel_bytes(fm, n1, n2)
 
 
-def projected_memory(fm: FunctionalModel, n1: int, n2: int, chunk: int, k: int, symmetric: bool) -> int:
-    """Bytes for the projected method: one tile of R, a chunk of J, the sketches, the kernels (not P k)."""
+def projected_memory(fm: FunctionalModel, n1: int, n2: int, chunk: int, k: int, symmetric: bool,
+                     transient: int) -> int:
+    """Bytes for the projected method: one tile of R and its product, a chunk of J and its
+    ``transient`` bytes, the sketches, the kernels (not P k)."""
     K, P, isz = fm.n_outputs, fm.selection.n_params, fm.itemsize
-    kernels = (len(fm.selection.blocks) + 1) * K * n1 * n2 * isz
     sketches = (n1 + (0 if symmetric else n2)) * K * k * len(fm.selection.blocks) * isz
-    tile = min(P, _tile_rows(k, isz)) * k * isz
-    return tile + 3 * chunk * K * P * isz + sketches + kernels
+    rows = min(P, _tile_rows(k, isz))
+    tile = rows * k * isz + chunk * K * rows * isz  # a tile of R, and a chunk's columns of J against it
+    return tile + chunk * K * P * isz + transient + sketches + kernel_bytes(fm, n1, n2)
 
 
 def matrix_free_memory(fm: FunctionalModel, n: int, chunk: int) -> int:

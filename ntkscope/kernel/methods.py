@@ -25,22 +25,25 @@ from dataclasses import dataclass
 import torch
 
 from ntkscope.core.checks import InputError
-from ntkscope.core.memory import format_bytes
+from ntkscope.core.memory import format_bytes, hand_back_freed_memory
 from ntkscope.kernel import distributed
 from ntkscope.kernel.eigen import EigenResult, NTKOperator, dense_top_eigenpair, lanczos_top_eigenpair
-from ntkscope.kernel.grads import FunctionalModel, default_chunk_size, memory_budget
+from ntkscope.kernel.grads import FunctionalModel, Transient, default_chunk_size, memory_budget, vmap_transient
 from ntkscope.kernel.kernels import (
     exact_kernels,
-    exact_panel,
     exact_memory,
+    exact_minimum,
+    exact_panel,
     jl_error_bound,
+    kernel_bytes,
     matrix_free_memory,
     projected_kernels,
     projected_memory,
 )
 from ntkscope.kernel.objectives import batch_size
 from ntkscope.kernel.options import KernelOptions, Method
-from ntkscope.kernel.structured import held_bytes, layout, pair_cost, probe, structured_kernels, work_elements
+from ntkscope.kernel.structured import (held_bytes, layout, minimum_budget, pair_cost, probe, structured_kernels,
+                                        work_elements)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,10 @@ class MethodSpec:
     eigen : callable
         ``(workload) -> (EigenResult, kernel (n, n) or None)`` (a symmetric workload).
     memory : callable
-        ``(task, workload) -> bytes`` held at the peak when nothing has to be streamed.
+        ``(task, workload) -> bytes`` held at the peak when nothing has to be streamed: the
+        method's own tensors and the measured transient of a chunk's forward and backward.
+    minimum : callable
+        ``(task, workload) -> bytes``: the smallest ``max_memory`` it runs in (in panels where it can).
     cost : callable
         ``(task, workload) -> multiply-adds``, the estimate "auto" compares (:func:`step_cost` is
         one forward and backward over the n1 samples).
@@ -83,6 +89,7 @@ class MethodSpec:
     kernel: Callable | None
     eigen: Callable
     memory: Callable
+    minimum: Callable
     cost: Callable
     vector_outputs: bool
     approximate: bool = False
@@ -121,13 +128,85 @@ def workload(fm: FunctionalModel, batch, batch2=None, *, opts: KernelOptions) ->
     data1 = fm.prepare(batch, "batch")
     data2 = None if batch2 is None else fm.prepare(batch2, "batch2")
     budget = memory_budget(opts.max_memory, fm.device)
+    if fm.device.type == "cpu":
+        hand_back_freed_memory()  # so that what is freed stops counting against the budget
     chunk = opts.chunk_size or default_chunk_size(max(n1, n2), fm, budget)
     return Workload(fm, data1, data2, n1, n2, chunk, budget, opts, distributed.active())
 
 
+# ---- memory: what each method holds, with a chunk's measured transient ------------------------------
+
+
+def _row(w: Workload) -> int:
+    return w.fm.n_outputs * w.fm.selection.n_params * w.fm.itemsize
+
+
+def _vmap_transient(w: Workload) -> Transient:
+    """The per-sample-gradient probe's transient, or a guess of three rows of J a sample where even
+    the probe (a row of J and its gradient) would not fit the budget."""
+    if 3 * _row(w) + kernel_bytes(w.fm, w.n1, w.n2) > w.budget:
+        return Transient(3 * _row(w), 3 * _row(w), False)
+    return vmap_transient(w.fm, w.data1)
+
+
+def _vmap_chunk(w: Workload, fixed: int) -> int:
+    """Samples per vmap call: ``w.chunk`` as asked, else the largest default whose rows of J and
+    transient take at most half the budget beside ``fixed`` bytes (at least 1), so that panels keep
+    the other half."""
+    if w.opts.chunk_size:
+        return w.chunk
+    t, row = _vmap_transient(w), _row(w)
+    chunk = w.chunk
+    while chunk > 1 and fixed + chunk * row + t.bytes(chunk) > w.budget / 2:
+        chunk -= 1
+    return chunk
+
+
+def _exact_chunk(w: Workload) -> tuple[int, int]:
+    """(chunk, its transient bytes) for exact: beside one held row of J and the kernels."""
+    chunk = _vmap_chunk(w, kernel_bytes(w.fm, w.n1, w.n2) + _row(w))
+    return chunk, _vmap_transient(w).bytes(chunk)
+
+
+def _exact_memory(task: str, w: Workload) -> int:
+    chunk, transient = _exact_chunk(w)
+    return exact_memory(w.fm, w.n1, w.n2, chunk, transient)
+
+
+def _exact_minimum(task: str, w: Workload) -> int:
+    return exact_minimum(w.fm, w.n1, w.n2, _vmap_transient(w).bytes(1))
+
+
+def _projected_chunk(w: Workload) -> int:
+    sketches = projected_memory(w.fm, w.n1, w.n2, 0, w.opts.projection_dim, w.symmetric, 0)
+    return _vmap_chunk(w, sketches)
+
+
+def _projected_memory(task: str, w: Workload, chunk: int | None = None) -> int:
+    chunk = _projected_chunk(w) if chunk is None else chunk
+    return projected_memory(w.fm, w.n1, w.n2, chunk, w.opts.projection_dim, w.symmetric,
+                            _vmap_transient(w).bytes(chunk))
+
+
+def _structured_memory(task: str, w: Workload) -> int:
+    return held_bytes(probe(w.fm, w.data1, w.n1), w.n1, w.n2, w.symmetric, kernel_bytes(w.fm, w.n1, w.n2))
+
+
+def _structured_minimum(task: str, w: Workload) -> int:
+    return minimum_budget(probe(w.fm, w.data1, w.n1), w.n1, w.n2, w.symmetric, kernel_bytes(w.fm, w.n1, w.n2))
+
+
+def _matrix_free_memory(task: str, w: Workload) -> int:
+    return matrix_free_memory(w.fm, w.n1, w.chunk)
+
+
+# ---- the kernel and eigenpair columns ---------------------------------------------------------------
+
+
 def _exact_blocks(w: Workload, reduction: str) -> Blocks:
     compute = distributed.exact_kernels if w.sharded else exact_kernels
-    kernels, passes = compute(w.fm, w.data1, w.data2, w.n1, w.n2, w.chunk, w.budget, reduction)
+    chunk, transient = _exact_chunk(w)
+    kernels, passes = compute(w.fm, w.data1, w.data2, w.n1, w.n2, chunk, w.budget, reduction, transient)
     return Blocks(kernels, passes)
 
 
@@ -139,7 +218,7 @@ def _structured_blocks(w: Workload, reduction: str) -> Blocks:
 
 def _projected_blocks(w: Workload, reduction: str) -> Blocks:
     compute = distributed.projected_kernels if w.sharded else projected_kernels
-    kernels = compute(w.fm, w.data1, w.data2, w.n1, w.n2, w.chunk, reduction, w.opts)
+    kernels = compute(w.fm, w.data1, w.data2, w.n1, w.n2, _projected_chunk(w), reduction, w.opts)
     n_vectors = (w.n1 + w.n2) ** 2 * w.fm.n_outputs * len(kernels)
     return Blocks(kernels, 1, jl_error_bound(w.opts.projection_dim, n_vectors, w.opts.confidence))
 
@@ -187,14 +266,15 @@ def _sample_passes(n1: int, n2: int, panel: int, symmetric: bool) -> float:
 
 
 def _exact_cost(task: str, w: Workload) -> float:
-    grads = _sample_passes(w.n1, w.n2, exact_panel(w.fm, w.n1, w.chunk, w.budget), w.symmetric)
+    chunk, transient = _exact_chunk(w)
+    grads = _sample_passes(w.n1, w.n2, exact_panel(w.fm, w.n1, w.n2, chunk, w.budget, transient), w.symmetric)
     gram = w.n1 * w.n2 * w.fm.n_outputs * w.fm.selection.n_params / (2 if w.symmetric else 1)
     return _VMAP_FACTOR * step_cost(w.fm, w.data1, 1) * grads + gram
 
 
 def _structured_cost(task: str, w: Workload) -> float:
     pr = probe(w.fm, w.data1, w.n1)
-    panel, _, _ = layout(pr, w.n1, w.n2, w.budget, w.opts.chunk_size, w.symmetric)
+    panel, _, _ = layout(pr, w.n1, w.n2, w.budget, w.opts.chunk_size, w.symmetric, kernel_bytes(w.fm, w.n1, w.n2))
     passes = _sample_passes(w.n1, w.n2, panel, w.symmetric)
     one = step_cost(w.fm, w.data1, 1)
     fallback = _VMAP_FACTOR * one * passes if pr.plan.fallback else 0.0
@@ -205,7 +285,7 @@ def _structured_cost(task: str, w: Workload) -> float:
 def _projected_cost(task: str, w: Workload) -> float:
     P, k, K = w.fm.selection.n_params, w.opts.projection_dim, w.fm.n_outputs
     n = w.n1 + (0 if w.symmetric else w.n2)
-    chunks = math.ceil(n / max(1, w.chunk))
+    chunks = math.ceil(n / max(1, _projected_chunk(w)))
     return _VMAP_FACTOR * step_cost(w.fm, w.data1, n) + n * K * P * k + 2 * chunks * P * k + w.n1 * w.n2 * K * k
 
 
@@ -216,23 +296,20 @@ def _matrix_free_cost(task: str, w: Workload) -> float:
 METHODS: dict[str, MethodSpec] = {
     Method.EXACT.value: MethodSpec(
         Method.EXACT, "per-sample gradients (vmap) streamed into the Gram matrix (in panels when J does not fit)",
-        _exact_blocks, _dense_eigen(_exact_blocks),
-        lambda task, w: exact_memory(w.fm, w.n1, w.n2, w.chunk), _exact_cost, True),
+        _exact_blocks, _dense_eigen(_exact_blocks), _exact_memory, _exact_minimum, _exact_cost, True),
     Method.STRUCTURED.value: MethodSpec(
         Method.STRUCTURED, "exact, from each layer's inputs and output cotangents (one forward and backward of "
         "the batch; ghost or materialised per layer by a cost model); scalar outputs",
-        _structured_blocks, _dense_eigen(_structured_blocks),
-        lambda task, w: held_bytes(probe(w.fm, w.data1, w.n1), w.n1, w.n2, w.symmetric), _structured_cost, False),
+        _structured_blocks, _dense_eigen(_structured_blocks), _structured_memory, _structured_minimum,
+        _structured_cost, False),
     Method.PROJECTED.value: MethodSpec(
         Method.PROJECTED, "seeded random projection of each block, (JR)(JR)^T, generated tile by tile "
         "(never stored), with the JL error bound",
-        _projected_blocks, _dense_eigen(_projected_blocks),
-        lambda task, w: projected_memory(w.fm, w.n1, w.n2, w.chunk, w.opts.projection_dim, w.symmetric),
-        _projected_cost, True, approximate=True),
+        _projected_blocks, _dense_eigen(_projected_blocks), _projected_memory,
+        lambda task, w: _projected_memory(task, w, 1), _projected_cost, True, approximate=True),
     Method.MATRIX_FREE.value: MethodSpec(
         Method.MATRIX_FREE, "Lanczos on v -> J(J^T v) (one VJP and one JVP per matvec), memory O(P + n); "
-        "eigenpairs only", None, _lanczos_eigen,
-        lambda task, w: matrix_free_memory(w.fm, w.n1, w.chunk), _matrix_free_cost, False),
+        "eigenpairs only", None, _lanczos_eigen, _matrix_free_memory, _matrix_free_memory, _matrix_free_cost, False),
 }
 
 #: An approximate method is taken by "auto" only when its estimate is this many times below the best exact one.
@@ -290,13 +367,7 @@ def choose(task: str, w: Workload, *, method: str | None = None) -> Choice:
     dropped; the cheapest exact estimate wins, and an approximate method (projected) only when it is
     :data:`APPROXIMATE_GAIN` times cheaper still. The estimates are in the reason.
     """
-    fm, chunk, budget, asked = w.fm, w.chunk, w.budget, method or w.opts.method
-    row = fm.n_outputs * fm.selection.n_params * fm.itemsize
-    if task == "kernel" and 4 * chunk * row > budget and asked == Method.EXACT.value:
-        raise InputError("max_memory", f"is too small for even one chunk of per-sample gradients "
-                         f"({format_bytes(4 * chunk * row)} for chunk_size={chunk}, P={fm.selection.n_params}, "
-                         f"K={fm.n_outputs}); select fewer params, a smaller chunk_size, or method='structured' "
-                         "or 'projected'", budget)
+    fm, budget, asked = w.fm, w.budget, method or w.opts.method
     step = step_cost(fm, w.data1, w.n1)
 
     def estimate(spec: MethodSpec) -> tuple[int, float]:
@@ -304,22 +375,27 @@ def choose(task: str, w: Workload, *, method: str | None = None) -> Choice:
 
     if asked != "auto":
         spec = METHODS[asked]
+        minimum = spec.minimum(task, w)
+        if minimum > budget:
+            hint = {Method.EXACT: "use method='structured' or 'projected', or select fewer params",
+                    Method.PROJECTED: "lower projection_dim, or use method='structured'",
+                    }.get(spec.method, "select fewer params or use fewer samples")
+            raise InputError("max_memory", f"is too small for method={asked!r} here: it needs at least "
+                             f"{format_bytes(minimum)} (the measured forward and backward of a chunk included); "
+                             f"give at least that, or {hint}", format_bytes(budget))
         memory, steps = estimate(spec)
-        if spec.method == Method.PROJECTED and memory > budget:
-            raise InputError("projection_dim", f"needs {format_bytes(memory)} of sketches, more than "
-                             f"max_memory={format_bytes(budget)}; lower it or use method='exact'",
-                             w.opts.projection_dim)
         reason = f"asked for; about {steps:.3g} training steps"
         if spec.method in (Method.EXACT, Method.STRUCTURED) and memory > budget:
             reason += f"; needs {format_bytes(memory)} > max_memory {format_bytes(budget)}, so it runs in panels"
             memory = budget
         log.info("%s: method=%r (%s)", task, spec.method.value, reason)
         return Choice(spec, reason, memory, steps)
-    rows = []
+    rows, minimums = [], {}
     for spec in _candidates(task, fm.scalar):
-        if spec.method == Method.EXACT and 4 * chunk * row > budget:
-            continue
         try:
+            minimums[spec.method.value] = minimum = spec.minimum(task, w)
+            if minimum > budget:
+                continue
             memory, steps = estimate(spec)
         except RuntimeError as err:  # e.g. the structured probe met data-dependent dispatch
             log.info("%s: %s left out of auto (%s)", task, spec.method.value, err)
@@ -333,7 +409,10 @@ def choose(task: str, w: Workload, *, method: str | None = None) -> Choice:
     approx = [r for r in rows if r[0].approximate and (best is None or r[2] * APPROXIMATE_GAIN < best[2])]
     chosen = min(approx, key=lambda r: r[2]) if approx else best
     if chosen is None:
-        raise InputError("max_memory", "is too small for any method that can do this", format_bytes(budget))
+        smallest = min(minimums, key=minimums.get) if minimums else None
+        need = f"; the smallest that would do: {format_bytes(minimums[smallest])} (method={smallest!r})" \
+            if smallest else ""
+        raise InputError("max_memory", f"is too small for any method that can do this{need}", format_bytes(budget))
     table = ", ".join(f"{r[0].method.value}{' in panels' if r[3] else ''} {r[2]:.3g} steps "
                       f"{format_bytes(r[1])}" for r in rows)
     choice = Choice(chosen[0], f"auto: cheapest estimate of [{table}] under {format_bytes(budget)}",

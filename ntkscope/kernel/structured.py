@@ -45,15 +45,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ntkscope.core.checks import InputError
+from ntkscope.core.memory import format_bytes
 from ntkscope.core.progress import progress_bar
-from ntkscope.kernel.factors import Dense, Embed, Linear, concat, pair_choice, pair_kernel, rows_of, summed
-from ntkscope.kernel.grads import FunctionalModel, check_finite, jacobian_rows
+from ntkscope.kernel.factors import (Dense, Embed, Linear, empty_rows, pair_choice, pair_kernel, put_rows, rows_of,
+                                     summed)
+from ntkscope.kernel.grads import FunctionalModel, Transient, check_finite, jacobian_rows, measure_transient
+from ntkscope.kernel.kernels import kernel_bytes
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.params import ParameterSelection
 
 log = logging.getLogger(__name__)
 
-_WORK_SHARE = 0.25  # of the budget, for the tiles of pair products
+WORK_SHARE = 0.25  #: of the budget, for the tiles of pair products
 _MAX_CHUNK = 64  # samples per forward/backward
 
 
@@ -271,52 +274,84 @@ def _chunk(fm, plan, sub, data, rows: slice) -> Chunk:
     return Chunk(uses, J)
 
 
-def _join(chunks: list) -> Chunk:
-    if len(chunks) == 1:
-        return chunks[0]
-    uses = {k: [concat([ch.uses[k][u] for ch in chunks]) for u in range(len(chunks[0].uses[k]))]
-            for k in chunks[0].uses}
-    J = None if chunks[0].fallback is None else torch.cat([ch.fallback for ch in chunks])
+def _empty(ch: Chunk, n: int) -> Chunk:
+    """Room for the factors (and fallback gradients) of ``n`` samples, shaped like ``ch``'s."""
+    uses = {k: [empty_rows(f, n) for f in parts] for k, parts in ch.uses.items()}
+    J = None if ch.fallback is None else ch.fallback.new_empty((n, *ch.fallback.shape[1:]))
     return Chunk(uses, J)
+
+
+def _put_chunk(dst: Chunk, src: Chunk, start: int) -> None:
+    for k, parts in src.uses.items():
+        for d, f in zip(dst.uses[k], parts):
+            put_rows(d, f, start)
+    if src.fallback is not None:
+        dst.fallback[start : start + src.fallback.shape[0]] = src.fallback
 
 
 @dataclass(frozen=True)
 class Probe:
-    """The plan, one sample's factor bytes, and the factors of the probe samples (for the cost model)."""
+    """The plan, one sample's factor bytes, the factors of the probe samples (for the cost model),
+    and what a chunk's forward and backward hold (:class:`~ntkscope.kernel.grads.Transient`,
+    measured, the chunk's own factors included)."""
 
     plan: FactorPlan
     sample_bytes: int
     uses: dict
     fallback_params: int
+    transient: Transient
+
+
+#: Where no peak can be read: a chunk's forward and backward hold about this many times its
+#: factors (measured 2.9-4.7 on GPT-2 shapes, benchmarks/README.md)
+_TRANSIENT_GUESS = 5
 
 
 def probe(fm: FunctionalModel, data: dict, n: int) -> Probe:
-    """Plan the structured method on the first samples of ``data``; cached on ``fm`` per data."""
+    """Plan the structured method on the first samples of ``data`` and measure a chunk of them;
+    cached on ``fm`` per data."""
     cache = fm.__dict__.setdefault("_structured_probes", {})
     if id(data) in cache:
         return cache[id(data)]
     plan = plan_factors(fm, data, n)
     c = min(n, 2)
-    ch = _chunk(fm, plan, _sub(fm, plan), data, slice(0, c))
+    sub = _sub(fm, plan)
+    transient, ch = measure_transient(lambda: _chunk(fm, plan, sub, data, slice(0, c)), c, 0, fm.device)
     total = sum(t.numel() * t.element_size() for parts in ch.uses.values() for f in parts
                 for t in vars(f).values() if torch.is_tensor(t))
     if ch.fallback is not None:
         total += ch.fallback.numel() * ch.fallback.element_size()
+    per_sample = max(1, total // c)
+    if not transient.measured:
+        transient = Transient(_TRANSIENT_GUESS * per_sample * c, _TRANSIENT_GUESS * per_sample, False)
     uses = {k: [rows_of(f, slice(0, 1)) for f in parts] for k, parts in ch.uses.items()}
     n_fallback = int(sum(fm.params[k].numel() for k in plan.fallback))
-    result = Probe(plan, max(1, total // c), uses, n_fallback)
+    result = Probe(plan, per_sample, uses, n_fallback, transient)
+    log.info("structured: factors %s a sample; a chunk's forward and backward hold %s a sample (%s)",
+             format_bytes(per_sample), format_bytes(transient.per_sample),
+             "measured" if transient.measured else "a guess: no peak memory to read here")
     cache[id(data)] = result
     return result
 
 
 def work_elements(budget: int, itemsize: int) -> int:
     """Elements the tiles of pair products may hold: a fixed share of the budget."""
-    return max(1, int(_WORK_SHARE * budget) // itemsize)
+    return max(1, int(WORK_SHARE * budget) // itemsize)
 
 
-def held_bytes(pr: Probe, n1: int, n2: int, symmetric: bool) -> int:
-    """Bytes for the factors of every sample plus the tiles' share: the memory with no panels."""
-    return int((n1 + (0 if symmetric else n2)) * pr.sample_bytes / (1 - _WORK_SHARE))
+def held_bytes(pr: Probe, n1: int, n2: int, symmetric: bool, kernels: int = 0) -> int:
+    """Bytes with no panels: every sample's factors, a chunk in flight, the kernels, and the
+    tiles' share of the budget that this would make."""
+    chunk = min(_MAX_CHUNK, n1 + (0 if symmetric else n2))
+    fixed = (n1 + (0 if symmetric else n2)) * pr.sample_bytes + pr.transient.bytes(chunk) + kernels
+    return int(fixed / (1 - WORK_SHARE))
+
+
+def minimum_budget(pr: Probe, n1: int, n2: int, symmetric: bool, kernels: int = 0) -> int:
+    """The smallest budget the structured method runs in: one sample held, one streamed, a chunk of
+    one in flight, the kernels, and the tiles' share."""
+    held = min(2, n1 + (0 if symmetric else n2)) * pr.sample_bytes
+    return int((held + pr.transient.bytes(1) + kernels) / (1 - WORK_SHARE)) + 1
 
 
 def pair_cost(pr: Probe, n1: int, n2: int, work: int) -> float:
@@ -331,20 +366,23 @@ def pair_cost(pr: Probe, n1: int, n2: int, work: int) -> float:
 
 
 def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
-           symmetric: bool = True) -> tuple[int, int, int]:
+           symmetric: bool = True, kernels: int = 0) -> tuple[int, int, int]:
     """(panel, stream, chunk): samples whose factors are held, samples streamed past each panel at
     once (a second panel: materialised products then form the panel's gradients once per stream),
-    and samples per forward/backward."""
-    work = int(_WORK_SHARE * budget)
-    per_sample = pr.sample_bytes
-    chunk = int(chunk or max(1, min(_MAX_CHUNK, work // (4 * per_sample))))
-    room = max(0, budget - work - 2 * chunk * per_sample) // per_sample
+    and samples per forward/backward. What they hold, with the ``kernels`` bytes and the tiles'
+    share, stays within ``budget`` whenever it is at least :func:`minimum_budget`."""
+    work = int(WORK_SHARE * budget)
+    chunk = int(chunk or max(1, min(_MAX_CHUNK, work // max(1, pr.transient.per_sample))))
+    room = max(0, budget - work - pr.transient.bytes(chunk) - kernels) // pr.sample_bytes
+    if room < 2 and chunk > 1:  # a smaller chunk in flight leaves room for a panel
+        chunk = max(1, int((budget - work - kernels - 2 * pr.sample_bytes) // max(1, pr.transient.per_sample)))
+        room = max(0, budget - work - pr.transient.bytes(chunk) - kernels) // pr.sample_bytes
     if symmetric and n1 <= room:
-        return n1, n1, chunk
+        return n1, n1, min(chunk, n1)
     if not symmetric and n1 + n2 <= room:
         return n1, n2, chunk
     half = int(max(1, room // 2))
-    return min(n1, half), half, chunk
+    return min(n1, half), half, min(chunk, half)
 
 
 def _sub(fm, plan):
@@ -392,13 +430,20 @@ def setup(fm: FunctionalModel, data, n: int, budget: int) -> Setup:
 
 
 def load_factors(fm: FunctionalModel, st: Setup, data, a0: int, a1: int, chunk: int, bar=None) -> Chunk:
-    """The factors (and fallback gradients) of samples ``a0:a1`` of ``data``, ``chunk`` at a time."""
-    parts = []
+    """The factors (and fallback gradients) of samples ``a0:a1`` of ``data``, ``chunk`` at a time,
+    each chunk copied into room for all of them as soon as it is made."""
+    held = None
     for c0 in range(a0, a1, chunk):
-        parts.append(_chunk(fm, st.probe.plan, st.sub, data, slice(c0, min(a1, c0 + chunk))))
+        part = _chunk(fm, st.probe.plan, st.sub, data, slice(c0, min(a1, c0 + chunk)))
+        if held is None and c0 + chunk >= a1:
+            held = part  # one chunk: nothing to copy
+        else:
+            held = _empty(part, a1 - a0) if held is None else held
+            _put_chunk(held, part, c0 - a0)
+        del part
         if bar is not None:
             bar.update(1)
-    return _join(parts)
+    return held
 
 
 def accumulate(out: dict, st: Setup, A: Chunk, B: Chunk, rows: slice, cols: slice, mirror: bool) -> None:
@@ -431,7 +476,7 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
     """Exact NTK blocks from layer factors; returns ({block: (n1, n2)}, Costs)."""
     st = setup(fm, data1, n1, budget)
     symmetric = data2 is None
-    panel, stream, chunk = layout(st.probe, n1, n2, budget, chunk, symmetric)
+    panel, stream, chunk = layout(st.probe, n1, n2, budget, chunk, symmetric, kernel_bytes(fm, n1, n2))
     out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in fm.selection.blocks}
     passes = np.zeros(n1 + (0 if symmetric else n2), dtype=int)
     panels = [(a0, min(n1, a0 + panel)) for a0 in range(0, n1, panel)]
