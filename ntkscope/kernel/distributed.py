@@ -202,6 +202,14 @@ def _cross(out: dict, n1: int, n2: int, m: int, load1, load2, product, device) -
     return passes
 
 
+def _agreed(fits: int, device) -> int:
+    """The least of every rank's ``fits``: each rank measured its own probe, and the sub-panels
+    must be cut alike on all of them."""
+    box = torch.tensor([int(fits)], dtype=torch.int64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return int(box.item())
+
+
 def _subpanel_size(largest: int, fits: int, what: str) -> int:
     """Samples per sub-panel: the whole largest shard when two fit, else ``fits`` (at least 1)."""
     m = int(min(largest, max(1, fits)))
@@ -232,7 +240,7 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
 
     row = K * P * fm.itemsize  # held: a sub-panel, one in flight, a chunk's rows and transient, the kernels
     free = budget - kernel_bytes(fm, n1, n2) - chunk * row - transient
-    m = _subpanel_size(shard(max(n1, n2), 0, size).stop, free // row // 2, "exact")
+    m = _subpanel_size(shard(max(n1, n2), 0, size).stop, _agreed(free // row // 2, fm.device), "exact")
     if data2 is None:
         return out, _ring(out, n1, m, lambda rows: rows_of(data1, rows), product, fm.device)
     return out, _cross(out, n1, n2, m, lambda rows: rows_of(data1, rows), lambda rows: rows_of(data2, rows),
@@ -274,8 +282,9 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
     _, _, chunk = layout(st.probe, n1, n2, budget, chunk, data2 is None, kernels)
     out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in fm.selection.blocks}
     # held: a sub-panel, one in flight, a chunk's transient, the kernels and the tiles' share
-    free = budget - int(WORK_SHARE * budget) - st.probe.transient.bytes(chunk) - kernels
-    m = _subpanel_size(shard(max(n1, n2), 0, size).stop, free // (2 * st.probe.sample_bytes), "structured")
+    free = budget - int(WORK_SHARE * budget) - st.probe.transient.bytes(chunk) - kernels - st.probe.sample_bytes
+    m = _subpanel_size(shard(max(n1, n2), 0, size).stop, _agreed(free // (2 * st.probe.sample_bytes), fm.device),
+                       "structured")
 
     def product(A, B, rows, cols, mirror):  # B is A for a sub-panel's own pair: each use pair once
         accumulate(out, st, A, B, rows, cols, mirror)

@@ -215,11 +215,9 @@ def jacobian_rows(fm: FunctionalModel, data: dict, out: torch.Tensor, first_row:
 @dataclass(frozen=True)
 class Transient:
     """Bytes that one chunk's computation holds beyond what it returns (activations, the graph,
-    autograd's buffers), measured on a probe: ``first`` the first call (one-off caches
-    included), ``per_sample`` a later call's bytes per sample; ``measured`` False where no peak
-    could be read and the figures are a stated guess."""
+    autograd's buffers), per sample, measured on a probe; ``measured`` False where no peak could
+    be read and the figure is a stated guess."""
 
-    first: int
     per_sample: int
     measured: bool
 
@@ -227,22 +225,26 @@ class Transient:
     MARGIN = 1.25
 
     def bytes(self, chunk: int) -> int:
-        """The peak of a chunk of ``chunk`` samples: no less than the first call's, linear above."""
-        return int(max(self.first, self.MARGIN * chunk * self.per_sample))
+        """The peak of a chunk of ``chunk`` samples."""
+        return int(self.MARGIN * chunk * self.per_sample)
 
 
 def measure_transient(run, rows: int, guess: int, device) -> tuple[Transient, object]:
-    """(:class:`Transient` of ``run()``, one chunk of ``rows`` samples, run twice; what the last
-    run returned). ``guess`` bytes a sample where the peak cannot be read (no ``/proc``)."""
-    peaks, out = [], None
+    """(:class:`Transient` of ``run()``, one chunk of ``rows`` samples; what the last run returned).
+
+    ``run`` is called three times: once to warm up (the first call of a code path in a process
+    pages in library code and allocates caches that stay: not the chunk's), then twice measured,
+    the larger peak taken. ``guess`` bytes a sample where the peak cannot be read (no ``/proc``)."""
+    out = run()
+    peaks = []
     for _ in range(2):
         out = None  # the last result is freed before the next measurement starts
         with PeakMemory(device) as mem:
             out = run()
         peaks.append(mem.bytes)
     if None in peaks:
-        return Transient(guess * rows, guess, False), out
-    return Transient(peaks[0], -(-peaks[1] // rows), True), out
+        return Transient(guess, False), out
+    return Transient(-(-max(peaks) // rows), True), out
 
 
 def vmap_transient(fm: FunctionalModel, data: dict) -> Transient:
@@ -256,7 +258,7 @@ def vmap_transient(fm: FunctionalModel, data: dict) -> Transient:
         try:
             cache[id(data)], _ = measure_transient(lambda: jacobian_rows(fm, one, out), 1, 3 * row, fm.device)
         except InputError:  # a non-finite output: the computation itself reports every such sample
-            return Transient(3 * row, 3 * row, False)
+            return Transient(3 * row, False)
         log.info("per-sample gradients: %s a sample beyond its row of J (%s)",
                  format_bytes(cache[id(data)].per_sample),
                  "measured" if cache[id(data)].measured else "a guess: no peak memory to read here")

@@ -145,26 +145,26 @@ def _vmap_transient(w: Workload) -> Transient:
     """The per-sample-gradient probe's transient, or a guess of three rows of J a sample where even
     the probe (a row of J and its gradient) would not fit the budget."""
     if 3 * _row(w) + kernel_bytes(w.fm, w.n1, w.n2) > w.budget:
-        return Transient(3 * _row(w), 3 * _row(w), False)
+        return Transient(3 * _row(w), False)
     return vmap_transient(w.fm, w.data1)
 
 
-def _vmap_chunk(w: Workload, fixed: int) -> int:
+def _vmap_chunk(w: Workload, fixed: int, share: float) -> int:
     """Samples per vmap call: ``w.chunk`` as asked, else the largest default whose rows of J and
-    transient take at most half the budget beside ``fixed`` bytes (at least 1), so that panels keep
-    the other half."""
+    transient take at most ``share`` of the budget beside ``fixed`` bytes (at least 1)."""
     if w.opts.chunk_size:
         return w.chunk
     t, row = _vmap_transient(w), _row(w)
     chunk = w.chunk
-    while chunk > 1 and fixed + chunk * row + t.bytes(chunk) > w.budget / 2:
+    while chunk > 1 and fixed + chunk * row + t.bytes(chunk) > share * w.budget:
         chunk -= 1
     return chunk
 
 
 def _exact_chunk(w: Workload) -> tuple[int, int]:
-    """(chunk, its transient bytes) for exact: beside one held row of J and the kernels."""
-    chunk = _vmap_chunk(w, kernel_bytes(w.fm, w.n1, w.n2) + _row(w))
+    """(chunk, its transient bytes) for exact: beside one held row of J and the kernels, in half the
+    budget (panels of J rows get the other half)."""
+    chunk = _vmap_chunk(w, kernel_bytes(w.fm, w.n1, w.n2) + _row(w), 0.5)
     return chunk, _vmap_transient(w).bytes(chunk)
 
 
@@ -179,7 +179,7 @@ def _exact_minimum(task: str, w: Workload) -> int:
 
 def _projected_chunk(w: Workload) -> int:
     sketches = projected_memory(w.fm, w.n1, w.n2, 0, w.opts.projection_dim, w.symmetric, 0)
-    return _vmap_chunk(w, sketches)
+    return _vmap_chunk(w, sketches, 1.0)  # no panels: all of the budget
 
 
 def _projected_memory(task: str, w: Workload, chunk: int | None = None) -> int:

@@ -323,8 +323,13 @@ def probe(fm: FunctionalModel, data: dict, n: int) -> Probe:
         total += ch.fallback.numel() * ch.fallback.element_size()
     per_sample = max(1, total // c)
     if not transient.measured:
-        transient = Transient(_TRANSIENT_GUESS * per_sample * c, _TRANSIENT_GUESS * per_sample, False)
-    uses = {k: [rows_of(f, slice(0, 1)) for f in parts] for k, parts in ch.uses.items()}
+        transient = Transient(_TRANSIENT_GUESS * per_sample, False)
+    # one sample's factors, copied (a view would keep the probe's chunk alive), for the cost model
+    uses = {k: [empty_rows(f, 1) for f in parts] for k, parts in ch.uses.items()}
+    for k, parts in ch.uses.items():
+        for dst, f in zip(uses[k], parts):
+            put_rows(dst, rows_of(f, slice(0, 1)), 0)
+    del ch
     n_fallback = int(sum(fm.params[k].numel() for k in plan.fallback))
     result = Probe(plan, per_sample, uses, n_fallback, transient)
     log.info("structured: factors %s a sample; a chunk's forward and backward hold %s a sample (%s)",
@@ -343,14 +348,14 @@ def held_bytes(pr: Probe, n1: int, n2: int, symmetric: bool, kernels: int = 0) -
     """Bytes with no panels: every sample's factors, a chunk in flight, the kernels, and the
     tiles' share of the budget that this would make."""
     chunk = min(_MAX_CHUNK, n1 + (0 if symmetric else n2))
-    fixed = (n1 + (0 if symmetric else n2)) * pr.sample_bytes + pr.transient.bytes(chunk) + kernels
+    fixed = (n1 + 1 + (0 if symmetric else n2)) * pr.sample_bytes + pr.transient.bytes(chunk) + kernels
     return int(fixed / (1 - WORK_SHARE))
 
 
 def minimum_budget(pr: Probe, n1: int, n2: int, symmetric: bool, kernels: int = 0) -> int:
     """The smallest budget the structured method runs in: one sample held, one streamed, a chunk of
     one in flight, the kernels, and the tiles' share."""
-    held = min(2, n1 + (0 if symmetric else n2)) * pr.sample_bytes
+    held = (1 + min(2, n1 + (0 if symmetric else n2))) * pr.sample_bytes  # the probe's sample too
     return int((held + pr.transient.bytes(1) + kernels) / (1 - WORK_SHARE)) + 1
 
 
@@ -372,6 +377,7 @@ def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
     and samples per forward/backward. What they hold, with the ``kernels`` bytes and the tiles'
     share, stays within ``budget`` whenever it is at least :func:`minimum_budget`."""
     work = int(WORK_SHARE * budget)
+    kernels += pr.sample_bytes  # the probe's sample, kept for the cost model
     chunk = int(chunk or max(1, min(_MAX_CHUNK, work // max(1, pr.transient.per_sample))))
     room = max(0, budget - work - pr.transient.bytes(chunk) - kernels) // pr.sample_bytes
     if room < 2 and chunk > 1:  # a smaller chunk in flight leaves room for a panel

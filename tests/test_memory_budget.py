@@ -1,0 +1,125 @@
+"""``max_memory`` is kept: the peak resident memory above the loaded model stays within the budget
+for exact, structured and projected, in one process and in each of two ranks, with budgets small
+enough that exact and structured run in panels; a budget below the smallest that works is
+refused before anything runs, and that smallest budget (with the probe's noise) runs.
+
+The peak is read from the kernel's own counter (``VmHWM``, reset at the start): Linux only. The
+process first computes each method once on two samples, as the first call of a code path pages
+in tens of MB of library code that stays (not data, and the same for any budget)."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ntkscope as ns
+from cse_models import GPT, GPTConfig
+from ntkscope.core.memory import PeakMemory
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak from /proc (Linux)")
+
+MiB = 2**20
+#: (method, budget): exact and structured need panels under these (their whole kernels need more)
+CASES = [("exact", 64 * MiB), ("structured", 32 * MiB), ("structured", 64 * MiB), ("projected", 160 * MiB)]
+K = 128  # projected's columns: its tiles of R are drawn again for every chunk of samples
+
+
+def _model_and_batch():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=2, n_head=2, n_embd=64)).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 8192, (48, 32), generator=g)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _warm(model, batch):
+    two = {k: v[:2] for k, v in batch.items()}
+    for method in ("exact", "structured", "projected"):
+        ns.empirical_ntk(model, two, method=method, dtype="float32", projection_dim=K)
+
+
+def _peaks(model, batch) -> dict:
+    """{(method, budget): (peak bytes, gradient passes, NTKResult)} for every case."""
+    out = {}
+    for method, budget in CASES:
+        with PeakMemory() as mem:
+            res = ns.empirical_ntk(model, batch, method=method, dtype="float32", max_memory=budget, projection_dim=K)
+        out[(method, budget)] = (mem.bytes, res.gradient_passes, res)
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    model, batch = _model_and_batch()
+    _warm(model, batch)
+    return _peaks(model, batch)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{m}-{b // MiB}MiB" for m, b in CASES])
+def test_one_process_stays_within_max_memory(measured, case):
+    peak, passes, _ = measured[case]
+    assert 0 < peak <= case[1], f"{case[0]}: peak {peak / MiB:.1f} MiB above the model, budget {case[1] / MiB:.0f} MiB"
+    if case[0] != "projected":
+        assert passes > 1  # the budget made it run in panels
+
+
+def test_methods_agree_under_their_budgets(measured):
+    exact = measured[("exact", 64 * MiB)][2].matrix
+    for case in CASES[1:3]:
+        torch.testing.assert_close(measured[case][2].matrix, exact, rtol=2e-4, atol=1e-5 * float(exact.abs().max()))
+    sketch = measured[("projected", 160 * MiB)][2]  # within its JL bound: |error| <= eps |g_i| |g_j|
+    scale = torch.sqrt(torch.outer(exact.diagonal(), exact.diagonal()))
+    assert bool(((sketch.matrix - exact).abs() <= sketch.error_bound * scale).all())
+
+
+def test_a_budget_below_the_smallest_is_refused_and_the_smallest_runs():
+    model, batch = _model_and_batch()
+    _warm(model, batch)
+    for method in ("exact", "structured"):
+        with pytest.raises(ValueError, match=rf"max_memory is too small for method='{method}' here: it needs at "
+                                             r"least [\d.]+ MiB") as refused:
+            ns.empirical_ntk(model, batch, method=method, dtype="float32", max_memory=4 * MiB)
+        need = float(re.search(r"at least ([\d.]+) MiB", str(refused.value)).group(1)) * MiB
+        budget = 2 * int(need)  # each call measures its probe again, and small peaks vary by pages
+        with PeakMemory() as mem:
+            ns.empirical_ntk(model, batch, method=method, dtype="float32", max_memory=budget)
+        assert mem.bytes <= budget, (method, mem.bytes / MiB, budget / MiB)
+    with pytest.raises(ValueError, match=r"max_memory is too small for any method that can do this; the smallest "
+                                         r"that would do: [\d.]+ MiB \(method='(exact|structured)'\)"):
+        ns.empirical_ntk(model, batch, dtype="float32", max_memory=2 * MiB)
+
+
+def _worker(rank, size, port, path):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    try:
+        model, batch = _model_and_batch()
+        _warm(model, batch)
+        peaks = {f"{m}/{b}": (p, passes) for (m, b), (p, passes, _) in _peaks(model, batch).items()}
+        every = [None] * size
+        dist.all_gather_object(every, peaks)
+        if rank == 0:
+            torch.save(every, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_each_stay_within_max_memory(tmp_path):
+    from test_distributed import _free_port
+
+    path = Path(tmp_path) / "peaks.pt"
+    mp.spawn(_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
+    for rank, peaks in enumerate(torch.load(path)):
+        for method, budget in CASES:
+            peak, passes = peaks[f"{method}/{budget}"]
+            assert 0 < peak <= budget, f"rank {rank}, {method}: {peak / MiB:.1f} MiB above the model, " \
+                                       f"budget {budget / MiB:.0f} MiB"
