@@ -37,7 +37,7 @@ def _model_and_batch():
     finally:
         torch.set_default_dtype(previous)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 8192, (48, 32), generator=g)
+    ids = torch.randint(0, 8192, (32, 32), generator=g)
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 

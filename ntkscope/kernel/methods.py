@@ -189,7 +189,9 @@ def _projected_memory(task: str, w: Workload, chunk: int | None = None) -> int:
 
 
 def _structured_memory(task: str, w: Workload) -> int:
-    return held_bytes(probe(w.fm, w.data1, w.n1), w.n1, w.n2, w.symmetric, kernel_bytes(w.fm, w.n1, w.n2))
+    pr, kernels = probe(w.fm, w.data1, w.n1), kernel_bytes(w.fm, w.n1, w.n2)
+    _, _, chunk = layout(pr, w.n1, w.n2, w.budget, w.opts.chunk_size, w.symmetric, kernels)
+    return held_bytes(pr, w.n1, w.n2, w.symmetric, kernels, chunk)
 
 
 def _structured_minimum(task: str, w: Workload) -> int:

@@ -344,10 +344,10 @@ def work_elements(budget: int, itemsize: int) -> int:
     return max(1, int(WORK_SHARE * budget) // itemsize)
 
 
-def held_bytes(pr: Probe, n1: int, n2: int, symmetric: bool, kernels: int = 0) -> int:
-    """Bytes with no panels: every sample's factors, a chunk in flight, the kernels, and the
-    tiles' share of the budget that this would make."""
-    chunk = min(_MAX_CHUNK, n1 + (0 if symmetric else n2))
+def held_bytes(pr: Probe, n1: int, n2: int, symmetric: bool, kernels: int = 0, chunk: int = _MAX_CHUNK) -> int:
+    """Bytes with no panels: every sample's factors, a chunk of ``chunk`` in flight, the kernels,
+    and the tiles' share of the budget that this would make."""
+    chunk = min(chunk, n1 + (0 if symmetric else n2))
     fixed = (n1 + 1 + (0 if symmetric else n2)) * pr.sample_bytes + pr.transient.bytes(chunk) + kernels
     return int(fixed / (1 - WORK_SHARE))
 

@@ -24,8 +24,8 @@ import pandas as pd
 from ntkscope.core.files import write_text
 from ntkscope.representation.plan import gc_peak, stable_step
 from ntkscope.reproduction.claim_values import Tables, _f, _range, _signed_range, _steps
-from ntkscope.reproduction.claims_experiments import (_gpu_gc, _own_model, _sweep, _tail_rule, _tracked, _tracker,
-                                                      _training_step)
+from ntkscope.reproduction.claims_experiments import (_budget, _gpu_gc, _own_model, _p1, _sweep, _tail_rule,
+                                                      _tracked, _tracker, _training_step)
 from ntkscope.runs.dynamics import STABILITY_COLUMNS as STABILITY
 
 MARKER = re.compile(r"<!--claim:([\w.\-]+)-->(.*?)<!--/claim-->", re.S)
@@ -453,6 +453,10 @@ def claims(root: str | Path = ROOT) -> dict:
         out.update(_gpu_gc(pd.read_csv(root / "benchmarks/gpu_gc.csv")))
     if (root / "benchmarks/training_step.csv").is_file():
         out.update(_training_step(pd.read_csv(root / "benchmarks/training_step.csv")))
+    if (root / "benchmarks/structured_p1.csv").is_file():
+        out.update(_p1(pd.read_csv(root / "benchmarks/structured_p1.csv")))
+    if (root / "benchmarks/budget.csv").is_file():
+        out.update(_budget(pd.read_csv(root / "benchmarks/budget.csv")))
     if (root / "benchmarks/tracker.csv").is_file():
         out.update(_tracker(pd.read_csv(root / "benchmarks/tracker.csv")))
     if (root / "figures/tail/tables/gc_tracked.csv").is_file():

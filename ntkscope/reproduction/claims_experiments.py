@@ -48,6 +48,39 @@ def _gpu_gc(table: pd.DataFrame) -> dict:
     return {"bench.gpu.table": "\n".join(rows)}
 
 
+def _budget(table: pd.DataFrame) -> dict:
+    """benchmarks/README.md and README: peaks above the model against max_memory at GPT-2-small
+    shape (benchmarks/budget.csv), per method, one process and two ranks, and P7's estimate."""
+    runs = table[table["peak_GiB"].notna()]
+    rows = ["| where | method | n | max_memory | peak above the model | within | seconds | passes |",
+            "|---|---|--:|--:|--:|---|--:|--:|"]
+    for r in runs.itertuples():
+        rows.append(f"| {r.setting} | {r.method} | {int(r.n)} | {r.max_memory_GiB:g} GiB | {r.peak_GiB:.2f} GiB | "
+                    f"{'yes' if str(r.within) == 'True' else '**no**'} | {r.seconds:.0f} | {int(r.passes)} |")
+    out = {"bench.budget.table": "\n".join(rows),
+           "bench.budget.within": f"{int((runs['within'].astype(str) == 'True').sum())} of {len(runs)}",
+           "bench.budget.worst": f"{100 * float((runs['peak_GiB'] / runs['max_memory_GiB']).max()):.0f} %"}
+    p7 = table[table["setting"].str.startswith("P7")]
+    if len(p7):
+        r = p7.iloc[0]
+        out["bench.budget.p7"] = (f"{float(r.estimate_steps):.1f} training steps in {int(r.passes)} panels under "
+                                  f"{r.max_memory_GiB:g} GiB ({r.note})")
+    return out
+
+
+def _p1(table: pd.DataFrame) -> dict:
+    """benchmarks/README.md: P1 again (benchmarks/structured_p1.csv), the small GPT at n = 128 and 256,
+    every row of the run side by side (training step, ntkscope's methods, the anchors)."""
+    rows = ["| n | method | seconds | × step | peak MiB | note |", "|--:|:--|--:|--:|--:|:--|"]
+    for r in table[table["case"].isin(["small", "mlp"])].itertuples():
+        seconds = "—" if not np.isfinite(r.seconds) else f"{r.seconds:.2f}"
+        steps = "—" if not np.isfinite(r.x_train_step) else f"{r.x_train_step:.2f}"
+        peak = "" if not r.peak_MiB else f"{r.peak_MiB:.0f}"
+        note = "" if not isinstance(r.note, str) else r.note.replace("|", "\\|")
+        rows.append(f"| {int(r.n)} | {r.method}{' (MLP)' if r.case == 'mlp' else ''} | {seconds} | {steps} | {peak} | {note} |")
+    return {"bench.p1.table": "\n".join(rows)}
+
+
 def _tail_rule(t: Tables) -> dict:
     """figures/tail/plan_rule.json: the small-cluster rule on the tail run's checkpoints."""
     plan = t["plan_rule.json"]
