@@ -41,8 +41,8 @@ from ntkscope.core.files import digest, read_json_object, strict_json, write_jso
 from ntkscope.core.provenance import provenance
 from ntkscope.kernel import distributed
 from ntkscope.kernel.consistency import subset_indices
-from ntkscope.kernel.grads import functional_model
-from ntkscope.kernel.methods import choose, method_names, step_cost, workload
+from ntkscope.kernel.grads import functional_model, step_cost
+from ntkscope.kernel.methods import choose, method_names, workload
 from ntkscope.kernel.nulls import check_controls
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.objectives import batch_size, take

@@ -154,6 +154,7 @@ def _ring(out: dict, n: int, m: int, load, product, device) -> int:
             return a < len(cuts[r]) and (q >= a if r == src else _computes(r, src, size))
 
         rows = cuts[rank][a] if a < len(cuts[rank]) else None
+        A = None  # the last pass's sub-panel goes before this one is loaded
         A = load(rows) if rows is not None else None
         for src in range(size):
             for q, cols in enumerate(cuts[src]):
@@ -184,6 +185,7 @@ def _cross(out: dict, n1: int, n2: int, m: int, load1, load2, product, device) -
     passes = max(len(c) for c in cuts1)
     for a in range(passes):
         rows = cuts1[rank][a] if a < len(cuts1[rank]) else None
+        A = None  # the last pass's sub-panel goes before this one is loaded
         A = load1(rows) if rows is not None else None
         for src in range(size):
             others = any(a < len(cuts1[r]) for r in range(size) if r != src)

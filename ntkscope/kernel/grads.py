@@ -176,6 +176,25 @@ def memory_budget(max_memory, device) -> int:
     return int(0.5 * available_memory_bytes(device)) if max_memory is None else int(max_memory)
 
 
+#: A per-sample gradient by vmap costs about two batched forward+backward passes per sample
+#: (measured, benchmarks/README.md: exact = 1.9-2.3 training steps)
+VMAP_FACTOR = 2.0
+
+
+def tokens_per_sample(data: dict) -> int:
+    """T: the length of a sample's token ids (1 for inputs without token ids, e.g. features)."""
+    inputs = data["inputs"]
+    ids = inputs if torch.is_tensor(inputs) else inputs.get("input_ids") if isinstance(inputs, dict) else None
+    if torch.is_tensor(ids) and ids.dim() >= 2 and not ids.is_floating_point():
+        return int(ids.shape[1])
+    return 1
+
+
+def step_cost(fm: FunctionalModel, data: dict, n: int) -> float:
+    """Multiply-adds of one forward and backward over n samples: 3 T P per sample."""
+    return 3.0 * n * tokens_per_sample(data) * fm.selection.n_params
+
+
 def check_finite(values: torch.Tensor, first_row: int) -> None:
     bad = ~torch.isfinite(values.reshape(values.shape[0], -1)).all(1)
     if bool(bad.any()):

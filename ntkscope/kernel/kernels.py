@@ -73,6 +73,14 @@ def kernel_bytes(fm: FunctionalModel, n1: int, n2: int) -> int:
     return (len(fm.selection.blocks) + 1) * fm.n_outputs * n1 * n2 * fm.itemsize
 
 
+def sample_passes(n1: int, n2: int, panel: int, symmetric: bool) -> float:
+    """Per-sample computations when ``panel`` samples are held and the rest streamed past each panel."""
+    panels = math.ceil(n1 / max(1, panel))
+    if symmetric:
+        return n1 + sum(max(0, n1 - min(n1, (i + 1) * panel)) for i in range(panels))
+    return n1 + panels * n2 if panels > 1 else n1 + n2
+
+
 def exact_panel(fm: FunctionalModel, n1: int, n2: int, chunk: int, budget: int, transient: int) -> int:
     """Rows of J held at once: what fits ``budget`` beside the kernels, a chunk's rows and its
     ``transient`` bytes (at least 1; :func:`exact_minimum` says whether 1 fits)."""
@@ -101,6 +109,7 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
     bar = progress_bar(gradients, "exact NTK", "sample")
     for a0 in starts:
         a1 = min(n1, a0 + panel)
+        JA = None  # the last panel goes before the next is allocated
         JA = torch.empty(a1 - a0, K, P, dtype=fm.dtype, device=fm.device)  # (a, K, P) panel of J
         for c0 in range(a0, a1, chunk):
             c1 = min(a1, c0 + chunk)

@@ -28,7 +28,8 @@ from ntkscope.core.checks import InputError
 from ntkscope.core.memory import format_bytes, hand_back_freed_memory
 from ntkscope.kernel import distributed
 from ntkscope.kernel.eigen import EigenResult, NTKOperator, dense_top_eigenpair, lanczos_top_eigenpair
-from ntkscope.kernel.grads import FunctionalModel, Transient, default_chunk_size, memory_budget, vmap_transient
+from ntkscope.kernel.grads import (VMAP_FACTOR, FunctionalModel, Transient, default_chunk_size, memory_budget, step_cost,
+                                   vmap_transient)
 from ntkscope.kernel.kernels import (
     exact_kernels,
     exact_memory,
@@ -39,10 +40,11 @@ from ntkscope.kernel.kernels import (
     matrix_free_memory,
     projected_kernels,
     projected_memory,
+    sample_passes,
 )
 from ntkscope.kernel.objectives import batch_size
 from ntkscope.kernel.options import KernelOptions, Method
-from ntkscope.kernel.structured import (held_bytes, layout, minimum_budget, pair_cost, probe, structured_kernels,
+from ntkscope.kernel.structured import (held_bytes, layout, layout_cost, minimum_budget, probe, structured_kernels,
                                         work_elements)
 
 log = logging.getLogger(__name__)
@@ -253,56 +255,30 @@ def _lanczos_eigen(w: Workload):
 
 # ---- the cost model: multiply-adds, compared by "auto" and reported in training steps --------------
 
-#: A per-sample gradient by vmap costs about two batched forward+backward passes per sample
-#: (measured, benchmarks/README.md: exact = 1.9-2.3 training steps); a matrix-free matvec is one VJP
-#: and one JVP over the batch, about two; the single Lanczos run from the all-ones vector needs 7-10 of them.
-_VMAP_FACTOR, _MATVEC_FACTOR, _MATVECS = 2.0, 2.0, 10
-
-
-def tokens_per_sample(data: dict) -> int:
-    """T: the length of a sample's token ids (1 for inputs without token ids, e.g. features)."""
-    inputs = data["inputs"]
-    ids = inputs if torch.is_tensor(inputs) else inputs.get("input_ids") if isinstance(inputs, dict) else None
-    if torch.is_tensor(ids) and ids.dim() >= 2 and not ids.is_floating_point():
-        return int(ids.shape[1])
-    return 1
-
-
-def step_cost(fm: FunctionalModel, data: dict, n: int) -> float:
-    """Multiply-adds of one forward and backward over n samples: 3 T P per sample."""
-    return 3.0 * n * tokens_per_sample(data) * fm.selection.n_params
-
-
-def _sample_passes(n1: int, n2: int, panel: int, symmetric: bool) -> float:
-    """Per-sample computations when ``panel`` rows are held and the rest streamed past each panel."""
-    panels = math.ceil(n1 / max(1, panel))
-    if symmetric:
-        return n1 + sum(max(0, n1 - min(n1, (i + 1) * panel)) for i in range(panels))
-    return n1 + panels * n2 if panels > 1 else n1 + n2
+#: A matrix-free matvec is one VJP and one JVP over the batch, about two forward+backward passes;
+#: the single Lanczos run from the all-ones vector needs 7-10 of them.
+_MATVEC_FACTOR, _MATVECS = 2.0, 10
 
 
 def _exact_cost(task: str, w: Workload) -> float:
     chunk, transient = _exact_chunk(w)
-    grads = _sample_passes(w.n1, w.n2, exact_panel(w.fm, w.n1, w.n2, chunk, w.budget, transient), w.symmetric)
+    grads = sample_passes(w.n1, w.n2, exact_panel(w.fm, w.n1, w.n2, chunk, w.budget, transient), w.symmetric)
     gram = w.n1 * w.n2 * w.fm.n_outputs * w.fm.selection.n_params / (2 if w.symmetric else 1)
-    return _VMAP_FACTOR * step_cost(w.fm, w.data1, 1) * grads + gram
+    return VMAP_FACTOR * step_cost(w.fm, w.data1, 1) * grads + gram
 
 
 def _structured_cost(task: str, w: Workload) -> float:
     pr = probe(w.fm, w.data1, w.n1)
-    panel, _, _ = layout(pr, w.n1, w.n2, w.budget, w.opts.chunk_size, w.symmetric, kernel_bytes(w.fm, w.n1, w.n2))
-    passes = _sample_passes(w.n1, w.n2, panel, w.symmetric)
-    one = step_cost(w.fm, w.data1, 1)
-    fallback = _VMAP_FACTOR * one * passes if pr.plan.fallback else 0.0
-    products = pair_cost(pr, w.n1, w.n2, work_elements(w.budget, w.fm.itemsize))
-    return one * passes + fallback + products / (2 if w.symmetric else 1)
+    panel, stream, _ = layout(pr, w.n1, w.n2, w.budget, w.opts.chunk_size, w.symmetric,
+                              kernel_bytes(w.fm, w.n1, w.n2))
+    return layout_cost(pr, w.n1, w.n2, panel, stream, w.symmetric, work_elements(w.budget, w.fm.itemsize))
 
 
 def _projected_cost(task: str, w: Workload) -> float:
     P, k, K = w.fm.selection.n_params, w.opts.projection_dim, w.fm.n_outputs
     n = w.n1 + (0 if w.symmetric else w.n2)
     chunks = math.ceil(n / max(1, _projected_chunk(w)))
-    return _VMAP_FACTOR * step_cost(w.fm, w.data1, n) + n * K * P * k + 2 * chunks * P * k + w.n1 * w.n2 * K * k
+    return VMAP_FACTOR * step_cost(w.fm, w.data1, n) + n * K * P * k + 2 * chunks * P * k + w.n1 * w.n2 * K * k
 
 
 def _matrix_free_cost(task: str, w: Workload) -> float:

@@ -49,8 +49,9 @@ from ntkscope.core.memory import format_bytes
 from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.factors import (Dense, Embed, Linear, empty_rows, pair_choice, pair_kernel, put_rows, rows_of,
                                      summed)
-from ntkscope.kernel.grads import FunctionalModel, Transient, check_finite, jacobian_rows, measure_transient
-from ntkscope.kernel.kernels import kernel_bytes
+from ntkscope.kernel.grads import (VMAP_FACTOR, FunctionalModel, Transient, check_finite, jacobian_rows,
+                                   measure_transient, step_cost)
+from ntkscope.kernel.kernels import kernel_bytes, sample_passes
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.params import ParameterSelection
 
@@ -292,14 +293,16 @@ def _put_chunk(dst: Chunk, src: Chunk, start: int) -> None:
 @dataclass(frozen=True)
 class Probe:
     """The plan, one sample's factor bytes, the factors of the probe samples (for the cost model),
-    and what a chunk's forward and backward hold (:class:`~ntkscope.kernel.grads.Transient`,
-    measured, the chunk's own factors included)."""
+    what a chunk's forward and backward hold (:class:`~ntkscope.kernel.grads.Transient`,
+    measured, the chunk's own factors included), and the multiply-adds of loading one sample
+    (its forward and backward, and its per-sample gradients of any fallback parameters)."""
 
     plan: FactorPlan
     sample_bytes: int
     uses: dict
     fallback_params: int
     transient: Transient
+    sample_cost: float
 
 
 #: Where no peak can be read: a chunk's forward and backward hold about this many times its
@@ -331,7 +334,8 @@ def probe(fm: FunctionalModel, data: dict, n: int) -> Probe:
             put_rows(dst, rows_of(f, slice(0, 1)), 0)
     del ch
     n_fallback = int(sum(fm.params[k].numel() for k in plan.fallback))
-    result = Probe(plan, per_sample, uses, n_fallback, transient)
+    load = step_cost(fm, data, 1) * (1 + (VMAP_FACTOR if plan.fallback else 0))
+    result = Probe(plan, per_sample, uses, n_fallback, transient, load)
     log.info("structured: factors %s a sample; a chunk's forward and backward hold %s a sample (%s)",
              format_bytes(per_sample), format_bytes(transient.per_sample),
              "measured" if transient.measured else "a guess: no peak memory to read here")
@@ -344,19 +348,26 @@ def work_elements(budget: int, itemsize: int) -> int:
     return max(1, int(WORK_SHARE * budget) // itemsize)
 
 
+def _needed(fixed: int, transient: int) -> int:
+    """The smallest budget holding ``fixed`` bytes beside the larger of a chunk's ``transient`` and
+    the tiles' share of the budget (a chunk's forward and backward end before its pair products
+    start, so the two never coexist)."""
+    return max(fixed + transient, math.ceil(fixed / (1 - WORK_SHARE)))
+
+
 def held_bytes(pr: Probe, n1: int, n2: int, symmetric: bool, kernels: int = 0, chunk: int = _MAX_CHUNK) -> int:
     """Bytes with no panels: every sample's factors, a chunk of ``chunk`` in flight, the kernels,
     and the tiles' share of the budget that this would make."""
     chunk = min(chunk, n1 + (0 if symmetric else n2))
-    fixed = (n1 + 1 + (0 if symmetric else n2)) * pr.sample_bytes + pr.transient.bytes(chunk) + kernels
-    return int(fixed / (1 - WORK_SHARE))
+    fixed = (n1 + 1 + (0 if symmetric else n2)) * pr.sample_bytes + kernels
+    return _needed(fixed, pr.transient.bytes(chunk))
 
 
 def minimum_budget(pr: Probe, n1: int, n2: int, symmetric: bool, kernels: int = 0) -> int:
     """The smallest budget the structured method runs in: one sample held, one streamed, a chunk of
     one in flight, the kernels, and the tiles' share."""
     held = (1 + min(2, n1 + (0 if symmetric else n2))) * pr.sample_bytes  # the probe's sample too
-    return int((held + pr.transient.bytes(1) + kernels) / (1 - WORK_SHARE)) + 1
+    return _needed(held + kernels, pr.transient.bytes(1)) + 1
 
 
 def pair_cost(pr: Probe, n1: int, n2: int, work: int) -> float:
@@ -370,25 +381,59 @@ def pair_cost(pr: Probe, n1: int, n2: int, work: int) -> float:
     return total + n1 * n2 * pr.fallback_params
 
 
+def layout_cost(pr: Probe, n1: int, n2: int, panel: int, stream: int, symmetric: bool, work: int) -> float:
+    """Multiply-adds of a layout: every sample's forward and backward, each time it is loaded
+    (:func:`~ntkscope.kernel.kernels.sample_passes`), and the pair products of its blocks (a
+    panel against itself, and against each stream: the materialised form forms a panel's
+    gradients again for every stream; ``work``: :func:`work_elements`)."""
+    loads = sample_passes(n1, n2, panel, symmetric) * pr.sample_cost
+    panels = math.ceil(n1 / panel)
+    if symmetric:
+        own = panels * pair_cost(pr, panel, panel, work) / 2
+        rest = max(0, n1 * n1 - panels * panel * panel) / 2  # sample pairs across panels
+        stream = min(stream, max(1, n1 - panel))
+        return loads + own + rest / (panel * stream) * pair_cost(pr, panel, stream, work)
+    return loads + panels * math.ceil(n2 / stream) * pair_cost(pr, panel, stream, work)
+
+
 def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
            symmetric: bool = True, kernels: int = 0) -> tuple[int, int, int]:
     """(panel, stream, chunk): samples whose factors are held, samples streamed past each panel at
-    once (a second panel: materialised products then form the panel's gradients once per stream),
-    and samples per forward/backward. What they hold, with the ``kernels`` bytes and the tiles'
-    share, stays within ``budget`` whenever it is at least :func:`minimum_budget`."""
+    once, and samples per forward/backward. Everything at once when it fits; else the layout
+    of least :func:`layout_cost` among chunks of ``chunk`` (or 64, 32, ... 1 samples) and streams
+    of 1, 2, 4 ... chunks, each with the largest panel that then fits. What they hold, with the
+    ``kernels`` bytes and the tiles' share, stays within ``budget`` whenever it is at least
+    :func:`minimum_budget`."""
     work = int(WORK_SHARE * budget)
-    kernels += pr.sample_bytes  # the probe's sample, kept for the cost model
-    chunk = int(chunk or max(1, min(_MAX_CHUNK, work // max(1, pr.transient.per_sample))))
-    room = max(0, budget - work - pr.transient.bytes(chunk) - kernels) // pr.sample_bytes
-    if room < 2 and chunk > 1:  # a smaller chunk in flight leaves room for a panel
-        chunk = max(1, int((budget - work - kernels - 2 * pr.sample_bytes) // max(1, pr.transient.per_sample)))
-        room = max(0, budget - work - pr.transient.bytes(chunk) - kernels) // pr.sample_bytes
-    if symmetric and n1 <= room:
-        return n1, n1, min(chunk, n1)
-    if not symmetric and n1 + n2 <= room:
-        return n1, n2, chunk
-    half = int(max(1, room // 2))
-    return min(n1, half), half, min(chunk, half)
+    fixed, s = kernels + pr.sample_bytes, pr.sample_bytes  # the probe's sample, kept for the cost model
+    first = int(chunk or max(1, min(_MAX_CHUNK, work // max(1, pr.transient.per_sample))))
+    chunks = [first] if chunk else sorted({max(1, first >> k) for k in range(7)}, reverse=True)
+
+    def panel_room(c: int, stream: int) -> int:  # a stream of one chunk is that chunk's factors: no copy
+        loading = pr.transient.bytes(c) + (stream * s if stream > c else 0)
+        return max(0, budget - fixed - max(loading, work + stream * s)) // s
+
+    for c in chunks:
+        if symmetric and panel_room(c, 0) >= n1:
+            return n1, n1, min(c, n1)
+        if not symmetric and panel_room(c, n2) >= n1:
+            return n1, n2, c
+    best = None
+    other = (n1 - 1) if symmetric else n2
+    for c in chunks:
+        stream = c
+        while True:
+            panel = min(n1, panel_room(c, stream))
+            if panel >= 1:
+                cost = layout_cost(pr, n1, n2, panel, stream, symmetric, work)
+                if best is None or cost < best[0]:
+                    best = (cost, panel, stream, c)
+            if stream >= other or panel < 1:
+                break
+            stream = min(2 * stream, other)
+    if best is None:  # below the minimum budget: the least that runs
+        return 1, 1, 1
+    return best[1], best[2], min(best[3], best[2])
 
 
 def _sub(fm, plan):
@@ -506,6 +551,7 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
             passes[offset + b0 : offset + b1] += 1
             accumulate(out, st, A, B, rows, slice(b0, b1), symmetric)
             del B
+        del A  # before the next panel is loaded
     bar.close()
     log.info("structured: panel %d, stream %d, chunk %d, %d passes at most; pair products %s", panel, stream,
              chunk, int(passes.max()), st.forms)
