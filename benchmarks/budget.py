@@ -99,26 +99,77 @@ def p7_estimate(model, batch) -> dict:
         pr = probe(fm, w.data1, w.n1)
         panel, stream, chunk = layout(pr, w.n1, w.n1, w.budget, None, True, kernel_bytes(fm, w.n1, w.n1))
     panels = -(-w.n1 // panel)
-    return dict(setting="P7 estimate (not run)", method="structured", n=w.n1, max_memory_GiB=2.0, peak_GiB=None,
+    return dict(setting="P7 estimate", method="structured", n=w.n1, max_memory_GiB=2.0, peak_GiB=None,
                 within=None, seconds=None, passes=panels, estimate_steps=choice.steps,
                 note=f"factors {pr.sample_bytes / 2**20:.1f} MiB a sample, transient "
-                     f"{pr.transient.per_sample / 2**20:.0f} MiB a sample; panel {panel}, chunk {chunk}")
+                     f"{pr.transient.per_sample / 2**20:.0f} MiB a sample; panel {panel}, stream {stream}, "
+                     f"chunk {chunk}")
+
+
+def train_step(model, batch, micro: int = 64) -> tuple[float, int]:
+    """(seconds, peak bytes) of one AdamW training step on ``batch``, gradients accumulated over
+    micro-batches of ``micro`` samples (the whole batch's logits, n x T x 50 257, would be 3.3 GB at
+    n = 256); timed after one warm-up micro-batch."""
+    from ntkscope.core.lm import causal_pairs, lm_loss
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def loss(part):
+        logits, targets, keep = causal_pairs(model(**part).logits, part["input_ids"], part["attention_mask"].bool())
+        return lm_loss(logits, targets, keep, reduction="sequence").sum() / len(batch["input_ids"])
+
+    loss({k: v[:micro] for k, v in batch.items()}).backward()
+    opt.zero_grad()
+    t = time.perf_counter()
+    with PeakMemory() as mem:
+        for i in range(0, len(batch["input_ids"]), micro):
+            loss({k: v[i:i + micro] for k, v in batch.items()}).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - t
+    model.eval()
+    return seconds, mem.bytes
+
+
+def p7(model, batch) -> list:
+    """P7 run: the exact NTK of n = 256 (T = 64) under max_memory = 2 GiB, in training steps."""
+    step, step_peak = train_step(model, batch)
+    rows = [dict(setting="P7 training step", method="AdamW step", n=len(batch["input_ids"]), max_memory_GiB=None,
+                 peak_GiB=step_peak / GiB, within=None, seconds=step, passes=None, estimate_steps=None,
+                 note="4 micro-batches of 64")]
+    estimate = p7_estimate(model, batch)
+    print(estimate, flush=True)
+    t = time.perf_counter()
+    with PeakMemory() as mem:
+        res = ns.empirical_ntk(model, batch, method="structured", max_memory=2 * GiB)
+    seconds = time.perf_counter() - t
+    rows.append(dict(setting="P7 run", method="structured", n=len(batch["input_ids"]), max_memory_GiB=2.0,
+                     peak_GiB=mem.bytes / GiB, within=mem.bytes <= 2 * GiB, seconds=seconds,
+                     passes=res.gradient_passes, estimate_steps=seconds / step,
+                     note=f"measured steps (estimate column): seconds / training step; {estimate['note']}"))
+    rows.append(estimate)
+    print(rows[-2], flush=True)
+    return rows
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="1,2")
+    parser.add_argument("--p7", action="store_true", help="run P7 (n = 256 under 2 GiB, most of an hour here) alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     _, batch = tokenizer_and_batches(256, 64, 8192)
     rows = []
-    if "1" in args.ranks.split(","):
+    if args.p7:
+        rows += p7(_model(), batch)
+    elif "1" in args.ranks.split(","):
         model = _model()
         rows += _measure(model, batch, ROWS, "one process")
         rows.append(p7_estimate(model, batch))
         del model
-    if "2" in args.ranks.split(","):
+    if "2" in args.ranks.split(",") and not args.p7:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
