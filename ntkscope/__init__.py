@@ -53,6 +53,7 @@ _EXPORTS = {
     "load_analysis_data": "ntkscope.text.sentences",
     # kernel
     "KernelOptions": "ntkscope.kernel.options",
+    "hand_back_freed_memory": "ntkscope.core.memory",
     "Method": "ntkscope.kernel.options",
     "ParameterSelection": "ntkscope.kernel.params",
     "select_parameters": "ntkscope.kernel.params",

@@ -40,7 +40,7 @@ def test_a_table_that_changes_is_caught(values, tmp_path):
     for name in ("router-table.csv", "gc-outputs-quick.csv"):
         shutil.copy(ROOT / "docs" / name, tmp_path / "docs")
     (tmp_path / "benchmarks").mkdir()
-    for name in ("training_step.csv", "gpu_gc.csv", "tracker.csv", "budget.csv", "structured_p1.csv"):
+    for name in ("training_step.csv", "gpu_gc.csv", "tracker.csv", "budget.csv", "structured_p1.csv", "p7.csv"):
         shutil.copy(ROOT / "benchmarks" / name, tmp_path / "benchmarks")
     table = pd.read_csv(tmp_path / "figures/tail/tables/gc_by_bin.csv")
     first = table["left"].idxmin()

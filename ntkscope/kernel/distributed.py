@@ -33,7 +33,8 @@ from ntkscope.kernel.grads import FunctionalModel, jacobian_rows, jvp_rows, vjp_
 from ntkscope.kernel.kernels import _gram, _place, kernel_bytes, projected_sketch
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.options import KernelOptions
-from ntkscope.kernel.structured import WORK_SHARE, Costs, accumulate, layout, load_factors, setup
+from ntkscope.kernel.structured import Costs, accumulate, load_factors, setup
+from ntkscope.kernel.structured_layout import WORK_SHARE, layout
 
 log = logging.getLogger(__name__)
 

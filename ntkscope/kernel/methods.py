@@ -44,8 +44,8 @@ from ntkscope.kernel.kernels import (
 )
 from ntkscope.kernel.objectives import batch_size
 from ntkscope.kernel.options import KernelOptions, Method
-from ntkscope.kernel.structured import (held_bytes, layout, layout_cost, minimum_budget, probe, structured_kernels,
-                                        work_elements)
+from ntkscope.kernel.structured import probe, structured_kernels
+from ntkscope.kernel.structured_layout import held_bytes, layout, layout_cost, minimum_budget, work_elements
 
 log = logging.getLogger(__name__)
 

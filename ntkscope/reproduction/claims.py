@@ -24,7 +24,7 @@ import pandas as pd
 from ntkscope.core.files import write_text
 from ntkscope.representation.plan import gc_peak, stable_step
 from ntkscope.reproduction.claim_values import Tables, _f, _range, _signed_range, _steps
-from ntkscope.reproduction.claims_experiments import (_budget, _gpu_gc, _own_model, _p1, _sweep, _tail_rule,
+from ntkscope.reproduction.claims_experiments import (_budget, _gpu_gc, _own_model, _p1, _p7, _sweep, _tail_rule,
                                                       _tracked, _tracker, _training_step)
 from ntkscope.runs.dynamics import STABILITY_COLUMNS as STABILITY
 
@@ -457,6 +457,8 @@ def claims(root: str | Path = ROOT) -> dict:
         out.update(_p1(pd.read_csv(root / "benchmarks/structured_p1.csv")))
     if (root / "benchmarks/budget.csv").is_file():
         out.update(_budget(pd.read_csv(root / "benchmarks/budget.csv")))
+    if (root / "benchmarks/p7.csv").is_file():
+        out.update(_p7(pd.read_csv(root / "benchmarks/p7.csv")))
     if (root / "benchmarks/tracker.csv").is_file():
         out.update(_tracker(pd.read_csv(root / "benchmarks/tracker.csv")))
     if (root / "figures/tail/tables/gc_tracked.csv").is_file():

@@ -1,0 +1,119 @@
+"""How a structured kernel is laid out in memory: which samples' factors are held (a panel), how
+many are streamed past it at once, how many go through one forward and backward (a chunk), and
+what that costs.
+
+Everything is sized from a :class:`~ntkscope.kernel.structured.Probe` (one sample's factor bytes,
+a chunk's measured transient, the multiply-adds of loading a sample) and the budget. A panel and
+the stream are held; beside them, the larger of a chunk in flight (its forward and backward, plus
+the stream being filled when the stream is longer than a chunk) and the pair products' tiles (a
+fixed share of the budget): a chunk's forward and backward end before its pair products start.
+Among the layouts that fit, :func:`layout` takes the one of least :func:`layout_cost`
+(docs/design.md §1.2.1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ntkscope.kernel.factors import pair_choice
+from ntkscope.kernel.kernels import sample_passes
+
+if TYPE_CHECKING:
+    from ntkscope.kernel.structured import Probe
+
+WORK_SHARE = 0.25  #: of the budget, for the tiles of pair products
+MAX_CHUNK = 64  #: samples per forward/backward
+
+
+def work_elements(budget: int, itemsize: int) -> int:
+    """Elements the tiles of pair products may hold: a fixed share of the budget."""
+    return max(1, int(WORK_SHARE * budget) // itemsize)
+
+
+def _needed(fixed: int, transient: int) -> int:
+    """The smallest budget holding ``fixed`` bytes beside the larger of a chunk's ``transient`` and
+    the tiles' share of the budget (a chunk's forward and backward end before its pair products
+    start, so the two never coexist)."""
+    return max(fixed + transient, math.ceil(fixed / (1 - WORK_SHARE)))
+
+
+def held_bytes(pr: Probe, n1: int, n2: int, symmetric: bool, kernels: int = 0, chunk: int = MAX_CHUNK) -> int:
+    """Bytes with no panels: every sample's factors, a chunk of ``chunk`` in flight, the kernels,
+    and the tiles' share of the budget that this would make."""
+    chunk = min(chunk, n1 + (0 if symmetric else n2))
+    fixed = (n1 + 1 + (0 if symmetric else n2)) * pr.sample_bytes + kernels
+    return _needed(fixed, pr.transient.bytes(chunk))
+
+
+def minimum_budget(pr: Probe, n1: int, n2: int, symmetric: bool, kernels: int = 0) -> int:
+    """The smallest budget the structured method runs in: one sample held, one streamed, a chunk of
+    one in flight, the kernels, and the tiles' share."""
+    held = (1 + min(2, n1 + (0 if symmetric else n2))) * pr.sample_bytes  # the probe's sample too
+    return _needed(held + kernels, pr.transient.bytes(1)) + 1
+
+
+def pair_cost(pr: Probe, n1: int, n2: int, work: int) -> float:
+    """Multiply-adds of all the pair products of an (n1, n2) kernel, by the cost model
+    (``work``: :func:`work_elements`)."""
+    total = 0.0
+    for parts in pr.uses.values():
+        for fa in parts:
+            for fb in parts:
+                total += pair_choice(fa, fb, n1, n2, work)[1]
+    return total + n1 * n2 * pr.fallback_params
+
+
+def layout_cost(pr: Probe, n1: int, n2: int, panel: int, stream: int, symmetric: bool, work: int) -> float:
+    """Multiply-adds of a layout: every sample's forward and backward, each time it is loaded
+    (:func:`~ntkscope.kernel.kernels.sample_passes`), and the pair products of its blocks (a
+    panel against itself, and against each stream: the materialised form forms a panel's
+    gradients again for every stream; ``work``: :func:`work_elements`)."""
+    loads = sample_passes(n1, n2, panel, symmetric) * pr.sample_cost
+    panels = math.ceil(n1 / panel)
+    if symmetric:
+        own = panels * pair_cost(pr, panel, panel, work) / 2
+        rest = max(0, n1 * n1 - panels * panel * panel) / 2  # sample pairs across panels
+        stream = min(stream, max(1, n1 - panel))
+        return loads + own + rest / (panel * stream) * pair_cost(pr, panel, stream, work)
+    return loads + panels * math.ceil(n2 / stream) * pair_cost(pr, panel, stream, work)
+
+
+def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
+           symmetric: bool = True, kernels: int = 0) -> tuple[int, int, int]:
+    """(panel, stream, chunk): samples whose factors are held, samples streamed past each panel at
+    once, and samples per forward/backward. Everything at once when it fits; else the layout
+    of least :func:`layout_cost` among chunks of ``chunk`` (or 64, 32, ... 1 samples) and streams
+    of 1, 2, 4 ... chunks, each with the largest panel that then fits. What they hold, with the
+    ``kernels`` bytes and the tiles' share, stays within ``budget`` whenever it is at least
+    :func:`minimum_budget`."""
+    work = int(WORK_SHARE * budget)
+    fixed, s = kernels + pr.sample_bytes, pr.sample_bytes  # the probe's sample, kept for the cost model
+    first = int(chunk or max(1, min(MAX_CHUNK, work // max(1, pr.transient.per_sample))))
+    chunks = [first] if chunk else sorted({max(1, first >> k) for k in range(7)}, reverse=True)
+
+    def panel_room(c: int, stream: int) -> int:  # a stream of one chunk is that chunk's factors: no copy
+        loading = pr.transient.bytes(c) + (stream * s if stream > c else 0)
+        return max(0, budget - fixed - max(loading, work + stream * s)) // s
+
+    for c in chunks:
+        if symmetric and panel_room(c, 0) >= n1:
+            return n1, n1, min(c, n1)
+        if not symmetric and panel_room(c, n2) >= n1:
+            return n1, n2, c
+    best = None
+    other = (n1 - 1) if symmetric else n2
+    for c in chunks:
+        stream = c
+        while True:
+            panel = min(n1, panel_room(c, stream))
+            if panel >= 1:
+                cost = layout_cost(pr, n1, n2, panel, stream, symmetric, work)
+                if best is None or cost < best[0]:
+                    best = (cost, panel, stream, c)
+            if stream >= other or panel < 1:
+                break
+            stream = min(2 * stream, other)
+    if best is None:  # below the minimum budget: the least that runs
+        return 1, 1, 1
+    return best[1], best[2], min(best[3], best[2])
