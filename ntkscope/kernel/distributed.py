@@ -284,8 +284,9 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
     kernels = kernel_bytes(fm, n1, n2)
     _, _, chunk = layout(st.probe, n1, n2, budget, chunk, data2 is None, kernels)
     out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in fm.selection.blocks}
-    # held: a sub-panel, one in flight, a chunk's transient, the kernels and the tiles' share
-    free = budget - int(WORK_SHARE * budget) - st.probe.transient.bytes(chunk) - kernels - st.probe.sample_bytes
+    # held: a sub-panel, one in flight, the kernels, and the larger of a chunk's transient and the
+    # tiles' share (a chunk's forward and backward end before its pair products start)
+    free = budget - max(int(WORK_SHARE * budget), st.probe.transient.bytes(chunk)) - kernels - st.probe.sample_bytes
     m = _subpanel_size(shard(max(n1, n2), 0, size).stop, _agreed(free // (2 * st.probe.sample_bytes), fm.device),
                        "structured")
 

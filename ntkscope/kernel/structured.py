@@ -58,7 +58,6 @@ from ntkscope.kernel.structured_layout import layout, work_elements
 log = logging.getLogger(__name__)
 
 
-
 def _is_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` (GPT-2): ``y = x W + b`` with W of shape (d_in, d_out)."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
