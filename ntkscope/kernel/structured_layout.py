@@ -116,4 +116,4 @@ def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
             stream = min(2 * stream, other)
     if best is None:  # below the minimum budget: the least that runs
         return 1, 1, 1
-    return best[1], best[2], min(best[3], best[2])
+    return best[1], best[2], best[3]  # a stream is at least one chunk
