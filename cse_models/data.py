@@ -13,7 +13,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ntkscope.core.checks import UserError
+from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.text.corpus.text import read_text
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,17 @@ def pack_blocks(pack, tokenizer, split: str, seq_len: int, domains: Sequence[str
     return make_blocks(by_domain, tokenizer, seq_len)
 
 
-def text_file_blocks(files: dict[str, Sequence[str]], tokenizer, seq_len: int) -> Blocks:
-    """Blocks from plain UTF-8 text files, ``{domain: [paths]}``; paragraphs are blank-line separated."""
+def text_file_blocks(files: Sequence[str] | dict[str, Sequence[str]], tokenizer, seq_len: int) -> Blocks:
+    """Blocks from plain UTF-8 text files: a list of paths, one domain ``"text"``, or ``{domain:
+    [paths]}`` (``data.text_files``); paragraphs are blank-line separated. A file that is missing,
+    empty or not UTF-8 is refused in one line naming it."""
     by_domain = {}
-    for domain, paths in files.items():
+    for domain, paths in (files.items() if isinstance(files, dict) else [("text", files)]):
         texts = []
         for path in paths:
-            text = Path(path).read_text(encoding="utf-8")
+            if not Path(path).is_file():
+                raise MissingInput(f"text_file_blocks: {path} does not exist or is not a file (data.text_files)")
+            text = read_text(Path(path), func="text_file_blocks")
             texts.extend(p.strip() for p in text.split("\n\n") if p.strip())
         by_domain[domain] = texts
     return make_blocks(by_domain, tokenizer, seq_len)

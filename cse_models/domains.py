@@ -30,7 +30,7 @@ from cse_models.demix import mixture_log_probs
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
 from cse_models.hf import SparseHF
 from cse_models.model import TransformerLM
-from ntkscope.core.checks import UserError
+from ntkscope.core.checks import UserError, fail
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,10 @@ def evaluate_domains(model, token_ids: Sequence[Sequence[int]], labels: Sequence
     if len(token_ids) != len(labels) or not len(labels):
         raise UserError(f"evaluate_domains: token_ids and labels must be non-empty and of one length "
                         f"(got {len(token_ids)} and {len(labels)})")
+    unlabelled = next((i for i, label in enumerate(labels) if not isinstance(label, str)), None)
+    if unlabelled is not None:  # a missing label (None, NaN) would otherwise be sorted among the names
+        raise fail("evaluate_domains", "labels", f"must be strings, one domain per text; text {unlabelled + 1} has "
+                   "none", labels[unlabelled])
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"evaluate_domains: batch_size must be a positive integer (got {batch_size!r})")
     if not 0 < level < 1 or n_boot < 1:

@@ -32,6 +32,12 @@ def sequence_embedding(x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.
     return masked_mean(x, key_mask)
 
 
+def _routing_embedding(x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """The sequence embedding a CSE layer routes by, in float32 at least: a bfloat16 / float16
+    x (B, T, d) is averaged in float32, float32 and float64 as they are -> (B, d)."""
+    return sequence_embedding(x.to(torch.promote_types(x.dtype, torch.float32)), key_mask)
+
+
 def _dispatch(experts: nn.ModuleList, x: torch.Tensor, key_mask, assign: torch.Tensor,
               masked: bool = False) -> torch.Tensor:
     """Run each sequence through its expert: x (B, T, d), assign (B,) -> (B, T, d); ``masked``:
@@ -88,13 +94,18 @@ class CSELayer(nn.Module):
         self.per_sample_dispatch = False
 
     def route(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence embeddings in the routing space (B, d') and the chosen expert of each sequence (B,)."""
-        return self._route(sequence_embedding(x, key_mask), x.dtype)
+        """Sequence embeddings in the routing space (B, d') and the chosen expert of each sequence (B,);
+        z in float32 at least (see :meth:`_route`)."""
+        return self._route(_routing_embedding(x, key_mask))
 
-    def _route(self, v: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, v: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route embeddings v (B, d) in ``dtype`` (default v's), float32 at least: a bfloat16 / float16
+        model's embeddings and buffers are read in float32 (``cdist`` has no half kernels, and half
+        precision would move close calls), so it routes as its float32 copy does."""
+        v = v.to(torch.promote_types(dtype or v.dtype, torch.float32))
         if self.mean is not None:
             v = v - self.mean.to(v.dtype)
-        z = v @ self.projection.to(dtype).T
+        z = v @ self.projection.to(v.dtype).T
         if self.normalise:
             z = F.normalize(z, dim=-1)
         scaled = torch.cdist(z, self.centres.to(z.dtype)) / self.radii.to(z.dtype)
@@ -102,8 +113,8 @@ class CSELayer(nn.Module):
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None,
                 domains: torch.Tensor | None = None) -> torch.Tensor:
-        v = sequence_embedding(x, key_mask)
-        z, assign = self._route(v, x.dtype)
+        v = _routing_embedding(x, key_mask)
+        z, assign = self._route(v)
         if self.training:  # bookkeeping only in training: analyses (eval mode) see a pure function
             self._pending = (z.detach(), assign.detach(), v.detach().mean(0))
             with torch.no_grad():

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -45,6 +46,7 @@ from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import DirectoryLock, write_json
 from ntkscope.core.lm import lm_loss as token_loss
 from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
+from ntkscope.core.requests import differences, listed
 from ntkscope.gc.tracker import GCTracker, Probes
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.uncertainty import Resampling
@@ -212,20 +214,56 @@ def convert_mid_run(model, opt, sched, blocks: Blocks, cfg: TrainConfig, device)
     return new_opt, new_sched
 
 
-def train(cfg: TrainConfig, *, callbacks=()) -> Path:
+#: TrainConfig fields a resumed run may change: where it stops and runs, how it saves and logs
+#: (every other field decides the weights, and a change to one is refused: :func:`_check_rerun`)
+RESUMABLE_CHANGES = ("out_dir", "stop_at", "device", "bf16", "checkpoint_every", "checkpoint_steps", "log_every",
+                     "tensorboard", "track")
+#: what a training writes into its out_dir (``force`` removes these, and nothing else there)
+RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.csv", "tensorboard", "track", "train_config.json")
+
+
+def _check_rerun(cfg: TrainConfig, out_dir: Path, force: bool) -> None:
+    """A run in ``out_dir`` that holds weights resumes only under the config it recorded (bar
+    :data:`RESUMABLE_CHANGES`); ``force`` deletes what the old run wrote and starts over."""
+    recorded = out_dir / "train_config.json"
+    if force:
+        for name in RUN_FILES:
+            path = out_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        return
+    if recorded.is_file() and latest_checkpoint(out_dir) is not None:
+        try:
+            have = json.loads(recorded.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            have = {}
+        changed = differences(have, asdict(cfg), ignore=RESUMABLE_CHANGES)
+        if changed:
+            raise UserError(f"train: out_dir {out_dir} holds a run trained with another config ("
+                            f"{listed(changed)}); "
+                            "use another out_dir, or --force (train(..., force=True)) to start over")
+
+
+def train(cfg: TrainConfig, *, callbacks=(), force: bool = False) -> Path:
     """Run (or resume) the training that ``cfg`` describes; returns the last checkpoint's directory.
 
     ``callbacks``: functions ``(step, metrics, model)`` called after each step (step = steps done,
     after that step's checkpoint is written: ``model`` holds the checkpoint's weights), e.g. an
     :class:`ntkscope.GCTracker`; ``cfg.track`` adds one that writes ``OUT/track/gc.csv``.
     One process writes a run: the first rank holds ``out_dir``'s lock, and a second training
-    into the same directory is refused with the holder's PID.
+    into the same directory is refused with the holder's PID. A run that holds checkpoints resumes
+    only under the config it recorded (``train_config.json``), bar where it stops, runs, saves and
+    logs (:data:`RESUMABLE_CHANGES`); any other change is refused in one line naming the fields,
+    and ``force`` deletes what the old run wrote (:data:`RUN_FILES`) and starts over.
     """
     if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
         raise UserError(f"train: out_dir {cfg.out_dir} exists and is not a directory")
     if int(os.environ.get("RANK", "0")) != 0:
         return _train(cfg, callbacks)
     with DirectoryLock(cfg.out_dir, "train"):
+        _check_rerun(apply_plan(cfg), Path(cfg.out_dir), force)
         return _train(cfg, callbacks)
 
 
@@ -390,13 +428,15 @@ def main(argv=None) -> int:
     parser.add_argument("config", help="JSON or YAML TrainConfig")
     parser.add_argument("--out-dir", help="override out_dir")
     parser.add_argument("--steps", type=int, help="override steps")
+    parser.add_argument("--force", action="store_true", help="out_dir holds a run of another config: delete what "
+                        "it wrote (checkpoints, metrics, train_config.json) and start over")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         overrides = {k: v for k, v in (("out_dir", args.out_dir), ("steps", args.steps)) if v is not None}
         cfg = TrainConfig.load(args.config, **overrides)  # checked with the overrides (--steps 2 over steps: 0)
         with logging_redirect_tqdm():  # log lines print above the progress bar
-            last = train(cfg)
+            last = train(cfg, force=args.force)
     except UserError as err:
         print(f"cse-train: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1

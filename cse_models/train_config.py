@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ import yaml
 
 from cse_models.config import from_fields
 from cse_models.hf import architecture
-from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.core.checks import MissingInput, UserError, fail
 from ntkscope.representation.plan import Plan
 
 log = logging.getLogger("cse_models.train")
@@ -30,14 +31,18 @@ class DataConfig:
     the shipped one; its ``split``; only ``domains``), text files (``text_files``, tokenized by
     ``tokenizer``), or the user's table (``table`` with ``text_column`` and ``label_column``, the one
     ``ntkscope --data`` reads, tokenized by ``tokenizer`` or the one beside ``init_from``). ``routes``:
-    a :class:`~cse_models.routes.Routes` file whose experts label the blocks instead of their domains."""
+    a :class:`~cse_models.routes.Routes` file whose experts label the blocks instead of their domains.
+
+    ``text_files`` is a list of paths, all one domain, ``"text"`` (as a table without
+    ``label_column``), or a mapping ``{domain: [paths]}`` that labels them; paragraphs are
+    blank-line separated. Anything else is refused when the config is checked."""
 
     pack: str | None = None
     split: str = "train"
     domains: list | None = None
     seq_len: int = 64
     tokenizer: str | None = None
-    text_files: list | None = None
+    text_files: list | dict | None = None
     table: str | None = None
     text_column: str = "text"
     label_column: str | None = None
@@ -45,6 +50,7 @@ class DataConfig:
 
     def __post_init__(self):
         _positive("data.seq_len", self.seq_len)
+        self.text_files = _text_files(self.text_files)
         if self.text_files and not self.tokenizer:
             raise UserError("TrainConfig: data.text_files needs data.tokenizer (a tokenizer.json or HF directory)")
 
@@ -141,6 +147,26 @@ class TrackConfig:
 
     def __bool__(self) -> bool:
         return self.every > 0
+
+
+def _text_files(value):
+    """``data.text_files`` checked: None, a non-empty list of paths, or a non-empty mapping
+    {domain: [paths]}, each list non-empty; paths as strings (what train_config.json records)."""
+    if value is None:
+        return None
+
+    def paths(v):
+        ok = isinstance(v, (list, tuple)) and v and all(isinstance(p, (str, os.PathLike)) and str(p) for p in v)
+        return [str(p) for p in v] if ok else None
+
+    if isinstance(value, dict) and value and all(isinstance(d, str) and d for d in value):
+        checked = {domain: paths(v) for domain, v in value.items()}
+        if all(checked.values()):
+            return checked
+    elif not isinstance(value, dict) and paths(value):
+        return paths(value)
+    raise fail("TrainConfig", "data.text_files", "must be a non-empty list of paths (one domain, 'text') or a "
+               "mapping {domain: [paths]}", value)
 
 
 def _positive(name: str, value) -> None:

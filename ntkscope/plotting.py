@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ntkscope.core.checks import fail
 from ntkscope.core.files import atomic_path
 
 
@@ -431,30 +432,57 @@ def expert_loads(load, *, tail=("legal", "biomedical")):
 
 
 def routing_shares(routing, *, title: str = ""):
-    """Where each domain is routed (``routing``: :func:`cse_models.domains.routing_table`'s rows):
-    one heatmap per sparse layer, domains (rows) x experts (columns), each cell the share of the
-    domain's sequences (CSE) or tokens (Switch) sent to that expert, with the count."""
+    """Where each domain is routed (``routing``: :func:`cse_models.domains.routing_table`'s rows,
+    or ``ntkscope compare``'s routing.csv, the rows of several models with ``arm`` and ``seed``
+    columns): one heatmap per sparse layer (columns) and per model (rows, named by arm and seed),
+    domains (rows) x experts (columns), each cell the share of the domain's sequences (CSE) or
+    tokens (Switch) sent to that expert, with the count."""
     plt = _pyplot()
+    by = [c for c in ("arm", "seed") if c in routing.columns]
+    keys = ["layer", "expert", "domain", *by]
+    repeated = int(routing.duplicated(keys).sum())
+    if repeated:
+        raise fail("routing_shares", "routing", f"must hold one row per ({', '.join(keys)}); the rows of several "
+                   "models need arm and seed columns", f"{repeated} repeated rows")
+    models = [(_model_name(by, key), rows) for key, rows in routing.groupby(by, sort=False)] if by else [("", routing)]
     layers = list(dict.fromkeys(routing["layer"]))
     domains = sorted(routing["domain"].unique())
-    fig, axes = plt.subplots(1, len(layers), figsize=(1.2 + 0.55 * routing["expert"].nunique() * len(layers) + 1.5,
-                                                       0.9 + 0.45 * len(domains)), squeeze=False)
-    for ax, layer in zip(axes[0], layers):
-        part = routing[routing["layer"] == layer]
-        share = part.pivot(index="domain", columns="expert", values="share_of_domain").reindex(domains)
-        count = part.pivot(index="domain", columns="expert", values="count").reindex(domains)
-        ax.imshow(share.fillna(0).values, vmin=0, vmax=1, cmap="Blues", aspect="auto")
-        for (r, c), value in np.ndenumerate(count.values):
-            ax.text(c, r, f"{int(value)}", ha="center", va="center", fontsize=7,
-                    color="white" if share.values[r, c] > 0.6 else "black")
-        ax.set_xticks(range(share.shape[1]), [str(e) for e in share.columns])
-        ax.set_yticks(range(len(domains)), domains)
-        ax.set_xlabel(f"expert ({part['unit'].iloc[0]})")
-        ax.set_title(layer.replace(".layer", "").replace(".mlp", ""), fontsize=8)
+    fig, axes = plt.subplots(len(models), len(layers), squeeze=False,
+                             figsize=(1.2 + 0.55 * routing["expert"].nunique() * len(layers) + 1.5,
+                                      (0.9 + 0.45 * len(domains)) * len(models)))
+    for row, (name, model) in zip(axes, models):
+        for ax, layer in zip(row, layers):
+            part = model[model["layer"] == layer]
+            if part.empty:  # this model has no such sparse layer
+                ax.axis("off")
+                continue
+            _routing_panel(ax, part, domains)
+            ax.set_title(str(layer).removesuffix(".layer").removesuffix(".mlp"), fontsize=8)  # not ".layers."
+        if len(models) > 1:
+            row[0].set_ylabel(name, fontsize=9)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def _model_name(by: list, key) -> str:
+    """The name of one model's rows ("cse, seed 0"): its group ``key`` of a table grouped ``by`` arm and seed."""
+    values = dict(zip(by, key if isinstance(key, tuple) else (key,)))
+    return ", ".join([str(values["arm"])] * ("arm" in values) + [f"seed {values['seed']}"] * ("seed" in values))
+
+
+def _routing_panel(ax, part, domains) -> None:
+    """One model's one layer: the shares as a heatmap, the counts written in the cells."""
+    share = part.pivot(index="domain", columns="expert", values="share_of_domain").reindex(domains)
+    count = part.pivot(index="domain", columns="expert", values="count").reindex(domains).fillna(0)
+    ax.imshow(share.fillna(0).values, vmin=0, vmax=1, cmap="Blues", aspect="auto")
+    for (r, c), value in np.ndenumerate(count.values):
+        ax.text(c, r, f"{int(value)}", ha="center", va="center", fontsize=7,
+                color="white" if share.values[r, c] > 0.6 else "black")
+    ax.set_xticks(range(share.shape[1]), [str(e) for e in share.columns])
+    ax.set_yticks(range(len(domains)), domains)
+    ax.set_xlabel(f"expert ({part['unit'].iloc[0]})")
 
 
 def gc_by_label(table, *, title: str = ""):

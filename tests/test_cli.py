@@ -329,6 +329,7 @@ def test_every_gc_option_is_honoured_for_a_run_or_refused_with_exit_2(tiny_gc_ru
         "--frequency-from": (["--frequency-from", str(tiny_gc_run / "other.txt")],
                              lambda r: r["options"]["frequency_from"].endswith("other.txt")),
         "--text-column": (["--text-column", "text"], lambda r: r["data"]),
+        "--format": (["--format", "jsonl"], lambda r: r["options"]["data_format"] == "jsonl"),
         "--label-column": (["--label-column", "domain", "--homogeneous-label", "general"],
                            lambda r: r["options"]["gc"]["homogeneous_label"] == "general"),
         "--homogeneous-label": None,  # with --label-column above
@@ -363,7 +364,7 @@ def test_every_gc_option_is_honoured_for_a_run_or_refused_with_exit_2(tiny_gc_ru
         # the same computation by design (the defaults spelled out); --frequency-from rescores the sentences
         # (tests/test_inputs.py) but here leaves the same lowest third
         if option not in ("--text-column", "--tokenizer", "--device", "--cache-dir", "--max-memory",
-                          "--frequency-from"):
+                          "--frequency-from", "--format"):
             assert result["series"] != default["series"] or result["n_tail"] != default["n_tail"], option
     for option, extra in refused.items():
         with pytest.raises(SystemExit) as exited:

@@ -311,7 +311,7 @@ def test_a_diverged_run_stops_at_the_first_non_finite_step_and_keeps_finite_chec
 def test_resuming_from_non_finite_weights_is_refused(tmp_path):
     torch.set_default_dtype(torch.float32)
     dense = {"n_layer": 1, "n_embd": 16, "n_head": 2}
-    last = train(config(tmp_path, "run", model=dense, cse={}, steps=2, checkpoint_every=2))
+    last = train(config(tmp_path, "run", model=dense, cse={}, steps=4, stop_at=2, checkpoint_every=2))
     state = load_safetensors(last / "model.safetensors", "test")
     state["transformer.wte.weight"][0, 0] = float("nan")
     save_file(state, str(last / "model.safetensors"), metadata={"format": "pt"})

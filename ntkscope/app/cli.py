@@ -11,6 +11,7 @@ The plotting backend is chosen here (Agg: files, no display), never inside the l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -25,11 +26,12 @@ from ntkscope.app import commands, corpus_cli, own_model, reproduce_cli
 from ntkscope.app.parsing import DATA_HELP as _DATA_HELP
 from ntkscope.app.parsing import add_column_args as _add_column_args
 from ntkscope.app.parsing import print_table as _print_table
+from ntkscope.app.parsing import COUNT, FRACTION, POSITIVE_INT, ranged
 from ntkscope.app.parsing import source as _source
 from ntkscope.app.demo import perplexity, run_demo
 from ntkscope.app.options import GCOptions, Sentences
 from ntkscope.core.checks import InputError, UserError
-from ntkscope.core.files import check_output, write_table
+from ntkscope.core.files import check_output, output_lock, write_table
 from ntkscope.core.progress import logging_redirect_tqdm
 from ntkscope.core.provenance import set_command
 from ntkscope.gc.groups import GC_OUTPUT, GROUPINGS
@@ -217,8 +219,8 @@ def _add_data_args(parser, n_default: int) -> None:
     _add_column_args(parser)
     parser.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, its run's pack, else the "
                         "data pack's BPE (checked against the model's vocabulary)")
-    parser.add_argument("--n", type=int, default=n_default, help=f"sentences to analyse (default {n_default})")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sentence at most (default 64)")
+    parser.add_argument("--n", type=POSITIVE_INT, default=n_default, help=f"sentences to analyse (default {n_default})")
+    parser.add_argument("--seq-len", type=POSITIVE_INT, default=64, help="tokens per sentence at most (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="sentence sampling (and projection) seed")
 
 
@@ -251,9 +253,10 @@ def _add_model_args(parser, n_default: int, task: str, output: str = "loss") -> 
 def _add_analysis_args(parser) -> None:
     _add_data_args(parser, 256)
     parser.add_argument("--point", default="block", choices=POINTS)
-    parser.add_argument("--k-max", type=int, default=10, help="largest K of the elbow search (default 10)")
-    parser.add_argument("--projection-dim", type=int, default=64, help="random projection dimension (default 64)")
-    parser.add_argument("--top-k", type=int, default=2, help="CSE layers to choose (default 2)")
+    parser.add_argument("--k-max", type=POSITIVE_INT, default=10, help="largest K of the elbow search (default 10)")
+    parser.add_argument("--projection-dim", type=POSITIVE_INT, default=64,
+                        help="random projection dimension (default 64)")
+    parser.add_argument("--top-k", type=POSITIVE_INT, default=2, help="CSE layers to choose (default 2)")
     _add_cache_arg(parser)
 
 
@@ -277,8 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a small GPT on the default corpus pack and print GC per domain and frequency bin",
         description="Example: ntkscope demo --steps 800 --n 128",
     )
-    demo.add_argument("--steps", type=int, default=800, help="training steps before the analysis (default 800)")
-    demo.add_argument("--n", type=int, default=128, help="sentences in the analysis batch (default 128)")
+    demo.add_argument("--steps", type=POSITIVE_INT, default=800,
+                      help="training steps before the analysis (default 800)")
+    demo.add_argument("--n", type=POSITIVE_INT, default=128, help="sentences in the analysis batch (default 128)")
     demo.add_argument("--seed", type=int, default=0, help="seed for data sampling, init and training")
     _add_method_arg(demo, "eigen")
     demo.add_argument("--out", help="also write the GC table to this CSV file")
@@ -293,18 +297,19 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--bins", type=int, help=f"frequency bins (default {GC_ONE['bins']}; one checkpoint)")
     gc.add_argument("--binning", choices=BINNINGS,
                     help="equal-count bins (default) or equal-width bins of the frequency score (one checkpoint)")
-    gc.add_argument("--min-count", type=int, help=f"smallest subset analysed (default {GC_ONE['min_count']}; one "
+    gc.add_argument("--min-count", type=POSITIVE_INT,
+                    help=f"smallest subset analysed (default {GC_ONE['min_count']}; one "
                     "checkpoint)")
-    gc.add_argument("--tail-fraction", type=float, help=f"a run directory: the long tail is this lowest-score share "
+    gc.add_argument("--tail-fraction", type=FRACTION, help=f"a run directory: the long tail is this lowest-score share "
                     f"of the sentences (default {GC_RUN['tail_fraction']:.3g})")
     _add_cache_arg(gc)
     gc.add_argument("--outputs", help="several scalar outputs side by side, comma-separated, e.g. "
                     f"{','.join(SCALAR_OUTPUTS)} (a sensitivity view; overrides --output)")
-    gc.add_argument("--resamples", type=int, default=200,
+    gc.add_argument("--resamples", type=COUNT, default=200,
                     help="replicates per GC: jackknife deletions at most, or bootstrap resamples (default 200; 0: none)")
-    gc.add_argument("--null-draws", type=int, default=200,
+    gc.add_argument("--null-draws", type=COUNT, default=200,
                     help="subsets behind each null band (default 200; 0: none)")
-    gc.add_argument("--confidence", type=float, default=0.9, help="interval and null band level (default 0.9)")
+    gc.add_argument("--confidence", type=FRACTION, default=0.9, help="interval and null band level (default 0.9)")
     gc.add_argument("--interval", default="jackknife", choices=INTERVALS,
                     help="jackknife (default: the finite-n interval, its bias and the large-sample estimate; "
                     "docs/gc-calibration.md), or the bootstrap's basic or bca, kept for comparison")
@@ -340,10 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("run_dir", metavar="RUN", help="a training run directory (checkpoints/step-NNNNNN)")
     _add_analysis_args(plan)
     plan.add_argument("--module", default="ffn", choices=["ffn", "attn"])
-    plan.add_argument("--tail-fraction", type=float, default=1 / 3, help="long tail: lowest-score share (default 1/3)")
+    plan.add_argument("--tail-fraction", type=FRACTION, default=1 / 3,
+                      help="long tail: lowest-score share (default 1/3)")
     plan.add_argument("--output", default=GC_OUTPUT, choices=list(SCALAR_OUTPUTS),
                       help=f"f(x) for GC (default {GC_OUTPUT}; docs/gc-outputs.md)")
-    plan.add_argument("--overlap", type=float, default=0.8,
+    plan.add_argument("--overlap", type=ranged(float, 0, 1, open_low=True), default=0.8,
                       help="adjusted Rand index between neighbouring checkpoints' router clusters above which they "
                       "count as stable (the warm-up's fallback rule; default 0.8)")
     plan.add_argument("--tail-labels", help="comma-separated labels of the long tail, for the labels' evidence "
@@ -444,7 +450,7 @@ def _run(args) -> int:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
-        with logging_redirect_tqdm():  # log lines print above a progress bar
+        with logging_redirect_tqdm(), _out_lock(args):  # log lines print above a progress bar
             return args.run(args)
     except UserError as err:  # the user's mistake: one line; anything else is a bug and keeps its traceback
         _error(args, err)
@@ -458,6 +464,23 @@ def _run(args) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"ntkscope {args.command}: interrupted; no partial results were written", file=sys.stderr)
         return 130
+
+
+#: what each command's --out names; compare, reproduce and corpus build lock their own output
+_OUT_KINDS = {"demo": "file", "gc": "dir", "ntk": "dir", "freq": "dir", "clusters": "file", "plan": "file",
+              "report": "file", "eval": "dir", "info": "dir"}
+
+
+def _out_lock(args):
+    """The one lock on the command's ``--out``, held from before the work to the last write: a
+    second process writing the same output is refused in one line, never silently lost. Under
+    torchrun, rank 0 holds it (it is the one that writes)."""
+    kind = _OUT_KINDS.get(getattr(args, "corpus_command", None) or args.command)
+    out = getattr(args, "out", None)
+    if kind is None or out is None or os.environ.get("RANK", "0") != "0":
+        return contextlib.nullcontext()
+    check_output(args.command, out, kind=kind)
+    return output_lock(out, f"ntkscope {args.command}")
 
 
 def _error(args, err: Exception) -> None:

@@ -12,6 +12,8 @@ ppl and its interval, and the change against dense of the same seed (``vs_dense`
 from __future__ import annotations
 
 import logging
+import math
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -23,16 +25,19 @@ from cse_models.train import train
 from cse_models.train_config import TrainConfig, warmup_after
 from ntkscope.app.commands import data_files
 from ntkscope.core.checks import InputError
-from ntkscope.core.files import DirectoryLock, Staging, write_json, write_table
+from ntkscope.core.files import DirectoryLock, Staging, check_output, digest, write_json, write_table
+from ntkscope.core.requests import bind_request
 from ntkscope.core.provenance import provenance
 from ntkscope.plotting import routing_shares, save_figure
 from ntkscope.representation.plan import Plan
-from ntkscope.runs.checkpoints import checkpoint_tokenizer, is_run_dir, list_checkpoints
+from ntkscope.runs.checkpoints import checkpoint_tokenizer, is_run_dir, list_checkpoints, load_checkpoint
+from ntkscope.runs.families import family_of
 from ntkscope.text.inputs import DataSource, as_source
 
 log = logging.getLogger(__name__)
 
 ARMS = ("dense", "cse", "switch")
+REQUEST = "compare.json"  # what OUT was asked to hold (:func:`ntkscope.core.requests.bind_request`)
 
 
 def _config(arm: str, run: Path, common: dict, cse: dict, sparse_layers, switch_experts: int | None) -> TrainConfig:
@@ -73,33 +78,62 @@ def _check_warmup(init_from, plan) -> None:
 
 def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None, steps: int = 200,
                     batch_size: int = 16, seq_len: int = 64, lr: float = 1e-3, seeds=(0,), text_column: str = "text",
-                    label_column: str | None = None, tokenizer=None, n_samples: int = 3000,
-                    min_cluster_size: int = 15, n_boot: int = 1000, out="compare") -> dict:
+                    label_column: str | None = None, data_format: str = "auto", tokenizer=None, n_samples: int = 3000,
+                    min_cluster_size: int = 15, n_boot: int = 1000, out="compare", force: bool = False) -> dict:
     """Train dense / CSE / Switch from ``init_from`` on ``train_data`` and compare them per domain on
     ``eval_data`` (both read as ``--data`` is). ``plan`` (from ``ntkscope plan``) gives the layers
-    (and is checked against the model), or ``layers`` names them."""
+    (and is checked against the model), or ``layers`` names them.
+
+    Everything is checked before the first arm trains, and a refused comparison leaves nothing
+    behind. ``out`` is tied to this request (``OUT/compare.json``): a rerun that asks for anything
+    else (another lr, other data, ...) is refused in one line naming the fields, unless ``force``,
+    which deletes the old runs and tables and starts over."""
     func = "ntkscope compare"
     if (plan is None) == (layers is None):
         raise InputError("plan", "give a plan file or --layers (not both)", plan or layers, func=func)
     seeds = [int(s) for s in seeds]
     if not seeds or len(set(seeds)) != len(seeds):
         raise InputError("seeds", "must list distinct integers", seeds, func=func)
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len), ("n_boot", n_boot),
+                        ("min_cluster_size", min_cluster_size), ("n_samples", n_samples)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(name, "must be a positive integer", value, func=func)
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise InputError("lr", "must be a positive, finite number", lr, func=func)
+    out = check_output(func, out)
     train_source = as_source(train_data)
     if train_source.kind not in ("table", "datasets"):
         raise InputError("train_data", "must be a table (.jsonl, .csv, .tsv, .parquet) or a datasets directory",
                          str(train_data), func=func)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    eval_source = as_source(eval_data, columns=DataSource(None, text_column, label_column, None, data_format))
     sparse_layers = "auto" if plan is not None else [int(i) for i in layers]
     if is_run_dir(init_from):
         init_from = _warmup_checkpoint(init_from, plan)
     elif plan is not None:
         _check_warmup(init_from, plan)
+    model = load_checkpoint(init_from)  # the safe loader: a pickle that would run code is refused here
+    blocks = family_of(model).blocks
+    if sparse_layers != "auto" and blocks is not None:  # the layers against the model, before any arm trains
+        n_layer = len(blocks(model))
+        bad = [i for i in sparse_layers if not 0 <= i < n_layer]
+        if bad or len(set(sparse_layers)) != len(sparse_layers):
+            raise InputError("layers", f"must be distinct block indices in [0, {n_layer}) of this {n_layer}-layer "
+                             "model", bad or sparse_layers, func=func)
+    del model
     tokenizer = checkpoint_tokenizer(init_from, tokenizer).name  # the one resolution, for every arm
     data = {"table": str(train_source.path), "text_column": text_column, "label_column": label_column,
             "seq_len": seq_len, "tokenizer": tokenizer}
+    request = {"init_from": str(init_from), "init_weights": digest({}, paths=[init_from]), "train_data": data,
+               "train_data_contents": digest({}, paths=train_source.files), "eval_data": eval_source.options(),
+               "eval_data_contents": digest({}, paths=eval_source.files), "plan": None if plan is None else str(plan),
+               "layers": sparse_layers, "steps": steps, "batch_size": batch_size, "lr": lr, "seeds": seeds,
+               "n_samples": n_samples, "min_cluster_size": min_cluster_size, "n_boot": n_boot}
     results = []
     with DirectoryLock(out, "compare"):
+        if force:
+            for name in ("runs", "tables", REQUEST):
+                shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
+        bind_request(out, request, func, record=REQUEST)
         for seed in seeds:
             common = {"init_from": str(init_from), "data": data, "steps": steps, "batch_size": batch_size, "lr": lr,
                       "warmup_steps": max(1, steps // 20), "seed": seed, "checkpoint_every": max(1, steps // 4),
@@ -115,11 +149,10 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
                 done = latest_checkpoint(run)
                 last[arm] = done if done is not None and done.name == f"step-{steps:06d}" else train(cfg)
             results.append((seed, last))
-        return _evaluate(results, eval_data, text_column, label_column, tokenizer, n_boot, out)
+        return _evaluate(results, eval_source, tokenizer, n_boot, out)
 
 
-def _evaluate(results, eval_data, text_column, label_column, tokenizer, n_boot, out: Path) -> dict:
-    source = as_source(eval_data, columns=DataSource(None, text_column, label_column))
+def _evaluate(results, source: DataSource, tokenizer, n_boot, out: Path) -> dict:
     rows = source.rows("test") if source.kind == "pack" else source.rows()
     texts, labels = [t for t, _ in rows], [label for _, label in rows]
     frames, routing = [], {}

@@ -8,7 +8,7 @@ import argparse
 
 from ntkscope.app import commands
 from ntkscope.app.compare import compare_command
-from ntkscope.app.parsing import DATA_HELP, add_column_args, print_table, source
+from ntkscope.app.parsing import DATA_HELP, POSITIVE, POSITIVE_INT, add_column_args, print_table, ranged, source
 
 
 def _eval(args) -> int:
@@ -28,8 +28,9 @@ def _compare(args) -> int:
     r = compare_command(args.init_from, args.train_data, args.data, plan=args.plan, layers=args.layers,
                         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                         seeds=args.seeds,
-                        text_column=args.text_column, label_column=args.label_column, tokenizer=args.tokenizer,
-                        min_cluster_size=args.min_cluster_size, out=args.out)
+                        text_column=args.text_column, label_column=args.label_column, data_format=args.format,
+                        tokenizer=args.tokenizer, min_cluster_size=args.min_cluster_size, out=args.out,
+                        force=args.force)
     table = r["table"].pivot_table(index=["domain"], columns=["arm", "seed"], values="ppl")
     print_table("perplexity per domain on the evaluation data (arm x seed):", table.reset_index())
     print(f"\nwrote {args.out}/tables/comparison.csv")
@@ -53,8 +54,8 @@ def add_parsers(sub) -> None:
     ev.add_argument("--data", default="default", help=DATA_HELP)
     add_column_args(ev)
     ev.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, its run's tokenizer or pack")
-    ev.add_argument("--batch-size", type=int, default=16)
-    ev.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples of the intervals")
+    ev.add_argument("--batch-size", type=POSITIVE_INT, default=16)
+    ev.add_argument("--n-boot", type=POSITIVE_INT, default=1000, help="bootstrap resamples of the intervals")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", help="directory for perplexity.csv, routing.csv, routing.png, result.json")
     ev.set_defaults(run=_eval)
@@ -70,12 +71,15 @@ def add_parsers(sub) -> None:
     where = cmp_.add_mutually_exclusive_group(required=True)
     where.add_argument("--plan", help="a plan from ntkscope plan: its layers (checked against the model)")
     where.add_argument("--layers", type=_int_list, help="comma-separated block indices of the sparse layers")
-    cmp_.add_argument("--steps", type=int, default=200, help="training steps of every arm (default 200)")
-    cmp_.add_argument("--batch-size", type=int, default=16)
-    cmp_.add_argument("--seq-len", type=int, default=64)
-    cmp_.add_argument("--lr", type=float, default=1e-3)
+    cmp_.add_argument("--steps", type=POSITIVE_INT, default=200, help="training steps of every arm (default 200)")
+    cmp_.add_argument("--batch-size", type=POSITIVE_INT, default=16)
+    cmp_.add_argument("--seq-len", type=POSITIVE_INT, default=64)
+    cmp_.add_argument("--lr", type=POSITIVE, default=1e-3)
     cmp_.add_argument("--seeds", type=_int_list, default=[0], help="comma-separated seeds (data order; default 0)")
-    cmp_.add_argument("--min-cluster-size", type=int, default=15, help="CSE router: HDBSCAN's smallest cluster")
+    cmp_.add_argument("--min-cluster-size", type=ranged(int, 2), default=15,
+                      help="CSE router: HDBSCAN's smallest cluster")
     cmp_.add_argument("--tokenizer", help="default: init_from's tokenizer.json")
     cmp_.add_argument("--out", default="compare", help="directory for the runs and tables/ (default compare)")
+    cmp_.add_argument("--force", action="store_true", help="OUT holds a comparison asked with other options: delete "
+                      "its runs and tables and start over (without it, such a rerun is refused)")
     cmp_.set_defaults(run=_compare)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +17,8 @@ from pathlib import Path
 import pandas as pd
 
 from ntkscope.app.glossary import describe
-from ntkscope.core.checks import MissingInput, fail
-from ntkscope.core.files import strict_json, write_text
+from ntkscope.core.checks import MissingInput, UserError, fail
+from ntkscope.core.files import read_json_object, strict_json, write_text
 from ntkscope.core.provenance import environment
 from ntkscope.plotting import (gc_by_label, gc_over_steps, gc_vs_frequency, layer_dynamics, routing_shares,
                                score_histogram_bars, training_curve)
@@ -36,6 +35,17 @@ FLAG_WORDS = {
     "cos-ones-subset": "the subset's top eigenvector is far from all-ones: a few samples dominate it",
     "sign": "GC's sign is a coin toss between independent draws",
 }
+#: the columns the report reads: of a GC table (gc.csv of ``ntkscope gc``, a reproduction's gc_by_bin.csv),
+#: of its frequency-bin figure, of a GC series (gc_over_steps.csv, a tracker's gc.csv); the columns that
+#: must hold numbers wherever they are; and a routing table's (``cse_models.domains.routing_table``)
+GC_GROUP = ["label", "abs_gc", "abs_gc_low", "abs_gc_high", "null_low", "null_high", "n_subset", "flags"]
+GC_BINS = ["left", "right", "mean_gradient", "mean_gradient_low", "mean_gradient_high"]
+GC_STEPS = ["step", "abs_gc", "abs_gc_se", "null_low", "null_median", "null_high", "flags"]
+NUMBERS = ["step", "abs_gc", "abs_gc_low", "abs_gc_high", "abs_gc_se", "null_low", "null_median", "null_high",
+           "n_subset", "left", "right", "mean_gradient", "mean_gradient_low", "mean_gradient_high", "kernel_cka",
+           "count", "percent", "k", "k_silhouette", "silhouette", "inter_distance", "separation", "n_clusters",
+           "n_pure_tail", "tail_share", "share_of_domain", "loss", "lr"]
+ROUTING = ["layer", "expert", "domain", "unit", "count", "share_of_domain"]
 
 
 @dataclass
@@ -60,7 +70,8 @@ def _png(fig) -> bytes:
 
 
 class _Files:
-    """The tables and JSON files of the directory, wherever its kind keeps them."""
+    """The tables and JSON files of the directory, wherever its kind keeps them, read defensively:
+    a file that is damaged, or not what ntkscope writes under its name, is one line naming it."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -71,11 +82,39 @@ class _Files:
 
     def csv(self, name: str) -> pd.DataFrame | None:
         path = self.path(name)
-        return None if path is None else pd.read_csv(path, keep_default_na=False, na_values=[""])
+        if path is None:
+            return None
+        try:
+            return pd.read_csv(path, keep_default_na=False, na_values=[""])
+        except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as err:
+            raise UserError(f"report: {path} is not a readable CSV table ({str(err).splitlines()[0][:160]})") from None
+
+    def table(self, name: str, columns, *, key: str | None = None) -> pd.DataFrame | None:
+        """``name``'s table when the directory has one (and, with ``key``, when it has that column:
+        else it is another kind of table of that name), checked to have ``columns`` and rows."""
+        table = self.csv(name)
+        if table is None or (key is not None and key not in table):
+            return None
+        self.check(name, table, columns)
+        return table
+
+    def check(self, name: str, table: pd.DataFrame, columns) -> None:
+        """One line naming the file when ``table`` lacks any of ``columns``, has no rows, or holds
+        other than numbers in a column that must hold numbers (:data:`NUMBERS`)."""
+        path = self.path(name)
+        missing = [c for c in columns if c not in table.columns]
+        if missing:
+            raise UserError(f"report: {path} lacks the columns {missing} (not a whole {name} of ntkscope's)")
+        if table.empty:
+            raise UserError(f"report: {path} holds no rows")
+        for column in (c for c in NUMBERS if c in table.columns):
+            if not pd.api.types.is_numeric_dtype(table[column]):
+                value = next((v for v in table[column] if not isinstance(v, (int, float))), table[column].iloc[0])
+                raise UserError(f"report: {path}: column {column} must hold numbers (got {value!r})")
 
     def json(self, name: str) -> dict | None:
         path = self.path(name)
-        return None if path is None else json.loads(path.read_text())
+        return None if path is None else read_json_object(path, "report")
 
 
 def kind_of(path: Path) -> str:
@@ -109,13 +148,17 @@ def _versus(row) -> str:
 
 
 def _gc_groups(files: _Files) -> Section | None:
-    table = files.csv("gc.csv") if files.path("gc.csv") and files.path("result.json") else files.csv("gc_by_bin.csv")
-    if table is None or "abs_gc" not in table:
+    name = "gc.csv" if files.path("gc.csv") and files.path("result.json") else "gc_by_bin.csv"
+    table = files.table(name, GC_GROUP, key="abs_gc")
+    if table is None:
         return None
     if "output" in table:  # several outputs side by side: the report shows the first (the figures' output)
         table = table[table["output"] == table["output"].iloc[0]]
-    hist = files.csv("histogram.csv")
+    hist = files.table("histogram.csv", ["left", "right", "count"], key="count")
     bins = table["label"].astype(str).str.startswith("bin ").all()
+    if bins and hist is not None:  # the frequency-bin figure
+        files.check(name, table, GC_BINS)
+        files.check("histogram.csv", hist, ["percent"])
     section = Section("GC of each subset against the whole set",
                       "Gradient consistency of each frequency bin (or label) against all the analysis sentences, "
                       "with its interval, and the null bands: random subsets of the same size, homogeneous text, "
@@ -130,8 +173,8 @@ def _gc_groups(files: _Files) -> Section | None:
 
 
 def _frequency(files: _Files) -> Section | None:
-    hist = files.csv("histogram.csv")
-    if hist is None or "count" not in hist:
+    hist = files.table("histogram.csv", ["left", "right", "count"], key="count")
+    if hist is None:
         return None
     section = Section("Sentence frequency", "How many analysis sentences fall in each frequency-score bin (the "
                       "score is the mean log frequency of a sentence's tokens in the training text).")
@@ -141,11 +184,11 @@ def _frequency(files: _Files) -> Section | None:
 
 
 def _gc_steps(files: _Files) -> Section | None:
-    frame = files.csv("gc_over_steps.csv")
+    frame = files.table("gc_over_steps.csv", GC_STEPS, key="step")
     source = "checkpoints"
     if frame is None and files.path("gc.csv") is not None and files.path("tracker.json") is not None:
-        frame, source = files.csv("gc.csv"), "the tracker's probes during training"
-    if frame is None or "step" not in frame:
+        frame, source = files.table("gc.csv", GC_STEPS, key="step"), "the tracker's probes during training"
+    if frame is None:
         return None
     section = Section("GC over training", f"|GC| of the long-tail subset against the whole set at each step "
                       f"(from {source}), above; below, its excess over the random null's median with a 90 % band. "
@@ -174,9 +217,13 @@ def _gc_steps(files: _Files) -> Section | None:
 
 
 def _dynamics(files: _Files) -> Section | None:
-    table, router = files.csv("dynamics.csv"), files.csv("router_dynamics.csv")
+    table = files.table("dynamics.csv", ["step", "layer", "k", "k_silhouette", "silhouette", "inter_distance"])
     if table is None:
         return None
+    router = files.table("router_dynamics.csv", ["step", "layer", "n_clusters", "n_pure_tail", "tail_share"])
+    if router is not None:  # the kNN lift of every tail domain whose share it has
+        files.check("router_dynamics.csv", router, [f"knn_lift {c.split(' ', 1)[1]}" for c in router.columns
+                                                    if c.startswith("tail_share ")])
     section = Section("Cluster and router dynamics", "Per layer over training: the elbow K and the separation of "
                       "the layer's clusters, and (where measured) the CSE router's clusters, their purity and the "
                       "share of long-tail text in pure tail clusters.")
@@ -198,6 +245,7 @@ def _plan(files: _Files) -> Section | None:
         plan = result.get("plan") if isinstance(result.get("plan"), dict) else None
     if plan is None or "layers" not in plan:
         return None
+    evidence = plan.get("evidence") if isinstance(plan.get("evidence"), dict) else {}
     section = Section("The plan", "Which layers get CSE experts, and the dense warm-up before the router is fitted, "
                       "with the evidence behind each choice, as plan.json recorded them when the plan was made (the "
                       "sections below measure again from the tables).")
@@ -207,22 +255,28 @@ def _plan(files: _Files) -> Section | None:
     section.notes.append(f"Dense warm-up: {warmup} steps" + (f", by the rule '{plan['warmup_rule']}'"
                                                               if plan.get("warmup_rule") else "") + "." if warmup
                          is not None else "No warm-up was chosen (no GC series or router dynamics).")
-    peak = (plan.get("evidence") or {}).get("gc_peak")
+    peak = evidence.get("gc_peak")
     if isinstance(peak, dict):
         found = f"shown at step {peak.get('step')}" if peak.get("shown") else "not shown"
         section.notes.append(f"GC peak: {found} ({peak.get('why', '')}).")
-    separation = (plan.get("evidence") or {}).get("separation")
+    separation = evidence.get("separation")
     if isinstance(separation, list) and separation:
         section.tables["separation per layer (evidence)"] = pd.DataFrame(separation)
     return section
 
 
 def _routing(files: _Files) -> Section | None:
-    summary, routing = files.csv("routing_summary.csv"), files.csv("routing.csv")
-    if summary is None and (routing is None or "share_of_domain" not in routing):
+    summary, routing = files.csv("routing_summary.csv"), files.table("routing.csv", ROUTING, key="share_of_domain")
+    if summary is None and routing is None:
         return None
-    section = Section("Routing", "Where each domain's text is routed by the sparse layers.")
-    if routing is not None and "share_of_domain" in routing:
+    section = Section("Routing", "Where each domain's text is routed by the sparse layers (with several models, "
+                      "as ntkscope compare evaluates them: one row of panels per arm and seed).")
+    if routing is not None:
+        keys = ["layer", "expert", "domain", *[c for c in ("arm", "seed") if c in routing]]
+        repeated = int(routing.duplicated(keys).sum())
+        if repeated:
+            raise UserError(f"report: {files.path('routing.csv')} has more than one row for one ({', '.join(keys)}) "
+                            f"({repeated} repeated); the rows of several models need arm and seed columns")
         section.figures.append(_png(routing_shares(routing)))
         section.tables["routing"] = routing
     if summary is not None:
@@ -240,8 +294,8 @@ def _results(files: _Files) -> Section | None:
 
 
 def _training(files: _Files) -> Section | None:
-    metrics = files.csv("metrics.csv")
-    if metrics is None or "loss" not in metrics:
+    metrics = files.table("metrics.csv", ["step", "loss"], key="loss")
+    if metrics is None:
         return None
     section = Section("Training", "The run's training loss and learning rate.")
     section.figures.append(_png(training_curve(metrics)))
@@ -254,15 +308,17 @@ def _made_by(root: Path, kind: str, files: _Files) -> Section:
     made = {}
     manifest = files.json("manifest.json")
     if kind == "reproduction" and manifest:
-        section.notes.append(f"Command: ntkscope reproduce --{manifest['mode']} {root}")
+        if manifest.get("mode"):
+            section.notes.append(f"Command: ntkscope reproduce --{manifest['mode']} {root}")
         made.update({"environment": manifest.get("environment"), "settings": manifest.get("settings"),
                      "corpus pack version": manifest.get("pack_version")})
     for name in ("result.json", "tracker.json", "train_config.json", "plan.json"):
         data = files.json(name)
         if not data:
             continue
-        provenance = data.get("provenance") or (data.get("source") or {}).get("provenance")
-        if provenance:
+        source = data.get("source") if isinstance(data.get("source"), dict) else {}
+        provenance = data.get("provenance") or source.get("provenance")
+        if isinstance(provenance, dict) and provenance:
             if provenance.get("command"):
                 section.notes.append(f"Command: {provenance['command']}")
             made[f"{name}: provenance"] = provenance

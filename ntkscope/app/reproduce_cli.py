@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ntkscope.app.parsing import COUNT, POSITIVE_INT
 from ntkscope.core.checks import InputError
+from ntkscope.core.files import check_output
 from ntkscope.reproduction import reproduce
 from ntkscope.reproduction.settings import settings_for
 
@@ -17,10 +19,6 @@ def _sweep(args, out: Path) -> int:
     unknown = sorted(set(arms) - set(ARM_NAMES))
     if unknown:
         raise InputError("--arms", f"must name arms of {list(ARM_NAMES)}", unknown)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     verdict = Sweep(out, _reproduce_settings(args), arms=arms, pack=args.data).run()
     print(f"sweep in {out}: tables in {out}/tables (arms.csv, paired.csv, load.csv, routing.csv, verdict.json)")
     for arm, found in verdict.items():
@@ -30,16 +28,21 @@ def _sweep(args, out: Path) -> int:
 
 def _reproduce_settings(args):
     changes = {"adopt_from": str(args.adopt)} if args.adopt else {}
-    if args.track_every < 0:
-        raise InputError("track-every", "must be a step count >= 0 (0: off)", args.track_every,
-                         func="ntkscope reproduce")
     if args.track_every:
         changes["track_every"] = args.track_every
     return settings_for(args.mode, **changes)
 
 
 def _reproduce(args) -> int:
-    out = Path(args.out or f"runs/reproduce-{args.mode}")
+    func = "ntkscope reproduce"
+    out = check_output(func, Path(args.out or f"runs/reproduce-{args.mode}"))  # before any work, not after
+    if args.adopt is not None and not Path(args.adopt).is_dir():
+        raise InputError("--adopt", "must be a directory of trained model directories (e.g. a sweep's RUN/models)",
+                         str(args.adopt), func=func)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.mode == "sweep":
         return _sweep(args, out)
     manifest = reproduce(out, args.mode, settings=_reproduce_settings(args), pack=args.data)
@@ -88,10 +91,11 @@ def add_parsers(sub) -> None:
         size.add_argument(f"--{mode}", dest="mode", action="store_const", const=mode, help=text)
     rep.set_defaults(mode="quick")
     rep.add_argument("--arms", help="--sweep: a comma-separated subset of the arms (default: all, in order)")
-    rep.add_argument("--threads", type=int, help="torch threads of this process (default: torch's; --sweep with "
+    rep.add_argument("--threads", type=POSITIVE_INT,
+                     help="torch threads of this process (default: torch's; --sweep with "
                      "two processes side by side on 2 cores: 1 each)")
     rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
-    rep.add_argument("--track-every", type=int, default=0, metavar="STEPS",
+    rep.add_argument("--track-every", type=COUNT, default=0, metavar="STEPS",
                      help="also train the dense model with a GC tracker on Figure 3(a)'s sentences every STEPS steps "
                      "and draw fig3a-tracked from it (default 0: off)")
     rep.add_argument("--adopt", metavar="MODELS", help="a directory of trained model directories (e.g. a sweep's "

@@ -296,15 +296,18 @@ class DirectoryLock:
 
     NAME = ".ntkscope.lock"
 
-    def __init__(self, directory: str | os.PathLike, what: str):
+    def __init__(self, directory: str | os.PathLike, what: str, *, name: str | None = None,
+                 subject: str | os.PathLike | None = None):
         self.directory, self.what = Path(directory), what
+        self.name = name or self.NAME
+        self.subject = subject if subject is not None else self.directory  # what the refusal says is in use
         self._fh = None
         self._made = False
 
     def _open_locked(self):
         """The lock file, opened and flocked; the file the path names when the lock was taken
         (one that a leaving holder unlinked in between is not a lock: open again)."""
-        path = self.directory / self.NAME
+        path = self.directory / self.name
         while True:
             fh = open(path, "a+")
             try:
@@ -314,7 +317,7 @@ class DirectoryLock:
                 holder = fh.read().strip() or "unknown"
                 fh.close()
                 if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise UserError(f"{self.what}: {self.directory} is in use by another process ({holder}); "
+                    raise UserError(f"{self.what}: {self.subject} is in use by another process ({holder}); "
                                     "wait for it to finish or use another directory") from None
                 raise
             try:
@@ -344,7 +347,7 @@ class DirectoryLock:
     def __exit__(self, exc_type, exc, tb) -> None:
         fh, self._fh = self._fh, None
         try:
-            os.unlink(self.directory / self.NAME)  # while still held: a waiting opener sees another file
+            os.unlink(self.directory / self.name)  # while still held: a waiting opener sees another file
         except FileNotFoundError:
             pass
         fcntl.flock(fh, fcntl.LOCK_UN)
@@ -354,6 +357,16 @@ class DirectoryLock:
                 self.directory.rmdir()  # only when empty: this lock made it and nothing was written
             except OSError:
                 pass
+
+
+def output_lock(path: str | os.PathLike, what: str) -> DirectoryLock:
+    """The one lock of a command's ``--out`` (a file or a directory ``F``), held from before its
+    work to its last write: a lock file ``.F.lock`` beside it, so that the output itself is made
+    only when there is a result (a killed or refused command leaves no empty directory) and two
+    outputs in one folder never wait for each other. A second writer is refused at once in one
+    line naming the holder."""
+    path = Path(path)
+    return DirectoryLock(path.parent, what, name=f".{path.name}.lock", subject=path)
 
 
 def read_json_object(path: str | os.PathLike, func: str) -> dict:

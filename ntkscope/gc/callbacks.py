@@ -4,7 +4,7 @@ optional dependency: this module is imported only when :class:`GCCallback` is as
 from __future__ import annotations
 
 from ntkscope.core.checks import MissingPackage, fail
-from ntkscope.gc.tracker import GCTracker
+from ntkscope.gc.tracker import GCTracker, _check_model, _check_step
 
 try:
     from transformers import TrainerCallback
@@ -27,6 +27,10 @@ class GCCallback(TrainerCallback):
         self.tracker = tracker
 
     def on_train_begin(self, args, state, control, **kwargs):
+        world_size = getattr(args, "world_size", None)
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise fail("GCCallback.on_train_begin", "args", "must be the Trainer's TrainingArguments (with an integer "
+                       "world_size)", type(args).__name__)
         if args.world_size > 1:  # every rank refuses before the first step, so none waits on another
             raise fail("GCCallback", "world_size", "must be 1: the tracker runs in single-process training "
                        "(measure a data-parallel run's checkpoints afterwards with ntkscope gc RUN_DIR)",
@@ -34,6 +38,10 @@ class GCCallback(TrainerCallback):
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
+        """Probe (on the main process) when the Trainer's ``state.global_step`` is a multiple of the
+        tracker's ``every``; the Trainer passes ``model=``, the module it trains."""
+        _check_model("GCCallback.on_step_end", model)
+        _check_step("GCCallback.on_step_end", getattr(state, "global_step", None), "state.global_step")
         if state.is_world_process_zero:
             self.tracker.step(model, state.global_step)
         return control

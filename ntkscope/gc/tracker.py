@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import random
 import time
 from contextlib import contextmanager
@@ -57,6 +58,43 @@ log = logging.getLogger(__name__)
 
 PROBE_KINDS = ("tail", "frequency-bins", "label")
 FRONT = ["step", "label", "layer"]
+
+
+def _check_out(out) -> Path | None:
+    """``out`` before any probe: an existing directory this user may write, or one that can be made
+    (its nearest existing folder a directory this user may write), as is ``kernels/`` in it."""
+    if out is None:
+        return None
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise fail("GCTracker", "out", "must be a directory (it is an existing file)", str(path))
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise fail("GCTracker", "out", f"must be a directory that can be made ({folder} is a file, not a directory)",
+                   str(path))
+    for place in (folder, path / "kernels"):
+        if place.is_dir() and not os.access(place, os.W_OK | os.X_OK):
+            raise fail("GCTracker", "out", f"must be a directory this user may write ({place} is not writable)",
+                       str(path))
+    return path
+
+
+def _check_model(func: str, model) -> None:
+    """The model a probe measures: the module itself (a name or a path is not loaded here)."""
+    if isinstance(model, torch.nn.Module):
+        return
+    shown = type(model).__name__
+    if model is None or isinstance(model, (str, os.PathLike)):
+        shown = model if model is None else str(model)
+    raise fail(func, "model", "must be the torch.nn.Module being trained (load a named model first)", shown)
+
+
+def _check_step(func: str, step, arg: str = "step") -> None:
+    """A step count: an integer >= 0 (a fraction is no step; it would never be a multiple of every)."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise fail(func, arg, "must be an integer >= 0 (the optimizer steps done)", step)
 
 
 def kernel_cka(a: np.ndarray, b: np.ndarray) -> float:
@@ -220,7 +258,7 @@ class GCTracker:
             raise fail("GCTracker", "tensorboard", "needs out= (the event files go to OUT/tensorboard)", tensorboard)
         self.probes, self.every, self.resampling, self.controls = probes, every, resampling, controls
         self.per_layer = bool(per_layer)
-        self.out = None if out is None else Path(out)
+        self.out = _check_out(out)
         self.rows: list[dict] = []
         self.cost: ProbeCost | None = None
         self.probe_seconds: list[float] = []
@@ -322,12 +360,14 @@ class GCTracker:
 
     # ---- cost ---------------------------------------------------------------------------------
 
+    @entry("GCTracker.estimate")
     def estimate(self, model) -> ProbeCost:
         """The seconds one probe will take, before it runs: the method table's estimate in
         forward and backward passes over the probe set times one such pass (timed on a slice of at
         most 16 probe sentences, scaled to the set by the cost model), plus the statistics: one
         eigendecomposition of a subset-sized kernel, timed, per jackknife replicate and null draw
         of every subset and band (per layer too with ``per_layer``)."""
+        _check_model("GCTracker.estimate", model)
         probes = self.probes
         with _training_untouched(model), functional_model(model, self.options) as fm:
             w = workload(fm, probes.batch, opts=self.options)
@@ -378,6 +418,8 @@ class GCTracker:
         """Call after every optimizer step (``step`` = steps done): probes when ``step`` is a
         multiple of ``every`` and returns that probe's rows, else None. The time between calls
         counts as training time for the overhead it logs."""
+        _check_model("GCTracker.step", model)
+        _check_step("GCTracker.step", step)
         now = time.perf_counter()
         if self._last_call is not None:
             self.train_seconds += now - self._last_call
@@ -400,8 +442,8 @@ class GCTracker:
     @entry("GCTracker.probe")
     def probe(self, model, step: int) -> pd.DataFrame:
         """Measure now, at ``step``: one row per subset (and per layer with ``per_layer``)."""
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise fail("GCTracker.probe", "step", "must be an integer >= 0", step)
+        _check_model("GCTracker.probe", model)
+        _check_step("GCTracker.probe", step)
         if distributed.active() and distributed.world()[1] > 1:  # its kernel would wait for ranks that train
             raise fail("GCTracker.probe", "world", "must be 1: the tracker runs in single-process training (measure "
                        "a data-parallel run's checkpoints afterwards with ntkscope gc RUN_DIR)", distributed.world()[1])

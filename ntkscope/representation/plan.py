@@ -139,6 +139,13 @@ def gc_peak(gc: pd.DataFrame, *, z: float = 1.645) -> dict:
     usable = series[~flagged].reset_index(drop=True)
     if len(usable) < 3:
         return {"step": None, "shown": False, "why": f"fewer than 3 unflagged checkpoints ({len(usable)})", **out}
+    if usable["excess"].isna().any():
+        return {"step": None, "shown": False, "why": "the excess over the random null is not measured at every "
+                "checkpoint (no null draws)", **out}
+    if usable["excess_se"].isna().any():
+        at = int(usable["excess"].idxmax())
+        return {"step": int(usable.iloc[at]["step"]), "shown": False, "why": "the excess has no standard errors "
+                "(no resamples): a peak cannot be shown", **out}
     at = int(usable["excess"].idxmax())
     peak = usable.iloc[at]
     step = int(peak["step"])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ntkscope.core.checks import fail
 from ntkscope.core.files import write_json
+from ntkscope.core.requests import differences, listed
 from ntkscope.kernel.uncertainty import Resampling
 
 
@@ -194,9 +195,11 @@ def bind_settings(run_dir, settings: ReproduceSettings, pack, func: str, what: s
                     if f.default is not dataclasses.MISSING}
         have["settings"] = json.loads(json.dumps({k: v for k, v in {**defaults, **have["settings"]}.items()
                                                   if k not in RUN_LOCAL}))
-        if have != json.loads(json.dumps(wanted)):
-            raise fail(func, "run_dir", f"holds a {what} with other settings or another pack (mode "
-                       f"{have['settings']['mode']!r}, pack {have['pack']!r}); use another directory", str(run_dir))
+        changed = differences(have, wanted)
+        if changed:
+            raise fail(func, "run_dir", f"holds a {what} with other settings or another pack ("
+                       f"{listed(changed)}); "
+                       "use another --out", str(run_dir))
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json(saved, wanted)

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -25,7 +26,7 @@ import pandas as pd
 from sklearn.decomposition import PCA
 from sklearn.metrics import adjusted_rand_score
 
-from ntkscope.core.checks import fail
+from ntkscope.core.checks import UserError, fail
 from ntkscope.core.files import JsonCache, digest
 from ntkscope.core.paths import user_cache_dir
 from ntkscope.core.progress import progress_bar
@@ -65,11 +66,13 @@ class _Progress:
             self.bar.close()
 
 
-def _cache(run_dir, cache_dir) -> JsonCache:
+def _cache(run_dir, cache_dir, func: str = "walk") -> JsonCache:
     """``cache_dir``, else ``RUN/analysis``; a run directory that is not ours to write (read-only,
-    someone else's) caches under ``~/.cache/ntkscope/runs/`` instead, keyed by its resolved path."""
+    someone else's) caches under ``~/.cache/ntkscope/runs/`` instead, keyed by its resolved path.
+    A cache folder this user can neither make nor write is one line, before any checkpoint is analysed."""
     if cache_dir:
-        return JsonCache(Path(cache_dir))
+        return JsonCache(_writable(Path(cache_dir), func, "cache_dir (--cache-dir) must be a folder this user may "
+                                                            "write or make"))
     run_dir = Path(run_dir)
     inside = run_dir / "analysis"
     writable = os.access(inside if inside.is_dir() else run_dir, os.W_OK | os.X_OK)
@@ -78,7 +81,20 @@ def _cache(run_dir, cache_dir) -> JsonCache:
     key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
     elsewhere = user_cache_dir() / "runs" / f"{run_dir.name}-{key}"
     log.info("%s is not ours to write: caching its analyses in %s", run_dir, elsewhere)
-    return JsonCache(elsewhere)
+    return JsonCache(_writable(elsewhere, func, f"run_dir {run_dir} is not ours to write, and its analyses cannot "
+                                                "be cached in the user's cache either (give cache_dir, --cache-dir, or "
+                                                "set NTKSCOPE_CACHE)"))
+
+
+def _writable(folder: Path, func: str, says: str) -> Path:
+    """``folder``, made, once a file could be made in it (and at once removed): the one test of
+    writing that holds for every user, mount and ACL."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        raise UserError(f"{func}: {says}: {folder} cannot be written ({err.strerror or err})") from None
+    return folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +126,7 @@ def walk(run_dir, analyses: dict, *, steps=None, cache_dir=None, models=None, fu
     {path: model} already loaded by the caller, used as they are). Returns ([(step, path)],
     {name: [result per checkpoint]})."""
     checkpoints = select_checkpoints(run_dir, steps, func)
-    cache = _cache(run_dir, cache_dir)
+    cache = _cache(run_dir, cache_dir, func)
     models = {str(k): v for k, v in (models or {}).items()}
     results = {name: [] for name in analyses}
     progress = _Progress(func, len(checkpoints))

@@ -10,9 +10,13 @@
 - A Hugging Face ``datasets`` directory written by ``save_to_disk``, read by
   ``datasets.load_from_disk`` (``pip install 'ntkscope[datasets]'``) with the same columns;
   a ``DatasetDict`` is named by one split's directory (``DIR/validation``).
-- A headerless ``.tsv`` (``label<TAB>text`` lines), and any other UTF-8 text file
+- A headerless ``.tsv`` (``label<TAB>text`` lines), and a ``.txt`` or other UTF-8 text file
   (each line is a row, split into sentences when it holds several, never joined to the next
   line; label ``"text"``).
+- A name that says no format (a pipe such as ``<(zcat rows.jsonl.gz)``, ``/dev/fd/N``, a FIFO,
+  a file without a known suffix) is sniffed once (:func:`sniff_format`: gzip and Parquet by
+  their magic, JSON lines, a CSV/TSV header naming the text column), never read as text when it
+  holds JSON; a pipe that holds none of these is refused unless ``format`` names its format.
 
 A table or a file's frequency counts are over its own texts, unless ``frequency_from``
 names other data (e.g. the training set), read by the same rules. Bad files get one line
@@ -42,12 +46,18 @@ from ntkscope.text.frequency import TokenCounts, count_tokens
 
 log = logging.getLogger(__name__)
 
-_READERS = {".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False),
-            ".ndjson": lambda p: pd.read_json(p, lines=True, dtype=False),
-            ".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False, na_values=[""]),
-            ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False, na_values=[""]),
-            ".parquet": pd.read_parquet}
-TABLE_SUFFIXES = tuple(_READERS)
+_READERS = {"jsonl": lambda p, z: pd.read_json(p, lines=True, dtype=False, compression=z),
+            "csv": lambda p, z: pd.read_csv(p, dtype=str, keep_default_na=False, na_values=[""], compression=z),
+            "tsv": lambda p, z: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False, na_values=[""],
+                                            compression=z),
+            "parquet": lambda p, z: pd.read_parquet(p)}
+#: what a file's name says of its format (``.gz`` set aside); any other name is sniffed (:func:`sniff_format`)
+SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet",
+                  ".txt": "text", ".text": "text"}
+TABLE_SUFFIXES = tuple(s for s, f in SUFFIX_FORMATS.items() if f != "text")
+FORMATS = ("auto", "jsonl", "csv", "tsv", "parquet", "text")
+_GZIP, _PARQUET = b"\x1f\x8b", b"PAR1"
+_SNIFFED = 1 << 16  # bytes looked at to tell a format
 _COUNTS: dict = {}  # (data identity, tokenizer) -> TokenCounts
 _COUNTS_KEPT = 4
 _SPOOLED: dict = {}  # a pipe's path -> the regular file it was read into
@@ -82,10 +92,21 @@ class DataSource:
     text_column: str = "text"
     label_column: str | None = None
     frequency_from: str | None = None
+    format: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.path, str):  # DataSource("rows.jsonl") as well as DataSource(Path(...))
             object.__setattr__(self, "path", Path(self.path))
+        if self.format not in FORMATS:
+            raise InputError("format", f"must be one of {list(FORMATS)}", self.format, func=_FUNC)
+
+    @cached_property
+    def file_format(self) -> str:
+        """A file's format: ``format`` when named, else its name's (:data:`SUFFIX_FORMATS`), else
+        sniffed from its first bytes (:func:`sniff_format`; a pipe with plain text is refused)."""
+        if self.format != "auto":
+            return self.format
+        return SUFFIX_FORMATS.get(_suffix(self.path)) or sniff_format(self.path, self.text_column)
 
     def __str__(self) -> str:
         return "default" if self.path is None else str(self.path)
@@ -98,14 +119,16 @@ class DataSource:
         if self.path.is_dir():
             datasets = (self.path / "state.json").is_file() or (self.path / "dataset_dict.json").is_file()
             return "datasets" if datasets else "pack"
-        if _suffix(self.path) in TABLE_SUFFIXES and not _headerless_tsv(self.path, self.text_column):
+        fmt = self.file_format
+        if fmt != "text" and not (fmt == "tsv" and _headerless_tsv(self.path, self.text_column)):
             return "table"
         return "text"
 
     def options(self) -> dict:
         """The settings that define the data (for a result's options)."""
         return {"data": str(self), "text_column": self.text_column, "label_column": self.label_column,
-                "frequency_from": self.frequency_from}
+                "frequency_from": self.frequency_from,
+                **({"data_format": self.format} if self.format != "auto" else {})}
 
     @property
     def files(self) -> list[Path]:
@@ -127,20 +150,22 @@ class DataSource:
             pack = self.pack()
             return [(s, r.domain) for r in pack.records(split) for s in split_sentences(r.text) if len(s.split()) >= 6]
         if kind in ("table", "datasets"):
-            return _table_rows(self.path, _read_datasets(self.path) if kind == "datasets" else _read_table(self.path),
-                               self.text_column, self.label_column)
-        return _text_rows(self.path)
+            frame = _read_datasets(self.path) if kind == "datasets" else _read_table(self.path, self.file_format)
+            return _table_rows(self.path, frame, self.text_column, self.label_column)
+        return _text_rows(self.path, tsv=self.file_format == "tsv")
 
     def _identity(self) -> tuple:
         """What the data's texts depend on: a pack's version, a file's path, size and time."""
         if self.kind == "pack":
             return ("pack", str(self.pack().path), self.pack().manifest.get("version"))
         stat = self.path.stat()
-        return (self.kind, str(self.path.resolve()), stat.st_size, stat.st_mtime_ns, self.text_column)
+        return (self.kind, str(self.path.resolve()), stat.st_size, stat.st_mtime_ns, self.text_column,
+                self.file_format)
 
     def reference_counts(self, tokenizer) -> TokenCounts:
         """Token counts of :meth:`reference_texts`, kept for the process (a few, by data and tokenizer)."""
-        source = self if self.frequency_from is None else as_source(self.frequency_from, columns=self)
+        source = self if self.frequency_from is None else \
+            as_source(self.frequency_from, columns=replace(self, format="auto"))
         key = (source._identity(), tokenizer.name, tokenizer.vocab_size, tuple(sorted(tokenizer.special_ids)))
         if key not in _COUNTS:
             while len(_COUNTS) >= _COUNTS_KEPT:
@@ -151,7 +176,7 @@ class DataSource:
     def reference_texts(self) -> list[str]:
         """The texts whose token counts define sentence frequency."""
         if self.frequency_from is not None:
-            return as_source(self.frequency_from, columns=self).reference_texts()
+            return as_source(self.frequency_from, columns=replace(self, format="auto")).reference_texts()
         if self.kind == "pack":
             return [r.text for r in self.pack().records("train")]
         return [text for text, _ in self.rows()]
@@ -170,7 +195,12 @@ def as_source(data, *, columns: DataSource | None = None) -> DataSource:
             raise MissingInput(f"{_FUNC}: {source.path} is a symbolic link to nothing, or a loop of links")
         raise MissingInput(f"{_FUNC}: {source.path} does not exist ({_HELP})")
     if source.path is not None and not source.path.is_dir() and not source.path.is_file():
-        source = replace(source, path=_spooled(source.path))  # a pipe (FIFO, <(zcat ...)) can be read only once
+        pipe = source.path
+        source = replace(source, path=_spooled(pipe))  # a pipe (FIFO, <(zcat ...)) can be read only once
+        if source.format == "auto" and _suffix(source.path) not in SUFFIX_FORMATS:
+            source = replace(source, format=sniff_format(source.path, source.text_column, pipe=pipe))
+    elif source.path is not None and source.path.is_file():
+        source.file_format  # noqa: B018 (a file of unknown format is refused here, before any work)
     if source.frequency_from is not None and not Path(source.frequency_from).exists():
         raise MissingInput(f"{_FUNC}: frequency_from {source.frequency_from} does not exist ({_HELP})")
     return source
@@ -191,33 +221,74 @@ def _spooled(path: Path) -> Path:
     return _SPOOLED[key]
 
 
+def _gzipped(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == _GZIP
+
+
+def sniff_format(path: Path, text_column: str = "text", *, pipe: Path | None = None) -> str:
+    """The format of a file whose name does not say it, from its first bytes (gzip's are
+    decompressed first): Parquet's magic; JSON lines when the first line is a JSON object; CSV or
+    TSV when the first line is a header naming ``text_column``; else plain text for a file, while a
+    pipe (``pipe``: its name; ``path`` is where it was read into) that holds neither is refused:
+    name its format (``--format``). Bytes that are not UTF-8 text are refused either way."""
+    shown = pipe or path
+    with open(path, "rb") as f:
+        head = f.read(_SNIFFED)
+    if head[:2] == _GZIP:
+        try:
+            with gzip.open(path, "rb") as f:
+                head = f.read(_SNIFFED)
+        except (EOFError, zlib.error, gzip.BadGzipFile, OSError) as err:
+            raise UserError(f"{_FUNC}: {shown} is a truncated or damaged gzip file ({err})") from None
+    if head[:4] == _PARQUET:
+        return "parquet"
+    text = head.decode("utf-8", errors="replace")
+    if "\ufffd" in text[:-4]:  # (the cut may split the last character)
+        raise UserError(f"{_FUNC}: cannot tell the format of {shown} (not UTF-8 text, nor gzip or Parquet); name the "
+                        f"format with --format ({', '.join(FORMATS[1:])})")
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if first.startswith("{"):
+        try:
+            if isinstance(json.loads(first), dict):
+                return "jsonl"
+        except json.JSONDecodeError:
+            pass
+    for fmt, sep in (("tsv", "\t"), ("csv", ",")):
+        if text_column in [c.strip().strip('"') for c in first.split(sep)] and sep in first:
+            return fmt
+    if pipe:
+        raise UserError(f"{_FUNC}: cannot tell the format of {shown}, a pipe (no JSON lines, no header naming "
+                        f"{text_column!r}, not Parquet); name the format with --format ({', '.join(FORMATS[1:])})")
+    return "text"
+
+
 def _headerless_tsv(path: Path, text_column: str) -> bool:
-    """A ``.tsv`` whose first line does not name ``text_column``: ``label<TAB>text`` lines."""
-    if _suffix(path) != ".tsv" or path.suffix == ".gz":
+    """A TSV whose first line does not name ``text_column``: ``label<TAB>text`` lines."""
+    if _gzipped(path):
         return False
     with open(path, encoding="utf-8", errors="replace") as f:
         return text_column not in f.readline().rstrip("\r\n").split("\t")
 
 
-def _read_table(path: Path) -> pd.DataFrame:
+def _read_table(path: Path, fmt: str) -> pd.DataFrame:
     if path.stat().st_size == 0:
         raise UserError(f"{_FUNC}: {path} is empty")
     try:
-        return _READERS[_suffix(path)](path)
+        return _READERS[fmt](path, "gzip" if _gzipped(path) else None)
     except pd.errors.EmptyDataError:
         raise UserError(f"{_FUNC}: {path} is empty") from None
     except (EOFError, zlib.error, gzip.BadGzipFile) as err:  # a download cut short
         raise UserError(f"{_FUNC}: {path} is a truncated or damaged gzip file ({err})") from None
     except (ValueError, OSError, UnicodeDecodeError, pd.errors.ParserError) as err:
         first = (str(err).splitlines() or [type(err).__name__])[0][:160]
-        where = _bad_json_line(path) if _suffix(path) in (".jsonl", ".ndjson") else None
-        raise UserError(f"{_FUNC}: {path} is not a readable {_suffix(path)[1:]} table "
-                        f"({where or first})") from None
+        where = _bad_json_line(path) if fmt == "jsonl" else None
+        raise UserError(f"{_FUNC}: {path} is not a readable {fmt} table ({where or first})") from None
 
 
 def _bad_json_line(path: Path) -> str | None:
     """Where a JSON-lines file first breaks: the line that is not a JSON object."""
-    opener = gzip.open if path.suffix == ".gz" else open
+    opener = gzip.open if _gzipped(path) else open
     with opener(path, "rt", encoding="utf-8", errors="replace") as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
@@ -245,6 +316,10 @@ def _read_datasets(path: Path) -> pd.DataFrame:
 
 
 def _table_rows(path: Path, frame: pd.DataFrame, text_column: str, label_column: str | None) -> list[tuple[str, str]]:
+    """(text, label) of each row with text; every command reads a table through here. A row with no
+    text, or with no label in the label column (the key absent from a JSON line, null, or empty),
+    is left out, with one warning for each kind that names the file, the column, how many rows and
+    the first; a label column that labels no row with text is refused in one line."""
     columns = [str(c) for c in frame.columns]
     for arg, column in (("text_column", text_column), ("label_column", label_column)):
         if column is not None and column not in columns:
@@ -267,32 +342,43 @@ def _table_rows(path: Path, frame: pd.DataFrame, text_column: str, label_column:
     if not keep.all():
         log.warning("%s: %s: %d of %d rows have no text in %r and are left out", _FUNC, path, int((~keep).sum()),
                     len(frame), text_column)
-    labels = frame[label_column].astype(str) if label_column else pd.Series("text", index=frame.index)
-    return [(t.strip(), label) for t, label in zip(texts[keep], labels[keep])]
+    if not label_column:
+        return [(t.strip(), "text") for t in texts[keep]]
+    labels = frame[label_column]
+    unlabelled = keep & (labels.isna() | labels.map(lambda v: isinstance(v, str) and not v.strip()))
+    if unlabelled.sum() == keep.sum():
+        raise UserError(f"{_FUNC}: {path} column {label_column!r} has no label in any of its {int(keep.sum())} rows "
+                        "with text; name a column that labels the rows (--label-column)")
+    if unlabelled.any():
+        first = int(unlabelled.to_numpy().nonzero()[0][0]) + 1
+        log.warning("%s: %s: %d of %d rows have no label in %r (the first: row %d) and are left out", _FUNC, path,
+                    int(unlabelled.sum()), len(frame), label_column, first)
+        keep = keep & ~unlabelled
+    return [(t.strip(), label) for t, label in zip(texts[keep], labels[keep].astype(str))]
 
 
-def _text_rows(path: Path) -> list[tuple[str, str]]:
+def _text_rows(path: Path, *, tsv: bool = False) -> list[tuple[str, str]]:
     """``label<TAB>text`` lines of a headerless .tsv, else each line's sentences labelled ``"text"`` (a line is
     never joined to the next; ``.gz``: decompressed);
     read once per file version in a process (its warnings said once)."""
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, tsv)
     if key not in _TEXT_ROWS:
         if len(_TEXT_ROWS) >= _COUNTS_KEPT:
             _TEXT_ROWS.pop(next(iter(_TEXT_ROWS)))
-        _TEXT_ROWS[key] = _read_text_rows(path)
+        _TEXT_ROWS[key] = _read_text_rows(path, tsv)
     return list(_TEXT_ROWS[key])
 
 
-def _read_text_rows(path: Path) -> list[tuple[str, str]]:
+def _read_text_rows(path: Path, tsv: bool) -> list[tuple[str, str]]:
     data = None
-    if path.suffix == ".gz":
+    if _gzipped(path):
         try:
             data = gzip.decompress(path.read_bytes())
         except (EOFError, zlib.error, gzip.BadGzipFile) as err:
             raise UserError(f"{_FUNC}: {path} is a truncated or damaged gzip file ({err})") from None
     text = read_text(path, data, func=_FUNC)
-    if _suffix(path) == ".tsv":
+    if tsv:
         rows = []
         for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
