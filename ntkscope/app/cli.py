@@ -480,7 +480,7 @@ def _out_lock(args):
     if kind is None or out is None or os.environ.get("RANK", "0") != "0":
         return contextlib.nullcontext()
     check_output(args.command, out, kind=kind)
-    return output_lock(out, f"ntkscope {args.command}")
+    return output_lock(out, args.command)
 
 
 def _error(args, err: Exception) -> None:

@@ -24,7 +24,7 @@ from cse_models.checkpointing import latest_checkpoint
 from cse_models.train import train
 from cse_models.train_config import TrainConfig, warmup_after
 from ntkscope.app.commands import data_files
-from ntkscope.core.checks import InputError
+from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import DirectoryLock, Staging, check_output, digest, write_json, write_table
 from ntkscope.core.requests import bind_request
 from ntkscope.core.provenance import provenance
@@ -101,11 +101,13 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
     if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise InputError("lr", "must be a positive, finite number", lr, func=func)
     out = check_output(func, out)
-    train_source = as_source(train_data)
+    train_source = as_source(train_data, columns=DataSource(None, text_column, label_column))
     if train_source.kind not in ("table", "datasets"):
         raise InputError("train_data", "must be a table (.jsonl, .csv, .tsv, .parquet) or a datasets directory",
                          str(train_data), func=func)
     eval_source = as_source(eval_data, columns=DataSource(None, text_column, label_column, None, data_format))
+    train_source.rows()  # both read once now: a missing column or a damaged file is said before any arm trains
+    eval_source.rows("test") if eval_source.kind == "pack" else eval_source.rows()
     sparse_layers = "auto" if plan is not None else [int(i) for i in layers]
     if is_run_dir(init_from):
         init_from = _warmup_checkpoint(init_from, plan)
@@ -128,28 +130,41 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
                "eval_data_contents": digest({}, paths=eval_source.files), "plan": None if plan is None else str(plan),
                "layers": sparse_layers, "steps": steps, "batch_size": batch_size, "lr": lr, "seeds": seeds,
                "n_samples": n_samples, "min_cluster_size": min_cluster_size, "n_boot": n_boot}
-    results = []
+    made = not out.exists()
     with DirectoryLock(out, "compare"):
         if force:
             for name in ("runs", "tables", REQUEST):
                 shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
         bind_request(out, request, func, record=REQUEST)
-        for seed in seeds:
-            common = {"init_from": str(init_from), "data": data, "steps": steps, "batch_size": batch_size, "lr": lr,
-                      "warmup_steps": max(1, steps // 20), "seed": seed, "checkpoint_every": max(1, steps // 4),
-                      "tensorboard": False, "plan": None if plan is None else str(plan)}
-            cse = {"n_samples": n_samples, "min_cluster_size": min_cluster_size}
-            last = {}
-            for arm in ("dense", "cse", "switch"):
-                run = out / "runs" / f"{arm}-seed{seed}"
-                experts = None
-                if arm == "switch":  # as many experts per layer as CSE found: equal total and active parameters
-                    experts = max(load_any_model(last["cse"]).config.sparse.n_experts)
-                cfg = _config(arm, run, common, cse, sparse_layers, experts)
-                done = latest_checkpoint(run)
-                last[arm] = done if done is not None and done.name == f"step-{steps:06d}" else train(cfg)
-            results.append((seed, last))
-        return _evaluate(results, eval_source, tokenizer, n_boot, out)
+        try:
+            return _train_and_evaluate(init_from, data, eval_source, plan, sparse_layers, seeds, steps, batch_size,
+                                       lr, n_samples, min_cluster_size, tokenizer, n_boot, out)
+        except UserError:
+            if made and not any((out / "runs").glob("*/checkpoints/step-*")):
+                shutil.rmtree(out)  # refused before any arm saved a step: nothing is left behind
+            raise
+
+
+def _train_and_evaluate(init_from, data, eval_source, plan, sparse_layers, seeds, steps, batch_size, lr, n_samples,
+                        min_cluster_size, tokenizer, n_boot, out: Path) -> dict:
+    """Every (seed, arm) run, each resumed or skipped when done, then the evaluation."""
+    results = []
+    for seed in seeds:
+        common = {"init_from": str(init_from), "data": data, "steps": steps, "batch_size": batch_size, "lr": lr,
+                  "warmup_steps": max(1, steps // 20), "seed": seed, "checkpoint_every": max(1, steps // 4),
+                  "tensorboard": False, "plan": None if plan is None else str(plan)}
+        cse = {"n_samples": n_samples, "min_cluster_size": min_cluster_size}
+        last = {}
+        for arm in ("dense", "cse", "switch"):
+            run = out / "runs" / f"{arm}-seed{seed}"
+            experts = None
+            if arm == "switch":  # as many experts per layer as CSE found: equal total and active parameters
+                experts = max(load_any_model(last["cse"]).config.sparse.n_experts)
+            cfg = _config(arm, run, common, cse, sparse_layers, experts)
+            done = latest_checkpoint(run)
+            last[arm] = done if done is not None and done.name == f"step-{steps:06d}" else train(cfg)
+        results.append((seed, last))
+    return _evaluate(results, eval_source, tokenizer, n_boot, out)
 
 
 def _evaluate(results, source: DataSource, tokenizer, n_boot, out: Path) -> dict:

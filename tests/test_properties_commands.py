@@ -1,0 +1,162 @@
+"""Property test of the commands that train, evaluate and report (issue 46): random option values,
+damaged inputs and reruns with changed options through ``compare``, ``eval``, ``report``, ``plan``
+and ``cse-train`` configs. Every outcome is a success, one line with exit 1, or a usage error
+(exit 2); never a traceback, and a rerun that changes what was asked never mixes two requests.
+20 examples in CI; ``NTKSCOPE_PROPERTY_EXAMPLES=300`` locally."""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from commandline import in_process
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cse_models import GPT, GPTConfig
+from cse_models.train import TrainConfig, main as cse_train, train
+from ntkscope.text.corpus.pack import DEFAULT_PACK, load_pack
+
+transformers = pytest.importorskip("transformers")
+EXAMPLES = int(os.environ.get("NTKSCOPE_PROPERTY_EXAMPLES", 20))
+GARBAGE = st.sampled_from([b"", b"{", b"[1, 2]\n", b"\x00\xff\x10 not text", b'{"text": 3}\n', b"text,domain\n"])
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny GPT-NeoX with the pack's tokenizer, JSONL train/test rows with a domain, a tiny
+    cse_models run of 3 checkpoints, and a finished gc result to report on."""
+    root = tmp_path_factory.mktemp("props")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(vocab_size=8192, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, max_position_embeddings=64, rotary_pct=0.25,
+                                        bos_token_id=0, eos_token_id=0)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(root / "neox")
+    (root / "neox" / "tokenizer.json").write_bytes((DEFAULT_PACK / "tokenizer.json").read_bytes())
+    pack = load_pack()
+    for split, n in (("train", 40), ("test", 8)):
+        rows = [{"text": r.text, "domain": r.domain} for d in ("legal", "biomedical", "general")
+                for r in [r for r in pack.records(split) if r.domain == d][:n]]
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train(TrainConfig.from_dict({"out_dir": str(root / "run"), "model": {"n_layer": 2, "n_embd": 16, "n_head": 2},
+                                 "data": {"seq_len": 16, "split": "validation"}, "steps": 3, "batch_size": 4,
+                                 "checkpoint_every": 1, "warmup_steps": 1, "tensorboard": False, "device": "cpu"}))
+    proc = in_process("gc", root / "run" / "checkpoints" / "step-000003", "--n", 16, "--seq-len", 16, "--bins", 2,
+                      "--resamples", 4, "--null-draws", 4, "--out", root / "gc")
+    assert proc.returncode == 0, proc.stderr
+    torch.set_default_dtype(previous)
+    return root
+
+
+def _outcome(code, err: str) -> None:
+    """Success, one error line and exit 1, or a usage error: never a traceback."""
+    assert code in (0, 1, 2), err[-2000:]
+    assert "Traceback" not in err and "this is a bug" not in err, err[-2000:]
+    if code == 1:
+        assert len([line for line in err.strip().splitlines() if "error:" in line]) == 1, err[-2000:]
+        assert "error:" in err.strip().splitlines()[-1], err[-2000:]
+
+
+def _data(world, folder, damage) -> str:
+    if damage is None:
+        return str(world / "test.jsonl")
+    path = folder / "damaged.jsonl"
+    path.write_bytes(damage)
+    return str(path)
+
+
+def _run_compare(world, folder, draw):
+    args = [world / "neox", "--train-data", _data(world, folder, draw(st.one_of(st.none(), GARBAGE))),
+            "--data", world / "test.jsonl", "--label-column", draw(st.sampled_from(["domain", "nope"])),
+            "--layers", draw(st.sampled_from(["1", "0,1", "7", "x"])), "--steps", draw(st.sampled_from(["1", "0", "-3"])),
+            "--batch-size", "4", "--seq-len", draw(st.sampled_from(["16", "0"])), "--min-cluster-size", "3",
+            "--lr", draw(st.sampled_from(["0.001", "-1", "nan"])), "--out", folder / "cmp"]
+    first = in_process("compare", *args)
+    _outcome(first.returncode, first.stderr)
+    if first.returncode == 0:  # a rerun with another lr is refused, and the first result stays as it was
+        before = (folder / "cmp" / "tables" / "comparison.csv").read_bytes()
+        again = in_process("compare", *args, "--lr", "0.01")
+        assert again.returncode == 1 and "lr" in again.stderr, again.stderr
+        assert (folder / "cmp" / "tables" / "comparison.csv").read_bytes() == before
+    elif first.returncode in (1, 2):
+        assert not (folder / "cmp").exists(), first.stderr  # a refused comparison leaves nothing behind
+
+
+def _run_eval(world, folder, draw):
+    proc = in_process("eval", draw(st.sampled_from([world / "neox", world / "missing", world / "test.jsonl"])),
+                      "--data", _data(world, folder, draw(st.one_of(st.none(), GARBAGE))),
+                      "--label-column", draw(st.sampled_from(["domain", "text", "nope"])),
+                      "--n-boot", draw(st.sampled_from(["10", "0", "x"])),
+                      "--batch-size", draw(st.sampled_from(["4", "0"])), "--out", folder / "eval")
+    _outcome(proc.returncode, proc.stderr)
+
+
+def _run_report(world, folder, draw):
+    target = folder / "result"
+    shutil.copytree(world / "gc", target)
+    name = draw(st.sampled_from(["result.json", "gc.csv", None]))
+    if name is not None:
+        (target / name).write_bytes(draw(GARBAGE))
+    proc = in_process("report", draw(st.sampled_from([target, folder / "missing", world / "test.jsonl"])),
+                      "--out", folder / draw(st.sampled_from(["r.html", "r.txt"])))
+    _outcome(proc.returncode, proc.stderr)
+
+
+def _run_plan(world, folder, draw):
+    proc = in_process("plan", world / "run", "--n", draw(st.sampled_from(["16", "0"])), "--seq-len", "16",
+                      "--top-k", "1", "--k-max", draw(st.sampled_from(["3", "0"])),
+                      "--tail-fraction", draw(st.sampled_from(["0.3", "-0.5", "2", "x"])),
+                      "--overlap", draw(st.sampled_from(["0.8", "7", "0"])),
+                      "--choose-by", draw(st.sampled_from(["structure", "labels"])),
+                      "--data", _data(world, folder, draw(st.one_of(st.none(), GARBAGE))),
+                      "--label-column", "domain", "--out", folder / "plan.json")
+    _outcome(proc.returncode, proc.stderr)
+
+
+def _cse_train(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = cse_train([str(a) for a in argv])
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, err.getvalue()
+
+
+def _run_cse_train(world, folder, draw):
+    spec = {"out_dir": str(folder / "run"), "data": {"table": str(world / "train.jsonl"), "label_column": "domain",
+                                                     "seq_len": draw(st.sampled_from([16, 0, "16"]))},
+            "model": {"n_layer": 1, "n_head": 2, "n_embd": draw(st.sampled_from([16, 15, 0, None]))},
+            "steps": draw(st.sampled_from([2, 0, 2.5, "x"])), "batch_size": draw(st.sampled_from([4, 0, 100000])),
+            "lr": draw(st.sampled_from([1e-3, -1, 1e6])), "checkpoint_every": 1, "warmup_steps": 1,
+            "tensorboard": False, "device": draw(st.sampled_from(["cpu", "banana"]))}
+    if draw(st.booleans()):
+        spec["data"] = {"text_files": draw(st.sampled_from([[str(world / "test.jsonl")], 3, {"x": []}])),
+                        "seq_len": 16}
+    path = folder / "run.json"
+    path.write_text(json.dumps(spec))
+    code, err = _cse_train([path])
+    _outcome(code, err)
+    if code == 0:  # a rerun with another lr is refused; the record still describes the weights
+        path.write_text(json.dumps({**spec, "lr": 0.02}))
+        again, err = _cse_train([path])
+        assert again == 1 and "lr" in err, err
+        assert json.loads((folder / "run" / "train_config.json").read_text())["lr"] == spec["lr"]
+
+
+RUNNERS = {"compare": _run_compare, "eval": _run_eval, "report": _run_report, "plan": _run_plan,
+           "cse-train": _run_cse_train}
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(command=st.sampled_from(sorted(RUNNERS)), data=st.data())
+def test_commands_never_show_a_traceback_nor_mix_two_requests(world, tmp_path_factory, command, data):
+    torch.set_default_dtype(torch.float32)
+    folder = tmp_path_factory.mktemp("example")
+    RUNNERS[command](world, folder, data.draw)
+
