@@ -42,13 +42,13 @@ from cse_models.metrics import MetricsLog
 from cse_models.model import build_model
 from cse_models.routes import load_routes_for
 from cse_models.train_config import DataConfig, TrainConfig, apply_plan, check_plan, warmup_after  # noqa: F401 (re-exported)
-from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.core.checks import InputError, MissingInput, UserError
 from ntkscope.core.files import DirectoryLock, write_json
 from ntkscope.core.lm import lm_loss as token_loss
 from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
 from ntkscope.core.requests import differences, listed
 from ntkscope.gc.tracker import GCTracker, Probes
-from ntkscope.kernel.options import KernelOptions
+from ntkscope.kernel.options import KernelOptions, checked_device
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.inputs import DataSource
@@ -156,7 +156,10 @@ def _table_blocks(data: DataConfig, init_from: str | None, seq_len: int):
 def _device(cfg: TrainConfig, rank: int) -> torch.device:
     if cfg.device == "auto":
         return torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(cfg.device)
+    try:
+        return checked_device(cfg.device)
+    except InputError as err:
+        raise UserError(f"TrainConfig: {err} (or 'auto')") from None
 
 
 def _build_model(cfg: TrainConfig, vocab_size: int):

@@ -253,3 +253,22 @@ def test_a_refused_compare_leaves_nothing_and_checks_its_layers_first(world, tmp
                       world / "test.jsonl", "--steps", 2, "--out", tmp_path / "pickle")
     one_line(proc)
     assert not (tmp_path / "pickle").exists()
+
+
+# ---- the Python API at the command line's standard ---------------------------------------------------------
+
+def test_probes_load_takes_what_a_user_has_and_names_a_wrong_argument(world):
+    """An HF tokenizer object or a path, a label column by name; anything else is one ValueError."""
+    from ntkscope.gc.tracker import Probes
+
+    path = DEFAULT_PACK / "tokenizer.json"
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+    loaded = [Probes.load(world / "test.jsonl", tok, n=16, seq_len=16, by="label", label_column="domain",
+                          min_count=2) for tok in (hf, str(path))]
+    assert sorted(loaded[0].groups) == ["biomedical", "general", "legal"]
+    assert all((a == b).all() for a, b in zip(loaded[0].batch.values(), loaded[1].batch.values()))
+    assert hf.backend_tokenizer.padding is None  # the user's tokenizer is left as it was
+    with pytest.raises(ValueError, match=r"^Probes.load: tokenizer must be .* \(got 'int'\)"):
+        Probes.load(world / "test.jsonl", 3, n=16)
+    with pytest.raises(ValueError, match=r"^Probes.load: labell is not an argument"):
+        Probes.load(world / "test.jsonl", path, n=16, labell="domain")

@@ -25,6 +25,7 @@ resumes keeps the rows before its step and measures the rest again. TensorBoard 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ from ntkscope.kernel.params import select_parameters
 from ntkscope.kernel.uncertainty import GCResult, Resampling, check_resampling, kernel_statistics
 from ntkscope.gc.groups import GC_OUTPUT, analysis_controls, group_labels, homogeneous_pools
 from ntkscope.text.frequency import long_tail_subset
+from ntkscope.text.inputs import DataSource, as_source
 from ntkscope.text.sentences import AnalysisData, load_analysis_data
 
 log = logging.getLogger(__name__)
@@ -167,9 +169,19 @@ class Probes:
 
     @classmethod
     @entry("Probes.load")
-    def load(cls, data, tokenizer, *, n: int = 128, seq_len: int = 64, seed: int = 0, **subsets) -> "Probes":
+    def load(cls, data, tokenizer, *, n: int = 128, seq_len: int = 64, seed: int = 0, text_column: str = "text",
+             label_column: str | None = None, **subsets) -> "Probes":
         """``n`` sentences of ``data`` (a ``--data`` input: pack, table, text file, ``datasets``
-        directory; :func:`ntkscope.load_analysis_data`) and their subsets (:meth:`from_data`'s keywords)."""
+        directory, or a :class:`~ntkscope.text.inputs.DataSource`; :func:`ntkscope.load_analysis_data`),
+        read with ``text_column`` / ``label_column`` when it is a path, tokenized by ``tokenizer`` (a
+        path, a ``tokenizers`` or transformers tokenizer, or ours), and their subsets
+        (:meth:`from_data`'s keywords)."""
+        unknown = sorted(set(subsets) - set(inspect.signature(cls.from_data).parameters) - {"data"})
+        if unknown:
+            raise fail("Probes.load", unknown[0], f"is not an argument (the subsets take "
+                       f"{sorted(set(inspect.signature(cls.from_data).parameters) - {'data', 'cls'})})", unknown)
+        if not isinstance(data, DataSource):
+            data = as_source(data, columns=DataSource(None, text_column, label_column))
         return cls.from_data(load_analysis_data(data, tokenizer, n=n, seq_len=seq_len, seed=seed), **subsets)
 
     def key(self) -> dict:

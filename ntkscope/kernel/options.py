@@ -90,7 +90,7 @@ class KernelOptions:
         if not isinstance(self.tol, (int, float)) or isinstance(self.tol, bool) or not self.tol > 0:
             raise InputError("tol", "must be a positive number", self.tol)
         object.__setattr__(self, "dtype", _dtype(self.dtype))
-        object.__setattr__(self, "device", _device(self.device))
+        object.__setattr__(self, "device", checked_device(self.device))
 
     def to_dict(self) -> dict:
         """The fields as JSON values (a dtype by its name, a device as a string, an output or
@@ -143,7 +143,8 @@ def _dtype(dtype) -> torch.dtype | None:
     raise InputError("dtype", f"must be None, a floating torch.dtype or one of {sorted(DTYPES)}", dtype)
 
 
-def _device(device) -> torch.device | None:
+def checked_device(device) -> torch.device | None:
+    """``device`` as a torch.device this machine has (None stays None); else the InputError naming it."""
     if device is None:
         return None
     try:

@@ -15,6 +15,7 @@ import torch
 from ntkscope.core.checks import check_positive_int, entry, fail
 from ntkscope.text.frequency import sentence_scores, token_frequency
 from ntkscope.text.inputs import as_source
+from ntkscope.text.tokenization import as_tokenizer
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ def load_analysis_data(data, tokenizer, *, n: int = 256, seq_len: int = 64, seed
     data : DataSource, path, ``"default"`` or None
         A pack, a table (JSONL, CSV, TSV, Parquet), a ``datasets`` directory or a text file
         (:class:`~ntkscope.text.inputs.DataSource`; a path reads a table's ``text`` column).
-    tokenizer : TextTokenizer
+    tokenizer : TextTokenizer, path, ``tokenizers.Tokenizer`` or transformers fast tokenizer
+        (:func:`~ntkscope.text.tokenization.as_tokenizer`)
     split : a pack's split to sample (its train split gives the frequency counts).
 
     Returns
@@ -58,6 +60,7 @@ def load_analysis_data(data, tokenizer, *, n: int = 256, seq_len: int = 64, seed
     """
     check_positive_int("n", n)
     check_positive_int("seq_len", seq_len)
+    tokenizer = as_tokenizer(tokenizer)
     data = as_source(data)
     rows = data.rows(split)
     source = str(data.pack().path) if data.kind == "pack" else str(data.path)

@@ -140,3 +140,19 @@ def load_tokenizer(spec: str | Path) -> TextTokenizer:
     except Exception as err:  # tokenizers raises a bare Exception on a malformed file
         raise UserError(f"load_tokenizer: {path} is not a tokenizers JSON file ({err})") from None
     return _from_hf(tokenizer, str(Path(spec)))
+
+
+def as_tokenizer(tokenizer) -> TextTokenizer:
+    """What a user has, as a :class:`TextTokenizer`: one already; a path or name
+    (:func:`load_tokenizer`); a ``tokenizers.Tokenizer``; or a transformers fast tokenizer (its
+    backend, copied: the user's object keeps its padding and truncation)."""
+    if isinstance(tokenizer, TextTokenizer):
+        return tokenizer
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return load_tokenizer(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if isinstance(backend, Tokenizer):
+        name = str(getattr(tokenizer, "name_or_path", "") or "tokenizers.Tokenizer")
+        return _from_hf(Tokenizer.from_str(backend.to_str()), name)
+    raise InputError("tokenizer", "must be a TextTokenizer, a tokenizer.json path or a directory holding one, 'gpt2', "
+                     "a tokenizers.Tokenizer or a transformers fast tokenizer", type(tokenizer).__name__)
