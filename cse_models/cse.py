@@ -61,7 +61,7 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         layer = CSELayer([copy.deepcopy(dense) for _ in range(fit.n_clusters)], as_t(fit.projection),
                          as_t(fit.centres), as_t(fit.radii), sparse.alpha, mean=as_t(fit.mean),
                          normalise=fit.normalise, mean_rate=sparse.mean_rate)
-        model._replace(i, layer)
+        model._replace(i, layer.train(was_training))  # the mode the model is in
         sparse.n_experts[n] = fit.n_clusters
         fits[i] = fit
         log.info("CSE layer %d (%s): %d experts from %d sequences (%s, %s), cluster sizes %s, %d noise%s",
@@ -71,23 +71,36 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return fits
 
 
-def upcycle(model, n_experts: int | None = None) -> int:
+def upcycle(model, n_experts: int | list | None = None, *, preserving: bool = True) -> list:
     """Sparse upcycling (Komatsuzaki et al., 2023), in place: each dense module that
-    ``model.config.sparse`` (kind "switch" or "demix") names becomes a Switch layer of ``n_experts``
-    copies and a fresh router (N(0, 0.02) from torch's RNG) or a DEMix layer with one copy per
-    domain. Returns the experts per layer."""
+    ``model.config.sparse`` (kind "switch" or "demix") names becomes a Switch layer of
+    ``n_experts`` copies (one count for every layer, or one per layer in ``sparse.layers``' order,
+    e.g. CSE's) and a fresh router (N(0, 0.02) from torch's RNG), or a DEMix layer with one copy
+    per domain. ``preserving`` (Switch; the default): the gate is renormalised to 1 and no token is
+    dropped in evaluation, so the model's function is unchanged at conversion, as CSE's is
+    (:class:`~cse_models.experts.SwitchFFN`); False: the classic softmax-scaled gate. Returns the
+    experts per layer."""
     sparse = model.config.sparse
     if sparse is None or sparse.kind not in ("switch", "demix"):
         raise UserError("upcycle: model.config.sparse must describe Switch or DEMix layers")
-    k = len(sparse.domains) if sparse.kind == "demix" else n_experts
-    if not isinstance(k, int) or k < 1:
-        raise UserError(f"upcycle: a Switch layer needs n_experts >= 1 (got {n_experts!r})")
+    if sparse.kind == "demix":
+        counts = [len(sparse.domains)] * len(sparse.layers)
+    else:
+        counts = list(n_experts) if isinstance(n_experts, (list, tuple)) else [n_experts] * len(sparse.layers)
+    if len(counts) != len(sparse.layers) or any(isinstance(k, bool) or not isinstance(k, int) or k < 1
+                                                 for k in counts):
+        raise UserError(f"upcycle: a Switch layer needs n_experts >= 1, one count or one per layer of "
+                        f"{list(sparse.layers)} (got {n_experts!r})")
+    if sparse.kind == "switch":
+        sparse.preserving = bool(preserving)
     weight = next(model.parameters())  # a new router in the model's device and dtype, whatever torch's default
-    for n, i in enumerate(sparse.layers):
+    for n, (i, k) in enumerate(zip(sparse.layers, counts)):
         experts = [copy.deepcopy(model._module(i)) for _ in range(k)]
-        layer = DEMixLayer(experts) if sparse.kind == "demix" else SwitchFFN(experts, model.config.n_embd,
-                                                                              sparse.capacity_factor)
-        model._replace(i, layer.to(device=weight.device, dtype=weight.dtype))
+        layer = DEMixLayer(experts) if sparse.kind == "demix" else SwitchFFN(
+            experts, model.config.n_embd, sparse.capacity_factor, preserving=sparse.preserving)
+        model._replace(i, layer.to(device=weight.device, dtype=weight.dtype).train(model.training))
         sparse.n_experts[n] = k
-    log.info("%s: upcycled layers %s (%s) into %d experts each", sparse.kind, sparse.layers, sparse.module, k)
-    return k
+    log.info("%s: upcycled layers %s (%s) into %s experts%s", sparse.kind, sparse.layers, sparse.module, counts,
+             " (function-preserving: gate renormalised to 1, no token dropped in evaluation)"
+             if sparse.kind == "switch" and sparse.preserving else "")
+    return counts

@@ -154,17 +154,38 @@ class SwitchFFN(nn.Module):
     scaled by the gate; at most ``ceil(capacity_factor * tokens / C)`` tokens per expert,
     the overflow skips the layer (its residual passes through); ``load`` counts the tokens
     each expert processed. ``aux_loss`` after a
-    forward is the load-balancing loss ``C * sum_j f_j P_j`` (Fedus et al., 2021)."""
+    forward is the load-balancing loss ``C * sum_j f_j P_j`` (Fedus et al., 2021).
 
-    def __init__(self, experts: list[nn.Module], n_embd: int, capacity_factor: float = 1.25):
+    ``preserving`` (the fair capacity control of upcycling): the gate is renormalised to 1 over
+    the one chosen expert (its value ``g / g`` is 1, its gradient ``d log g`` still trains the
+    router) and no token is dropped in evaluation, so a layer whose experts are copies of a dense
+    module computes that module exactly: upcycling leaves the model's function unchanged."""
+
+    def __init__(self, experts: list[nn.Module], n_embd: int, capacity_factor: float = 1.25, *,
+                 preserving: bool = False):
         super().__init__()
         self.experts = nn.ModuleList(experts)
         self.router = nn.Linear(n_embd, len(experts), bias=False)
         nn.init.normal_(self.router.weight, std=0.02)
         self.capacity_factor = capacity_factor
+        self.preserving = bool(preserving)
         self.register_buffer("load", torch.zeros(len(experts), dtype=torch.long), persistent=False)
         self.aux_loss = torch.zeros(())
         self.per_sample_dispatch = False
+
+    def _gate(self, gate: torch.Tensor) -> torch.Tensor:
+        """The top-1 probability as the output's scale: as it is, or renormalised to 1 (``preserving``)."""
+        return gate / gate.detach() if self.preserving else gate
+
+    def _capacity(self, tokens):
+        """Tokens an expert takes: ``ceil(capacity_factor * tokens / C)``, at least 1; all of them in
+        evaluation when ``preserving`` (``tokens``: an int, or a (B, 1) tensor per sequence)."""
+        if self.preserving and not self.training:
+            return tokens
+        C = len(self.experts)
+        if isinstance(tokens, torch.Tensor):
+            return torch.clamp(torch.ceil(self.capacity_factor * tokens / C), min=1)
+        return max(1, math.ceil(self.capacity_factor * tokens / C))
 
     def _masked(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """Every expert on every token; a token keeps its top-1 expert's output, gated, if it is among
@@ -173,8 +194,8 @@ class SwitchFFN(nn.Module):
         real = torch.ones(B, T, dtype=torch.bool, device=x.device) if key_mask is None else key_mask.bool()
         probs = F.softmax(self.router(x).to(torch.promote_types(x.dtype, torch.float32)), dim=-1)  # (B, T, C)
         gate, choice = probs.max(dim=-1)
-        C = len(self.experts)
-        capacity = torch.clamp(torch.ceil(self.capacity_factor * real.sum(1, keepdim=True) / C), min=1)  # (B, 1)
+        gate = self._gate(gate)
+        capacity = self._capacity(real.sum(1, keepdim=True))  # (B, 1)
         out = x.new_zeros(x.shape)
         for j, expert in enumerate(self.experts):
             routed = (choice == j) & real
@@ -193,8 +214,9 @@ class SwitchFFN(nn.Module):
         logits = self.router(h)
         probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # (N, C)
         gate, choice = probs.max(dim=-1)
+        gate = self._gate(gate)
         C = len(self.experts)
-        capacity = max(1, math.ceil(self.capacity_factor * tokens.numel() / C))
+        capacity = self._capacity(tokens.numel())
         out = flat.new_zeros(flat.shape)
         processed = torch.zeros(C, dtype=torch.long)
         for j, expert in enumerate(self.experts):

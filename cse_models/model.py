@@ -36,7 +36,7 @@ def _sparse_module(config, dense: nn.Module, n_experts: int) -> nn.Module:
     sparse = config.sparse
     experts = [copy.deepcopy(dense) for _ in range(n_experts)]
     if sparse.kind == "switch":
-        return SwitchFFN(experts, config.n_embd, sparse.capacity_factor)
+        return SwitchFFN(experts, config.n_embd, sparse.capacity_factor, preserving=sparse.preserving)
     if sparse.kind == "demix":
         return DEMixLayer(experts)
     d, dp = config.n_embd, sparse.route_dim(config.n_embd)

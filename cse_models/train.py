@@ -206,7 +206,7 @@ def convert_mid_run(model, opt, sched, blocks: Blocks, cfg: TrainConfig, device)
     if sparse.kind == "cse":
         _convert(model, blocks, cfg, device)
     else:
-        upcycle(model, cfg.upcycle.n_experts)
+        upcycle(model, cfg.upcycle.n_experts, preserving=cfg.upcycle.preserving)
     model.to(device)
     new_opt = make_optimizer(model, cfg)
     carry_optimizer_state(old, model, new_opt)
@@ -242,6 +242,10 @@ def _check_rerun(cfg: TrainConfig, out_dir: Path, force: bool) -> None:
             have = json.loads(recorded.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError):
             have = {}
+        try:  # a field added since the run was recorded takes its default, as the run's own code had it
+            have = asdict(TrainConfig.from_dict(have))
+        except (ValueError, TypeError):
+            pass
         changed = differences(have, asdict(cfg), ignore=RESUMABLE_CHANGES)
         if changed:
             raise UserError(f"train: out_dir {out_dir} holds a run trained with another config ("

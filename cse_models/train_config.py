@@ -89,16 +89,29 @@ class CSEConfig:
 @dataclass
 class UpcycleConfig:
     """Switch or DEMix from a dense run (sparse upcycling): at step ``at``, each dense module copied
-    into ``n_experts`` experts (Switch; DEMix: one per domain). Empty (``at`` None): no upcycling."""
+    into ``n_experts`` experts (Switch: one count, or one per sparse layer, e.g. CSE's; DEMix: one
+    per domain). ``preserving`` (Switch, default true): the gate renormalised to 1 and no token
+    dropped in evaluation, so the model's function is unchanged at conversion (false: the classic
+    softmax-scaled gate). Empty (``at`` None): no upcycling."""
 
     at: int | None = None
-    n_experts: int | None = None
+    n_experts: int | list | None = None
+    preserving: bool = True
 
     def __post_init__(self):
         if self.at is not None and (isinstance(self.at, bool) or not isinstance(self.at, int) or self.at < 0):
             raise UserError(f"TrainConfig: upcycle.at must be a step >= 0 (got {self.at!r})")
-        if self.n_experts is not None:
+        if isinstance(self.n_experts, (list, tuple)):
+            if not self.n_experts:
+                raise UserError("TrainConfig: upcycle.n_experts must be a count, or one count per sparse layer "
+                                "(got [])")
+            for k in self.n_experts:
+                _positive("upcycle.n_experts", k)
+            self.n_experts = list(self.n_experts)
+        elif self.n_experts is not None:
             _positive("upcycle.n_experts", self.n_experts)
+        if not isinstance(self.preserving, bool):
+            raise UserError(f"TrainConfig: upcycle.preserving must be true or false (got {self.preserving!r})")
         if self.at is None and self.n_experts is not None:
             raise UserError(f"TrainConfig: upcycle needs at: STEP (got n_experts {self.n_experts} alone)")
 

@@ -1,6 +1,8 @@
 """``ntkscope compare``: from one warm-up checkpoint of the researcher's own model, train the dense
-continuation, CSE (the plan's layers, router fitted on their data) and Switch with as many experts
-per layer as CSE found (equal total and active parameters), each for the same steps and batches
+continuation, CSE (the plan's layers, router fitted on their data) and Switch with CSE's expert
+count at each layer, upcycled so that the model's function is unchanged at conversion (the gate
+renormalised to 1, no token dropped in evaluation: the fair capacity control; Switch adds only its
+router, d x experts per layer), each for the same steps and batches
 (so the same tokens), per seed; then evaluate every arm on their held-out data, per domain: the
 Tables 1-2 analogue for their model and data.
 
@@ -158,8 +160,8 @@ def _train_and_evaluate(init_from, data, eval_source, plan, sparse_layers, seeds
         for arm in ("dense", "cse", "switch"):
             run = out / "runs" / f"{arm}-seed{seed}"
             experts = None
-            if arm == "switch":  # as many experts per layer as CSE found: equal total and active parameters
-                experts = max(load_any_model(last["cse"]).config.sparse.n_experts)
+            if arm == "switch":  # CSE's expert count at each layer, upcycled so the function is unchanged
+                experts = list(load_any_model(last["cse"]).config.sparse.n_experts)
             cfg = _config(arm, run, common, cse, sparse_layers, experts)
             done = latest_checkpoint(run)
             last[arm] = done if done is not None and done.name == f"step-{steps:06d}" else train(cfg)
