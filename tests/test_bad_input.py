@@ -9,11 +9,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from commandline import one_line_error
 import torch
 from safetensors.torch import load_file
 
@@ -27,23 +27,6 @@ from ntkscope.text.corpus.pack import DEFAULT_PACK, load_pack
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def one_line_error(capsys, run, *args) -> str:
-    """Run a command in-process; it must fail with exit status 1 and one line on stderr, and
-    leave no staging directory behind. The command gets a temp folder of its own, so that other
-    test workers' staging directories cannot come or go in it meanwhile."""
-    own = Path(tempfile.mkdtemp(prefix="one-line-"))
-    saved, tempfile.tempdir = tempfile.tempdir, str(own)
-    try:
-        code = run([str(a) for a in args])
-    finally:
-        tempfile.tempdir = saved
-    err = capsys.readouterr().err.strip()
-    assert code == 1, err
-    assert len(err.splitlines()) == 1, err
-    left = sorted(p.name for p in own.iterdir())
-    shutil.rmtree(own)
-    assert left == []  # nothing staged is left in the temp folder
-    return err
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import copy
 import json
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
+from commandline import one_line_error
 import torch
 
 from cse_models import GPT, GPTConfig
@@ -27,22 +27,6 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def one_line_error(capsys, run, *args) -> str:
-    """Run a command in-process; it must fail with exit status 1 and one line on stderr, and
-    leave no staging directory behind (the helper of tests/test_bad_input.py)."""
-    own = Path(tempfile.mkdtemp(prefix="one-line-"))
-    saved, tempfile.tempdir = tempfile.tempdir, str(own)
-    try:
-        code = run([str(a) for a in args])
-    finally:
-        tempfile.tempdir = saved
-    err = capsys.readouterr().err.strip()
-    assert code == 1, err
-    assert len(err.splitlines()) == 1, err
-    left = sorted(p.name for p in own.iterdir())
-    shutil.rmtree(own)
-    assert left == []
-    return err
 
 
 @pytest.fixture(scope="module")

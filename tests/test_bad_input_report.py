@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
+from commandline import one_line_error
 import torch
 
 from ntkscope.app.cli import main as ntkscope
@@ -30,23 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 GC_TABLE = ROOT / "figures" / "tail" / "tables" / "gc_by_bin.csv"  # a real gc table, as `ntkscope gc` writes it
 
 
-def one_line_error(capsys, run, *args) -> str:
-    """Run a command in-process; it must fail with exit status 1 and one line on stderr, and
-    leave no staging directory behind. The command gets a temp folder of its own, so that other
-    test workers' staging directories cannot come or go in it meanwhile."""
-    own = Path(tempfile.mkdtemp(prefix="one-line-"))
-    saved, tempfile.tempdir = tempfile.tempdir, str(own)
-    try:
-        code = run([str(a) for a in args])
-    finally:
-        tempfile.tempdir = saved
-    err = capsys.readouterr().err.strip()
-    assert code == 1, err
-    assert len(err.splitlines()) == 1, err
-    left = sorted(p.name for p in own.iterdir())
-    shutil.rmtree(own)
-    assert left == []  # nothing staged is left in the temp folder
-    return err
 
 
 # ---- ntkscope report over a damaged or foreign directory ------------------------------------------

@@ -16,11 +16,11 @@ from cse_models import SparseHF, load_any_model
 from cse_models.cse import convert_to_cse
 from cse_models.domains import evaluate_domains
 from cse_models.train import TrainConfig, train
-from commandline import in_process
+from commandline import in_process, write_domain_rows
 from ntkscope.core.files import load_safetensors
 from ntkscope.runs.checkpoints import load_checkpoint
 from ntkscope.runs.families import family_of
-from ntkscope.text.corpus.pack import DEFAULT_PACK, load_pack
+from ntkscope.text.corpus.pack import DEFAULT_PACK
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -38,11 +38,7 @@ def own(tmp_path_factory):
         model = transformers.GPTNeoXForCausalLM(config).float()
     model.save_pretrained(root / "model")
     (root / "model" / "tokenizer.json").write_bytes((DEFAULT_PACK / "tokenizer.json").read_bytes())
-    pack = load_pack()
-    for split, n in (("train", 120), ("test", 20)):
-        rows = [{"text": r.text, "domain": r.domain} for d in ("legal", "biomedical", "general")
-                for r in [r for r in pack.records(split) if r.domain == d][:n]]
-        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_domain_rows(root, {"train": 120, "test": 20})
     return root
 
 

@@ -12,13 +12,12 @@ import shutil
 
 import pytest
 import torch
-from commandline import in_process
+from commandline import in_process, write_domain_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cse_models import GPT, GPTConfig
 from cse_models.train import TrainConfig, main as cse_train, train
-from ntkscope.text.corpus.pack import DEFAULT_PACK, load_pack
+from ntkscope.text.corpus.pack import DEFAULT_PACK
 
 transformers = pytest.importorskip("transformers")
 EXAMPLES = int(os.environ.get("NTKSCOPE_PROPERTY_EXAMPLES", 20))
@@ -39,11 +38,7 @@ def world(tmp_path_factory):
                                         bos_token_id=0, eos_token_id=0)
     transformers.GPTNeoXForCausalLM(config).save_pretrained(root / "neox")
     (root / "neox" / "tokenizer.json").write_bytes((DEFAULT_PACK / "tokenizer.json").read_bytes())
-    pack = load_pack()
-    for split, n in (("train", 40), ("test", 8)):
-        rows = [{"text": r.text, "domain": r.domain} for d in ("legal", "biomedical", "general")
-                for r in [r for r in pack.records(split) if r.domain == d][:n]]
-        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_domain_rows(root, {"train": 40, "test": 8})
     train(TrainConfig.from_dict({"out_dir": str(root / "run"), "model": {"n_layer": 2, "n_embd": 16, "n_head": 2},
                                  "data": {"seq_len": 16, "split": "validation"}, "steps": 3, "batch_size": 4,
                                  "checkpoint_every": 1, "warmup_steps": 1, "tensorboard": False, "device": "cpu"}))

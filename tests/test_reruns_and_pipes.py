@@ -12,11 +12,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from commandline import in_process
+from commandline import in_process, write_domain_rows
 
 from cse_models import GPT, GPTConfig
 from cse_models.train import TrainConfig, main as cse_train, train
-from ntkscope.text.corpus.pack import DEFAULT_PACK, load_pack
+from ntkscope.text.corpus.pack import DEFAULT_PACK
 from ntkscope.text.inputs import DataSource, as_source
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -59,11 +59,7 @@ def world(tmp_path_factory):
     torch.manual_seed(0)
     GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=2, n_head=2, n_embd=16)).float().save_pretrained(root / "gpt")
     (root / "gpt" / "tokenizer.json").write_bytes((DEFAULT_PACK / "tokenizer.json").read_bytes())
-    pack = load_pack()
-    for split, n in (("train", 60), ("test", 12)):
-        rows = [{"text": r.text, "domain": r.domain} for d in ("legal", "biomedical", "general")
-                for r in [r for r in pack.records(split) if r.domain == d][:n]]
-        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_domain_rows(root, {"train": 60, "test": 12})
     config = transformers.GPTNeoXConfig(vocab_size=8192, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                         num_attention_heads=2, max_position_embeddings=64, rotary_pct=0.25,
                                         bos_token_id=0, eos_token_id=0)
