@@ -54,6 +54,8 @@ class SparseConfig:
         small clusters keep reaching their experts. 0 (the default): Algorithm 1 as written,
         mu fixed at the fit.
     capacity_factor, aux_weight : Switch: expert capacity and load-balancing loss weight.
+    shuffled : CSE: the ``cse-shuffled`` control, each sequence routed by a fixed hash of its
+        tokens in the clusters' proportions (:class:`~cse_models.experts.CSELayer`'s ``shares``).
     preserving : Switch: the gate renormalised to 1 and no token dropped in evaluation, so that
         upcycling leaves the model's function unchanged (:class:`~cse_models.experts.SwitchFFN`;
         :func:`~cse_models.cse.upcycle` sets it by default). False (a model saved before it
@@ -73,6 +75,7 @@ class SparseConfig:
     capacity_factor: float = 1.25
     aux_weight: float = 0.01
     preserving: bool = False
+    shuffled: bool = False
     domains: list = field(default_factory=list)
 
     def check(self, n_layer: int) -> None:
@@ -113,8 +116,11 @@ class SparseConfig:
         if self.mean_rate and self.kind == "cse" and self.router_format < 2 and any(self.n_experts):
             raise UserError(f"{where}: mean_rate needs router_format 2 (a centring mean; got router_format="
                             f"{self.router_format})")
-        if not isinstance(self.preserving, bool):
-            raise UserError(f"{where}: preserving must be true or false (got {self.preserving!r})")
+        for name in ("preserving", "shuffled"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{where}: {name} must be true or false (got {getattr(self, name)!r})")
+        if self.shuffled and self.kind != "cse":
+            raise UserError(f"{where}: shuffled applies to CSE layers (got kind {self.kind!r})")
         if self.proj_dim < 1 or self.capacity_factor <= 0 or self.aux_weight < 0:
             raise UserError(f"{where}: proj_dim must be >= 1, capacity_factor > 0 and aux_weight >= 0 "
                             f"(got {self.proj_dim}, {self.capacity_factor}, {self.aux_weight})")

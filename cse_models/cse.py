@@ -29,7 +29,7 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                    rule: str = "hdbscan", representation: str = "centred-cosine", min_cluster_size: int = 15,
                    eps: float | dict | None = None, min_samples: int = 5, percentile: float = 10.0,
                    selection: str = "eom", max_experts: int | None = 8, seed: int = 0,
-                   on_no_cluster: str = "single") -> dict[int, RouterFit]:
+                   on_no_cluster: str = "single", shuffled: bool = False) -> dict[int, RouterFit]:
     """Turn each chosen dense module of a warmed-up model into a CSE layer (router format 2), in place.
 
     ``input_ids``/``attention_mask`` (N, T): the fitting sample. The model's ``config.sparse``
@@ -37,10 +37,19 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     ``normalise`` are filled in. ``rule``, ``representation`` and the rest are
     :func:`~ntkscope.representation.router.fit_router`'s; ``eps`` (DBSCAN rules): one value,
     ``{layer: eps}`` (layers' scales differ), or None (automatic). Returns {layer: RouterFit}.
+
+    ``shuffled``: the ``cse-shuffled`` control. The same fit, experts and counts, but each layer
+    routes every sequence by a fixed hash of its tokens, in the proportions in which its clusters
+    route the fitting sample (:class:`~cse_models.experts.CSELayer`'s ``shares``): CSE without
+    its clusters. The model's function is unchanged at conversion either way (every expert is a
+    copy of the dense module).
     """
     sparse = model.config.sparse
     if sparse is None or sparse.kind != "cse":
         raise UserError("convert_to_cse: model.config.sparse must describe CSE layers (kind='cse')")
+    if shuffled and not hasattr(model, "transformer"):
+        raise UserError("convert_to_cse: shuffled CSE layers are built for cse_models GPT and BERT models (the model "
+                        f"sets each batch's sequence keys); got {type(model).__name__}")
     done = [i for i in sparse.layers if sparse.experts_at(i) > 0]
     if done:
         raise UserError(f"convert_to_cse: layers {done} are CSE layers already")
@@ -58,16 +67,22 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         dense = model._module(i)
         weight = next(dense.parameters())
         as_t = lambda a: torch.as_tensor(a, device=weight.device, dtype=weight.dtype)  # noqa: E731
-        layer = CSELayer([copy.deepcopy(dense) for _ in range(fit.n_clusters)], as_t(fit.projection),
-                         as_t(fit.centres), as_t(fit.radii), sparse.alpha, mean=as_t(fit.mean),
-                         normalise=fit.normalise, mean_rate=sparse.mean_rate)
+        router = (as_t(fit.projection), as_t(fit.centres), as_t(fit.radii))
+        options = dict(mean=as_t(fit.mean), normalise=fit.normalise, mean_rate=sparse.mean_rate)
+        layer = CSELayer([copy.deepcopy(dense) for _ in range(fit.n_clusters)], *router, sparse.alpha, **options)
+        if shuffled:  # the clusters' proportions on the fitting sample, then no clusters
+            _, own = layer._route(embeddings[i].to(weight.device))
+            shares = torch.bincount(own, minlength=fit.n_clusters).to(weight.dtype) / len(own)
+            layer = CSELayer(list(layer.experts), *router, sparse.alpha, **options, shares=shares)
+            log.info("CSE layer %d shuffled: sequences routed by a hash of their tokens in the shares %s", i,
+                     [round(float(x), 3) for x in shares])
         model._replace(i, layer.train(was_training))  # the mode the model is in
         sparse.n_experts[n] = fit.n_clusters
         fits[i] = fit
         log.info("CSE layer %d (%s): %d experts from %d sequences (%s, %s), cluster sizes %s, %d noise%s",
                  i, sparse.module, fit.n_clusters, len(fit.labels), rule, representation, list(fit.sizes),
                  fit.n_noise, " (fallback: no cluster found)" if fit.fallback else "")
-    sparse.router_format, sparse.normalise = 2, fits[sparse.layers[0]].normalise
+    sparse.router_format, sparse.normalise, sparse.shuffled = 2, fits[sparse.layers[0]].normalise, bool(shuffled)
     return fits
 
 

@@ -38,6 +38,31 @@ def _routing_embedding(x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.
     return sequence_embedding(x.to(torch.promote_types(x.dtype, torch.float32)), key_mask)
 
 
+_PRIME = 2**31 - 1  # the Mersenne prime of the sequence hash (int64 sums stay below 2**63 for T < 2**14)
+
+
+def sequence_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A fixed hash of each sequence's real tokens as a number in [0, 1): input_ids (B, T) ->
+    (B,) float64. It depends on the tokens and their positions only (not on the batch, the
+    padding or the weights), so a sequence gets the same number in training and evaluation; over
+    distinct sequences the numbers spread evenly (a sum of token x position weights mod a prime,
+    then a Lehmer step)."""
+    ids = input_ids.to(torch.int64) + 1
+    if attention_mask is not None:
+        ids = ids * attention_mask.to(torch.int64)
+    position = torch.arange(1, ids.shape[-1] + 1, dtype=torch.int64, device=ids.device)
+    weights = (position * 2654435761) % _PRIME  # a fixed weight per position, below 2**31
+    h = (ids * weights).sum(-1) % _PRIME
+    return ((h * 48271) % _PRIME).to(torch.float64) / _PRIME
+
+
+def shuffled_experts(keys: torch.Tensor, shares: torch.Tensor) -> torch.Tensor:
+    """Each key in [0, 1) (B,) to the expert whose slice of [0, 1) holds it, slices as wide as
+    ``shares`` (C,): experts drawn in those proportions, by nothing but the sequence."""
+    edges = torch.cumsum(shares.to(torch.float64), 0)
+    return torch.clamp(torch.searchsorted(edges / edges[-1], keys.to(torch.float64), right=True), max=len(shares) - 1)
+
+
 def _dispatch(experts: nn.ModuleList, x: torch.Tensor, key_mask, assign: torch.Tensor,
               masked: bool = False) -> torch.Tensor:
     """Run each sequence through its expert: x (B, T, d), assign (B,) -> (B, T, d); ``masked``:
@@ -67,11 +92,16 @@ class CSELayer(nn.Module):
     domain label when ``forward`` is given the batch's ``domains`` (bookkeeping only: labels never
     route). ``mean_rate`` > 0 (format 2): after each step mu follows the batch's embeddings (drift
     handling, :class:`~cse_models.SparseConfig`).
+
+    ``shares`` (C,) makes the layer ``cse-shuffled``, the control that keeps CSE's machinery, its
+    expert count and its clusters' sizes but not its clusters: a sequence goes to the expert drawn
+    by a fixed hash of its tokens (:func:`sequence_keys`, set by the model as ``sequence_keys``
+    before each forward) in the proportions ``shares``, in training and in evaluation alike.
     """
 
     def __init__(self, experts: list[nn.Module], projection: torch.Tensor, centres: torch.Tensor,
                  radii: torch.Tensor, alpha: float = 0.99, *, mean: torch.Tensor | None = None,
-                 normalise: bool = False, mean_rate: float = 0.0):
+                 normalise: bool = False, mean_rate: float = 0.0, shares: torch.Tensor | None = None):
         super().__init__()
         if mean is None and normalise:
             raise UserError("CSELayer: normalise needs a router-format-2 layer (a mean)")
@@ -92,11 +122,28 @@ class CSELayer(nn.Module):
         self._pending: tuple | None = None
         self.domain_load = torch.zeros(len(experts), 0, dtype=torch.long)  # (E, D) since the last reset
         self.per_sample_dispatch = False
+        self.shuffled = shares is not None
+        if self.shuffled:
+            if shares.shape != (len(experts),):
+                raise UserError(f"CSELayer: shares must give one share per expert (got shape {tuple(shares.shape)} "
+                                f"for {len(experts)} experts)")
+            self.register_buffer("shares", shares.clone())
+        self.sequence_keys: torch.Tensor | None = None  # (B,) of the batch in flight, set by the model
 
-    def route(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, key_mask: torch.Tensor | None = None,
+              keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence embeddings in the routing space (B, d') and the chosen expert of each sequence (B,);
-        z in float32 at least (see :meth:`_route`)."""
-        return self._route(_routing_embedding(x, key_mask))
+        z in float32 at least (see :meth:`_route`). A shuffled layer's experts come from ``keys``
+        (:func:`sequence_keys` of these sequences; default the batch in flight's)."""
+        z, assign = self._route(_routing_embedding(x, key_mask))
+        return (z, self._shuffled(keys, len(z))) if self.shuffled else (z, assign)
+
+    def _shuffled(self, keys: torch.Tensor | None, n: int) -> torch.Tensor:
+        keys = self.sequence_keys if keys is None else keys
+        if keys is None or keys.shape[0] != n:
+            raise UserError("CSELayer: a shuffled layer routes by its sequences' tokens: call it through its model "
+                            "(which sets sequence_keys), or pass keys=sequence_keys(input_ids, attention_mask)")
+        return shuffled_experts(keys, self.shares).to(keys.device)
 
     def _route(self, v: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Route embeddings v (B, d) in ``dtype`` (default v's), float32 at least: a bfloat16 / float16
@@ -115,6 +162,8 @@ class CSELayer(nn.Module):
                 domains: torch.Tensor | None = None) -> torch.Tensor:
         v = _routing_embedding(x, key_mask)
         z, assign = self._route(v)
+        if self.shuffled:
+            assign = self._shuffled(None, len(z))
         if self.training:  # bookkeeping only in training: analyses (eval mode) see a pure function
             self._pending = (z.detach(), assign.detach(), v.detach().mean(0))
             with torch.no_grad():

@@ -19,7 +19,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from cse_models.config import BERTConfig, GPTConfig
-from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN, sequence_embedding
+from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN, sequence_embedding, sequence_keys
 from cse_models.layers import Block
 from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import atomic_path, load_safetensors, read_json_object, write_json
@@ -42,7 +42,8 @@ def _sparse_module(config, dense: nn.Module, n_experts: int) -> nn.Module:
     d, dp = config.n_embd, sparse.route_dim(config.n_embd)
     mean = torch.zeros(d) if sparse.router_format >= 2 else None
     return CSELayer(experts, torch.zeros(dp, d), torch.zeros(n_experts, dp), torch.ones(n_experts), sparse.alpha,
-                    mean=mean, normalise=sparse.normalise, mean_rate=sparse.mean_rate if mean is not None else 0.0)
+                    mean=mean, normalise=sparse.normalise, mean_rate=sparse.mean_rate if mean is not None else 0.0,
+                    shares=torch.ones(n_experts) if sparse.shuffled else None)
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -185,6 +186,10 @@ class TransformerLM(SparseRouting, nn.Module):
         pos = torch.arange(T, device=input_ids.device)
         x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))
         key_mask = None if attention_mask is None else attention_mask.bool()
+        if self.config.sparse is not None and self.config.sparse.shuffled:  # cse-shuffled: routed by the tokens
+            keys = sequence_keys(input_ids, attention_mask)
+            for layer in self.sparse_layers().values():
+                layer.sequence_keys = keys
         for block in self.transformer.h:
             x = block(x, key_mask, domains)
         return self.transformer.ln_f(x)

@@ -72,6 +72,7 @@ class CSEConfig:
     percentile: float = 10.0
     selection: str = "eom"
     on_no_cluster: str = "single"
+    shuffled: bool = False  # the cse-shuffled control: CSE's fit and counts, routed by a hash of the tokens
 
     def __post_init__(self):
         if not (self.warmup_steps is None or self.warmup_steps == "auto" or (
@@ -80,6 +81,8 @@ class CSEConfig:
             raise UserError(f"TrainConfig: cse.warmup_steps must be a step >= 0, 'auto' (the plan's) or null "
                             f"(got {self.warmup_steps!r})")
         _positive("cse.n_samples", self.n_samples)
+        if not isinstance(self.shuffled, bool):
+            raise UserError(f"TrainConfig: cse.shuffled must be true or false (got {self.shuffled!r})")
 
     def router_options(self) -> dict:
         """The fields :func:`~cse_models.cse.convert_to_cse` takes."""

@@ -266,7 +266,7 @@ def test_switch_upcycled_from_a_dense_run(tmp_path):
     fresh = load_model(start)
     dense_ffn = {k: v.clone() for k, v in fresh.transformer.h[1].mlp.state_dict().items()}
     fresh.config.sparse = SparseConfig(kind="switch", layers=[1], n_experts=[0])
-    assert upcycle_layers(fresh, upcycle["n_experts"]) == 3
+    assert upcycle_layers(fresh, upcycle["n_experts"]) == [3]  # the count of each layer
     up = fresh.transformer.h[1].mlp
     assert isinstance(up, SwitchFFN) and len(up.experts) == 3 and fresh.config.sparse.n_experts == [3]
     for expert in up.experts:  # every expert starts as the warmed-up FFN

@@ -35,17 +35,26 @@ def _training_step(table: pd.DataFrame) -> dict:
 
 def _gpu_gc(table: pd.DataFrame) -> dict:
     """benchmarks/README.md: GC on one H100 at GPT-2-small shape, per method and budget."""
-    rows = ["| method | max_memory | seconds | peak GB above the model | GC | \\|GC\\| interval | random null |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| run | method | max_memory | seconds | peak GB above the model | GC | \\|GC\\| interval | random null |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in table.itertuples():
         if isinstance(r.error, str):
-            rows.append(f"| {r.method} | {r.max_memory_gb:g} GB | — | — | — | — | {r.error} |")
+            rows.append(f"| {r.run} | {r.method} | {r.max_memory_gb:g} GB | — | — | — | — | {r.error} |")
             continue
         interval = "—" if not np.isfinite(r.abs_low) else f"[{r.abs_low:.3f}, {r.abs_high:.3f}]"
         null = "—" if not np.isfinite(r.null_low) else f"[{r.null_low:.3f}, {r.null_high:.3f}]"
-        rows.append(f"| {r.method} | {r.max_memory_gb:g} GB | {r.seconds:.0f} | {r.peak_gb_above_model:.2f} | "
-                    f"{r.gc:.6f} | {interval} | {null} |")
-    return {"bench.gpu.table": "\n".join(rows)}
+        rows.append(f"| {r.run} | {r.method} | {r.max_memory_gb:g} GB | {r.seconds:.0f} | "
+                    f"{r.peak_gb_above_model:.2f} | {r.gc:.6f} | {interval} | {null} |")
+    out = {"bench.gpu.table": "\n".join(rows)}
+    runs = table.dropna(subset=["seconds"])
+    structured = runs[(runs["method"] == "structured") & (runs["max_memory_gb"] == 16)]
+    if len(structured) >= 2:  # the first and the latest run of structured at 16 GB, for the prose
+        before, after = structured.iloc[0], structured.iloc[-1]
+        out.update({"bench.gpu.before.seconds": f"{before.seconds:.0f} s", "bench.gpu.after.seconds":
+                    f"{after.seconds:.0f} s", "bench.gpu.slower": f"{after.seconds / before.seconds:.1f}×",
+                    "bench.gpu.before.peak": f"{before.peak_gb_above_model:.2f} GB",
+                    "bench.gpu.after.peak": f"{after.peak_gb_above_model:.2f} GB"})
+    return out
 
 
 def _budget(table: pd.DataFrame) -> dict:

@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from cse_models.experts import sequence_keys
 from cse_models.evaluate import _at_most, _is_demix, demix_prior, perplexity_by_domain
 from cse_models.model import load_model
 from cse_models.routes import Routes, blocks_digest
@@ -376,7 +377,8 @@ def evaluate(model, blocks, held_out, special_ids=(), routes: Routes | None = No
         routed = {}
         inputs = model.module_inputs(blocks.input_ids, None, sparse.layers, sparse.module)  # {layer: (N, d)}
         for i in sparse.layers:
-            _, expert = model._module(i).route(inputs[i][:, None, :])  # one-token sequences: v itself
+            keys = sequence_keys(blocks.input_ids) if model._module(i).shuffled else None  # cse-shuffled's hash
+            _, expert = model._module(i).route(inputs[i][:, None, :], keys=keys)  # one-token sequences: v itself
             frame = pd.crosstab(expert.numpy(), [blocks.domain_names[int(d)] for d in blocks.domains])
             routed[str(i)] = {str(e): {d: int(n) for d, n in row.items()} for e, row in frame.iterrows()}
         out["routing"] = routed
