@@ -243,7 +243,7 @@ def _check_rerun(cfg: TrainConfig, out_dir: Path, force: bool) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError):
             have = {}
         try:  # a field added since the run was recorded takes its default, as the run's own code had it
-            have = asdict(TrainConfig.from_dict(have))
+            have = asdict(TrainConfig.from_record(have))
         except (ValueError, TypeError):
             pass
         changed = differences(have, asdict(cfg), ignore=RESUMABLE_CHANGES)

@@ -257,6 +257,18 @@ class TrainConfig:
         return cls.from_dict({**data, **overrides})
 
     @classmethod
+    def from_record(cls, data: dict) -> "TrainConfig":
+        """A run's recorded config (``train_config.json``) of any version: a field added since takes
+        the value the run's own code had, where that is not today's default (an upcycling recorded
+        before ``upcycle.preserving`` existed was the classic softmax gate), and every other one its
+        default."""
+        data = dict(data)
+        upcycle = data.get("upcycle")
+        if isinstance(upcycle, dict) and upcycle.get("at") is not None and "preserving" not in upcycle:
+            data["upcycle"] = {**upcycle, "preserving": False}
+        return cls.from_dict(data)
+
+    @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":
         cfg = from_fields(cls, data, "TrainConfig:")
         if not isinstance(cfg.model, dict):

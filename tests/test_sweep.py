@@ -4,6 +4,7 @@ import json
 
 import pandas as pd
 import pytest
+import torch
 
 from ntkscope.reproduction.settings import settings_for
 from ntkscope.reproduction.sweep import ARMS, Sweep
@@ -161,3 +162,32 @@ def test_a_run_that_trains_what_a_sweep_model_did_links_it_and_nothing_else_does
     training.train_cse(settings, tmp_path / "cse-from-seed1", None, other_start.parent.parent, [0, 1], 10, 0)
     assert trained == [str(tmp_path / "other-lr"), str(tmp_path / "cse-from-seed1")]
     assert cse.is_dir() and not (tmp_path / "other-lr" / "adopted.json").exists()
+
+
+def test_the_controls_branch_from_the_trunk_and_train(tmp_path):
+    """Issue 42's controls at toy size: cse-shuffled (CSE's counts, hash routing), the fair Switch
+    (cse-late's count at each layer, function-preserving) and dense-null (the trunk, another data order; not "null", which
+    CSV readers take for a missing value)."""
+    from cse_models.model import load_model
+
+    settings = settings_for("smoke", steps=20, checkpoint_every=10, early_every=0, seeds=1, cse_samples=64,
+                            min_cluster_size=5, min_samples=3)
+    sweep = Sweep(tmp_path / "run", settings, arms=("dense", "cse-late", "cse-shuffled", "switch-fair", "dense-null"),
+                  gc_peak_step=10, layers=(0, 1))
+    sweep.run(poll=0.1)
+    arms = pd.read_csv(sweep.run_dir / "tables" / "arms.csv").set_index("arm")
+    assert set(arms.index) == {"dense", "cse-late", "cse-shuffled", "switch-fair", "dense-null"}
+    assert (arms.drop("dense")["warmup"] == 10).all()
+    config = {name: json.loads((sweep.run_dir / json.loads(sweep.result_path(name, 0).read_text())["checkpoint"]
+                                 / "config.json").read_text()) for name in arms.index}
+    counts = config["cse-late"]["sparse"]["n_experts"]
+    assert config["cse-shuffled"]["sparse"]["shuffled"] and config["cse-shuffled"]["sparse"]["n_experts"] == counts
+    assert config["switch-fair"]["sparse"]["n_experts"] == counts and config["switch-fair"]["sparse"]["preserving"]
+    assert config["dense-null"]["sparse"] is None
+    seeds = {name: json.loads((sweep.model_dir(name, 0) / "train_config.json").read_text())["seed"]
+             for name in ("dense", "cse-late", "dense-null")}
+    assert seeds["dense-null"] != seeds["dense"] == seeds["cse-late"]  # only the null's data order differs
+    last = {name: sweep.run_dir / json.loads(sweep.result_path(name, 0).read_text())["checkpoint"]
+            for name in ("dense", "dense-null")}
+    dense, null = load_model(last["dense"]), load_model(last["dense-null"])
+    assert any(not torch.equal(a, b) for a, b in zip(dense.parameters(), null.parameters()))

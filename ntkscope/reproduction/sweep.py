@@ -52,21 +52,28 @@ log = logging.getLogger(__name__)
 LAYERS = (2, 3)      # figures/tail/plan_rechecked.json: the top-2 separation layers of the tail run
 GC_PEAK_STEP = 75    # figures/tail/plan.json: the GC-peak warm-up every earlier CSE run used
 DRIFT_RATE = 0.1     # SparseConfig.mean_rate of the drift-handling arms (the planted test's value)
+NULL_ORDER = 1000    # the null arm's data order after the branch: seed + NULL_ORDER (the trunk's is seed)
 HORIZON, THRESHOLD, MIN_PERSISTING = 2, 0.5, 0.8  # the small-cluster rule (docs/sweep.md)
 
 
 @dataclass(frozen=True)
 class Arm:
-    """name; kind "dense" (the trunk), "cse", "switch", "demix" or "encoder" (the frozen-encoder router:
-    a fixed assignment of blocks to experts, :meth:`Sweep.encoder_routes`); at: the warm-up, "rule"
-    (the trunk's small-cluster rule), "gc-peak" (GC_PEAK_STEP), "late" (half the schedule);
-    mean_rate: CSE drift handling; what: one line for the tables."""
+    """name; kind "dense" (the trunk), "cse", "switch", "demix", "encoder" (the frozen-encoder router:
+    a fixed assignment of blocks to experts, :meth:`Sweep.encoder_routes`) or "null" (the trunk
+    continued from the branch with another data order: one arm's noise floor); at: the warm-up,
+    "rule" (the trunk's small-cluster rule), "gc-peak" (GC_PEAK_STEP), "late" (half the schedule);
+    mean_rate: CSE drift handling; shuffled: CSE routed by a hash of each sequence in its
+    clusters' proportions (``cse-shuffled``); fair: Switch upcycled with CSE's count at each layer
+    so that the function is unchanged at conversion (else the classic control: softmax gate, the
+    largest CSE count at every layer); what: one line for the tables."""
 
     name: str
     kind: str
     at: str | None = None
     mean_rate: float = 0.0
     what: str = ""
+    shuffled: bool = False
+    fair: bool = False
 
 
 ARMS = (  # in the order they run: the core arms of every seed first
@@ -78,6 +85,13 @@ ARMS = (  # in the order they run: the core arms of every seed first
     Arm("cse-rule-drift", "cse", "rule", DRIFT_RATE, what="CSE at the rule's step with drift handling"),
     Arm("cse-gc-drift", "cse", "gc-peak", DRIFT_RATE, what="CSE at step 75 with drift handling"),
     Arm("cse-late", "cse", "late", what="CSE at a fixed late step (half the schedule)"),
+    Arm("cse-shuffled", "cse", "late", shuffled=True, what="cse-late's machinery, expert counts and cluster sizes, "
+        "each sequence routed by a hash of its tokens: routing without the clusters"),
+    Arm("switch-fair", "switch", "late", fair=True, what="Switch upcycled at the late step with cse-late's count at "
+        "each layer, function unchanged at conversion, no token dropped in evaluation (the fair capacity control)"),
+    Arm("dense-null", "null", "late", what="the trunk continued from the late step with another data order: the noise "
+        "floor of one arm"),
+    Arm("demix-late", "demix", "late", what="DEMix (domain labels) upcycled at the late step: the labelled upper bound"),
     Arm("cse-encoder", "encoder", "rule", what="experts routed by a frozen MiniLM's clusters (fitted once on the "
         "same fitting sample) at the rule's step"),
 )
@@ -212,11 +226,16 @@ class Sweep:
         at, every = self.warmup(arm, seed), 4 * s.checkpoint_every  # a killed unit resumes from its last 400 steps
         if arm.kind == "cse":
             return training.train_cse(s, out, pack, trunk, self.layers, at, seed, mean_rate=arm.mean_rate,
-                                      checkpoint_every=every), at
-        if arm.kind == "switch":
+                                      checkpoint_every=every, shuffled=arm.shuffled), at
+        if arm.kind == "null":
+            return training.train_continued(s, out, pack, trunk, at, seed + NULL_ORDER, checkpoint_every=every), at
+        if arm.kind == "switch" and arm.fair:  # cse-late's count at each layer, the function unchanged
+            return training.train_switch(s, out, pack, trunk, self.layers, at, seed, checkpoint_every=every,
+                                         experts=self._cse_counts(seed, "cse-late", at), preserving=True), at
+        if arm.kind == "switch":  # the classic control, as the committed sweep ran it
             experts = max(self._cse_experts(seed), 2)
             return training.train_switch(s.replace(switch_experts=experts), out, pack, trunk, self.layers, at,
-                                         seed, checkpoint_every=every), at
+                                         seed, checkpoint_every=every, preserving=False), at
         if arm.kind == "encoder":
             routes = self.encoder_routes(seed)
             return training.train_routed(s, out, pack, trunk, self.layers, at, routes, Routes.load(routes).names,
@@ -287,6 +306,22 @@ class Sweep:
         return max(fit_router(X, **{**router_options(self.settings), "seed": seed + L}).n_clusters
                    for L, X in emb.items())
 
+    def _cse_counts(self, seed: int, source: str, at: int) -> list:
+        """The experts at each layer of this seed's ``source`` CSE arm (its conversion's counts), or
+        those its router would fit at step ``at`` when it has not converted yet."""
+        folder = self.model_dir(source, seed)
+        for _, path in list_checkpoints(folder) if (folder / "checkpoints").is_dir() else []:
+            sparse = json.loads((path / "config.json").read_text()).get("sparse") or {}
+            if all(sparse.get("n_experts", [0])):
+                return [int(k) for k in sparse["n_experts"]]
+        from ntkscope.representation.router import fit_router
+        from ntkscope.runs.checkpoints import load_checkpoint
+        from ntkscope.runs.embeddings import layer_embeddings
+        model = load_checkpoint(self.model_dir("dense", seed) / "checkpoints" / f"step-{at:06d}")
+        emb = layer_embeddings(model, self.fitting(seed)["batch"], point="ffn_input", layers=self.layers).embeddings
+        return [fit_router(emb[L], **{**router_options(self.settings), "seed": seed + L}).n_clusters
+                for L in self.layers]
+
     def _same_unit(self, arm: Arm, seed: int) -> Arm | None:
         """A finished arm of this seed that trains exactly what ``arm`` would (same kind, warm-up
         step and drift rate: e.g. the fixed late step where the rule fell back to it), or None."""
@@ -294,6 +329,7 @@ class Sweep:
             return None
         for other in ARMS:
             if (other.name != arm.name and other.kind == arm.kind and other.mean_rate == arm.mean_rate
+                    and other.shuffled == arm.shuffled
                     and self.done(other.name, seed) and (other.at == arm.at or (
                         self.ready(other, seed) and self.ready(arm, seed)
                         and self.warmup(other, seed) == self.warmup(arm, seed)))):

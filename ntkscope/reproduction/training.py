@@ -47,7 +47,7 @@ def _trajectory(cfg: dict) -> dict:
     """What a run trains, from its TrainConfig fields: every field but :data:`BOOKKEEPING`, with the
     model's fields completed by :class:`GPTConfig`'s defaults (so ``model_type`` said or not compares
     equal) and the corpus pack named by its version (the shipped pack by None or by its path alike)."""
-    full = dataclasses.asdict(TrainConfig.from_dict(cfg))  # every section with its defaults, old files alike
+    full = dataclasses.asdict(TrainConfig.from_record(cfg))  # every section with its defaults, old files alike
     kept = {k: v for k, v in full.items() if k not in BOOKKEEPING}
     if "pack" in kept["data"]:
         kept["data"] = {**kept["data"], "pack": load_pack(kept["data"]["pack"], verify=False).manifest.get("version")}
@@ -141,21 +141,27 @@ def _branch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_
 
 
 def train_continued(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, warmup: int,
-                    seed: int, stop_at: int | None = None) -> Path:
+                    seed: int, stop_at: int | None = None, checkpoint_every: int | None = None) -> Path:
     """The dense model continued from the warm-up with data order ``seed``: the dense baseline of
-    one seed of the CSE-against-baselines comparison (seed ``settings.seed`` is the dense run itself)."""
-    return _branch(settings, out_dir, pack, dense_dir, warmup, None, seed, stop_at)
+    one seed of the CSE-against-baselines comparison (seed ``settings.seed`` is the dense run itself),
+    or, with another order than the trunk's, the sweep's null arm."""
+    return _branch(settings, out_dir, pack, dense_dir, warmup, None, seed, stop_at, None, checkpoint_every)
 
 
 def train_switch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
                  warmup: int, seed: int | None = None, stop_at: int | None = None, base: dict | None = None,
-                 checkpoint_every: int | None = None) -> Path:
-    """Switch (learned top-1 token routing, ``switch_experts`` experts) at ``layers``, upcycled
-    from the dense run at the warm-up (experts copied from the warmed-up FFN, a fresh router): the
-    same shared warm-up and remaining steps as CSE, so the two differ only in routing."""
+                 checkpoint_every: int | None = None, experts: list | None = None,
+                 preserving: bool = True) -> Path:
+    """Switch (learned top-1 token routing; ``experts`` per layer, default ``switch_experts`` at
+    each) at ``layers``, upcycled from the dense run at the warm-up (experts copied from the
+    warmed-up FFN, a fresh router): the same shared warm-up and remaining steps as CSE, so the two
+    differ only in routing. ``preserving``: the model's function unchanged at conversion
+    (:func:`cse_models.cse.upcycle`); False: the classic softmax gate."""
     sparse = {"kind": "switch", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers)}
+    upcycle = {"at": int(warmup), "n_experts": list(experts) if experts else settings.switch_experts,
+               "preserving": bool(preserving)}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
-                   stop_at, base, checkpoint_every, upcycle={"at": int(warmup), "n_experts": settings.switch_experts})
+                   stop_at, base, checkpoint_every, upcycle=upcycle)
 
 
 def train_demix(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
@@ -172,17 +178,20 @@ def train_demix(settings: ReproduceSettings, out_dir: Path, pack: str | None, de
 
 def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
               warmup: int, seed: int | None = None, stop_at: int | None = None, base: dict | None = None,
-              module: str = "ffn", mean_rate: float = 0.0, checkpoint_every: int | None = None) -> Path:
+              module: str = "ffn", mean_rate: float = 0.0, checkpoint_every: int | None = None,
+              shuffled: bool = False) -> Path:
     """CSE on ``module`` ("ffn": MoF, "attn": MoA) at ``layers``: from the dense run at
     ``warmup``; the router is fitted there on ``cse_samples`` training blocks
     (:func:`ntkscope.fit_router` with the settings' rule and representation) and training goes on.
     ``mean_rate``: the router's drift handling (:class:`cse_models.config.SparseConfig`; 0:
-    Algorithm 1 as written)."""
+    Algorithm 1 as written). ``shuffled``: the cse-shuffled control (routed by a hash of each
+    sequence in the clusters' proportions, :func:`cse_models.cse.convert_to_cse`)."""
     sparse = {"kind": "cse", "module": module, "layers": list(layers), "n_experts": [0] * len(layers),
               "proj_dim": settings.proj_dim, "router_format": 2, "mean_rate": float(mean_rate)}
     cse = {"warmup_steps": int(warmup), "n_samples": settings.cse_samples, "rule": settings.router_rule,
            "representation": settings.router_representation, "min_cluster_size": settings.min_cluster_size,
-           "min_samples": settings.min_samples, "max_experts": settings.max_experts, "on_no_cluster": "single"}
+           "min_samples": settings.min_samples, "max_experts": settings.max_experts, "on_no_cluster": "single",
+           **({"shuffled": True} if shuffled else {})}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
                    stop_at, base, checkpoint_every, cse=cse)
 
