@@ -82,8 +82,29 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         log.info("CSE layer %d (%s): %d experts from %d sequences (%s, %s), cluster sizes %s, %d noise%s",
                  i, sparse.module, fit.n_clusters, len(fit.labels), rule, representation, list(fit.sizes),
                  fit.n_noise, " (fallback: no cluster found)" if fit.fallback else "")
+        _warn_thin_fit(i, fit)
     sparse.router_format, sparse.normalise, sparse.shuffled = 2, fits[sparse.layers[0]].normalise, bool(shuffled)
     return fits
+
+
+FEW = 0.01  # an expert fitted on fewer than this share of the fitting sequences is said to be thin
+
+
+def _warn_thin_fit(layer: int, fit: RouterFit) -> None:
+    """One warning line when most fitting sequences are noise to the clustering, or an expert's
+    cluster holds few of them: its experts then stand on little evidence."""
+    n = len(fit.labels)
+    said = []
+    if fit.n_noise > n / 2:
+        said.append(f"{fit.n_noise} of {n} fitting sequences are noise to the clustering (every one is still routed "
+                    "to its nearest centre)")
+    thin = [int(k) for k in fit.sizes if k < FEW * n]
+    if not fit.fallback and thin:
+        said.append(f"{len(thin)} of its {fit.n_clusters} experts {'is' if len(thin) == 1 else 'are'} fitted on "
+                    f"fewer than {FEW:.0%} of them (cluster sizes {list(map(int, fit.sizes))})")
+    if said:
+        log.warning("CSE layer %d: %s; a larger fitting sample or min_cluster_size may fit firmer clusters",
+                    layer, "; ".join(said))
 
 
 def upcycle(model, n_experts: int | list | None = None, *, preserving: bool = True) -> list:

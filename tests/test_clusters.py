@@ -232,6 +232,25 @@ def test_plan_small_cluster_rule_comes_first_and_labels_report_and_may_choose():
     assert make_plan(table, gc).warmup_rule == "gc-peak"  # without persistence, the shown peak decides
     with pytest.raises(ValueError, match="make_plan: labels must be given when choose_by='labels'"):
         make_plan(table, gc, choose_by="labels")
+    assert plan.evidence["tail_share_by_layer"][0] == {"layer": 2, "tail_share": 0.8, "step": 150}
+    assert plan.evidence["scores_at_step"] == 300  # the checkpoint the separation scores came from
+    # issue 43: the first pure tail cluster at ONE of the layers is the labels' warm-up (layer 3 at 100, 2 at 150)
+    early = labels.assign(n_pure_tail=[int(r.n_pure_tail or (r.layer == 3 and r.step == 100))
+                                       for r in labels.itertuples()])
+    assert make_plan(table, gc, persistence=persistence, labels=early, choose_by="labels").warmup_steps == 100
+
+
+def test_a_tie_among_zeros_is_no_choice_and_is_said():
+    """Issue 43: no layer holds a pure tail cluster (every tail share 0): the labels choose nothing,
+    the evidence says so, and choose_by='labels' keeps the structure's layers, saying why."""
+    table = pd.DataFrame({"step": [300] * 3, "layer": [0, 1, 2], "separation": [1.0, 3.0, 2.0]})
+    labels = pd.DataFrame([{"step": s, "layer": k, "n_clusters": 2, "n_pure": 1, "n_pure_tail": 0, "tail_share": 0.0}
+                           for s in (100, 200, 300) for k in range(3)])
+    for choose_by in ("structure", "labels"):
+        plan = make_plan(table, labels=labels, choose_by=choose_by)
+        assert plan.evidence["layers_by_labels"] == [] and plan.layers == [1, 2]
+        assert plan.evidence["labels_verdict"] == "no layer holds a pure tail cluster"
+    assert plan.chosen_by == "top-2 separation (the labels chose none: no layer holds a pure tail cluster)"
 
 
 def test_snapshots_annotate_clusters_with_domains_and_scores(tiny_run):
@@ -292,11 +311,16 @@ def test_plan_command_reports_the_labels_and_chooses_by_them_when_asked(tiny_run
     assert set(found["tail_labels"]) == {"legal", "biomedical"}  # every label but the most frequent (general)
     assert plan.warmup_rule in ("small-clusters-persist", "gc-peak", "stable-clusters", "window-end")
     assert set(plan.evidence["persistence"]) == {str(k) for k in plan.layers}
-    assert plan.evidence["layers_by_separation"] == plan.layers and len(plan.evidence["layers_by_labels"]) == 2
+    chosen = plan.evidence["layers_by_labels"]  # the layers whose clusters hold tail sentences, at most 2
+    shares = {s["layer"]: s["tail_share"] for s in plan.evidence["tail_share_by_layer"]}
+    assert plan.evidence["layers_by_separation"] == plan.layers and len(chosen) <= 2
+    assert all(shares[k] > 0 for k in chosen) and len(shares) == 3
     assert Plan.load(tmp_path / "plan.json") == plan
     by_labels = plan_command(run, "default", out=tmp_path / "labels.json", choose_by="labels", **common)["plan"]
-    assert by_labels.layers == plan.evidence["layers_by_labels"]
-    assert by_labels.chosen_by == "top-2 tail share (labels)"
+    if chosen:
+        assert by_labels.layers == chosen and by_labels.chosen_by == f"top-{len(chosen)} tail share (labels)"
+    else:  # a tie among zeros: no choice, said
+        assert by_labels.layers == plan.layers and "the labels chose none" in by_labels.chosen_by
 
 
 def test_a_run_directory_we_may_not_write_caches_elsewhere(tiny_run, monkeypatch, tmp_path):

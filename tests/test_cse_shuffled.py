@@ -140,3 +140,29 @@ def test_cse_train_converts_to_shuffled_mid_run(tmp_path):
     sparse = json.loads((last / "config.json").read_text())["sparse"]
     assert sparse["shuffled"] is True and sparse["n_experts"][0] >= 1
     assert np.isfinite(json.loads((last / "trainer_state.json").read_text())["step"])
+
+
+def test_a_fit_that_is_mostly_noise_is_said_in_one_warning(caplog):
+    """Issue 43: compare and cse-train warn when most fitting sequences are noise (here: two small
+    topics in a bulk of random token sequences, which the clustering leaves as noise)."""
+    import logging
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=16,
+                          sparse={"kind": "cse", "layers": [1], "n_experts": [0], "proj_dim": 8})).eval()
+    g = torch.Generator().manual_seed(3)
+    topics = 1 + torch.randint(0, 5, (50, 16), generator=g) + 29 * (torch.arange(50) % 2)[:, None]
+    ids = torch.cat([topics, torch.randint(0, 50, (250, 16), generator=g)])  # two small topics in a random bulk
+    with caplog.at_level(logging.WARNING, logger="cse_models.cse"):
+        fits = convert_to_cse(model, ids, None, **FIT)
+    fit = fits[1]
+    lines = [r.getMessage() for r in caplog.records if r.name == "cse_models.cse"]
+    if fit.n_noise > len(fit.labels) / 2:
+        assert len(lines) == 1 and f"{fit.n_noise} of 300 fitting sequences are noise" in lines[0]
+    else:
+        pytest.fail(f"the planted noise was clustered ({fit.n_noise} noise of 300): the test's premise is wrong")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cse_models.cse"):
+        _converted(False)  # two clear topics: nothing to say
+    assert [r for r in caplog.records if r.name == "cse_models.cse"] == []

@@ -125,12 +125,17 @@ def _plan(args) -> int:
     plan = r["plan"]
     peak = plan.evidence["gc_peak"]
     print(f"\n|GC| peak at step {peak['step']}: {'shown' if peak['shown'] else 'not shown'} ({peak['why']})")
+    at = plan.evidence["scores_at_step"]
     if plan.evidence.get("labels_at_warmup") is not None:
         _print_table(f"at the warm-up, what the router's clusters hold of the tail labels {r['tail_labels']}:",
                      pd.DataFrame(plan.evidence["labels_at_warmup"]))
-        print(f"layers by separation {plan.evidence['layers_by_separation']}, by the labels' tail share "
-              f"{plan.evidence['layers_by_labels']}")
-    print(f"plan: CSE layers {plan.layers} ({plan.chosen_by} at step {plan.evidence['scores_at_step']}), "
+    if "layers_by_labels" in plan.evidence:
+        shares = ", ".join(f"layer {s['layer']} {s['tail_share']:.3f} (step {s['step']})"
+                           for s in plan.evidence["tail_share_by_layer"])
+        by_labels = plan.evidence["layers_by_labels"] or f"none: {plan.evidence['labels_verdict']}"
+        print(f"layers by separation (at step {at}) {plan.evidence['layers_by_separation']}; by the labels' tail "
+              f"share {by_labels} (best share per layer: {shares})")
+    print(f"plan: CSE layers {plan.layers} ({plan.chosen_by}; separation scores from the checkpoint at step {at}), "
           f"warm-up {plan.warmup_steps} steps (rule: {plan.warmup_rule}) -> {args.out}")
     return 0
 
@@ -357,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--choose-by", choices=("structure", "labels"), default="structure",
                       help="structure (default, label-free): layers by separation, warm-up from the small clusters' "
                       "persistence; labels: layers where the tail's clusters hold the most tail sentences, warm-up "
-                      "at the first pure tail cluster")
+                      "at the first checkpoint where one of them holds a pure tail cluster (when no layer holds "
+                      "one, the labels choose nothing and the plan says so)")
     _add_method_arg(plan, "eigen")
     plan.add_argument("--out", default="plan.json", help="the plan file (default plan.json)")
     plan.set_defaults(run=_plan)

@@ -206,21 +206,27 @@ def _records(frame: pd.DataFrame) -> list:
     return json.loads(frame.to_json(orient="records"))
 
 
-def _label_layers(labels: pd.DataFrame, top_k: int) -> list:
+def _label_layers(labels: pd.DataFrame, top_k: int) -> tuple[list, list]:
     """The ``top_k`` layers where the tail's clusters hold the most tail sequences (tail_share,
-    best over the window's steps; ties to the purer, then the shallower layer)."""
-    best = labels.groupby("layer").agg(tail_share=("tail_share", "max"), n_pure_tail=("n_pure_tail", "max"))
-    best = best.reset_index().sort_values(["tail_share", "n_pure_tail", "layer"], ascending=[False, False, True])
-    return sorted(int(x) for x in best["layer"].head(top_k))
+    best over the window's steps; ties to the purer, then the shallower layer), and per layer the
+    step its best share came from ([{layer, tail_share, step}], best first). No layer when every
+    share is 0: a tie among zeros is no choice."""
+    ranked = labels.sort_values(["layer", "tail_share", "step"], ascending=[True, False, True])
+    best = ranked.groupby("layer", as_index=False).first()
+    best["n_pure_tail"] = labels.groupby("layer")["n_pure_tail"].max().to_numpy()
+    best = best.sort_values(["tail_share", "n_pure_tail", "layer"], ascending=[False, False, True])
+    scores = [{"layer": int(r.layer), "tail_share": float(r.tail_share), "step": int(r.step)}
+              for r in best.itertuples()]
+    if not len(best) or not best["tail_share"].max() > 0:
+        return [], scores
+    return sorted(int(x) for x in best[best["tail_share"] > 0]["layer"].head(top_k)), scores
 
 
 def _tail_step(labels: pd.DataFrame, layers) -> int | None:
-    """The earliest step at which every one of ``layers`` has a pure tail cluster."""
-    for step, group in labels.sort_values("step").groupby("step", sort=True):
-        have = group.set_index("layer")
-        if all(layer in have.index and have.at[layer, "n_pure_tail"] >= 1 for layer in layers):
-            return int(step)
-    return None
+    """The earliest step at which one of ``layers`` has a pure tail cluster (the first pure tail
+    cluster the labels see)."""
+    found = labels[labels["layer"].isin(list(layers)) & (labels["n_pure_tail"] >= 1)]
+    return int(found["step"].min()) if len(found) else None
 
 
 def make_plan(separation: pd.DataFrame, gc: pd.DataFrame | None = None, *, stability=None, overlap: float = 0.8,
@@ -240,8 +246,12 @@ def make_plan(separation: pd.DataFrame, gc: pd.DataFrame | None = None, *, stabi
     representation.persistence.persistent_step` with ``min_persisting``), "gc-peak" (shown on the
     excess over the null), "stable-clusters", "window-end". ``choose_by="labels"`` (needs
     ``labels``) instead takes the layers whose clusters hold the most tail sequences and the
-    earliest step with a pure tail cluster at each ("tail-clusters"). With labels, the evidence
-    records what the clusters hold at the chosen step, and the layers the labels would choose."""
+    first step at which one of them holds a pure tail cluster ("tail-clusters"); when no layer
+    holds one (every tail share 0), the labels choose nothing, the evidence says so
+    (``labels_verdict``) and the structure's choice stands. With labels, the evidence records what
+    the clusters hold at the chosen step, the layers the labels would choose and the step each
+    layer's best tail share came from (``tail_share_by_layer``); ``scores_at_step`` is the
+    checkpoint the separation scores came from."""
     if module not in ("ffn", "attn"):
         raise fail("make_plan", "module", "must be 'ffn' or 'attn'", module)
     if not {"layer", "separation"} <= set(separation.columns):
@@ -272,9 +282,11 @@ def make_plan(separation: pd.DataFrame, gc: pd.DataFrame | None = None, *, stabi
             label_table = label_table[label_table["step"] <= window[-1]]
         evidence["labels"] = _records(label_table[[c for c in ("step", "layer", "n_clusters", "n_pure", "n_pure_tail",
                                                                 "tail_share") if c in label_table.columns]])
-        evidence["layers_by_labels"] = _label_layers(label_table, len(layers))
+        evidence["layers_by_labels"], evidence["tail_share_by_layer"] = _label_layers(label_table, len(layers))
         evidence["layers_by_separation"] = layers
-        if choose_by == "labels":
+        if not evidence["layers_by_labels"]:
+            evidence["labels_verdict"] = "no layer holds a pure tail cluster"
+        if choose_by == "labels" and evidence["layers_by_labels"]:
             layers = evidence["layers_by_labels"]
             warmup = _tail_step(label_table, layers)
             rule = "tail-clusters" if warmup is not None else None
@@ -302,7 +314,8 @@ def make_plan(separation: pd.DataFrame, gc: pd.DataFrame | None = None, *, stabi
         warmup, rule = int(window[-1]), "window-end"
     rule_layers = f"separation >= {min_fraction:g} x best" if min_fraction else f"top-{top_k} separation"
     if choose_by == "labels":
-        rule_layers = f"top-{len(layers)} tail share (labels)"
+        rule_layers = f"top-{len(layers)} tail share (labels)" if evidence["layers_by_labels"] else \
+            f"{rule_layers} (the labels chose none: no layer holds a pure tail cluster)"
     if label_table is not None and warmup is not None:
         evidence["labels_at_warmup"] = _records(label_table[label_table["step"] == warmup][
             [c for c in ("layer", "n_clusters", "n_pure_tail", "tail_share") if c in label_table.columns]])
