@@ -1,7 +1,9 @@
 """Checkpoints behind one function: a training run's directory (``cse_models``' layout,
-``RUN/checkpoints/step-NNNNNN``, or a directory of ``stepN`` checkpoints, the names of Pythia's
-training-checkpoint revisions), a ``cse_models`` checkpoint, an HF model directory, or
-a plain state dict (``*.bin`` / ``*.pt``) beside a ``config.json``.
+``RUN/checkpoints/step-NNNNNN``; a directory of ``stepN`` checkpoints, the names of Pythia's
+training-checkpoint revisions; or a Hugging Face ``Trainer``'s ``output_dir`` of
+``checkpoint-N`` folders, whose ``trainer_state.json`` says the step), a ``cse_models``
+checkpoint, an HF model directory, or a plain state dict (``*.bin`` / ``*.pt``) beside a
+``config.json``.
 
 Safe by default: weights come from safetensors, or from ``torch.load(weights_only=True)``,
 which refuses any pickle that would import or call code; such a file is reported, never
@@ -26,6 +28,7 @@ from ntkscope.text.trained_with import tokenizer_near
 log = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^step-?(\d+)$")  # cse_models' step-000100, Pythia's step1000
+_TRAINER = re.compile(r"^checkpoint-(\d+)$")  # transformers.Trainer's checkpoint-500
 
 
 def _complete(path: Path) -> bool:
@@ -39,19 +42,43 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _trainer_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``Trainer``'s ``checkpoint-N`` folders with a model in them; the step is ``trainer_state.json``'s
+    ``global_step`` where it says one (a folder renamed by hand keeps its real step)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _TRAINER.match(path.name)
+        if match and _complete(path):
+            step = int(match.group(1))
+            try:
+                state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+                step = int(state.get("global_step", step)) if isinstance(state, dict) else step
+            except (OSError, ValueError, TypeError):
+                pass  # no (readable) trainer state: the folder's name says the step
+            found.append((step, path))
+    return sorted(found)
+
+
 def is_run_dir(path: str | Path) -> bool:
-    """A ``cse_models`` run (``checkpoints/``) or a directory of ``stepN`` checkpoints."""
+    """A ``cse_models`` run (``checkpoints/``), a directory of ``stepN`` checkpoints, or a ``Trainer``
+    output directory with ``checkpoint-N`` folders (even with the final model saved beside them:
+    name that folder's path to analyse the final model alone)."""
     path = Path(path)
-    return (path / "checkpoints").is_dir() or (not (path / "config.json").is_file() and bool(_step_dirs(path)))
+    return (path / "checkpoints").is_dir() or bool(_trainer_dirs(path)) or (
+        not (path / "config.json").is_file() and bool(_step_dirs(path)))
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """[(step, path)] of a run's complete checkpoints (config.json and weights), in step order."""
     run_dir = Path(run_dir)
-    found = _step_dirs(run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir)
+    found = _step_dirs(run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir) \
+        or _trainer_dirs(run_dir)
     if not found:
         raise MissingInput(f"list_checkpoints: run_dir {run_dir} has no checkpoints (expected "
-                           "checkpoints/step-NNNNNN or stepN directories with config.json and weights)")
+                           "checkpoints/step-NNNNNN, stepN or a Trainer's checkpoint-N directories with config.json "
+                           "and weights)")
     return found
 
 
