@@ -8,6 +8,7 @@ from pathlib import Path
 from ntkscope.app.parsing import COUNT, POSITIVE_INT
 from ntkscope.core.checks import InputError
 from ntkscope.core.files import check_output
+from ntkscope.core.memory import trains_before_analysing
 from ntkscope.reproduction import reproduce
 from ntkscope.reproduction.settings import settings_for
 
@@ -43,6 +44,7 @@ def _reproduce(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    trains_before_analysing()  # our own program: the heap left by training is handed back, not warned about
     if args.mode == "sweep":
         return _sweep(args, out)
     manifest = reproduce(out, args.mode, settings=_reproduce_settings(args), pack=args.data)

@@ -91,7 +91,8 @@ ARMS = (  # in the order they run: the core arms of every seed first
         "each layer, function unchanged at conversion, no token dropped in evaluation (the fair capacity control)"),
     Arm("dense-null", "null", "late", what="the trunk continued from the late step with another data order: the noise "
         "floor of one arm"),
-    Arm("demix-late", "demix", "late", what="DEMix (domain labels) upcycled at the late step: the labelled upper bound"),
+    Arm("demix-late", "demix", "late",
+        what="DEMix (domain labels) upcycled at the late step: the labelled upper bound"),
     Arm("cse-encoder", "encoder", "rule", what="experts routed by a frozen MiniLM's clusters (fitted once on the "
         "same fitting sample) at the rule's step"),
 )
