@@ -472,7 +472,8 @@ def _run(args) -> int:
         return 130
 
 
-#: what each command's --out names; compare, reproduce and corpus build lock their own output
+#: what each command's --out names (compare and reproduce hold their own lock on it; corpus build
+#: writes its pack under a temporary name and renames it, refusing an existing one without --force)
 _OUT_KINDS = {"demo": "file", "gc": "dir", "ntk": "dir", "freq": "dir", "clusters": "file", "plan": "file",
               "report": "file", "eval": "dir", "info": "dir"}
 
