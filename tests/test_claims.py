@@ -47,7 +47,7 @@ def test_a_table_that_changes_is_caught(values, tmp_path):
     table.loc[first, "abs_gc"] += 0.01
     table.to_csv(tmp_path / "figures/tail/tables/gc_by_bin.csv", index=False)
     changed = claims(tmp_path)
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "figures.md").read_text()  # the guide that quotes Figure 2a
     assert [m[0] for m in mismatches(text, changed)] and "tail.fig2a.abs_gc.0" in [m[0] for m in mismatches(text, changed)]
     assert mismatches(render(text, changed), changed) == []
     assert mismatches("<!--claim:no.such-->1<!--/claim-->", values) == [("no.such", "1", None)]
