@@ -234,13 +234,20 @@ def paper_tables(rep) -> dict:
             for key in keys:
                 found = evaluate_row(rep, arch, key, seed)
                 records.append({"arch": arch, "key": key, "model": row_label(arch, key), "seed": seed, **found})
-    runs = pd.DataFrame(records)
+    return tables_from_runs(pd.DataFrame(records), s)
+
+
+def tables_from_runs(runs: pd.DataFrame, settings) -> dict:
+    """The tables of :func:`paper_tables` from ``runs`` (one row per model and seed: arch, key,
+    model, seed and every measurement), e.g. an experiment's finished units."""
+    keys = [k for k in row_keys(settings) if k in set(runs["key"])]
     general = next((t for t, paper in STANDS_IN_FOR.items() if t.startswith("general")), None)
     out = {"paper_runs": runs}
+    archs = [a for a in settings.table_archs if a in set(runs["arch"])]
     for arch in ARCH_NAMES:
-        out[f"table_{arch}"] = _summary(runs, arch, keys) if arch in s.table_archs else pd.DataFrame()
-    out["general_tasks"] = pd.DataFrame([r for arch in s.table_archs for r in _forgetting(runs, arch, keys, general)])
-    out["table_tests"] = pd.DataFrame([r for arch in s.table_archs for r in _tests(runs, arch, keys)])
+        out[f"table_{arch}"] = _summary(runs, arch, keys) if arch in archs else pd.DataFrame()
+    out["general_tasks"] = pd.DataFrame([r for arch in archs for r in _forgetting(runs, arch, keys, general)])
+    out["table_tests"] = pd.DataFrame([r for arch in archs for r in _tests(runs, arch, keys)])
     return out
 
 

@@ -6,15 +6,16 @@ whole schedule; every other arm starts from the trunk's checkpoint at its warm-u
 the same final step, so every arm sees the same tokens::
 
     RUN/models/dense-seedK            the trunk (the "dense" arm)
-    RUN/models/ARM-seedK              the other arms (ARMS)
+    RUN/models/ARM-seedK              the other arms
     RUN/plans/seedK.json              the trunk's plan: the small-cluster rule's warm-up and its evidence
     RUN/results/ARM-seedK.json        one finished unit: test perplexity per domain, routing, wall time
     RUN/tables/*.csv                  arms (arm x seed), paired tests, per-50-step load and purity
 
-A unit (arm, seed) is resumable (training resumes from its last checkpoint) and locked while
-it runs, so two processes can work side by side (``--threads 1`` each on 2 cores): each takes
-the first unit, in ARMS order and then seed order, that is neither done nor held and whose
-trunk checkpoints exist. :func:`summarise` builds the tables from the units that finished.
+The arms, seeds, layers and rule come from an experiment spec (``ntkscope/experiments/specs/
+sweep.toml``); :mod:`ntkscope.experiments` runs the units (the trunks, their plans, and each
+(arm, seed)) through an executor, and :func:`~ntkscope.reproduction.sweep_tables.summarise`
+builds the tables from the units that finished. Training in a unit resumes from its last
+checkpoint.
 """
 
 from __future__ import annotations
@@ -34,94 +35,87 @@ from cse_models.evaluate import _at_most, _is_demix, demix_prior, perplexity_by_
 from cse_models.model import load_model
 from cse_models.routes import Routes, blocks_digest
 from cse_models.train import fitting_sample, load_data, TrainConfig
-from ntkscope.core.files import DirectoryLock, atomic_path, write_json
+from ntkscope.core.files import atomic_path, write_json
 from ntkscope.representation.persistence import persistent_step
 from ntkscope.representation.plan import Plan
 from ntkscope.representation.router import fit_router
 from ntkscope.reproduction import training
 from ntkscope.reproduction.analyses import router_options
-from ntkscope.reproduction.settings import ReproduceSettings, bind_settings
+from ntkscope.reproduction.settings import ReproduceSettings
 from ntkscope.core.checks import fail
-from ntkscope.reproduction.sweep_tables import summarise
 from ntkscope.runs.checkpoints import list_checkpoints
 from ntkscope.runs.dynamics import router_dynamics, router_persistence
 from ntkscope.text.corpus.pack import load_pack
 
 log = logging.getLogger(__name__)
 
-LAYERS = (2, 3)      # figures/tail/plan_rechecked.json: the top-2 separation layers of the tail run
-GC_PEAK_STEP = 75    # figures/tail/plan.json: the GC-peak warm-up every earlier CSE run used
-DRIFT_RATE = 0.1     # SparseConfig.mean_rate of the drift-handling arms (the planted test's value)
-NULL_ORDER = 1000    # the null arm's data order after the branch: seed + NULL_ORDER (the trunk's is seed)
-HORIZON, THRESHOLD, MIN_PERSISTING = 2, 0.5, 0.8  # the small-cluster rule (docs/sweep.md)
+
+@dataclass(frozen=True)
+class Rule:
+    """The small-cluster rule that reads a trunk's warm-up (docs/sweep.md): a small cluster
+    persists when its best match ``horizon`` checkpoints later has Jaccard at least
+    ``threshold``; the warm-up is the first step where ``min_persisting`` of them persist."""
+
+    horizon: int = 2
+    threshold: float = 0.5
+    min_persisting: float = 0.8
 
 
 @dataclass(frozen=True)
 class Arm:
-    """name; kind "dense" (the trunk), "cse", "switch", "demix", "encoder" (the frozen-encoder router:
-    a fixed assignment of blocks to experts, :meth:`Sweep.encoder_routes`) or "null" (the trunk
-    continued from the branch with another data order: one arm's noise floor); at: the warm-up,
-    "rule" (the trunk's small-cluster rule), "gc-peak" (GC_PEAK_STEP), "late" (half the schedule);
-    mean_rate: CSE drift handling; shuffled: CSE routed by a hash of each sequence in its
-    clusters' proportions (``cse-shuffled``); fair: Switch upcycled with CSE's count at each layer
-    so that the function is unchanged at conversion (else the classic control: softmax gate, the
-    largest CSE count at every layer); what: one line for the tables."""
+    """One arm at one conversion step. name; kind "dense" (the trunk), "cse", "switch", "demix",
+    "encoder" (the frozen-encoder router: a fixed assignment of blocks to experts,
+    :meth:`Sweep.encoder_routes`) or "null" (the trunk continued from the branch with another
+    data order: one arm's noise floor); at: the conversion step, an int or "rule" (the trunk's
+    small-cluster rule), "gc-peak" (the sweep's ``gc_peak_step``), "late" (half the schedule);
+    layers: its sparse layers (empty: the sweep's); mean_rate: CSE drift handling; shuffled: CSE
+    routed by a hash of each sequence in its clusters' proportions (``cse-shuffled``); fair:
+    Switch upcycled with the count at each layer of the CSE arm converted at the same step, so
+    that the function is unchanged at conversion (else the classic control: softmax gate, the
+    largest CSE count at every layer); what: a line for the tables."""
 
     name: str
     kind: str
-    at: str | None = None
+    at: str | int | None = None
     mean_rate: float = 0.0
     what: str = ""
     shuffled: bool = False
     fair: bool = False
-
-
-ARMS = (  # in the order they run: the core arms of every seed first
-    Arm("dense", "dense", None, what="the trunk, continued to the end"),
-    Arm("cse-rule", "cse", "rule", what="CSE at the small-cluster rule's warm-up, Algorithm 1 as written"),
-    Arm("demix", "demix", "rule", what="DEMix (domain labels) upcycled at the rule's step: the labelled upper bound"),
-    Arm("switch-rule", "switch", "rule", what="Switch upcycled at the rule's step, experts = CSE's (capacity control)"),
-    Arm("cse-gc", "cse", "gc-peak", what="CSE at the GC-peak warm-up (step 75), Algorithm 1 as written"),
-    Arm("cse-rule-drift", "cse", "rule", DRIFT_RATE, what="CSE at the rule's step with drift handling"),
-    Arm("cse-gc-drift", "cse", "gc-peak", DRIFT_RATE, what="CSE at step 75 with drift handling"),
-    Arm("cse-late", "cse", "late", what="CSE at a fixed late step (half the schedule)"),
-    Arm("cse-shuffled", "cse", "late", shuffled=True, what="cse-late's machinery, expert counts and cluster sizes, "
-        "each sequence routed by a hash of its tokens: routing without the clusters"),
-    Arm("switch-fair", "switch", "late", fair=True, what="Switch upcycled at the late step with cse-late's count at "
-        "each layer, function unchanged at conversion, no token dropped in evaluation (the fair capacity control)"),
-    Arm("dense-null", "null", "late", what="the trunk continued from the late step with another data order: the noise "
-        "floor of one arm"),
-    Arm("demix-late", "demix", "late",
-        what="DEMix (domain labels) upcycled at the late step: the labelled upper bound"),
-    Arm("cse-encoder", "encoder", "rule", what="experts routed by a frozen MiniLM's clusters (fitted once on the "
-        "same fitting sample) at the rule's step"),
-)
-ARM_NAMES = tuple(a.name for a in ARMS)
+    layers: tuple = ()
 
 
 class Sweep:
-    """The sweep in ``run_dir`` at ``settings`` (the "sweep" preset); ``arms``: names of ARMS to
-    run; ``gc_peak_step``: the "gc-peak" arms' warm-up (a trunk checkpoint); ``layers``: the
-    sparse layers of every arm, where the rule also looks; ``encoder``: the frozen-encoder arm's
-    HF encoder directory (default: the shipped MiniLM-L6)."""
+    """The sweep in ``run_dir`` at ``settings``: ``arms`` (:class:`Arm`, one per conversion step;
+    exactly one of kind "dense", the trunk), trunks at ``seeds``; ``layers``: the sparse layers of
+    every arm that names none, where the rule also looks; ``gc_peak_step``: the "gc-peak" arms'
+    warm-up (kept as a trunk checkpoint); ``rule``: the small-cluster rule; ``null_order``: the
+    null arm's data order after the branch is seed + null_order (the trunk's is seed);
+    ``encoder``: the frozen-encoder arm's HF encoder directory (default: the shipped MiniLM-L6).
+    Experiments build it from a spec (:mod:`ntkscope.experiments`), which checks these first."""
 
-    def __init__(self, run_dir, settings: ReproduceSettings, *, arms=ARM_NAMES, pack=None,
-                 gc_peak_step: int = GC_PEAK_STEP, layers=LAYERS, encoder=None):
-        unknown = sorted(set(arms) - set(ARM_NAMES))
-        if unknown or not arms:
-            raise fail("Sweep", "arms", f"must name one or more arms of {list(ARM_NAMES)}", unknown or list(arms))
-        if "dense" not in arms:
-            raise fail("Sweep", "arms", "must include 'dense' (every arm branches from it)", list(arms))
+    def __init__(self, run_dir, settings: ReproduceSettings, arms, *, seeds, layers=(2, 3), gc_peak_step: int = 75,
+                 rule: Rule = Rule(), null_order: int = 1000, pack=None, encoder=None):
+        arms = list(arms)
+        if [a.kind for a in arms].count("dense") != 1:
+            raise fail("Sweep", "arms", "must hold exactly one arm of kind 'dense' (every arm branches from it)",
+                       [a.name for a in arms])
         n_layer = int(settings.model.get("n_layer", 0))
-        if not layers or any(not 0 <= int(i) < n_layer for i in layers):
+        if not layers or any(not 0 <= int(i) < n_layer for a in arms for i in (a.layers or layers)):
             raise fail("Sweep", "layers", f"must be block indices in [0, {n_layer})", list(layers))
         self.run_dir, self.settings, self.gc_peak_step = Path(run_dir), settings, int(gc_peak_step)
         self.layers = [int(i) for i in layers]
+        self.rule, self.null_order = rule, int(null_order)
         self.encoder = None if encoder is None else Path(encoder)
-        self.arms = [a for a in ARMS if a.name in set(arms)]
+        self.arms = arms
+        self.trunk = next(a for a in arms if a.kind == "dense")
         self.pack, self.pack_arg = load_pack(pack), pack
-        bind_settings(self.run_dir, settings, self.pack, "Sweep", "sweep")
-        self.seeds = list(range(settings.seed, settings.seed + settings.seeds))
+        self.seeds = [int(s) for s in seeds]
+
+    def arm(self, name: str) -> Arm:
+        return next(a for a in self.arms if a.name == name)
+
+    def arm_layers(self, arm: Arm) -> list:
+        return [int(i) for i in arm.layers] or self.layers
 
     # ---- where things live ------------------------------------------------------------------
 
@@ -152,8 +146,8 @@ class Sweep:
         return self.result_path(arm, seed).is_file()
 
     def _trunk_steps(self, seed: int) -> set:
-        return {s for s, _ in list_checkpoints(self.model_dir("dense", seed))} \
-            if (self.model_dir("dense", seed) / "checkpoints").is_dir() else set()
+        return {s for s, _ in list_checkpoints(self.model_dir(self.trunk.name, seed))} \
+            if (self.model_dir(self.trunk.name, seed) / "checkpoints").is_dir() else set()
 
     # ---- the plan of each trunk ---------------------------------------------------------------
 
@@ -162,7 +156,7 @@ class Sweep:
         return list(range(s.checkpoint_every, int(s.max_warmup_fraction * s.steps) + 1, s.checkpoint_every))
 
     def plan_ready(self, seed: int) -> bool:
-        last = self._window()[-1] + HORIZON * self.settings.checkpoint_every
+        last = self._window()[-1] + self.rule.horizon * self.settings.checkpoint_every
         return set(self._window()) | {last} <= self._trunk_steps(seed)
 
     def fitting(self, seed: int) -> dict:
@@ -181,20 +175,22 @@ class Sweep:
         path = self.run_dir / "plans" / f"seed{seed}.json"
         if path.is_file():
             return Plan.load(path)
-        s, trunk, fitting = self.settings, self.model_dir("dense", seed), self.fitting(seed)
-        steps = self._window() + [self._window()[-1] + h * s.checkpoint_every for h in range(1, HORIZON + 1)]
+        s, trunk, fitting = self.settings, self.model_dir(self.trunk.name, seed), self.fitting(seed)
+        steps = self._window() + [self._window()[-1] + h * s.checkpoint_every for h in range(1, self.rule.horizon + 1)]
         kw = dict(domains=fitting["domains"], tail=s.finetune_domains, router={**router_options(s), "seed": seed},
                   steps=steps, layers=self.layers)
-        persistence = router_persistence(trunk, fitting["batch"], horizon=HORIZON, threshold=THRESHOLD, **kw)
+        persistence = router_persistence(trunk, fitting["batch"], horizon=self.rule.horizon,
+                                         threshold=self.rule.threshold, **kw)
         window = {L: t[t["step"].isin(self._window())] for L, t in persistence.items()}
-        step = persistent_step(window, min_persisting=MIN_PERSISTING)
+        step = persistent_step(window, min_persisting=self.rule.min_persisting)
         rule = "small-clusters-persist" if step is not None else "window-end"
         step = step if step is not None else self._window()[-1]
         labels = router_dynamics(trunk, fitting["batch"], **kw)
         verdict = labels[labels["step"] == step]
         keep = [c for c in ("layer", "n_clusters", "n_pure", "n_pure_tail", "tail_share") if c in labels]
         evidence = {"persistence": {str(L): json.loads(t.to_json(orient="records")) for L, t in persistence.items()},
-                    "rule": {"horizon": HORIZON, "threshold": THRESHOLD, "min_persisting": MIN_PERSISTING,
+                    "rule": {"horizon": self.rule.horizon, "threshold": self.rule.threshold,
+                             "min_persisting": self.rule.min_persisting,
                              "window": self._window()},
                     "labels_at_step": json.loads(verdict[keep].to_json(orient="records")),
                     "labels": json.loads(labels[["step"] + keep].to_json(orient="records")),
@@ -206,6 +202,8 @@ class Sweep:
         return plan
 
     def warmup(self, arm: Arm, seed: int) -> int:
+        if isinstance(arm.at, int):
+            return arm.at
         if arm.at == "rule":
             return int(self.plan(seed).warmup_steps)
         return self.gc_peak_step if arm.at == "gc-peak" else self.settings.steps // 2
@@ -221,27 +219,28 @@ class Sweep:
     # ---- one unit ---------------------------------------------------------------------------
 
     def train(self, arm: Arm, seed: int) -> tuple[Path, int | None]:
-        s, out, trunk, pack = self.settings, self.model_dir(arm.name, seed), self.model_dir("dense", seed), self.pack_arg
+        s, out, pack = self.settings, self.model_dir(arm.name, seed), self.pack_arg
+        trunk, layers = self.model_dir(self.trunk.name, seed), self.arm_layers(arm)
         if arm.kind == "dense":
             return training.train_dense(s, out, pack, seed=seed, checkpoints=(self.gc_peak_step,)), None
         at, every = self.warmup(arm, seed), 4 * s.checkpoint_every  # a killed unit resumes from its last 400 steps
         if arm.kind == "cse":
-            return training.train_cse(s, out, pack, trunk, self.layers, at, seed, mean_rate=arm.mean_rate,
+            return training.train_cse(s, out, pack, trunk, layers, at, seed, mean_rate=arm.mean_rate,
                                       checkpoint_every=every, shuffled=arm.shuffled), at
         if arm.kind == "null":
-            return training.train_continued(s, out, pack, trunk, at, seed + NULL_ORDER, checkpoint_every=every), at
-        if arm.kind == "switch" and arm.fair:  # cse-late's count at each layer, the function unchanged
-            return training.train_switch(s, out, pack, trunk, self.layers, at, seed, checkpoint_every=every,
-                                         experts=self._cse_counts(seed, "cse-late", at), preserving=True), at
+            return training.train_continued(s, out, pack, trunk, at, seed + self.null_order, checkpoint_every=every), at
+        if arm.kind == "switch" and arm.fair:  # the same step's CSE count at each layer, the function unchanged
+            return training.train_switch(s, out, pack, trunk, layers, at, seed, checkpoint_every=every,
+                                         experts=self._cse_counts(seed, arm, at), preserving=True), at
         if arm.kind == "switch":  # the classic control, as the committed sweep ran it
-            experts = max(self._cse_experts(seed), 2)
-            return training.train_switch(s.replace(switch_experts=experts), out, pack, trunk, self.layers, at,
+            experts = max(*self._cse_counts(seed, arm, at), 2)
+            return training.train_switch(s.replace(switch_experts=experts), out, pack, trunk, layers, at,
                                          seed, checkpoint_every=every, preserving=False), at
         if arm.kind == "encoder":
             routes = self.encoder_routes(seed)
-            return training.train_routed(s, out, pack, trunk, self.layers, at, routes, Routes.load(routes).names,
+            return training.train_routed(s, out, pack, trunk, layers, at, routes, Routes.load(routes).names,
                                          seed, checkpoint_every=every), at
-        return training.train_demix(s, out, pack, trunk, self.layers, at, self.domain_names(), seed,
+        return training.train_demix(s, out, pack, trunk, layers, at, self.domain_names(), seed,
                                     checkpoint_every=every), at
 
     # ---- the frozen-encoder router ----------------------------------------------------------
@@ -290,47 +289,33 @@ class Sweep:
                  list(fit.sizes))
         return path
 
-    def _cse_experts(self, seed: int) -> int:
-        """The experts per layer of this seed's cse-rule arm (its conversion's largest count),
-        fitted here when that arm has not converted yet."""
-        for step, path in list_checkpoints(self.model_dir("cse-rule", seed)) \
-                if (self.model_dir("cse-rule", seed) / "checkpoints").is_dir() else []:
-            sparse = json.loads((path / "config.json").read_text()).get("sparse") or {}
-            if any(sparse.get("n_experts", [])):
-                return int(max(sparse["n_experts"]))
-        from ntkscope.representation.router import fit_router
-        from ntkscope.runs.embeddings import layer_embeddings
-        from ntkscope.runs.checkpoints import load_checkpoint
-        at, fitting = self.plan(seed).warmup_steps, self.fitting(seed)
-        model = load_checkpoint(self.model_dir("dense", seed) / "checkpoints" / f"step-{at:06d}")
-        emb = layer_embeddings(model, fitting["batch"], point="ffn_input", layers=self.layers).embeddings
-        return max(fit_router(X, **{**router_options(self.settings), "seed": seed + L}).n_clusters
-                   for L, X in emb.items())
-
-    def _cse_counts(self, seed: int, source: str, at: int) -> list:
-        """The experts at each layer of this seed's ``source`` CSE arm (its conversion's counts), or
-        those its router would fit at step ``at`` when it has not converted yet."""
-        folder = self.model_dir(source, seed)
-        for _, path in list_checkpoints(folder) if (folder / "checkpoints").is_dir() else []:
+    def _cse_counts(self, seed: int, arm: Arm, at: int) -> list:
+        """The experts at each of ``arm``'s layers of this seed's CSE arm converted at the same step
+        (the first plain one: no drift handling, not shuffled; its conversion's counts), or those
+        its router would fit at step ``at`` when it has not converted yet."""
+        layers = self.arm_layers(arm)
+        source = next((o for o in self.arms if o.kind == "cse" and o.at == arm.at and not o.shuffled
+                       and not o.mean_rate and self.arm_layers(o) == layers), None)
+        folder = self.model_dir(source.name, seed) if source is not None else None
+        for _, path in list_checkpoints(folder) if folder is not None and (folder / "checkpoints").is_dir() else []:
             sparse = json.loads((path / "config.json").read_text()).get("sparse") or {}
             if all(sparse.get("n_experts", [0])):
                 return [int(k) for k in sparse["n_experts"]]
         from ntkscope.representation.router import fit_router
         from ntkscope.runs.checkpoints import load_checkpoint
         from ntkscope.runs.embeddings import layer_embeddings
-        model = load_checkpoint(self.model_dir("dense", seed) / "checkpoints" / f"step-{at:06d}")
-        emb = layer_embeddings(model, self.fitting(seed)["batch"], point="ffn_input", layers=self.layers).embeddings
-        return [fit_router(emb[L], **{**router_options(self.settings), "seed": seed + L}).n_clusters
-                for L in self.layers]
+        model = load_checkpoint(self.model_dir(self.trunk.name, seed) / "checkpoints" / f"step-{at:06d}")
+        emb = layer_embeddings(model, self.fitting(seed)["batch"], point="ffn_input", layers=layers).embeddings
+        return [fit_router(emb[L], **{**router_options(self.settings), "seed": seed + L}).n_clusters for L in layers]
 
     def _same_unit(self, arm: Arm, seed: int) -> Arm | None:
         """A finished arm of this seed that trains exactly what ``arm`` would (same kind, warm-up
         step and drift rate: e.g. the fixed late step where the rule fell back to it), or None."""
         if arm.kind != "cse":
             return None
-        for other in ARMS:
+        for other in self.arms:
             if (other.name != arm.name and other.kind == arm.kind and other.mean_rate == arm.mean_rate
-                    and other.shuffled == arm.shuffled
+                    and other.shuffled == arm.shuffled and self.arm_layers(other) == self.arm_layers(arm)
                     and self.done(other.name, seed) and (other.at == arm.at or (
                         self.ready(other, seed) and self.ready(arm, seed)
                         and self.warmup(other, seed) == self.warmup(arm, seed)))):
@@ -359,37 +344,10 @@ class Sweep:
         if arm.kind != "dense":
             write_json(self.model_dir(arm.name, seed) / "plan.json",
                        {"arm": arm.name, "warmup_steps": at, "warmup_rule": result["warmup_rule"],
-                        "layers": self.layers, "trunk_plan": f"plans/seed{seed}.json" if arm.at == "rule" else None})
+                        "layers": self.arm_layers(arm), "trunk_plan": f"plans/seed{seed}.json" if arm.at == "rule" else None})
         log.info("sweep: %s seed %d done in %.0f s: %s", arm.name, seed, result["seconds"],
                  {k: round(v, 1) for k, v in result.items() if k.startswith("ppl")})
         return result
-
-    def units(self) -> list:
-        return [(a, s) for a in self.arms for s in self.seeds]
-
-    def run(self, *, poll: float = 30.0) -> dict:
-        """Run units until every one is done; another process may run beside this one."""
-        while True:
-            pending = [(a, s) for a, s in self.units() if not self.done(a.name, s)]
-            if not pending:
-                return summarise(self)
-            started = False
-            for arm, seed in pending:
-                if not self.ready(arm, seed):
-                    continue
-                try:
-                    with DirectoryLock(self.run_dir / "locks" / f"{arm.name}-seed{seed}", "sweep"):
-                        if not self.done(arm.name, seed):
-                            self.run_unit(arm, seed)
-                    started = True
-                    break
-                except ValueError as err:
-                    if "in use by another process" not in str(err):
-                        raise
-            if not started:
-                log.info("sweep: %d units wait for a trunk or another process; checking again in %.0f s",
-                         len(pending), poll)
-                time.sleep(poll)
 
 
 @torch.no_grad()

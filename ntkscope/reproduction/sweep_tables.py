@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +30,23 @@ from cse_models.routes import Routes, window_loads
 from ntkscope.core.files import write_json, write_text
 from ntkscope.plotting import expert_loads, save_figure
 
-TAIL = ("legal", "biomedical")
-CLOSE_SHARE = 1 / 3          # the gap share of DEMix over dense a CSE arm must close on each tail domain
-GENERAL_TOLERANCE = 0.01     # general perplexity within 1 % of dense
-STARVED_SHARE = 0.01         # an expert below this share of its layer's sequences in a window starves
+
+
+@dataclass(frozen=True)
+class Criteria:
+    """The pre-registered criteria a sweep is judged by (figures/sweep/README.md): each of
+    ``arms`` must beat the dense trunk on every ``tail`` domain in every seed, close at least
+    ``close_share`` of DEMix's gap over dense there, beat its Switch (``switch_for[arm]``, else
+    ``switch``) and keep general perplexity within ``general_tolerance`` of dense; an expert
+    below ``starved_share`` of its layer's sequences in a window starves."""
+
+    arms: tuple = ("cse-rule", "cse-rule-drift", "cse-gc", "cse-gc-drift", "cse-late", "cse-encoder")
+    tail: tuple = ("legal", "biomedical")
+    close_share: float = 1 / 3
+    general_tolerance: float = 0.01
+    starved_share: float = 0.01
+    switch: str = "switch-rule"
+    switch_for: dict = field(default_factory=lambda: {"cse-gc": "switch-gc"})
 
 
 def _results(run_dir: Path) -> pd.DataFrame:
@@ -97,8 +111,8 @@ def loads(sweep) -> pd.DataFrame:
     per domain."""
     rows = []
     for arm in [a for a in sweep.arms if a.kind == "encoder"]:
-        for seed in sweep.seeds:
-            if sweep.done(arm.name, seed):
+        for seed in sweep.seeds:  # an adopted unit without its routes: its rows come from the adopted load.csv
+            if sweep.done(arm.name, seed) and (sweep.run_dir / "routes" / f"seed{seed}.json").is_file():
                 rows.extend(_routed_loads(sweep, arm, seed))
     for arm in [a for a in sweep.arms if a.kind == "cse"]:
         for seed in sweep.seeds:
@@ -130,37 +144,43 @@ def routing(sweep) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def verdict(pairs: pd.DataFrame, load: pd.DataFrame, n_seeds: int) -> dict:
-    """The pre-registered criteria (figures/sweep/README.md), evaluated on what finished."""
-    out = {}
-    for arm in ("cse-rule", "cse-rule-drift", "cse-gc", "cse-gc-drift", "cse-late", "cse-encoder"):
+def verdict(pairs: pd.DataFrame, load: pd.DataFrame, n_seeds: int, criteria: Criteria = Criteria()) -> dict:
+    """The pre-registered ``criteria`` (figures/sweep/README.md), evaluated on what finished."""
+    out, c = {}, criteria
+    for arm in c.arms:
         rows = pairs[pairs["arm"] == arm] if len(pairs) else pairs
         if not len(rows):
             out[arm] = {"status": "not run"}
             continue
         by = rows.set_index("domain")
-        switch = pairs[pairs["arm"] == {"cse-gc": "switch-gc"}.get(arm, "switch-rule")].set_index("domain") \
+        switch = pairs[pairs["arm"] == c.switch_for.get(arm, c.switch)].set_index("domain") \
             if len(pairs) else None
         checks = {}
-        for d in TAIL:
+        for d in c.tail:
             r = by.loc[d]
             checks[f"{d}: better than dense in every seed"] = bool(r["better_seeds"] == r["seeds"] == n_seeds)
-            checks[f"{d}: closes >= 1/3 of DEMix's gap"] = bool(r["gap_closed"] >= CLOSE_SHARE) \
+            checks[f"{d}: closes >= {_share(c.close_share)} of DEMix's gap"] = bool(r["gap_closed"] >= c.close_share) \
                 if np.isfinite(r["gap_closed"]) else None
             if switch is not None and d in switch.index and switch.loc[d, "seeds"] == r["seeds"]:
                 checks[f"{d}: better than Switch at the same step"] = bool(r["mean_diff"] < switch.loc[d, "mean_diff"])
-        checks["general within 1 % of dense"] = bool(abs(by.loc["general", "pct"]) <= 100 * GENERAL_TOLERANCE) \
+        checks[f"general within {100 * c.general_tolerance:g} % of dense"] = bool(
+            abs(by.loc["general", "pct"]) <= 100 * c.general_tolerance) \
             if "general" in by.index else None
-        starved = load[(load["arm"] == arm) & (load["share"] < STARVED_SHARE)] if len(load) else load
+        starved = load[(load["arm"] == arm) & (load["share"] < c.starved_share)] if len(load) else load
         windows = load[load["arm"] == arm] if len(load) else load
         numbers = {d: {k: float(by.loc[d, k]) for k in ("seeds", "mean_diff", "pct", "better_seeds", "p", "gap_closed")}
                    for d in by.index}
-        primary = [v for k, v in checks.items() if k.split(":")[0] in TAIL and "Switch" not in k]
+        primary = [v for k, v in checks.items() if k.split(":")[0] in c.tail and "Switch" not in k]
         out[arm] = {"status": "complete" if int(by["seeds"].min()) == n_seeds else "partial",
                     "checks": checks, "numbers": numbers,
                     "starved_windows": int(len(starved)), "windows": int(len(windows)),
                     "shown": None if not primary or any(v is None for v in primary) else all(primary)}
     return out
+
+
+def _share(x: float) -> str:
+    """1/3 for a third, else the number."""
+    return "1/3" if math.isclose(x, 1 / 3) else f"{x:g}"
 
 
 def _block_index(layer) -> int:
@@ -169,7 +189,7 @@ def _block_index(layer) -> int:
     return int(text.split(".h.")[1].split(".")[0]) if ".h." in text else int(text)
 
 
-def summarise(sweep, *, earlier_load: Path | None = None) -> dict:
+def summarise(sweep, *, earlier_load: Path | None = None, criteria: Criteria = Criteria()) -> dict:
     """Write RUN/tables (arms, paired, load, routing CSVs; verdict.json) and return the verdict.
     ``earlier_load``: a load.csv of units whose training logs are no longer in RUN (a run directory
     lost and resumed elsewhere): its rows are kept for the units RUN does not log."""
@@ -187,7 +207,7 @@ def summarise(sweep, *, earlier_load: Path | None = None) -> dict:
         load["layer"] = [_block_index(v) for v in load["layer"]]
     for name, frame in (("arms", arms), ("paired", pairs), ("load", load), ("routing", routing(sweep))):
         write_text(tables / f"{name}.csv", frame.to_csv(index=False))
-    result = verdict(pairs, load, len(sweep.seeds))
+    result = verdict(pairs, load, len(sweep.seeds), criteria)
     write_json(tables / "verdict.json", result)
     if len(load):
         save_figure(expert_loads(load), sweep.run_dir / "loads.png")

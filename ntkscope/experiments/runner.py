@@ -1,0 +1,347 @@
+"""Run a spec's units through an executor, resumably, and rebuild its tables from what finished.
+
+::
+
+    RUN/experiment.json       the spec (canonical), its units, their needs and keys
+    RUN/units/NAME.json       each unit's state: running / done / failed, key, attempts, times, last error
+    RUN/logs/NAME.err         the traceback of a unit's last failure
+    RUN/locks/NAME.lock       held (flock) while a process works on the unit
+    RUN/stale/NAME-KEY/       what a unit wrote under an earlier key (the spec changed it): moved, not deleted
+    RUN/tables/               the experiment's tables; status.json says whether they are partial
+
+Executors (each unit in a process of its own, one torch thread by default):
+
+- ``local``: ``concurrent.futures.ProcessPoolExecutor`` (spawn), ``workers`` at once;
+- ``submitit-local``: submitit's ``LocalExecutor`` (real subprocesses, logs in RUN/jobs);
+- ``slurm``: submitit's ``SlurmExecutor`` (partition, time, GPUs, CPUs and memory from the
+  spec's ``[run.slurm]`` or the command line).
+
+A unit runs once its needs are done. A unit that fails is tried again up to ``retries`` times
+(training resumes from its last checkpoint); one that still fails is reported and never stops
+the others (what needs it waits, reported as blocked). Two drivers may share a run directory:
+a unit held by one is left to it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import fcntl
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import socket
+import time
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pandas as pd
+
+from ntkscope.core.checks import UserError, fail
+from ntkscope.core.files import DirectoryLock, read_json_object, write_json, write_text
+from ntkscope.experiments.spec import EXECUTORS, SlurmSpec, Spec
+from ntkscope.experiments.units import Unit, execute, make_sweep, outputs, units
+
+log = logging.getLogger(__name__)
+
+
+# ---- one unit, in its worker process -----------------------------------------------------------
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return f"{type(err).__name__}: {text}"[:400]
+
+
+def read_state(run_dir: Path, name: str) -> dict | None:
+    path = Path(run_dir) / "units" / f"{name}.json"
+    return read_json_object(path, "experiment") if path.is_file() else None
+
+
+def _write_state(run_dir: Path, name: str, state: dict) -> None:
+    write_json(Path(run_dir) / "units" / f"{name}.json", state)
+
+
+def is_done(state: dict | None, unit: Unit) -> bool:
+    return bool(state) and state.get("status") == "done" and state.get("key") == unit.key
+
+
+def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> dict:
+    """Do one unit in this process, under its lock: ``{"status": "done" | "held"}``. A unit done
+    under its key is not done again; one done under another key has its outputs moved to
+    RUN/stale first. A failure is recorded (state and RUN/logs/NAME.err) and raised."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    run_dir = Path(run_dir)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        lock = DirectoryLock(run_dir / "locks", "experiment", name=f"{unit.name}.lock", subject=unit.name)
+        lock.__enter__()
+    except UserError as err:
+        if "in use by another process" in str(err):
+            return {"status": "held"}
+        raise
+    try:
+        state = read_state(run_dir, unit.name)
+        if is_done(state, unit):
+            return {"status": "done"}
+        if state and state.get("key") != unit.key:
+            _move_aside(spec, run_dir, unit, state["key"])
+        attempt = (state or {}).get("attempts", 0) + 1 if state and state.get("key") == unit.key else 1
+        base = {"name": unit.name, "key": unit.key, "attempts": attempt, "pid": os.getpid(),
+                "host": socket.gethostname(), "started": _now()}
+        _write_state(run_dir, unit.name, {**base, "status": "running"})
+        start = time.perf_counter()
+        try:
+            record = execute(spec, run_dir, unit, pack)
+        except BaseException as err:
+            write_text(run_dir / "logs" / f"{unit.name}.err", traceback.format_exc())
+            _write_state(run_dir, unit.name, {**base, "status": "failed", "error": _one_line(err),
+                                              "seconds": round(time.perf_counter() - start, 1), "finished": _now()})
+            raise
+        _write_state(run_dir, unit.name, {**base, "status": "done", "seconds": round(time.perf_counter() - start, 1),
+                                          "finished": _now(), **record})
+        return {"status": "done"}
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _move_aside(spec: Spec, run_dir: Path, unit: Unit, old_key: str) -> None:
+    stale = run_dir / "stale" / f"{unit.name}-{old_key}"
+    for path in outputs(spec, run_dir, unit):
+        if path.exists():
+            stale.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(path), str(stale / path.name))
+            log.warning("experiment: %s was made under another spec (key %s): moved to %s", path, old_key, stale)
+
+
+# ---- executors ---------------------------------------------------------------------------------
+
+class _Local:
+    """Each unit in a fresh spawned process of its own pool: a unit that is killed breaks only its own."""
+
+    def submit(self, fn, *args):
+        pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        future = pool.submit(fn, *args)
+        future.add_done_callback(lambda _: pool.shutdown(wait=False))
+        return future
+
+
+class _Submitit:
+    """submitit's local or Slurm executor; a job is polled like a future."""
+
+    def __init__(self, kind: str, folder: Path, slurm: SlurmSpec):
+        try:
+            import submitit
+        except ImportError:
+            raise UserError("experiment: executor submitit-local and slurm need submitit: pip install submitit "
+                            "(or ntkscope[cluster])") from None
+        if kind == "slurm":
+            self.executor = submitit.SlurmExecutor(folder=folder)
+            params = {"time": slurm.time_min, "cpus_per_task": slurm.cpus, "mem": f"{slurm.mem_gb}GB",
+                      "ntasks_per_node": 1}
+            if slurm.partition:
+                params["partition"] = slurm.partition
+            if slurm.gpus:
+                params["gpus_per_node"] = slurm.gpus
+            self.executor.update_parameters(**params)
+        else:
+            self.executor = submitit.LocalExecutor(folder=folder)
+            self.executor.update_parameters(timeout_min=slurm.time_min)
+
+    def submit(self, fn, *args):
+        return _Job(self.executor.submit(fn, *args))
+
+
+class _Job:
+    def __init__(self, job):
+        self.job = job
+
+    def done(self) -> bool:
+        return self.job.done()
+
+    def result(self):
+        return self.job.result()
+
+
+def make_executor(kind: str, run_dir: Path, slurm: SlurmSpec):
+    if kind == "local":
+        return _Local()
+    return _Submitit(kind, run_dir / "jobs", slurm)
+
+
+# ---- the driver --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a run of :func:`run_experiment` left: ``done``, ``failed`` ({name: last error}),
+    ``blocked`` (units whose needs failed), ``tables`` (the summary written, or None when
+    nothing finished) and ``partial`` (whether any unit is not done)."""
+
+    done: tuple
+    failed: dict
+    blocked: tuple
+    tables: dict | None
+    partial: bool
+
+
+def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int = 1, threads: int = 1,
+                   retries: int | None = None, adopt=None, pack=None, device: str | None = None,
+                   slurm: SlurmSpec | None = None, poll: float = 2.0) -> Outcome:
+    """Run every unit of ``spec`` not yet done in ``run_dir`` through ``executor`` (EXECUTORS),
+    at most ``workers`` at once with ``threads`` torch threads each, trying a failed unit again
+    up to ``retries`` times (default: the spec's); then rebuild the tables from what finished.
+    ``adopt``: an earlier run directory (or committed results) whose finished units count as done.
+    ``device``: where units train ("cpu", "cuda", "auto"; default: the spec's settings)."""
+    if executor not in EXECUTORS:
+        raise fail("run_experiment", "executor", f"must be one of {', '.join(EXECUTORS)}", executor)
+    if workers < 1 or threads < 0:
+        raise fail("run_experiment", "workers", "must be at least 1 (threads at least 0)", [workers, threads])
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise fail("run_experiment", "run_dir", "must be a directory (or not exist yet)", str(run_dir))
+    if device:
+        spec = replace(spec, settings=spec.settings.replace(device=device))
+    retries = spec.retries if retries is None else int(retries)
+    from ntkscope.text.corpus.pack import load_pack
+
+    version = load_pack(pack).manifest.get("version")
+    todo = units(spec, version)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "experiment.json", {"name": spec.name, "kind": spec.kind, "source": spec.source,
+                                             "spec": json.loads(spec.text), "pack": version,
+                                             "units": [{"name": u.name, "seed": u.seed, "needs": list(u.needs),
+                                                        "key": u.key, "what": u.what} for u in todo]})
+    if adopt is not None:
+        from ntkscope.experiments.adopt import adopt_units
+
+        adopt_units(spec, run_dir, todo, Path(adopt))
+    pool = make_executor(executor, run_dir, slurm or spec.slurm)
+    tries, failed, inflight, held_until = {}, {}, {}, {}
+    while True:
+        done = {u.name for u in todo if is_done(read_state(run_dir, u.name), u)}
+        for name, handle in list(inflight.items()):
+            if not handle.done():
+                continue
+            del inflight[name]
+            try:
+                if handle.result()["status"] == "held":
+                    held_until[name] = time.monotonic() + 5 * poll  # another process works on it
+            except Exception as err:  # noqa: BLE001 (a unit's failure is reported, never stops the others)
+                tries[name] = tries.get(name, 0) + 1
+                state = read_state(run_dir, name) or {}
+                error = state.get("error") if state.get("status") == "failed" else _one_line(err)
+                if tries[name] > retries:
+                    failed[name] = error
+                    log.error("experiment: %s failed %d times; last: %s", name, tries[name], error)
+                else:
+                    log.warning("experiment: %s failed (%s); trying again (%d of %d)", name, error, tries[name],
+                                retries)
+        blocked = _blocked(todo, failed)
+        now = time.monotonic()
+        ready = [u for u in todo if u.name not in done | set(inflight) | set(failed) | blocked
+                 and all(n in done for n in u.needs) and held_until.get(u.name, 0) <= now]
+        for unit in ready[:max(0, workers - len(inflight))]:
+            log.info("experiment: starting %s", unit.name)
+            inflight[unit.name] = pool.submit(run_unit, spec, str(run_dir), unit, pack, threads)
+        if not [u for u in todo if u.name not in done | set(failed) | blocked]:
+            break
+        if not inflight and not ready and not held_until:
+            break  # nothing runs and nothing can start (cannot happen while a need is unfinished)
+        time.sleep(poll)
+        held_until = {n: t for n, t in held_until.items() if t > time.monotonic() or n not in done}
+    done = tuple(u.name for u in todo if is_done(read_state(run_dir, u.name), u))
+    tables = summarise_experiment(spec, run_dir, pack=pack) if done else None
+    return Outcome(done, failed, tuple(sorted(_blocked(todo, failed))), tables, len(done) < len(todo))
+
+
+def _blocked(todo: list, failed: dict) -> set:
+    """Units that need (directly or not) a unit that failed."""
+    out = set()
+    for unit in todo:  # in order: a unit after its needs
+        if any(n in failed or n in out for n in unit.needs):
+            out.add(unit.name)
+    return out
+
+
+# ---- what finished -------------------------------------------------------------------------------
+
+def summarise_experiment(spec: Spec, run_dir, *, pack=None) -> dict:
+    """Rebuild RUN/tables from the units that finished, and RUN/tables/status.json: whether the
+    tables are partial (a unit of the spec is not done) and which units are missing."""
+    run_dir = Path(run_dir)
+    experiment = read_json_object(run_dir / "experiment.json", "summarise_experiment")
+    missing = [u["name"] for u in experiment["units"]
+               if not is_done(read_state(run_dir, u["name"]), Unit(u["name"], u["seed"], u["what"], key=u["key"]))]
+    if spec.kind == "sweep":
+        from ntkscope.reproduction.sweep_tables import summarise
+
+        adopted = run_dir / "adopted" / "load.csv"
+        found = summarise(make_sweep(spec, run_dir, pack), earlier_load=adopted if adopted.is_file() else None,
+                          criteria=spec.criteria)
+    else:
+        from ntkscope.experiments.adopt import table_records
+        from ntkscope.reproduction import paper
+
+        runs = table_records(spec, run_dir)
+        tables = paper.tables_from_runs(runs, spec.settings)
+        for name, frame in tables.items():
+            write_text(run_dir / "tables" / f"{name}.csv", frame.to_csv(index=False))
+        write_text(run_dir / "tables" / "paper.md", paper.markdown(tables, spec.settings))
+        found = {"rows": len(runs)}
+    write_json(run_dir / "tables" / "status.json", {"partial": bool(missing), "missing": missing,
+                                                     "units": len(experiment["units"])})
+    return found
+
+
+def status(run_dir) -> pd.DataFrame:
+    """One row per unit of the experiment in ``run_dir``: ``unit``, ``state`` (done, running,
+    failed, interrupted: its process is gone; stale: done under another spec; ready; waiting: on
+    a need), ``attempts``, ``seconds``, ``started``, ``finished`` and ``error`` (the last one)."""
+    run_dir = Path(run_dir)
+    path = run_dir / "experiment.json"
+    if not path.is_file():
+        raise UserError(f"experiment status: {run_dir} holds no experiment (no experiment.json); start one with "
+                        "ntkscope experiment run SPEC --out DIR")
+    experiment = read_json_object(path, "experiment status")
+    rows, done = [], set()
+    for u in experiment["units"]:
+        state = read_state(run_dir, u["name"]) or {}
+        if state.get("key") == u["key"] and state.get("status") == "done":
+            label = "done"
+            done.add(u["name"])
+        elif _held(run_dir / "locks" / f"{u['name']}.lock"):
+            label = "running"
+        elif state.get("status") == "failed" and state.get("key") == u["key"]:
+            label = "failed"
+        elif state.get("status") == "running":
+            label = "interrupted"
+        elif state.get("status") == "done":
+            label = "stale"
+        else:
+            label = "ready" if all(n in done for n in u["needs"]) else "waiting"
+        rows.append({"unit": u["name"], "state": label, "attempts": state.get("attempts", 0),
+                     "seconds": state.get("seconds"), "started": state.get("started"),
+                     "finished": state.get("finished"), "error": state.get("error", "")})
+    return pd.DataFrame(rows)
+
+
+def _held(path: Path) -> bool:
+    """Whether a process holds the lock file ``path`` now."""
+    if not path.is_file():
+        return False
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return False

@@ -1,0 +1,407 @@
+"""An experiment as a spec: one TOML file that names the trunk, the arms, the seeds, the
+evaluation and the pre-registered criteria (docs/experiments.md).
+
+Two kinds of experiment ship with the package (``ntkscope experiment specs``):
+
+- ``kind = "sweep"``: per seed, a dense trunk trains the whole schedule; every arm branches from
+  the trunk's checkpoint at its conversion step and trains to the same end on the same batches
+  (:mod:`ntkscope.reproduction.sweep`). Its units are the trunks, the trunks' plans and
+  (arm, seed, step).
+- ``kind = "tables"``: the paper's table rows (dense, tuned, Switch, CSE/MoF, CSE/MoA, DEMix) per
+  architecture and pretraining seed (:mod:`ntkscope.reproduction.paper`). Its units are
+  (architecture, row, seed).
+
+A spec is read and checked whole before any unit runs; a mistake is one line naming the field::
+
+    name = "sweep"
+    kind = "sweep"
+    preset = "sweep"             # ReproduceSettings preset; [settings] changes its fields
+    seeds = [0, 1, 2]
+
+    [settings]
+    steps = 2400
+
+    [trunk]
+    layers = [2, 3]              # the sparse layers of every arm (an arm may name its own)
+    gc_peak_step = 75            # the "gc-peak" conversion step (kept as a trunk checkpoint)
+
+    [[arms]]
+    name = "cse-late"
+    kind = "cse"                 # dense | cse | switch | demix | encoder | null
+    at = "late"                  # "rule" | "gc-peak" | "late" | a step | a list of steps
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.reproduction.settings import PRESETS, ReproduceSettings
+from ntkscope.reproduction.sweep import Rule
+from ntkscope.reproduction.sweep_tables import Criteria
+
+KINDS = ("sweep", "tables")
+ARM_KINDS = ("dense", "cse", "switch", "demix", "encoder", "null")
+NAMED_STEPS = ("rule", "gc-peak", "late")
+EXECUTORS = ("local", "submitit-local", "slurm")
+
+
+class SpecError(UserError):
+    """A spec that cannot run: ``FILE: FIELD RULE (got VALUE)``, one line."""
+
+    def __init__(self, source: str, where: str, rule: str, value):
+        shown = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+        super().__init__(f"{source}: {where} {rule} (got {shown})")
+
+
+@dataclass(frozen=True)
+class TrunkSpec:
+    """What every arm of a sweep shares: the sparse ``layers`` (an arm may name its own), the
+    ``gc_peak_step`` (kept as a trunk checkpoint), the ``null_order`` offset of the null arm's
+    data order and the warm-up ``rule``."""
+
+    layers: tuple = (2, 3)
+    gc_peak_step: int = 75
+    null_order: int = 1000
+    rule: Rule = Rule()
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One arm: ``name``, ``kind`` (ARM_KINDS), ``at`` (its conversion step or steps: "rule",
+    "gc-peak", "late" or steps; none for the trunk), ``layers`` (default the trunk's),
+    ``mean_rate`` (CSE drift handling), ``shuffled`` (cse-shuffled), ``fair`` (the
+    function-preserving Switch with a CSE arm's counts), ``what`` (a line for the tables),
+    ``seeds`` (default: every trunk's)."""
+
+    name: str
+    kind: str
+    at: tuple = ()
+    layers: tuple = ()
+    mean_rate: float = 0.0
+    shuffled: bool = False
+    fair: bool = False
+    what: str = ""
+    seeds: tuple = ()
+
+
+@dataclass(frozen=True)
+class SlurmSpec:
+    """What each unit asks of Slurm (through submitit)."""
+
+    partition: str = ""
+    time_min: int = 240
+    gpus: int = 0
+    cpus: int = 1
+    mem_gb: int = 8
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A whole experiment. ``settings`` is the preset with the spec's changes; ``seeds`` the
+    trunks' seeds (initialisation and data order); ``tables`` (kind "tables"): ``archs`` and
+    ``rows``; ``retries``: how often a failed unit is tried again; ``source``: where it was read."""
+
+    name: str
+    kind: str
+    settings: ReproduceSettings
+    seeds: tuple
+    trunk: TrunkSpec = TrunkSpec()
+    arms: tuple = ()
+    criteria: Criteria = Criteria()
+    archs: tuple = ()
+    rows: tuple = ()
+    retries: int = 1
+    slurm: SlurmSpec = SlurmSpec()
+    source: str = "<spec>"
+    text: str = ""
+
+    def digest(self) -> str:
+        """A hash of what the spec asks for (not where it was read from)."""
+        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+def shipped() -> dict:
+    """{name: path} of the specs that ship with the package."""
+    folder = resources.files("ntkscope.experiments") / "specs"
+    return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".toml")}
+
+
+def load_spec(spec, **changes) -> Spec:
+    """The spec at ``spec`` (a path, or the name of a shipped spec), checked whole. ``changes``
+    replace top-level fields of the file first (e.g. ``seeds=[0]``, ``settings={"steps": 40}``:
+    a table is merged), as a command line's options do."""
+    path = Path(spec)
+    if not path.is_file():
+        if str(spec) in shipped():
+            path = shipped()[str(spec)]
+        else:
+            raise MissingInput(f"load_spec: spec {str(spec)!r} is neither a file nor a shipped spec "
+                               f"({', '.join(sorted(shipped()))})")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"load_spec: {path} is not valid TOML ({err})") from None
+    for key, value in changes.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return parse_spec(data, source=str(path))
+
+
+def parse_spec(data: dict, *, source: str = "<spec>") -> Spec:
+    """A :class:`Spec` from the TOML tables ``data``, every field checked."""
+    c = _Checker(source)
+    c.only(data, "", {"name", "kind", "preset", "seeds", "settings", "trunk", "arms", "criteria", "tables", "run"})
+    name = c.text(data, "name", required=True)
+    kind = c.choice(data, "kind", KINDS, required=True)
+    preset = c.choice(data, "preset", sorted(PRESETS), required=True)
+    settings = c.settings(data.get("settings", {}), PRESETS[preset])
+    seeds = tuple(c.ints(data, "seeds", minimum=0, required=True))
+    if len(set(seeds)) != len(seeds):
+        raise SpecError(source, "seeds", "must not repeat a seed", list(seeds))
+    run = data.get("run", {})
+    c.only(run, "run.", {"retries", "slurm"})
+    retries = c.int(run, "retries", minimum=0, default=1, where="run.")
+    slurm_data = run.get("slurm", {})
+    c.only(slurm_data, "run.slurm.", {f.name for f in dataclasses.fields(SlurmSpec)})
+    slurm = SlurmSpec(partition=c.text(slurm_data, "partition", default="", where="run.slurm."),
+                      **{k: c.int(slurm_data, k, minimum=0 if k == "gpus" else 1, default=getattr(SlurmSpec, k),
+                                  where="run.slurm.") for k in ("time_min", "gpus", "cpus", "mem_gb")})
+    common = dict(name=name, kind=kind, settings=settings, seeds=seeds, retries=retries, slurm=slurm,
+                  source=source, text=json.dumps(_canonical(data), sort_keys=True))
+    if kind == "tables":
+        c.only(data, "", {"name", "kind", "preset", "seeds", "settings", "tables", "run"})
+        return Spec(**{**common, **_tables(c, data.get("tables", {}), settings, seeds)})
+    c.only(data, "", {"name", "kind", "preset", "seeds", "settings", "trunk", "arms", "criteria", "run"})
+    trunk = _trunk(c, data.get("trunk", {}), settings)
+    arms = data.get("arms")
+    if not isinstance(arms, list) or not arms:
+        raise SpecError(source, "arms", "must be one or more [[arms]] tables", arms)
+    arms = tuple(_arm(c, a, i, trunk, settings) for i, a in enumerate(arms))
+    for arm in arms:
+        if set(arm.seeds) - set(seeds):
+            raise SpecError(source, f"arms ({arm.name}).seeds", f"must be seeds of the spec {list(seeds)} (their "
+                            "trunks)", list(arm.seeds))
+    names = [a.name for a in arms]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise SpecError(source, "arms", "must have distinct names", repeated)
+    if sum(a.kind == "dense" for a in arms) != 1:
+        raise SpecError(source, "arms", "must hold exactly one arm of kind 'dense' (the trunk every arm branches "
+                        "from)", [a.name for a in arms if a.kind == "dense"])
+    criteria = _criteria(c, data.get("criteria", {}))
+    return Spec(**common, trunk=trunk, arms=arms, criteria=criteria)
+
+
+def _canonical(data):
+    return {k: _canonical(v) for k, v in sorted(data.items())} if isinstance(data, dict) else data
+
+
+def _tables(c: "_Checker", data: dict, settings: ReproduceSettings, seeds: tuple) -> dict:
+    from ntkscope.reproduction.paper import ARCH_NAMES, row_keys
+
+    c.only(data, "tables.", {"archs", "rows"})
+    archs = tuple(c.choices(data, "archs", sorted(ARCH_NAMES), default=list(settings.table_archs), where="tables."))
+    rows = tuple(c.choices(data, "rows", row_keys(settings), default=row_keys(settings), where="tables."))
+    if not archs:
+        raise SpecError(c.source, "tables.archs", "must name one or more architectures", [])
+    if "dense" not in rows:
+        raise SpecError(c.source, "tables.rows", "must include 'dense' (every row starts from it)", list(rows))
+    if list(seeds) != list(range(seeds[0], seeds[0] + len(seeds))):
+        raise SpecError(c.source, "seeds", "must be consecutive for kind 'tables'", list(seeds))
+    if not settings.table_layers or not settings.table_warmup:
+        raise SpecError(c.source, "settings.table_layers", "and settings.table_warmup must be set: the rows' layers "
+                        "and warm-up are part of the spec", [list(settings.table_layers), settings.table_warmup])
+    return {"archs": archs, "rows": rows,
+            "settings": settings.replace(table_archs=archs, seed=seeds[0], seeds=len(seeds))}
+
+
+def _trunk(c: "_Checker", data: dict, settings: ReproduceSettings) -> TrunkSpec:
+    c.only(data, "trunk.", {"layers", "gc_peak_step", "null_order", "rule"})
+    n_layer = int(settings.model.get("n_layer", 0))
+    layers = tuple(c.ints(data, "layers", minimum=0, maximum=n_layer - 1, default=[2, 3], where="trunk."))
+    gc_peak = c.int(data, "gc_peak_step", minimum=1, maximum=settings.steps - 1, default=75, where="trunk.")
+    rule = data.get("rule", {})
+    c.only(rule, "trunk.rule.", {"horizon", "threshold", "min_persisting"})
+    return TrunkSpec(
+        layers=layers, gc_peak_step=gc_peak,
+        null_order=c.int(data, "null_order", minimum=1, default=1000, where="trunk."),
+        rule=Rule(horizon=c.int(rule, "horizon", minimum=1, default=2, where="trunk.rule."),
+                      threshold=c.number(rule, "threshold", low=0.0, high=1.0, default=0.5, where="trunk.rule."),
+                      min_persisting=c.number(rule, "min_persisting", low=0.0, high=1.0, default=0.8,
+                                              where="trunk.rule.")))
+
+
+def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSettings) -> ArmSpec:
+    where = f"arms[{i}]."
+    if not isinstance(data, dict):
+        raise SpecError(c.source, f"arms[{i}]", "must be a table ([[arms]])", data)
+    c.only(data, where, {f.name for f in dataclasses.fields(ArmSpec)})
+    name = c.text(data, "name", required=True, where=where)
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise SpecError(c.source, f"{where}name", "must be letters, digits, '-' and '_' (it names folders)", name)
+    where = f"arms[{i}] ({name})."
+    kind = c.choice(data, "kind", ARM_KINDS, required=True, where=where)
+    at = data.get("at", [] if kind == "dense" else None)
+    steps = at if isinstance(at, list) else [at]
+    if kind == "dense":
+        if steps:
+            raise SpecError(c.source, f"{where}at", "must be left out: the trunk is not converted", at)
+    elif at is None or not steps:
+        raise SpecError(c.source, f"{where}at", f"must be {' | '.join(NAMED_STEPS)}, a step or a list of steps", at)
+    for step in steps:
+        if isinstance(step, str) and step in NAMED_STEPS:
+            continue
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise SpecError(c.source, f"{where}at", f"must be {' | '.join(NAMED_STEPS)}, a step or a list of steps",
+                            at)
+        if not (0 < step < settings.steps and (step % settings.checkpoint_every == 0 or step == trunk.gc_peak_step)):
+            raise SpecError(c.source, f"{where}at", f"must be steps the trunk keeps: multiples of checkpoint_every "
+                            f"({settings.checkpoint_every}) in (0, {settings.steps}), or the gc_peak_step", at)
+    if len(set(steps)) != len(steps):
+        raise SpecError(c.source, f"{where}at", "must not repeat a step", at)
+    n_layer = int(settings.model.get("n_layer", 0))
+    layers = tuple(c.ints(data, "layers", minimum=0, maximum=n_layer - 1, default=list(trunk.layers), where=where))
+    arm = ArmSpec(name=name, kind=kind, at=tuple(steps), layers=layers,
+                  mean_rate=c.number(data, "mean_rate", low=0.0, high=1.0, default=0.0, where=where),
+                  shuffled=c.flag(data, "shuffled", where=where), fair=c.flag(data, "fair", where=where),
+                  what=c.text(data, "what", default="", where=where),
+                  seeds=tuple(c.ints(data, "seeds", minimum=0, default=[], where=where)))
+    if arm.shuffled and kind != "cse":
+        raise SpecError(c.source, f"{where}shuffled", "applies to kind 'cse' only", kind)
+    if arm.fair and kind != "switch":
+        raise SpecError(c.source, f"{where}fair", "applies to kind 'switch' only", kind)
+    return arm
+
+
+def _criteria(c: "_Checker", data: dict) -> Criteria:
+    c.only(data, "criteria.", {f.name for f in dataclasses.fields(Criteria)})
+    d = Criteria()
+    switch_for = data.get("switch_for", d.switch_for)
+    if not isinstance(switch_for, dict) or not all(isinstance(v, str) for v in switch_for.values()):
+        raise SpecError(c.source, "criteria.switch_for", "must be a table of arm = switch arm", switch_for)
+    return Criteria(
+        arms=tuple(c.texts(data, "arms", default=list(d.arms), where="criteria.")),
+        tail=tuple(c.texts(data, "tail", default=list(d.tail), where="criteria.")),
+        close_share=c.number(data, "close_share", low=0.0, high=1.0, default=d.close_share, where="criteria."),
+        general_tolerance=c.number(data, "general_tolerance", low=0.0, high=1.0, default=d.general_tolerance,
+                                   where="criteria."),
+        starved_share=c.number(data, "starved_share", low=0.0, high=1.0, default=d.starved_share, where="criteria."),
+        switch=c.text(data, "switch", default=d.switch, where="criteria."), switch_for=dict(switch_for))
+
+
+class _Checker:
+    """Typed reads of a spec's tables, each refusal one line naming the field."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def _bad(self, where, key, rule, value):
+        return SpecError(self.source, f"{where}{key}", rule, value)
+
+    def only(self, data, where: str, allowed: set) -> None:
+        if not isinstance(data, dict):
+            raise SpecError(self.source, where.rstrip(".") or "the spec", "must be a table", data)
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise SpecError(self.source, f"{where}{unknown[0]}", f"is not a field here (fields: "
+                            f"{', '.join(sorted(allowed))})", data[unknown[0]])
+
+    def _get(self, data, key, default, required, where):
+        if key not in data:
+            if required:
+                raise self._bad(where, key, "is required", None)
+            return default, False
+        return data[key], True
+
+    def text(self, data, key, *, default=None, required=False, where=""):
+        value, given = self._get(data, key, default, required, where)
+        if given and (not isinstance(value, str) or (required and not value.strip())):
+            raise self._bad(where, key, "must be a non-empty string" if required else "must be a string", value)
+        return value
+
+    def texts(self, data, key, *, default=None, where=""):
+        value, given = self._get(data, key, default, False, where)
+        if given and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+            raise self._bad(where, key, "must be a list of strings", value)
+        return value
+
+    def choice(self, data, key, options, *, default=None, required=False, where=""):
+        value, given = self._get(data, key, default, required, where)
+        if given and value not in options:
+            raise self._bad(where, key, f"must be one of {', '.join(options)}", value)
+        return value
+
+    def choices(self, data, key, options, *, default=None, where=""):
+        value = self.texts(data, key, default=default, where=where)
+        bad = [v for v in value if v not in options]
+        if bad:
+            raise self._bad(where, key, f"must name items of {', '.join(options)}", bad)
+        return value
+
+    def flag(self, data, key, *, where=""):
+        value, given = self._get(data, key, False, False, where)
+        if given and not isinstance(value, bool):
+            raise self._bad(where, key, "must be true or false", value)
+        return value
+
+    def int(self, data, key, *, minimum=None, maximum=None, default=None, required=False, where=""):
+        value, given = self._get(data, key, default, required, where)
+        if given:
+            self._check_int(where, key, value, minimum, maximum, value)
+        return value
+
+    def ints(self, data, key, *, minimum=None, maximum=None, default=None, required=False, where=""):
+        value, given = self._get(data, key, default, required, where)
+        if given:
+            if not isinstance(value, list) or not value:
+                raise self._bad(where, key, "must be a non-empty list of integers", value)
+            for v in value:
+                self._check_int(where, key, v, minimum, maximum, value)
+        return value
+
+    def _check_int(self, where, key, v, minimum, maximum, shown):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self._bad(where, key, "must be integers" if isinstance(shown, list) else "must be an integer", shown)
+        if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
+            bounds = f"in [{minimum}, {maximum}]" if maximum is not None else f"at least {minimum}"
+            raise self._bad(where, key, f"must be {bounds}", shown)
+
+    def number(self, data, key, *, low, high, default=None, where=""):
+        value, given = self._get(data, key, default, False, where)
+        if given and (isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high):
+            raise self._bad(where, key, f"must be a number in [{low}, {high}]", value)
+        return float(value)
+
+    def settings(self, data, base: ReproduceSettings) -> ReproduceSettings:
+        fields = {f.name: f for f in dataclasses.fields(ReproduceSettings)}
+        self.only(data, "settings.", set(fields) - {"mode", "adopt_from", "seed", "seeds"})
+        changes = {}
+        for key, value in data.items():
+            current = getattr(base, key)
+            if isinstance(current, bool):
+                ok = isinstance(value, bool)
+            elif isinstance(current, (int, float)):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 \
+                    and (isinstance(value, int) or isinstance(current, float))
+            elif isinstance(current, (tuple, list)):
+                ok, value = isinstance(value, list), tuple(value) if isinstance(value, list) else value
+            else:
+                ok = isinstance(value, type(current))
+            if not ok:
+                raise self._bad("settings.", key, f"must be like the preset's value {json.dumps(current)}", value)
+            changes[key] = value
+        if "model" in changes and not {"n_layer", "n_head", "n_embd"} <= set(changes["model"]):
+            raise self._bad("settings.", "model", "must give n_layer, n_head and n_embd", changes["model"])
+        if changes.get("steps", base.steps) < 1 or changes.get("checkpoint_every", base.checkpoint_every) < 1:
+            raise self._bad("settings.", "steps", "and checkpoint_every must be at least 1",
+                            [changes.get("steps", base.steps), changes.get("checkpoint_every", base.checkpoint_every)])
+        return base.replace(**changes)

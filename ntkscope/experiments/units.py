@@ -1,0 +1,167 @@
+"""A spec's units, what each one needs first, and what each one does.
+
+A unit is the smallest piece of an experiment that runs on its own and leaves a result:
+
+- sweep: ``TRUNK-seedK`` (the dense trunk, whole schedule, every checkpoint kept),
+  ``plan-seedK`` (the trunk's small-cluster rule, when an arm converts at "rule") and
+  ``ARM-seedK`` for each arm and seed (``ARM-atSTEP-seedK`` for an arm of several steps). An arm
+  needs its trunk (and the plan when it converts at the rule's step).
+- tables: ``ARCH-ROW-seedK``; every row needs its seed's dense row, a tuned row its parent.
+
+A unit's ``key`` hashes what it computes: its own description, the settings, the corpus pack's
+version and its needs' keys. A unit is done when ``RUN/units/NAME.json`` holds its key and
+"done"; a spec that changes what a unit does changes its key, and the unit runs again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ntkscope.experiments.spec import Spec
+from ntkscope.reproduction.settings import RUN_LOCAL
+from ntkscope.reproduction.sweep import Arm
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit: ``name`` (its folder names), ``seed``, ``what`` (its description: kind, arm or
+    row, step, ...), ``needs`` (names of units that finish first) and ``key`` (the hash above)."""
+
+    name: str
+    seed: int
+    what: dict
+    needs: tuple = ()
+    key: str = ""
+
+
+def sweep_arms(spec: Spec) -> list[Arm]:
+    """The spec's arms, one :class:`~ntkscope.reproduction.sweep.Arm` per conversion step (an arm
+    of several steps becomes ``NAME-atSTEP``; a named step keeps the arm's name)."""
+    out = []
+    for a in spec.arms:
+        for at in a.at or (None,):
+            name = a.name if len(a.at) <= 1 else f"{a.name}-at{at}"
+            out.append(Arm(name, a.kind, at, a.mean_rate, a.what, a.shuffled, a.fair, tuple(a.layers)))
+    return out
+
+
+def arm_seeds(spec: Spec) -> dict:
+    """{expanded arm name: its seeds}."""
+    seeds = {a.name: a.seeds or spec.seeds for a in spec.arms}
+    return {arm.name: seeds[arm.name.rsplit("-at", 1)[0] if arm.name not in seeds else arm.name]
+            for arm in sweep_arms(spec)}
+
+
+def units(spec: Spec, pack_version) -> list[Unit]:
+    """Every unit of ``spec`` in the order they are started (a unit after what it needs), keyed."""
+    drafts = _sweep_units(spec) if spec.kind == "sweep" else _table_units(spec)
+    settings = {k: v for k, v in spec.settings.to_dict().items() if k not in RUN_LOCAL + ("seed", "seeds")}
+    keys, out = {}, []
+    for name, seed, what, needs in drafts:
+        payload = {"experiment": spec.kind, "unit": what, "seed": seed, "settings": settings, "pack": pack_version,
+                   "needs": [keys[n] for n in needs]}
+        keys[name] = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:20]
+        out.append(Unit(name, seed, what, tuple(needs), keys[name]))
+    return out
+
+
+def _sweep_units(spec: Spec) -> list:
+    arms, seeds_of = sweep_arms(spec), arm_seeds(spec)
+    trunk = next(a for a in arms if a.kind == "dense")
+    t = spec.trunk
+    drafts = []
+    for seed in spec.seeds:
+        drafts.append((f"{trunk.name}-seed{seed}", seed, {"kind": "trunk", "arm": trunk.name,
+                                                          "gc_peak_step": t.gc_peak_step}, []))
+    rule_seeds = sorted({s for a in arms if a.at == "rule" for s in seeds_of[a.name]})
+    for seed in rule_seeds:
+        drafts.append((f"plan-seed{seed}", seed, {"kind": "plan", "layers": list(t.layers),
+                                                  "rule": dataclasses.asdict(t.rule)}, [f"{trunk.name}-seed{seed}"]))
+    for arm in arms:
+        if arm is trunk:
+            continue
+        for seed in seeds_of[arm.name]:
+            what = {"kind": "arm", **dataclasses.asdict(arm), "layers": list(arm.layers or t.layers)}
+            del what["what"]  # the tables' line: not what the unit computes
+            what["at"] = {"gc-peak": t.gc_peak_step, "late": spec.settings.steps // 2}.get(arm.at, arm.at)
+            if arm.kind == "null":
+                what["null_order"] = t.null_order
+            needs = [f"{trunk.name}-seed{seed}"] + ([f"plan-seed{seed}"] if arm.at == "rule" else [])
+            drafts.append((f"{arm.name}-seed{seed}", seed, what, needs))
+    return drafts
+
+
+def _table_units(spec: Spec) -> list:
+    drafts = []
+    for arch in spec.archs:
+        for seed in spec.seeds:
+            for row in spec.rows:
+                if row == "dense":
+                    needs = []
+                elif row.startswith(("dense-", "switch-")):
+                    needs = [f"{arch}-{row.split('-', 1)[0]}-seed{seed}"]
+                else:
+                    needs = [f"{arch}-dense-seed{seed}"]
+                drafts.append((f"{arch}-{row}-seed{seed}", seed, {"kind": "row", "arch": arch, "row": row}, needs))
+    return drafts
+
+
+# ---- doing a unit ---------------------------------------------------------------------------
+
+def make_sweep(spec: Spec, run_dir, pack=None, encoder=None):
+    """The :class:`~ntkscope.reproduction.sweep.Sweep` of a sweep spec in ``run_dir``."""
+    from ntkscope.reproduction.sweep import Sweep
+
+    t = spec.trunk
+    return Sweep(run_dir, spec.settings, sweep_arms(spec), seeds=spec.seeds, layers=t.layers,
+                 gc_peak_step=t.gc_peak_step, rule=t.rule, null_order=t.null_order, pack=pack, encoder=encoder)
+
+
+def make_reproduction(spec: Spec, run_dir, pack=None):
+    """The :class:`~ntkscope.reproduction.pipeline.Reproduction` of a tables spec in ``run_dir``."""
+    from ntkscope.reproduction.pipeline import Reproduction
+
+    return Reproduction(run_dir, spec.settings.mode, settings=spec.settings, pack=pack)
+
+
+def execute(spec: Spec, run_dir: Path, unit: Unit, pack=None) -> dict:
+    """Do ``unit`` (its needs are done): train and evaluate; returns what the unit records."""
+    what = unit.what
+    if spec.kind == "tables":
+        from ntkscope.core.files import write_json
+        from ntkscope.reproduction import paper
+
+        rep = make_reproduction(spec, run_dir, pack)
+        rep.timings_path = run_dir / "timings" / f"{unit.name}.json"  # one file per unit: workers run side by side
+        rep.timings_path.parent.mkdir(parents=True, exist_ok=True)
+        found = paper.evaluate_row(rep, what["arch"], what["row"], unit.seed)
+        record = {"arch": what["arch"], "key": what["row"], "model": paper.row_label(what["arch"], what["row"]),
+                  "seed": unit.seed, **found}
+        write_json(run_dir / "results" / f"{unit.name}.json", record)
+        return {"result": f"results/{unit.name}.json"}
+    sweep = make_sweep(spec, run_dir, pack)
+    if what["kind"] == "plan":
+        plan = sweep.plan(unit.seed)
+        return {"result": f"plans/seed{unit.seed}.json", "warmup": int(plan.warmup_steps),
+                "warmup_rule": plan.warmup_rule}
+    arm = sweep.arm(what["arm"] if what["kind"] == "trunk" else what["name"])
+    result = sweep.run_unit(arm, unit.seed)
+    return {"result": f"results/{arm.name}-seed{unit.seed}.json",
+            **{k: v for k, v in result.items() if k.startswith("ppl") or k in ("warmup", "same_as")}}
+
+
+def outputs(spec: Spec, run_dir: Path, unit: Unit) -> list[Path]:
+    """What ``unit`` writes in ``run_dir`` (moved aside when the unit must run again under another key)."""
+    if spec.kind == "tables":
+        from ntkscope.reproduction import paper
+
+        name = paper.model_name(unit.what["arch"], unit.what["row"], unit.seed)
+        return [run_dir / "results" / f"{unit.name}.json", run_dir / "models" / name]
+    if unit.what["kind"] == "plan":
+        return [run_dir / "plans" / f"seed{unit.seed}.json"]
+    arm = unit.what["arm"] if unit.what["kind"] == "trunk" else unit.what["name"]
+    return [run_dir / "results" / f"{arm}-seed{unit.seed}.json", run_dir / "models" / f"{arm}-seed{unit.seed}"]
