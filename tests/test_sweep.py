@@ -6,18 +6,32 @@ import pandas as pd
 import pytest
 import torch
 
-from ntkscope.reproduction.settings import settings_for
-from ntkscope.reproduction.sweep import ARMS, Sweep
+from ntkscope.experiments import parse_spec, run_experiment
+from ntkscope.experiments.units import make_sweep
+from ntkscope.reproduction.sweep import Arm
+
+SETTINGS = {"steps": 30, "checkpoint_every": 10, "early_every": 0, "cse_samples": 64, "min_cluster_size": 5,
+            "min_samples": 3}
+
+
+def toy(arms, seeds=(0, 1), **trunk) -> dict:
+    """A toy sweep spec: the smoke model, 30 steps, layers 0-1, the GC peak at step 10."""
+    return {"name": "toy", "kind": "sweep", "preset": "smoke", "seeds": list(seeds), "settings": dict(SETTINGS),
+            "trunk": {"layers": [0, 1], "gc_peak_step": 10, **trunk},
+            "arms": [{"name": "dense", "kind": "dense"}] + [dict(a) for a in arms]}
+
+
+def run_toy(run, data):
+    spec = parse_spec(data)
+    run_experiment(spec, run, executor="inline", threads=0, poll=0.01)
+    return make_sweep(spec, run), json.loads((run / "tables" / "verdict.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
-    run = tmp_path_factory.mktemp("sweep")
-    settings = settings_for("smoke", steps=30, checkpoint_every=10, early_every=0, seeds=2, cse_samples=64,
-                            min_cluster_size=5, min_samples=3)
-    sweep = Sweep(run, settings, arms=("dense", "cse-rule", "demix", "switch-rule"),
-                  gc_peak_step=10, layers=(0, 1))
-    return sweep, sweep.run(poll=0.1)
+    return run_toy(tmp_path_factory.mktemp("sweep"), toy([
+        {"name": "cse-rule", "kind": "cse", "at": "rule"}, {"name": "demix", "kind": "demix", "at": "rule"},
+        {"name": "switch-rule", "kind": "switch", "at": "rule"}]))
 
 
 def test_every_unit_finishes_with_its_plan_and_tables(swept):
@@ -34,21 +48,20 @@ def test_every_unit_finishes_with_its_plan_and_tables(swept):
     assert set(load.arm) == {"cse-rule"} and {"n legal", "n biomedical"} <= set(load.columns)
     assert (load.groupby(["seed", "step", "layer"])["share"].sum().round(9) == 1).all()
     assert verdict["cse-rule"]["status"] == "complete" and verdict["cse-late"] == {"status": "not run"}
-    json.loads((sweep.run_dir / "tables" / "verdict.json").read_text())  # strict JSON
 
 
 def test_a_finished_sweep_resumes_without_work(swept):
     sweep, verdict = swept
     before = {p: p.stat().st_mtime_ns for p in (sweep.run_dir / "results").glob("*.json")}
     text = (sweep.run_dir / "tables" / "verdict.json").read_text()
-    Sweep(sweep.run_dir, sweep.settings, arms=[a.name for a in sweep.arms], gc_peak_step=10, layers=(0, 1)).run()
+    run_toy(sweep.run_dir, toy([{"name": a.name, "kind": a.kind, "at": a.at} for a in sweep.arms[1:]]))
     assert (sweep.run_dir / "tables" / "verdict.json").read_text() == text
     assert {p: p.stat().st_mtime_ns for p in (sweep.run_dir / "results").glob("*.json")} == before
 
 
 def test_an_arm_that_trains_what_a_finished_one_did_takes_its_result(swept, monkeypatch):
     sweep, _ = swept
-    late = next(a for a in ARMS if a.name == "cse-late")
+    late = Arm("cse-late", "cse", "late")
     rule = json.loads(sweep.result_path("cse-rule", 0).read_text())
     monkeypatch.setattr(sweep, "warmup", lambda arm, seed: rule["warmup"])  # the late step = the rule's fallback
     result = sweep.run_unit(late, 0)
@@ -57,18 +70,11 @@ def test_an_arm_that_trains_what_a_finished_one_did_takes_its_result(swept, monk
     sweep.result_path("cse-late", 0).unlink()
 
 
-def test_bad_arms_layers_and_other_settings_are_refused(swept, tmp_path):
-    sweep, _ = swept
-    with pytest.raises(ValueError, match=r"Sweep: arms must name one or more arms of .* \(got \['nope'\]\)"):
-        Sweep(tmp_path / "a", sweep.settings, arms=("dense", "nope"))
-    with pytest.raises(ValueError, match=r"Sweep: arms must include 'dense'"):
-        Sweep(tmp_path / "b", sweep.settings, arms=("cse-rule",))
+def test_layers_outside_the_model_are_refused(swept, tmp_path):
+    from ntkscope.reproduction.sweep import Sweep
+
     with pytest.raises(ValueError, match=r"Sweep: layers must be block indices in \[0, 2\) \(got \[2, 3\]\)"):
-        Sweep(tmp_path / "c", sweep.settings)
-    with pytest.raises(ValueError, match=r"Sweep: run_dir holds a sweep with other settings"):
-        Sweep(sweep.run_dir, sweep.settings.replace(steps=50), layers=(0, 1))
-    # where a run may take trained models from is not what it is: the same run, with or without it
-    Sweep(sweep.run_dir, sweep.settings.replace(adopt_from=str(tmp_path)), arms=("dense", "cse-rule"), layers=(0, 1))
+        Sweep(tmp_path / "c", swept[0].settings, [Arm("dense", "dense")], seeds=[0], layers=(2, 3))
 
 
 def test_each_arm_is_paired_with_the_trunk_it_branched_from():
@@ -117,11 +123,9 @@ def test_the_frozen_encoder_arm_routes_by_its_clusters(tmp_path):
     BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                          max_position_embeddings=64)).save_pretrained(encoder)
     shutil.copy(shipped_encoder() / "tokenizer.json", encoder)
-    settings = settings_for("smoke", steps=30, checkpoint_every=10, early_every=0, seeds=1, cse_samples=64,
-                            min_cluster_size=5, min_samples=3)
-    sweep = Sweep(tmp_path / "run", settings, arms=("dense", "cse-encoder"), gc_peak_step=10, layers=(0, 1),
-                  encoder=encoder)
-    verdict = sweep.run(poll=0.1)
+    sweep, verdict = run_toy(tmp_path / "run", toy([{"name": "cse-encoder", "kind": "encoder", "at": "rule"}],
+                                                    seeds=[0], encoder=str(encoder)))
+    settings = sweep.settings
     routes = Routes.load(sweep.run_dir / "routes" / "seed0.json")
     assert set(routes.experts) == {"train", "validation", "test"} and len(routes.names) >= 1
     assert routes.source["router"] == "frozen encoder" and routes.source["fitted_on"].endswith("(64 training blocks)")
@@ -170,11 +174,12 @@ def test_the_controls_branch_from_the_trunk_and_train(tmp_path):
     order; not "null", which CSV readers take for a missing value)."""
     from cse_models.model import load_model
 
-    settings = settings_for("smoke", steps=20, checkpoint_every=10, early_every=0, seeds=1, cse_samples=64,
-                            min_cluster_size=5, min_samples=3)
-    sweep = Sweep(tmp_path / "run", settings, arms=("dense", "cse-late", "cse-shuffled", "switch-fair", "dense-null"),
-                  gc_peak_step=10, layers=(0, 1))
-    sweep.run(poll=0.1)
+    data = toy([{"name": "cse-late", "kind": "cse", "at": "late"},
+                {"name": "cse-shuffled", "kind": "cse", "at": "late", "shuffled": True},
+                {"name": "switch-fair", "kind": "switch", "at": "late", "fair": True},
+                {"name": "dense-null", "kind": "null", "at": "late"}], seeds=[0])
+    data["settings"]["steps"] = 20
+    sweep, _ = run_toy(tmp_path / "run", data)
     arms = pd.read_csv(sweep.run_dir / "tables" / "arms.csv").set_index("arm")
     assert set(arms.index) == {"dense", "cse-late", "cse-shuffled", "switch-fair", "dense-null"}
     assert (arms.drop("dense")["warmup"] == 10).all()

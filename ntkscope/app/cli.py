@@ -22,7 +22,7 @@ import matplotlib
 import pandas as pd
 
 from ntkscope import __version__
-from ntkscope.app import commands, corpus_cli, own_model, reproduce_cli
+from ntkscope.app import commands, corpus_cli, experiment_cli, own_model, reproduce_cli
 from ntkscope.app.parsing import DATA_HELP as _DATA_HELP
 from ntkscope.app.parsing import add_column_args as _add_column_args
 from ntkscope.app.parsing import print_table as _print_table
@@ -374,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="the HTML file (default PATH/report.html)")
     report.set_defaults(run=_report)
     reproduce_cli.add_parsers(sub)
+    experiment_cli.add_parsers(sub)
     return parser
 
 

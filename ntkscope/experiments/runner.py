@@ -12,6 +12,7 @@
 Executors (each unit in a process of its own, one torch thread by default):
 
 - ``local``: ``concurrent.futures.ProcessPoolExecutor`` (spawn), ``workers`` at once;
+- ``inline``: in this process, one unit after another (debugging);
 - ``submitit-local``: submitit's ``LocalExecutor`` (real subprocesses, logs in RUN/jobs);
 - ``slurm``: submitit's ``SlurmExecutor`` (partition, time, GPUs, CPUs and memory from the
   spec's ``[run.slurm]`` or the command line).
@@ -125,6 +126,18 @@ def _move_aside(spec: Spec, run_dir: Path, unit: Unit, old_key: str) -> None:
 
 # ---- executors ---------------------------------------------------------------------------------
 
+class _Inline:
+    """Each unit in this process, one after another (debugging; what a test steps through)."""
+
+    def submit(self, fn, *args):
+        future = cf.Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as err:  # noqa: BLE001 (reported like a worker's failure)
+            future.set_exception(err)
+        return future
+
+
 class _Local:
     """Each unit in a fresh spawned process of its own pool: a unit that is killed breaks only its own."""
 
@@ -175,6 +188,8 @@ class _Job:
 def make_executor(kind: str, run_dir: Path, slurm: SlurmSpec):
     if kind == "local":
         return _Local()
+    if kind == "inline":
+        return _Inline()
     return _Submitit(kind, run_dir / "jobs", slurm)
 
 
@@ -195,7 +210,7 @@ class Outcome:
 
 def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int = 1, threads: int = 1,
                    retries: int | None = None, adopt=None, pack=None, device: str | None = None,
-                   slurm: SlurmSpec | None = None, poll: float = 2.0) -> Outcome:
+                   slurm: SlurmSpec | None = None, poll: float = 0.5) -> Outcome:
     """Run every unit of ``spec`` not yet done in ``run_dir`` through ``executor`` (EXECUTORS),
     at most ``workers`` at once with ``threads`` torch threads each, trying a failed unit again
     up to ``retries`` times (default: the spec's); then rebuild the tables from what finished.

@@ -49,7 +49,7 @@ from ntkscope.reproduction.sweep_tables import Criteria
 KINDS = ("sweep", "tables")
 ARM_KINDS = ("dense", "cse", "switch", "demix", "encoder", "null")
 NAMED_STEPS = ("rule", "gc-peak", "late")
-EXECUTORS = ("local", "submitit-local", "slurm")
+EXECUTORS = ("local", "submitit-local", "slurm", "inline")
 
 
 class SpecError(UserError):
@@ -64,12 +64,14 @@ class SpecError(UserError):
 class TrunkSpec:
     """What every arm of a sweep shares: the sparse ``layers`` (an arm may name its own), the
     ``gc_peak_step`` (kept as a trunk checkpoint), the ``null_order`` offset of the null arm's
-    data order and the warm-up ``rule``."""
+    data order, the warm-up ``rule`` and the frozen-encoder arms' ``encoder`` (an HF encoder
+    directory; empty: the shipped MiniLM-L6)."""
 
     layers: tuple = (2, 3)
     gc_peak_step: int = 75
     null_order: int = 1000
     rule: Rule = Rule()
+    encoder: str = ""
 
 
 @dataclass(frozen=True)
@@ -225,14 +227,14 @@ def _tables(c: "_Checker", data: dict, settings: ReproduceSettings, seeds: tuple
 
 
 def _trunk(c: "_Checker", data: dict, settings: ReproduceSettings) -> TrunkSpec:
-    c.only(data, "trunk.", {"layers", "gc_peak_step", "null_order", "rule"})
+    c.only(data, "trunk.", {"layers", "gc_peak_step", "null_order", "rule", "encoder"})
     n_layer = int(settings.model.get("n_layer", 0))
     layers = tuple(c.ints(data, "layers", minimum=0, maximum=n_layer - 1, default=[2, 3], where="trunk."))
     gc_peak = c.int(data, "gc_peak_step", minimum=1, maximum=settings.steps - 1, default=75, where="trunk.")
     rule = data.get("rule", {})
     c.only(rule, "trunk.rule.", {"horizon", "threshold", "min_persisting"})
     return TrunkSpec(
-        layers=layers, gc_peak_step=gc_peak,
+        layers=layers, gc_peak_step=gc_peak, encoder=c.text(data, "encoder", default="", where="trunk."),
         null_order=c.int(data, "null_order", minimum=1, default=1000, where="trunk."),
         rule=Rule(horizon=c.int(rule, "horizon", minimum=1, default=2, where="trunk.rule."),
                       threshold=c.number(rule, "threshold", low=0.0, high=1.0, default=0.5, where="trunk.rule."),

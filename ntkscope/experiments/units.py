@@ -77,6 +77,7 @@ def _sweep_units(spec: Spec) -> list:
     for seed in spec.seeds:
         drafts.append((f"{trunk.name}-seed{seed}", seed, {"kind": "trunk", "arm": trunk.name,
                                                           "gc_peak_step": t.gc_peak_step}, []))
+    encoder = {"encoder": t.encoder} if t.encoder else {}  # the shipped one: not in the key (older runs)
     rule_seeds = sorted({s for a in arms if a.at == "rule" for s in seeds_of[a.name]})
     for seed in rule_seeds:
         drafts.append((f"plan-seed{seed}", seed, {"kind": "plan", "layers": list(t.layers),
@@ -90,6 +91,8 @@ def _sweep_units(spec: Spec) -> list:
             what["at"] = {"gc-peak": t.gc_peak_step, "late": spec.settings.steps // 2}.get(arm.at, arm.at)
             if arm.kind == "null":
                 what["null_order"] = t.null_order
+            if arm.kind == "encoder":
+                what.update(encoder)
             needs = [f"{trunk.name}-seed{seed}"] + ([f"plan-seed{seed}"] if arm.at == "rule" else [])
             drafts.append((f"{arm.name}-seed{seed}", seed, what, needs))
     return drafts
@@ -112,13 +115,14 @@ def _table_units(spec: Spec) -> list:
 
 # ---- doing a unit ---------------------------------------------------------------------------
 
-def make_sweep(spec: Spec, run_dir, pack=None, encoder=None):
+def make_sweep(spec: Spec, run_dir, pack=None):
     """The :class:`~ntkscope.reproduction.sweep.Sweep` of a sweep spec in ``run_dir``."""
     from ntkscope.reproduction.sweep import Sweep
 
     t = spec.trunk
     return Sweep(run_dir, spec.settings, sweep_arms(spec), seeds=spec.seeds, layers=t.layers,
-                 gc_peak_step=t.gc_peak_step, rule=t.rule, null_order=t.null_order, pack=pack, encoder=encoder)
+                 gc_peak_step=t.gc_peak_step, rule=t.rule, null_order=t.null_order, pack=pack,
+                 encoder=t.encoder or None)
 
 
 def make_reproduction(spec: Spec, run_dir, pack=None):

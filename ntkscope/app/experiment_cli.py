@@ -1,0 +1,135 @@
+"""The ``ntkscope experiment`` command: run a spec's units through an executor, see where they
+stand, rebuild the tables (:mod:`ntkscope.experiments`; docs/experiments.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ntkscope.app.parsing import COUNT, POSITIVE_INT
+from ntkscope.core.checks import InputError, UserError
+
+
+def _seeds(text: str) -> list:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        raise InputError("--seeds", "must be comma-separated seeds, each at least 0", text,
+                         func="ntkscope experiment run")
+    return seeds
+
+
+def _spec(args):
+    from ntkscope.experiments import load_spec
+
+    changes = {"seeds": _seeds(args.seeds)} if args.seeds else {}
+    if args.steps:
+        changes["settings"] = {"steps": args.steps}
+    return load_spec(args.spec, **changes)
+
+
+def _run(args) -> int:
+    from ntkscope.experiments import run_experiment
+
+    spec = _spec(args)
+    slurm = dataclasses.replace(spec.slurm, **{k: v for k, v in {
+        "partition": args.partition, "time_min": args.time_min, "gpus": args.gpus, "cpus": args.cpus,
+        "mem_gb": args.mem_gb}.items() if v is not None})
+    out = Path(args.out or f"runs/{spec.name}")
+    if args.adopt is not None and not Path(args.adopt).is_dir():
+        raise InputError("--adopt", "must be a directory (an earlier run directory, or committed results such as "
+                         "figures/sweep)", str(args.adopt), func="ntkscope experiment run")
+    outcome = run_experiment(spec, out, executor=args.executor, workers=args.workers, threads=args.threads,
+                             retries=args.retries, adopt=args.adopt, pack=args.data, device=args.device, slurm=slurm)
+    print(f"experiment {spec.name} in {out}: {len(outcome.done)} units done, {len(outcome.failed)} failed, "
+          f"{len(outcome.blocked)} blocked; tables in {out}/tables" + (" (partial)" if outcome.partial else ""))
+    for name, error in outcome.failed.items():
+        print(f"  failed {name}: {error}")
+    if outcome.blocked:
+        print(f"  blocked (a unit they need failed): {', '.join(outcome.blocked)}")
+    return 1 if outcome.failed else 0
+
+
+def _status(args) -> int:
+    from ntkscope.experiments import status
+
+    table = status(args.run_dir)
+    counts = table["state"].value_counts()
+    print(f"{args.run_dir}: " + ", ".join(f"{n} {state}" for state, n in counts.items()))
+    shown = table.assign(seconds=table["seconds"].map(lambda s: "" if s is None or s != s else f"{s:.0f}"))
+    print(shown.fillna("").to_string(index=False))
+    return 0
+
+
+def _tables(args) -> int:
+    from ntkscope.core.files import read_json_object
+    from ntkscope.experiments import parse_spec, summarise_experiment
+
+    path = Path(args.run_dir) / "experiment.json"
+    if not path.is_file():
+        raise UserError(f"ntkscope experiment tables: {args.run_dir} holds no experiment (no experiment.json)")
+    record = read_json_object(path, "ntkscope experiment tables")
+    spec = parse_spec(record["spec"], source=record.get("source", str(path)))
+    summarise_experiment(spec, args.run_dir, pack=args.data)
+    found = json.loads((Path(args.run_dir) / "tables" / "status.json").read_text())
+    print(f"tables in {args.run_dir}/tables" + (f" (partial: {len(found['missing'])} units not done)"
+                                            if found["partial"] else ""))
+    return 0
+
+
+def _specs(args) -> int:
+    from ntkscope.experiments import load_spec, shipped
+
+    for name, path in sorted(shipped().items()):
+        spec = load_spec(path)
+        parts = [f"{len(spec.arms)} arms" if spec.kind == "sweep" else f"{len(spec.rows)} rows x {len(spec.archs)} "
+                 "architectures", f"seeds {list(spec.seeds)}", f"{spec.settings.steps} steps"]
+        print(f"{name:12s} {spec.kind:7s} {', '.join(parts)}  ({path})")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """``ntkscope experiment run | status | tables | specs``."""
+    from ntkscope.experiments.spec import EXECUTORS
+
+    exp = sub.add_parser("experiment", help="run an experiment spec's units (arms x seeds x steps) on local workers, "
+                         "submitit or Slurm; resumable, with status and tables as units finish",
+                         description="An experiment is a TOML spec (docs/experiments.md); the shipped ones are "
+                         "listed by `ntkscope experiment specs`. Example: ntkscope experiment run sweep --out runs/sweep "
+                         "--workers 2")
+    ex = exp.add_subparsers(dest="experiment_command", required=True)
+    run = ex.add_parser("run", help="run every unit not yet done, then write the tables")
+    run.add_argument("spec", help="a spec file, or the name of a shipped spec (sweep, tables, tables-late)")
+    run.add_argument("--out", help="the run directory (default runs/NAME)")
+    run.add_argument("--executor", choices=EXECUTORS, default="local",
+                     help="local: worker processes (default); submitit-local: submitit's local executor; slurm: "
+                     "sbatch through submitit; inline: this process, one unit at a time")
+    run.add_argument("--workers", type=POSITIVE_INT, default=1, help="units at once (default 1)")
+    run.add_argument("--threads", type=COUNT, default=1, help="torch threads per unit (default 1; 0: torch's)")
+    run.add_argument("--retries", type=COUNT, help="tries again for a failed unit (default: the spec's [run] retries)")
+    run.add_argument("--adopt", metavar="DIR", help="an earlier run directory (or committed results such as "
+                     "figures/sweep) whose finished units count as done")
+    run.add_argument("--seeds", help="comma-separated seeds in place of the spec's")
+    run.add_argument("--steps", type=POSITIVE_INT, help="the schedule's length in place of the spec's")
+    run.add_argument("--device", help="where units train: cpu, cuda, auto (default: the spec's settings)")
+    run.add_argument("--data", "--pack", dest="data", help="a corpus pack directory (default: the shipped one)")
+    slurm = run.add_argument_group("Slurm (--executor slurm; default: the spec's [run.slurm])")
+    slurm.add_argument("--partition")
+    slurm.add_argument("--time-min", type=POSITIVE_INT, help="minutes per unit")
+    slurm.add_argument("--gpus", type=COUNT, help="GPUs per unit")
+    slurm.add_argument("--cpus", type=POSITIVE_INT, help="CPUs per unit")
+    slurm.add_argument("--mem-gb", type=POSITIVE_INT, help="memory per unit, GB")
+    run.set_defaults(run=_run)
+    st = ex.add_parser("status", help="each unit: done, running, failed, interrupted, ready or waiting, with its "
+                       "times and last error")
+    st.add_argument("run_dir", metavar="RUN", type=Path, help="the run directory")
+    st.set_defaults(run=_status)
+    tb = ex.add_parser("tables", help="rebuild the tables from the units that finished (partial until all are)")
+    tb.add_argument("run_dir", metavar="RUN", type=Path, help="the run directory")
+    tb.add_argument("--data", "--pack", dest="data", help="the corpus pack the run used (default: the shipped one)")
+    tb.set_defaults(run=_tables)
+    sp = ex.add_parser("specs", help="the specs that ship with ntkscope")
+    sp.set_defaults(run=_specs)

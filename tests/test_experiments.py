@@ -1,0 +1,219 @@
+"""Experiments as specs (ntkscope.experiments): a toy spec of 2 arms x 2 seeds x 2 steps runs
+through each executor, a unit killed mid-run is retried and resumes, a failing unit is reported
+while the others finish, two drivers never train a unit twice, a bad field is one line, and the
+shipped specs rebuild the committed tables byte for byte from the committed results."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from ntkscope.experiments import load_spec, parse_spec, run_experiment, status
+from ntkscope.experiments.spec import SpecError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TOY = {
+    "name": "toy", "kind": "sweep", "preset": "smoke", "seeds": [0, 1],
+    "settings": {"steps": 60, "checkpoint_every": 10, "early_every": 0, "cse_samples": 64, "min_cluster_size": 5,
+                 "min_samples": 3, "eval_max_blocks": 20},
+    "trunk": {"layers": [0, 1], "gc_peak_step": 10},
+    "arms": [{"name": "dense", "kind": "dense"},
+             {"name": "cse", "kind": "cse", "at": [20, 40]},
+             {"name": "null", "kind": "null", "at": [20, 40]}],
+    "criteria": {"arms": ["cse-at20", "cse-at40"]},
+}
+TABLES = ("arms", "paired", "load", "routing")
+
+
+def toy_file(tmp_path, **changes) -> Path:
+    import tomli_w
+
+    path = tmp_path / "toy.toml"
+    path.write_text(tomli_w.dumps({**TOY, **changes}))
+    return path
+
+
+def tables(run: Path) -> dict:
+    """The tables of a run, less the wall-clock column (``seconds``)."""
+    out = {n: pd.read_csv(run / "tables" / f"{n}.csv") for n in TABLES}
+    out["arms"] = out["arms"].drop(columns="seconds")
+    return out
+
+
+def assert_same_tables(a: Path, b: Path) -> None:
+    ta, tb = tables(a), tables(b)
+    for name in TABLES:
+        pd.testing.assert_frame_equal(ta[name], tb[name], check_exact=True, obj=name)
+    assert (a / "tables" / "verdict.json").read_text() == (b / "tables" / "verdict.json").read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The toy spec, uninterrupted, in this process, on one thread as the workers are (another
+    thread count sums in another order)."""
+    import torch
+
+    run, threads = tmp_path_factory.mktemp("reference"), torch.get_num_threads()
+    try:
+        outcome = run_experiment(parse_spec(TOY), run, executor="inline", threads=1, poll=0.01)
+    finally:
+        torch.set_num_threads(threads)
+    return run, outcome
+
+
+def test_the_toy_spec_expands_into_its_units_and_tabulates_them(reference):
+    run, outcome = reference
+    names = {f"{a}-seed{s}" for a in ("dense", "cse-at20", "cse-at40", "null-at20", "null-at40") for s in (0, 1)}
+    assert set(outcome.done) == names and not outcome.failed and not outcome.partial
+    arms = pd.read_csv(run / "tables" / "arms.csv")
+    assert sorted(arms["arm"].unique()) == sorted({n.rsplit("-seed", 1)[0] for n in names})
+    assert arms.set_index(["arm", "seed"]).loc[("cse-at40", 1), "warmup"] == 40
+    assert json.loads((run / "tables" / "status.json").read_text()) == {"partial": False, "missing": [], "units": 10}
+    record = json.loads((run / "experiment.json").read_text())
+    needs = {u["name"]: u["needs"] for u in record["units"]}
+    assert needs["cse-at20-seed1"] == ["dense-seed1"] and needs["dense-seed0"] == []
+    assert (status(run)["state"] == "done").all()
+
+
+def _kill_when(run: Path, unit: str, checkpoint: str, proc) -> int:
+    """SIGKILL the worker of ``unit`` once ``checkpoint`` exists in its model directory; its pid."""
+    folder = run / "models" / unit / "checkpoints" / checkpoint
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        state = run / "units" / f"{unit}.json"
+        if folder.is_dir() and state.is_file():
+            pid = json.loads(state.read_text())["pid"]
+            os.kill(pid, signal.SIGKILL)
+            return pid
+        time.sleep(0.01)
+    raise AssertionError(f"{unit} never reached {checkpoint}")
+
+
+@pytest.mark.parametrize("executor", ["local", "submitit-local"])
+def test_a_unit_killed_mid_run_is_retried_and_the_tables_equal_an_uninterrupted_run(reference, tmp_path, executor):
+    """Real subprocesses: the trunk of seed 0 is killed after its step-20 checkpoint; the driver
+    tries it again, it resumes, and every table equals the uninterrupted run's."""
+    pytest.importorskip("submitit")
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "ntkscope", "experiment", "run", str(toy_file(tmp_path)),
+                             "--out", str(run), "--executor", executor, "--workers", "2", "--retries", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _kill_when(run, "dense-seed0", "step-000020", proc)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    state = json.loads((run / "units" / "dense-seed0.json").read_text())
+    assert state["status"] == "done" and state["attempts"] == 2, state
+    assert "10 units done, 0 failed" in out
+    assert_same_tables(run, reference[0])
+
+
+def test_a_failing_unit_is_retried_reported_and_the_others_finish(reference, tmp_path):
+    """A unit whose trunk checkpoint is gone fails every try; it is reported with its error, and
+    every other unit finishes."""
+    spec = parse_spec({**TOY, "seeds": [0]})
+    run = tmp_path / "run"
+    run_experiment(spec, run, executor="inline", threads=0, poll=0.01)
+    shutil.rmtree(run / "models" / "dense-seed0" / "checkpoints" / "step-000040")
+    for unit in ("cse-at40-seed0", "null-at40-seed0"):  # made again: they branch from the missing checkpoint
+        for path in (run / "units" / f"{unit}.json", run / "results" / f"{unit}.json"):
+            path.unlink()
+        shutil.rmtree(run / "models" / unit)
+    outcome = run_experiment(spec, run, executor="inline", threads=0, retries=1, poll=0.01)
+    assert set(outcome.failed) == {"cse-at40-seed0", "null-at40-seed0"} and outcome.partial
+    assert all("step-000040" in e for e in outcome.failed.values()), outcome.failed
+    table = status(run).set_index("unit")
+    assert table.loc["cse-at40-seed0", "state"] == "failed" and table.loc["cse-at40-seed0", "attempts"] == 2
+    assert (table.drop(["cse-at40-seed0", "null-at40-seed0"])["state"] == "done").all()
+    assert "Traceback" in (run / "logs" / "cse-at40-seed0.err").read_text()
+    assert json.loads((run / "tables" / "status.json").read_text())["missing"] == ["cse-at40-seed0",
+                                                                                    "null-at40-seed0"]
+
+
+def test_two_drivers_on_one_directory_never_train_a_unit_twice(tmp_path):
+    """Two `ntkscope experiment run` processes on one run directory: every unit is trained by one
+    of them (each training writes its train_config.json once)."""
+    spec = toy_file(tmp_path, seeds=[0])
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "ntkscope", "experiment", "run", str(spec), "--out", str(run),
+               "--executor", "inline"]
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    started = [line for out in outs for line in out.splitlines() if "experiment: starting" in line]
+    trained = [line for out in outs for line in out.splitlines() if "sweep: " in line and " done in " in line]
+    assert len(trained) == 5, trained  # each of the 5 units once, by one process or the other
+    assert len(started) >= 5
+    assert (status(run)["state"] == "done").all()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kind": "grid"}, "toy.toml: kind must be one of sweep, tables (got 'grid')"),
+    ({"seeds": [0, 0]}, "toy.toml: seeds must not repeat a seed (got [0, 0])"),
+    ({"settings": {"stpes": 60}}, "toy.toml: settings.stpes is not a field here"),
+    ({"settings": {"steps": "60"}}, "toy.toml: settings.steps must be like the preset's value 40 (got '60')"),
+    ({"trunk": {"layers": [0, 5]}}, "toy.toml: trunk.layers must be in [0, 1] (got [0, 5])"),
+    ({"arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "at": [25]}]},
+     "toy.toml: arms[1] (cse).at must be steps the trunk keeps: multiples of checkpoint_every (10) in (0, 60), or "
+     "the gc_peak_step (got [25])"),
+    ({"arms": [{"name": "cse", "kind": "cse", "at": "late"}]},
+     "toy.toml: arms must hold exactly one arm of kind 'dense'"),
+    ({"arms": [{"name": "dense", "kind": "dense"}, {"name": "x", "kind": "cse", "at": "late", "fair": True}]},
+     "toy.toml: arms[1] (x).fair applies to kind 'switch' only (got 'cse')"),
+    ({"arms": [{"name": "dense", "kind": "dense"}, {"name": "x", "kind": "cse", "at": "late", "seeds": [7]}]},
+     "toy.toml: arms (x).seeds must be seeds of the spec [0, 1] (their trunks) (got [7])"),
+    ({"run": {"retries": -1}}, "toy.toml: run.retries must be at least 0 (got -1)"),
+])
+def test_a_spec_with_a_bad_field_is_refused_in_one_line(tmp_path, change, message):
+    path = toy_file(tmp_path, **change)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert str(err.value).startswith(f"{path.parent}/{message}") and "\n" not in str(err.value)
+    proc = subprocess.run([sys.executable, "-m", "ntkscope", "experiment", "run", str(path), "--out",
+                           str(tmp_path / "run")], capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message.split(" (got")[0] in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name, committed", [("sweep", "figures/sweep"), ("tables-late", "figures/tables-late"),
+                                             ("tables", "figures/tables")])
+def test_the_shipped_specs_rebuild_the_committed_tables_byte_for_byte(tmp_path, name, committed):
+    """Adopting the committed results (the models are gone with the first sweep's machine): every
+    unit the committed run finished counts as done, nothing trains, and the tables are the
+    committed files byte for byte."""
+    source = ROOT / committed
+    run = tmp_path / name
+    spec = load_spec(name)
+    outcome = run_experiment(spec, run, executor="inline", adopt=source, poll=0.01)
+    assert not outcome.failed and not outcome.partial
+    files = sorted(p.name for p in (source / "tables").iterdir() if p.suffix in (".csv", ".json", ".md"))
+    assert files
+    for file in files:
+        assert (run / "tables" / file).read_bytes() == (source / "tables" / file).read_bytes(), file
+
+
+def test_a_unit_is_done_by_its_key_and_a_changed_arm_runs_again(reference, tmp_path):
+    """Changing what an arm computes (here CSE's drift rate) changes its units' keys: they train
+    again, what they wrote before is moved to RUN/stale (never deleted), and every other unit
+    stays done without work."""
+    run = tmp_path / "run"
+    shutil.copytree(reference[0], run)
+    before = {p.name: p.read_text() for p in (run / "units").glob("*.json")}
+    arms = [dict(a, mean_rate=0.1) if a["name"] == "cse" else a for a in TOY["arms"]]
+    outcome = run_experiment(parse_spec({**TOY, "arms": arms}), run, executor="inline", threads=0, poll=0.01)
+    assert not outcome.failed and not outcome.partial
+    after = {p.name: p.read_text() for p in (run / "units").glob("*.json")}
+    changed = sorted(n for n in after if after[n] != before[n])
+    assert changed == [f"cse-at{s}-seed{k}.json" for s in (20, 40) for k in (0, 1)]
+    stale = sorted(p.name.rsplit("-", 1)[0] for p in (run / "stale").iterdir())
+    assert stale == sorted(n[:-5] for n in changed)
+    assert (next((run / "stale").glob("cse-at20-seed0-*")) / "cse-at20-seed0" / "checkpoints").is_dir()
+    config = json.loads((run / "models" / "cse-at20-seed0" / "train_config.json").read_text())
+    assert config["model"]["sparse"]["mean_rate"] == 0.1
