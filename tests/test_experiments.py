@@ -217,3 +217,27 @@ def test_a_unit_is_done_by_its_key_and_a_changed_arm_runs_again(reference, tmp_p
     assert (next((run / "stale").glob("cse-at20-seed0-*")) / "cse-at20-seed0" / "checkpoints").is_dir()
     config = json.loads((run / "models" / "cse-at20-seed0" / "train_config.json").read_text())
     assert config["model"]["sparse"]["mean_rate"] == 0.1
+
+
+def test_a_run_directory_copied_elsewhere_resumes_there(reference, tmp_path):
+    """A run moved to another path (the original gone), one trunk cut back to step 30: the
+    trunk resumes there, its arms stay done, and the tables equal the uninterrupted run's."""
+    import torch
+
+    first, moved = tmp_path / "first", tmp_path / "elsewhere" / "run"
+    shutil.copytree(reference[0], first)
+    shutil.copytree(first, moved)
+    shutil.rmtree(first)
+    for path in ("units/dense-seed1.json", "results/dense-seed1.json"):
+        (moved / path).unlink()
+    for checkpoint in (moved / "models" / "dense-seed1" / "checkpoints").iterdir():
+        if checkpoint.name > "step-000030":
+            shutil.rmtree(checkpoint)
+    threads = torch.get_num_threads()
+    try:
+        outcome = run_experiment(parse_spec(TOY), moved, executor="inline", threads=1, poll=0.01)
+    finally:
+        torch.set_num_threads(threads)
+    assert not outcome.failed and not outcome.partial
+    assert (moved / "models" / "dense-seed1" / "checkpoints" / "step-000060").is_dir()
+    assert_same_tables(moved, reference[0])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ntkscope.app.parsing import COUNT, POSITIVE_INT
@@ -13,25 +14,54 @@ from ntkscope.reproduction import reproduce
 from ntkscope.reproduction.settings import settings_for
 
 
-def _sweep(args, out: Path) -> int:
-    from ntkscope.reproduction.sweep import ARM_NAMES, Sweep
+def _spec(args):
+    """The shipped spec of the mode (sweep, tables, tables-late), with --arms and --adopt applied."""
+    import dataclasses
+    import json
 
-    arms = ARM_NAMES if not args.arms else tuple(a.strip() for a in args.arms.split(","))
-    unknown = sorted(set(arms) - set(ARM_NAMES))
-    if unknown:
-        raise InputError("--arms", f"must name arms of {list(ARM_NAMES)}", unknown)
-    verdict = Sweep(out, _reproduce_settings(args), arms=arms, pack=args.data).run()
-    print(f"sweep in {out}: tables in {out}/tables (arms.csv, paired.csv, load.csv, routing.csv, verdict.json)")
+    from ntkscope.experiments import load_spec, parse_spec
+
+    spec = load_spec(args.mode)
+    if args.arms:
+        names = [a.strip() for a in args.arms.split(",")]
+        known = [a.name for a in spec.arms]
+        unknown = sorted(set(names) - set(known))
+        if unknown or "dense" not in names:
+            raise InputError("--arms", f"must name arms of {known}, 'dense' among them (every arm branches from it)",
+                             unknown or names, func="ntkscope reproduce")
+        data = json.loads(spec.text)
+        data["arms"] = [a for a in data["arms"] if a["name"] in names]
+        spec = parse_spec(data, source=spec.source)
+    return dataclasses.replace(spec, settings=_reproduce_settings(args, spec.settings))
+
+
+def _units(args, out: Path):
+    """Run the mode's spec through the experiment runner (resumable per unit, --workers at once)."""
+    from ntkscope.experiments import run_experiment
+
+    outcome = run_experiment(_spec(args), out, workers=args.workers, threads=args.threads or (1 if args.workers > 1 else 0),
+                             pack=args.data,
+                             executor="local" if args.workers > 1 else "inline")
+    for name, error in outcome.failed.items():
+        print(f"  failed {name}: {error}")
+    return outcome
+
+
+def _sweep(args, out: Path) -> int:
+    outcome = _units(args, out)
+    verdict = json.loads((out / "tables" / "verdict.json").read_text())
+    print(f"sweep in {out}: tables in {out}/tables (arms.csv, paired.csv, load.csv, routing.csv, verdict.json)"
+          + (" (partial)" if outcome.partial else ""))
     for arm, found in verdict.items():
         print(f"  {arm}: {found.get('status')}" + (f", shown: {found['shown']}" if "shown" in found else ""))
-    return 0
+    return 1 if outcome.failed else 0
 
 
-def _reproduce_settings(args):
+def _reproduce_settings(args, base=None):
     changes = {"adopt_from": str(args.adopt)} if args.adopt else {}
     if args.track_every:
         changes["track_every"] = args.track_every
-    return settings_for(args.mode, **changes)
+    return settings_for(args.mode, **changes) if base is None else base.replace(**changes)
 
 
 def _reproduce(args) -> int:
@@ -47,7 +77,12 @@ def _reproduce(args) -> int:
     trains_before_analysing()  # our own program: the heap left by training is handed back, not warned about
     if args.mode == "sweep":
         return _sweep(args, out)
-    manifest = reproduce(out, args.mode, settings=_reproduce_settings(args), pack=args.data)
+    settings = _reproduce_settings(args)
+    if args.mode in SPECS:  # the rows as units of the shipped spec, then the tables and manifest from them
+        if _units(args, out).failed:
+            return 1
+        settings = _spec(args).settings
+    manifest = reproduce(out, args.mode, settings=settings, pack=args.data)
     plan = manifest["plan"]
     settings = manifest["settings"]
     print(f"reproduced {manifest['mode']} mode in {out}: {manifest['seconds_total'] / 60:.1f} min of work in all, "
@@ -64,6 +99,9 @@ def _reproduce(args) -> int:
     return 0
 
 
+#: the modes that run as a shipped experiment spec (ntkscope/experiments/specs)
+SPECS = ("sweep", "tables", "tables-late")
+
 #: each mode's flag (``--MODE``) and what it runs, in the order ``--help`` lists them
 MODES = {
     "quick": "2 CPU cores, about 20 minutes (the default)",
@@ -78,7 +116,7 @@ MODES = {
              "nothing",
     "sweep": "the experiment that decides CSE: 3 seeds x arms (dense, CSE at the small-cluster rule, DEMix, Switch, "
              "CSE at the GC peak, drift handling, ...), each branched from its seed's dense trunk; hours of CPU, "
-             "resumable per arm and seed, two processes may run side by side (docs/sweep.md)",
+             "resumable per unit, --workers at once (docs/sweep.md; the spec: ntkscope experiment run sweep)",
 }
 
 
@@ -94,8 +132,11 @@ def add_parsers(sub) -> None:
     rep.set_defaults(mode="quick")
     rep.add_argument("--arms", help="--sweep: a comma-separated subset of the arms (default: all, in order)")
     rep.add_argument("--threads", type=POSITIVE_INT,
-                     help="torch threads of this process (default: torch's; --sweep with "
-                     "two processes side by side on 2 cores: 1 each)")
+                     help="torch threads of this process (default: torch's; --sweep, --tables, --tables-late: of "
+                     "each unit, default 1)")
+    rep.add_argument("--workers", type=POSITIVE_INT, default=1,
+                     help="--sweep, --tables, --tables-late: units at once, each in a process of its own (default 1: "
+                     "one after another in this process)")
     rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
     rep.add_argument("--track-every", type=COUNT, default=0, metavar="STEPS",
                      help="also train the dense model with a GC tracker on Figure 3(a)'s sentences every STEPS steps "

@@ -317,6 +317,9 @@ def _reproduce(rep: Reproduction, start: float) -> dict:
     if rep.settings.table_archs:
         written += rep.write_paper_tables()
     timings = json.loads((rep.run_dir / "timings.json").read_text())
+    for unit in sorted((rep.run_dir / "timings").glob("*.json")):  # an experiment's units, each in its own file
+        for stage, seconds in json.loads(unit.read_text()).items():
+            timings[stage] = round(timings.get(stage, 0.0) + seconds, 1)
     plan = rep.run_dir / "plan.json"
     if plan.is_file():
         plan = json.loads(plan.read_text())
