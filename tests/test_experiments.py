@@ -241,3 +241,19 @@ def test_a_run_directory_copied_elsewhere_resumes_there(reference, tmp_path):
     assert not outcome.failed and not outcome.partial
     assert (moved / "models" / "dense-seed1" / "checkpoints" / "step-000060").is_dir()
     assert_same_tables(moved, reference[0])
+
+
+def test_every_shipped_spec_reads_and_expands():
+    """The shipped specs: the sweep's 28 units (cse-gc-drift at seed 0 only, as it ran), the
+    tables' rows, and the warm-up map's 66 units; the device is not part of a unit's key."""
+    import dataclasses
+
+    from ntkscope.experiments import shipped, units
+
+    counts = {name: len(units(load_spec(name), "v")) for name in shipped()}
+    assert counts == {"sweep": 28, "tables": 54, "tables-late": 27, "warmup-map": 66}
+    spec = load_spec("sweep")
+    on_gpu = dataclasses.replace(spec, settings=spec.settings.replace(device="cuda"))
+    assert [u.key for u in units(spec, "v")] == [u.key for u in units(on_gpu, "v")]
+    proc = subprocess.run([sys.executable, "-m", "ntkscope", "experiment", "specs"], capture_output=True, text=True)
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 4 and "warmup-map" in proc.stdout

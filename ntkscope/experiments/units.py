@@ -8,8 +8,8 @@ A unit is the smallest piece of an experiment that runs on its own and leaves a 
   needs its trunk (and the plan when it converts at the rule's step).
 - tables: ``ARCH-ROW-seedK``; every row needs its seed's dense row, a tuned row its parent.
 
-A unit's ``key`` hashes what it computes: its own description, the settings, the corpus pack's
-version and its needs' keys. A unit is done when ``RUN/units/NAME.json`` holds its key and
+A unit's ``key`` hashes what it computes: its own description, the settings (not the device),
+the corpus pack's version and its needs' keys. A unit is done when ``RUN/units/NAME.json`` holds its key and
 "done"; a spec that changes what a unit does changes its key, and the unit runs again.
 """
 
@@ -59,7 +59,8 @@ def arm_seeds(spec: Spec) -> dict:
 def units(spec: Spec, pack_version) -> list[Unit]:
     """Every unit of ``spec`` in the order they are started (a unit after what it needs), keyed."""
     drafts = _sweep_units(spec) if spec.kind == "sweep" else _table_units(spec)
-    settings = {k: v for k, v in spec.settings.to_dict().items() if k not in RUN_LOCAL + ("seed", "seeds")}
+    # where a unit runs (device) and where models may come from (RUN_LOCAL) are not what it computes
+    settings = {k: v for k, v in spec.settings.to_dict().items() if k not in RUN_LOCAL + ("seed", "seeds", "device")}
     keys, out = {}, []
     for name, seed, what, needs in drafts:
         payload = {"experiment": spec.kind, "unit": what, "seed": seed, "settings": settings, "pack": pack_version,
