@@ -1,7 +1,6 @@
 """Shared fixtures: float64 by default (reference comparisons), tiny models, padded batches."""
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,14 +19,7 @@ def float64_default():
     torch.set_default_dtype(previous)
 
 
-#: test files that measure a process's peak memory: first on their worker, before any test trains
-#: (a training leaves freed memory in glibc's heap, and peaks after it exceed budgets by part of
-#: that, as ntkscope.hand_back_freed_memory says)
-MEMORY_FIRST = ("test_memory_budget.py",)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: Path(str(item.fspath)).name not in MEMORY_FIRST)  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
