@@ -23,7 +23,7 @@ import pandas as pd
 from ntkscope.core.checks import MissingInput
 from ntkscope.core.files import read_json_object, write_json
 from ntkscope.experiments.spec import Spec
-from ntkscope.experiments.units import Unit, outputs
+from ntkscope.experiments.units import Unit, is_done, outputs, read_state, write_state
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,6 @@ def _copy(src: Path, dst: Path) -> None:
 
 def adopt_units(spec: Spec, run_dir: Path, todo: list[Unit], source: Path) -> list[str]:
     """Mark the units of ``todo`` whose results ``source`` holds as done in ``run_dir``; returns their names."""
-    from ntkscope.experiments.runner import is_done, read_state, _write_state
-
     if not source.is_dir():
         raise MissingInput(f"experiment: --adopt {source} is not a directory (an earlier run directory, or "
                            "committed results such as figures/sweep)")
@@ -61,7 +59,7 @@ def adopt_units(spec: Spec, run_dir: Path, todo: list[Unit], source: Path) -> li
     for unit in todo:
         if is_done(read_state(run_dir, unit.name), unit):
             continue
-        result, model = outputs(spec, run_dir, unit)[0], None
+        result, *model = outputs(spec, run_dir, unit)  # the result, and the model directory if the unit has one
         theirs = source / result.relative_to(run_dir)
         if spec.kind == "tables":
             if unit.name not in records:
@@ -69,16 +67,14 @@ def adopt_units(spec: Spec, run_dir: Path, todo: list[Unit], source: Path) -> li
             write_json(result, records[unit.name])
         elif not theirs.is_file() and not result.is_file():
             continue
-        if len(outputs(spec, run_dir, unit)) > 1:
-            model = outputs(spec, run_dir, unit)[1]
-            if (source / model.relative_to(run_dir)).is_dir():
-                _copy(source / model.relative_to(run_dir), model)
+        if model and (source / model[0].relative_to(run_dir)).is_dir():
+            _copy(source / model[0].relative_to(run_dir), model[0])
         if not result.is_file():
             _copy(theirs, result)
-        _write_state(run_dir, unit.name, {"name": unit.name, "key": unit.key, "status": "done", "attempts": 0,
-                                          "adopted_from": str(source), "result": str(result.relative_to(run_dir)),
-                                          "model": str(model.relative_to(run_dir)) if model and model.is_dir()
-                                          else None})
+        write_state(run_dir, unit.name, {"name": unit.name, "key": unit.key, "status": "done", "attempts": 0,
+                                         "adopted_from": str(source), "result": str(result.relative_to(run_dir)),
+                                         "model": str(model[0].relative_to(run_dir)) if model and model[0].is_dir()
+                                         else None})
         adopted.append(unit.name)
     log.info("experiment: adopted %d units from %s", len(adopted), source)
     return adopted
@@ -101,8 +97,6 @@ def _table_records_from(source: Path) -> dict:
 def table_records(spec: Spec, run_dir: Path) -> pd.DataFrame:
     """The finished rows of a tables experiment, one per model and seed, in the paper's order
     (architecture, seed, row)."""
-    from ntkscope.experiments.runner import read_state
-
     rows = []
     for arch in spec.archs:
         for seed in spec.seeds:

@@ -43,7 +43,7 @@ import pandas as pd
 from ntkscope.core.checks import UserError, fail
 from ntkscope.core.files import DirectoryLock, read_json_object, write_json, write_text
 from ntkscope.experiments.spec import EXECUTORS, SlurmSpec, Spec
-from ntkscope.experiments.units import Unit, execute, make_sweep, outputs, units
+from ntkscope.experiments.units import Unit, execute, is_done, make_sweep, outputs, read_state, units, write_state
 
 log = logging.getLogger(__name__)
 
@@ -57,19 +57,6 @@ def _now() -> str:
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
     return f"{type(err).__name__}: {text}"[:400]
-
-
-def read_state(run_dir: Path, name: str) -> dict | None:
-    path = Path(run_dir) / "units" / f"{name}.json"
-    return read_json_object(path, "experiment") if path.is_file() else None
-
-
-def _write_state(run_dir: Path, name: str, state: dict) -> None:
-    write_json(Path(run_dir) / "units" / f"{name}.json", state)
-
-
-def is_done(state: dict | None, unit: Unit) -> bool:
-    return bool(state) and state.get("status") == "done" and state.get("key") == unit.key
 
 
 def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> dict:
@@ -96,19 +83,19 @@ def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> di
             return {"status": "done"}
         if state and state.get("key") != unit.key:
             _move_aside(spec, run_dir, unit, state["key"])
-        attempt = (state or {}).get("attempts", 0) + 1 if state and state.get("key") == unit.key else 1
+        attempt = state.get("attempts", 0) + 1 if state and state.get("key") == unit.key else 1
         base = {"name": unit.name, "key": unit.key, "attempts": attempt, "pid": os.getpid(),
                 "host": socket.gethostname(), "started": _now()}
-        _write_state(run_dir, unit.name, {**base, "status": "running"})
+        write_state(run_dir, unit.name, {**base, "status": "running"})
         start = time.perf_counter()
         try:
             record = execute(spec, run_dir, unit, pack)
         except BaseException as err:
             write_text(run_dir / "logs" / f"{unit.name}.err", traceback.format_exc())
-            _write_state(run_dir, unit.name, {**base, "status": "failed", "error": _one_line(err),
+            write_state(run_dir, unit.name, {**base, "status": "failed", "error": _one_line(err),
                                               "seconds": round(time.perf_counter() - start, 1), "finished": _now()})
             raise
-        _write_state(run_dir, unit.name, {**base, "status": "done", "seconds": round(time.perf_counter() - start, 1),
+        write_state(run_dir, unit.name, {**base, "status": "done", "seconds": round(time.perf_counter() - start, 1),
                                           "finished": _now(), **record})
         return {"status": "done"}
     finally:
@@ -171,18 +158,7 @@ class _Submitit:
             self.executor.update_parameters(timeout_min=slurm.time_min)
 
     def submit(self, fn, *args):
-        return _Job(self.executor.submit(fn, *args))
-
-
-class _Job:
-    def __init__(self, job):
-        self.job = job
-
-    def done(self) -> bool:
-        return self.job.done()
-
-    def result(self):
-        return self.job.result()
+        return self.executor.submit(fn, *args)  # a submitit Job: done(), result()
 
 
 def make_executor(kind: str, run_dir: Path, slurm: SlurmSpec):
@@ -272,7 +248,7 @@ def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int
         if not inflight and not ready and not held_until:
             break  # nothing runs and nothing can start (cannot happen while a need is unfinished)
         time.sleep(poll)
-        held_until = {n: t for n, t in held_until.items() if t > time.monotonic() or n not in done}
+        held_until = {n: t for n, t in held_until.items() if n not in done}
     done = tuple(u.name for u in todo if is_done(read_state(run_dir, u.name), u))
     tables = summarise_experiment(spec, run_dir, pack=pack) if done else None
     return Outcome(done, failed, tuple(sorted(_blocked(todo, failed))), tables, len(done) < len(todo))

@@ -34,7 +34,6 @@ A spec is read and checked whole before any unit runs; a mistake is one line nam
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import tomllib
 from dataclasses import dataclass
@@ -108,7 +107,9 @@ class SlurmSpec:
 class Spec:
     """A whole experiment. ``settings`` is the preset with the spec's changes; ``seeds`` the
     trunks' seeds (initialisation and data order); ``tables`` (kind "tables"): ``archs`` and
-    ``rows``; ``retries``: how often a failed unit is tried again; ``source``: where it was read."""
+    ``rows``; ``retries``: how often a failed unit is tried again; ``source``: where it was read;
+    ``text``: the spec's tables as canonical JSON (kept in RUN/experiment.json, read back by
+    :func:`parse_spec`)."""
 
     name: str
     kind: str
@@ -124,10 +125,6 @@ class Spec:
     source: str = "<spec>"
     text: str = ""
 
-    def digest(self) -> str:
-        """A hash of what the spec asks for (not where it was read from)."""
-        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
-
 
 # ---- reading ---------------------------------------------------------------------------------
 
@@ -141,13 +138,12 @@ def load_spec(spec, **changes) -> Spec:
     """The spec at ``spec`` (a path, or the name of a shipped spec), checked whole. ``changes``
     replace top-level fields of the file first (e.g. ``seeds=[0]``, ``settings={"steps": 40}``:
     a table is merged), as a command line's options do."""
-    path = Path(spec)
+    path, ours = Path(spec), shipped()
     if not path.is_file():
-        if str(spec) in shipped():
-            path = shipped()[str(spec)]
-        else:
+        if str(spec) not in ours:
             raise MissingInput(f"load_spec: spec {str(spec)!r} is neither a file nor a shipped spec "
-                               f"({', '.join(sorted(shipped()))})")
+                               f"({', '.join(sorted(ours))})")
+        path = ours[str(spec)]
     text = path.read_text(encoding="utf-8")
     try:
         data = tomllib.loads(text)
@@ -178,7 +174,7 @@ def parse_spec(data: dict, *, source: str = "<spec>") -> Spec:
                       **{k: c.int(slurm_data, k, minimum=0 if k == "gpus" else 1, default=getattr(SlurmSpec, k),
                                   where="run.slurm.") for k in ("time_min", "gpus", "cpus", "mem_gb")})
     common = dict(name=name, kind=kind, settings=settings, seeds=seeds, retries=retries, slurm=slurm,
-                  source=source, text=json.dumps(_canonical(data), sort_keys=True))
+                  source=source, text=json.dumps(data, sort_keys=True))
     if kind == "tables":
         c.only(data, "", {"name", "kind", "preset", "seeds", "settings", "tables", "run"})
         return Spec(**{**common, **_tables(c, data.get("tables", {}), settings, seeds)})
@@ -203,10 +199,6 @@ def parse_spec(data: dict, *, source: str = "<spec>") -> Spec:
     return Spec(**common, trunk=trunk, arms=arms, criteria=criteria)
 
 
-def _canonical(data):
-    return {k: _canonical(v) for k, v in sorted(data.items())} if isinstance(data, dict) else data
-
-
 def _tables(c: "_Checker", data: dict, settings: ReproduceSettings, seeds: tuple) -> dict:
     from ntkscope.reproduction.paper import ARCH_NAMES, row_keys
 
@@ -227,19 +219,21 @@ def _tables(c: "_Checker", data: dict, settings: ReproduceSettings, seeds: tuple
 
 
 def _trunk(c: "_Checker", data: dict, settings: ReproduceSettings) -> TrunkSpec:
+    """The [trunk] table; a field left out takes TrunkSpec's (and Rule's) default."""
     c.only(data, "trunk.", {"layers", "gc_peak_step", "null_order", "rule", "encoder"})
     n_layer = int(settings.model.get("n_layer", 0))
-    layers = tuple(c.ints(data, "layers", minimum=0, maximum=n_layer - 1, default=[2, 3], where="trunk."))
-    gc_peak = c.int(data, "gc_peak_step", minimum=1, maximum=settings.steps - 1, default=75, where="trunk.")
-    rule = data.get("rule", {})
+    t, r, rule = TrunkSpec(), Rule(), data.get("rule", {})
     c.only(rule, "trunk.rule.", {"horizon", "threshold", "min_persisting"})
     return TrunkSpec(
-        layers=layers, gc_peak_step=gc_peak, encoder=c.text(data, "encoder", default="", where="trunk."),
-        null_order=c.int(data, "null_order", minimum=1, default=1000, where="trunk."),
-        rule=Rule(horizon=c.int(rule, "horizon", minimum=1, default=2, where="trunk.rule."),
-                      threshold=c.number(rule, "threshold", low=0.0, high=1.0, default=0.5, where="trunk.rule."),
-                      min_persisting=c.number(rule, "min_persisting", low=0.0, high=1.0, default=0.8,
-                                              where="trunk.rule.")))
+        layers=tuple(c.ints(data, "layers", minimum=0, maximum=n_layer - 1, default=list(t.layers), where="trunk.")),
+        gc_peak_step=c.int(data, "gc_peak_step", minimum=1, maximum=settings.steps - 1, default=t.gc_peak_step,
+                           where="trunk."),
+        null_order=c.int(data, "null_order", minimum=1, default=t.null_order, where="trunk."),
+        encoder=c.text(data, "encoder", default=t.encoder, where="trunk."),
+        rule=Rule(horizon=c.int(rule, "horizon", minimum=1, default=r.horizon, where="trunk.rule."),
+                  threshold=c.number(rule, "threshold", low=0.0, high=1.0, default=r.threshold, where="trunk.rule."),
+                  min_persisting=c.number(rule, "min_persisting", low=0.0, high=1.0, default=r.min_persisting,
+                                          where="trunk.rule.")))
 
 
 def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSettings) -> ArmSpec:

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ntkscope.core.files import read_json_object, write_json
 from ntkscope.experiments.spec import Spec
 from ntkscope.reproduction.settings import RUN_LOCAL
 from ntkscope.reproduction.sweep import Arm
@@ -38,22 +39,34 @@ class Unit:
     key: str = ""
 
 
+def _expanded(spec: Spec) -> list[tuple[Arm, tuple]]:
+    """(arm, its seeds): one :class:`~ntkscope.reproduction.sweep.Arm` per conversion step of
+    each of the spec's arms (an arm of several steps becomes ``NAME-atSTEP``; an arm of one
+    step keeps its name)."""
+    return [(Arm(a.name if len(a.at) <= 1 else f"{a.name}-at{at}", a.kind, at, a.mean_rate, a.what, a.shuffled,
+                 a.fair, tuple(a.layers)), a.seeds or spec.seeds)
+            for a in spec.arms for at in a.at or (None,)]
+
+
 def sweep_arms(spec: Spec) -> list[Arm]:
-    """The spec's arms, one :class:`~ntkscope.reproduction.sweep.Arm` per conversion step (an arm
-    of several steps becomes ``NAME-atSTEP``; a named step keeps the arm's name)."""
-    out = []
-    for a in spec.arms:
-        for at in a.at or (None,):
-            name = a.name if len(a.at) <= 1 else f"{a.name}-at{at}"
-            out.append(Arm(name, a.kind, at, a.mean_rate, a.what, a.shuffled, a.fair, tuple(a.layers)))
-    return out
+    """The spec's arms, one per conversion step (:func:`_expanded`)."""
+    return [arm for arm, _ in _expanded(spec)]
 
 
-def arm_seeds(spec: Spec) -> dict:
-    """{expanded arm name: its seeds}."""
-    seeds = {a.name: a.seeds or spec.seeds for a in spec.arms}
-    return {arm.name: seeds[arm.name.rsplit("-at", 1)[0] if arm.name not in seeds else arm.name]
-            for arm in sweep_arms(spec)}
+# ---- a unit's state: RUN/units/NAME.json ----------------------------------------------------
+
+def read_state(run_dir, name: str) -> dict | None:
+    path = Path(run_dir) / "units" / f"{name}.json"
+    return read_json_object(path, "experiment") if path.is_file() else None
+
+
+def write_state(run_dir, name: str, state: dict) -> None:
+    write_json(Path(run_dir) / "units" / f"{name}.json", state)
+
+
+def is_done(state: dict | None, unit: Unit) -> bool:
+    """Whether ``state`` says ``unit`` is done under its key."""
+    return bool(state) and state.get("status") == "done" and state.get("key") == unit.key
 
 
 def units(spec: Spec, pack_version) -> list[Unit]:
@@ -71,7 +84,8 @@ def units(spec: Spec, pack_version) -> list[Unit]:
 
 
 def _sweep_units(spec: Spec) -> list:
-    arms, seeds_of = sweep_arms(spec), arm_seeds(spec)
+    expanded = _expanded(spec)
+    arms, seeds_of = [a for a, _ in expanded], {a.name: seeds for a, seeds in expanded}
     trunk = next(a for a in arms if a.kind == "dense")
     t = spec.trunk
     drafts = []
@@ -137,7 +151,6 @@ def execute(spec: Spec, run_dir: Path, unit: Unit, pack=None) -> dict:
     """Do ``unit`` (its needs are done): train and evaluate; returns what the unit records."""
     what = unit.what
     if spec.kind == "tables":
-        from ntkscope.core.files import write_json
         from ntkscope.reproduction import paper
 
         rep = make_reproduction(spec, run_dir, pack)
