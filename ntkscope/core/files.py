@@ -285,6 +285,10 @@ def check_output(func: str, path, *, kind: str = "dir", suffixes=()) -> Path | N
     return path
 
 
+class InUse(UserError):
+    """A :class:`DirectoryLock` that another process holds (a caller may wait or move on)."""
+
+
 class DirectoryLock:
     """``with DirectoryLock(run_dir, "cse-train"):`` holds ``run_dir/.ntkscope.lock`` for one writer.
 
@@ -317,7 +321,7 @@ class DirectoryLock:
                 holder = fh.read().strip() or "unknown"
                 fh.close()
                 if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise UserError(f"{self.what}: {self.subject} is in use by another process ({holder}); "
+                    raise InUse(f"{self.what}: {self.subject} is in use by another process ({holder}); "
                                     "wait for it to finish or use another directory") from None
                 raise
             try:

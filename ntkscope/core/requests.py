@@ -1,11 +1,12 @@
 """What a directory was asked to hold: a rerun that asks for something else is refused, never mixed.
 
-A command that resumes into its output (``compare``, ``cse-train``, ``reproduce``, the sweep)
-records its request, a JSON object of the settings that decide what it writes, the first time.
+A command that resumes into its output (``compare``, ``cse-train``, ``reproduce``) records
+its request, a JSON object of the settings that decide what it writes, the first time.
 A later call compares its own request with the record field by field (nested objects by their
 dotted names) and refuses in one line naming each field that differs, with both values, so the
 record always describes what the directory holds. ``--force`` is the caller's: it deletes what
-the old request made and records the new one.
+the old request made and records the new one. (An experiment's units are keyed instead: a
+changed unit runs again, :mod:`ntkscope.experiments.units`.)
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from pathlib import Path
 import pandas as pd
 
 from ntkscope.core.checks import UserError, fail
-from ntkscope.core.files import DirectoryLock, read_json_object, write_json, write_text
+from ntkscope.core.files import DirectoryLock, InUse, read_json_object, write_json, write_text
 from ntkscope.experiments.spec import EXECUTORS, SlurmSpec, Spec
 from ntkscope.experiments.units import Unit, execute, is_done, make_sweep, outputs, read_state, units, write_state
 
@@ -70,13 +70,11 @@ def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> di
     run_dir = Path(run_dir)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    lock = DirectoryLock(run_dir / "locks", "experiment", name=f"{unit.name}.lock", subject=unit.name)
     try:
-        lock = DirectoryLock(run_dir / "locks", "experiment", name=f"{unit.name}.lock", subject=unit.name)
         lock.__enter__()
-    except UserError as err:
-        if "in use by another process" in str(err):
-            return {"status": "held"}
-        raise
+    except InUse:
+        return {"status": "held"}
     try:
         state = read_state(run_dir, unit.name)
         if is_done(state, unit):
