@@ -121,7 +121,11 @@ def demix_prior(model, blocks: Blocks, *, n: int = 256, seed: int = 0, special_i
 
 def perplexity_by_domain(model, blocks: Blocks, **kw) -> pd.DataFrame:
     """Columns: domain, blocks, tokens, loss, perplexity (plus an ``all`` row)."""
-    sums, counts = block_losses(model, blocks, **kw)
+    return domain_table(blocks, *block_losses(model, blocks, **kw))
+
+
+def domain_table(blocks: Blocks, sums: np.ndarray, counts: np.ndarray) -> pd.DataFrame:
+    """:func:`perplexity_by_domain`'s table from :func:`block_losses`' per-block sums and counts (N,)."""
     rows = []
     for j, name in enumerate(blocks.domain_names):
         keep = blocks.domains.numpy() == j

@@ -7,6 +7,7 @@ from ntkscope.app import commands
 from ntkscope.app.parsing import print_table
 from ntkscope.text.corpus.pack import build_pack, load_pack
 from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
+from ntkscope.text.corpus.thin import thin_pack
 from ntkscope.text.frequency import NORMALISATIONS
 
 
@@ -28,6 +29,21 @@ def _corpus_build(args) -> int:
           + ", ".join(f"{s} {v['records']} records / {v['tokens']} tokens" for s, v in m["splits"].items()))
     print(f"long-tail share: asked {m['share_asked']:.2%}, measured {m['share_measured']:.2%} "
           f"({m['share_measured_bpe']:.2%} of BPE tokens)")
+    return 0
+
+
+def _corpus_thin(args) -> int:
+    keep = {}
+    for item in args.keep:
+        domain, _, share = item.partition("=")
+        try:
+            keep[domain] = float(share)
+        except ValueError:
+            raise SystemExit(f"ntkscope corpus thin: --keep takes DOMAIN=SHARE items (got {item!r})") from None
+    out = thin_pack(args.out, keep, pack=args.pack, seed=args.seed, overwrite=args.force)
+    m = load_pack(out).manifest
+    print(f"wrote {out} (version {m['version']}): train keeps {keep} of those domains' records; long-tail share "
+          f"of train {m['share_measured_train']:.2%}")
     return 0
 
 
@@ -53,7 +69,7 @@ def _add_source_args(parser) -> None:
 
 
 def add_parsers(sub) -> None:
-    """``ntkscope corpus sources|build|info``."""
+    """``ntkscope corpus sources|build|thin|info``."""
     corpus = sub.add_parser("corpus", help="list sources, build a corpus pack, show a pack's tables")
     csub = corpus.add_subparsers(dest="corpus_command", required=True)
     sources = csub.add_parser("sources", help="which text sources are installed, and how to install the others")
@@ -70,6 +86,14 @@ def add_parsers(sub) -> None:
     build.add_argument("--force", action="store_true", help="replace OUT if it exists")
     _add_source_args(build)
     build.set_defaults(run=_corpus_build)
+    thin = csub.add_parser("thin", help="a second mix: a pack with some domains' training records thinned")
+    thin.add_argument("out", help="directory to create")
+    thin.add_argument("--keep", nargs="+", required=True, metavar="DOMAIN=SHARE",
+                      help="the share of each domain's training records kept, e.g. legal=0.5 biomedical=0.5")
+    thin.add_argument("--pack", help="the pack to thin (default: the small pack shipped with ntkscope)")
+    thin.add_argument("--seed", type=int, default=0)
+    thin.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    thin.set_defaults(run=_corpus_thin)
     info = csub.add_parser("info", help="domain sizes and sentence frequency scores of a pack")
     info.add_argument("pack", nargs="?", help="pack directory (default: the small pack shipped with ntkscope)")
     info.add_argument("--tokenizer", help="tokenizer.json, HF directory, .tiktoken file or 'gpt2' (default: the pack's BPE)")

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.reproduction.settings import PRESETS, ReproduceSettings
-from ntkscope.reproduction.sweep import Rule
+from ntkscope.reproduction.sweep import Rule, Structure
 from ntkscope.reproduction.sweep_tables import Criteria
 
 KINDS = ("sweep", "tables")
@@ -63,14 +63,16 @@ class SpecError(UserError):
 class TrunkSpec:
     """What every arm of a sweep shares: the sparse ``layers`` (an arm may name its own), the
     ``gc_peak_step`` (kept as a trunk checkpoint), the ``null_order`` offset of the null arm's
-    data order, the warm-up ``rule`` and the frozen-encoder arms' ``encoder`` (an HF encoder
-    directory; empty: the shipped MiniLM-L6)."""
+    data order, the warm-up ``rule``, the frozen-encoder arms' ``encoder`` (an HF encoder
+    directory; empty: the shipped MiniLM-L6) and, given ``[trunk.structure]``, the
+    consensus-structure rule that reads every trunk's warm-up and layers (a plan unit per seed)."""
 
     layers: tuple = (2, 3)
     gc_peak_step: int = 75
     null_order: int = 1000
     rule: Rule = Rule()
     encoder: str = ""
+    structure: Structure | None = None
 
 
 @dataclass(frozen=True)
@@ -220,10 +222,23 @@ def _tables(c: "_Checker", data: dict, settings: ReproduceSettings, seeds: tuple
 
 def _trunk(c: "_Checker", data: dict, settings: ReproduceSettings) -> TrunkSpec:
     """The [trunk] table; a field left out takes TrunkSpec's (and Rule's) default."""
-    c.only(data, "trunk.", {"layers", "gc_peak_step", "null_order", "rule", "encoder"})
+    c.only(data, "trunk.", {"layers", "gc_peak_step", "null_order", "rule", "encoder", "structure"})
     n_layer = int(settings.model.get("n_layer", 0))
     t, r, rule = TrunkSpec(), Rule(), data.get("rule", {})
     c.only(rule, "trunk.rule.", {"horizon", "threshold", "min_persisting"})
+    structure = None
+    if "structure" in data:
+        given, d, where = data["structure"], Structure(), "trunk.structure."
+        c.only(given, where, {f.name for f in dataclasses.fields(Structure)})
+        structure = Structure(
+            n_fits=c.int(given, "n_fits", minimum=2, default=d.n_fits, where=where),
+            fraction=c.number(given, "fraction", low=0.0, high=1.0, default=d.fraction, where=where),
+            sample=c.int(given, "sample", minimum=20, default=d.sample, where=where),
+            level=c.number(given, "level", low=0.0, high=1.0, default=d.level, where=where),
+            min_size=c.int(given, "min_size", minimum=2, default=d.min_size, where=where),
+            n_boot=c.int(given, "n_boot", minimum=0, default=d.n_boot, where=where),
+            confidence=c.number(given, "confidence", low=0.0, high=1.0, default=d.confidence, where=where),
+            min_structure=c.number(given, "min_structure", low=0.0, high=1.0, default=d.min_structure, where=where))
     return TrunkSpec(
         layers=tuple(c.ints(data, "layers", minimum=0, maximum=n_layer - 1, default=list(t.layers), where="trunk.")),
         gc_peak_step=c.int(data, "gc_peak_step", minimum=1, maximum=settings.steps - 1, default=t.gc_peak_step,
@@ -233,7 +248,8 @@ def _trunk(c: "_Checker", data: dict, settings: ReproduceSettings) -> TrunkSpec:
         rule=Rule(horizon=c.int(rule, "horizon", minimum=1, default=r.horizon, where="trunk.rule."),
                   threshold=c.number(rule, "threshold", low=0.0, high=1.0, default=r.threshold, where="trunk.rule."),
                   min_persisting=c.number(rule, "min_persisting", low=0.0, high=1.0, default=r.min_persisting,
-                                          where="trunk.rule.")))
+                                          where="trunk.rule.")),
+        structure=structure)
 
 
 def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSettings) -> ArmSpec:

@@ -94,9 +94,11 @@ def _sweep_units(spec: Spec) -> list:
                                                           "gc_peak_step": t.gc_peak_step}, []))
     encoder = {"encoder": t.encoder} if t.encoder else {}  # the shipped one: not in the key (older runs)
     rule_seeds = sorted({s for a in arms if a.at == "rule" for s in seeds_of[a.name]})
-    for seed in rule_seeds:
+    structure = {} if t.structure is None else {"structure": dataclasses.asdict(t.structure)}
+    for seed in spec.seeds if t.structure is not None else rule_seeds:  # the structure rule is judged in every trunk
         drafts.append((f"plan-seed{seed}", seed, {"kind": "plan", "layers": list(t.layers),
-                                                  "rule": dataclasses.asdict(t.rule)}, [f"{trunk.name}-seed{seed}"]))
+                                                  "rule": dataclasses.asdict(t.rule), **structure},
+                       [f"{trunk.name}-seed{seed}"]))
     for arm in arms:
         if arm is trunk:
             continue
@@ -137,7 +139,7 @@ def make_sweep(spec: Spec, run_dir, pack=None):
     t = spec.trunk
     return Sweep(run_dir, spec.settings, sweep_arms(spec), seeds=spec.seeds, layers=t.layers,
                  gc_peak_step=t.gc_peak_step, rule=t.rule, null_order=t.null_order, pack=pack,
-                 encoder=t.encoder or None)
+                 encoder=t.encoder or None, structure=t.structure)
 
 
 def make_reproduction(spec: Spec, run_dir, pack=None):

@@ -20,6 +20,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -31,20 +32,22 @@ import pandas as pd
 import torch
 
 from cse_models.experts import sequence_keys
-from cse_models.evaluate import _at_most, _is_demix, demix_prior, perplexity_by_domain
+from cse_models.evaluate import _at_most, _is_demix, block_losses, demix_prior, domain_table
 from cse_models.model import load_model
 from cse_models.routes import Routes, blocks_digest
 from cse_models.train import fitting_sample, load_data, TrainConfig
 from ntkscope.core.files import atomic_path, write_json
+from ntkscope.representation.consensus import structure_step
 from ntkscope.representation.persistence import persistent_step
 from ntkscope.representation.plan import Plan
 from ntkscope.representation.router import fit_router
+from ntkscope.representation.structure import cluster_purity
 from ntkscope.reproduction import training
 from ntkscope.reproduction.analyses import router_options
 from ntkscope.reproduction.settings import ReproduceSettings
 from ntkscope.core.checks import fail
 from ntkscope.runs.checkpoints import list_checkpoints
-from ntkscope.runs.dynamics import router_dynamics, router_persistence
+from ntkscope.runs.dynamics import router_dynamics, router_persistence, router_structure
 from ntkscope.text.corpus.pack import load_pack
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,28 @@ class Rule:
     horizon: int = 2
     threshold: float = 0.5
     min_persisting: float = 0.8
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The consensus-structure rule that reads a trunk's warm-up (issue 42, docs/sweep.md;
+    :mod:`ntkscope.representation.consensus`). At each checkpoint of the window, ``n_fits``
+    router fits, each on a random ``fraction`` of the first ``sample`` fitting blocks, vote
+    (co-association, average linkage cut at ``level``; groups under ``min_size`` are noise);
+    ``structure`` is the share of those blocks in consensus clusters (the bulk excluded) that
+    persist (the :class:`Rule`'s ``horizon`` and ``threshold``). The warm-up is the first step at
+    which, at every sparse layer, the lower end of its ``confidence`` bootstrap interval over the
+    fits (``n_boot`` resamples) is at least ``min_structure``; the layers are the two with the
+    most structure at that step."""
+
+    n_fits: int = 8
+    fraction: float = 0.8
+    sample: int = 1000
+    level: float = 0.5
+    min_size: int = 10
+    n_boot: int = 20
+    confidence: float = 0.9
+    min_structure: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -90,11 +115,14 @@ class Sweep:
     every arm that names none, where the rule also looks; ``gc_peak_step``: the "gc-peak" arms'
     warm-up (kept as a trunk checkpoint); ``rule``: the small-cluster rule; ``null_order``: the
     null arm's data order after the branch is seed + null_order (the trunk's is seed);
-    ``encoder``: the frozen-encoder arm's HF encoder directory (default: the shipped MiniLM-L6).
+    ``encoder``: the frozen-encoder arm's HF encoder directory (default: the shipped MiniLM-L6);
+    ``structure``: the consensus-structure rule (:class:`Structure`) that reads each trunk's
+    warm-up and layers instead of the single-fit ``rule`` (which its plan then records beside it).
     Experiments build it from a spec (:mod:`ntkscope.experiments`), which checks these first."""
 
     def __init__(self, run_dir, settings: ReproduceSettings, arms, *, seeds, layers=(2, 3), gc_peak_step: int = 75,
-                 rule: Rule = Rule(), null_order: int = 1000, pack=None, encoder=None):
+                 rule: Rule = Rule(), null_order: int = 1000, pack=None, encoder=None,
+                 structure: Structure | None = None):
         arms = list(arms)
         if [a.kind for a in arms].count("dense") != 1:
             raise fail("Sweep", "arms", "must hold exactly one arm of kind 'dense' (every arm branches from it)",
@@ -104,7 +132,7 @@ class Sweep:
             raise fail("Sweep", "layers", f"must be block indices in [0, {n_layer})", list(layers))
         self.run_dir, self.settings, self.gc_peak_step = Path(run_dir), settings, int(gc_peak_step)
         self.layers = [int(i) for i in layers]
-        self.rule, self.null_order = rule, int(null_order)
+        self.rule, self.null_order, self.structure = rule, int(null_order), structure
         self.encoder = None if encoder is None else Path(encoder)
         self.arms = arms
         self.trunk = next(a for a in arms if a.kind == "dense")
@@ -182,9 +210,13 @@ class Sweep:
         persistence = router_persistence(trunk, fitting["batch"], horizon=self.rule.horizon,
                                          threshold=self.rule.threshold, **kw)
         window = {L: t[t["step"].isin(self._window())] for L, t in persistence.items()}
-        step = persistent_step(window, min_persisting=self.rule.min_persisting)
-        rule = "small-clusters-persist" if step is not None else "window-end"
-        step = step if step is not None else self._window()[-1]
+        single = persistent_step(window, min_persisting=self.rule.min_persisting)
+        if self.structure is not None:
+            plan = self._structure_plan(seed, steps, fitting, persistence, single)
+            plan.save(path)
+            return plan
+        rule = "small-clusters-persist" if single is not None else "window-end"
+        step = single if single is not None else self._window()[-1]
         labels = router_dynamics(trunk, fitting["batch"], **kw)
         verdict = labels[labels["step"] == step]
         keep = [c for c in ("layer", "n_clusters", "n_pure", "n_pure_tail", "tail_share") if c in labels]
@@ -200,6 +232,44 @@ class Sweep:
         log.info("seed %d: warm-up %d (%s); at that step the labels find %s", seed, step, rule,
                  verdict[keep].to_dict("records"))
         return plan
+
+    def _structure_plan(self, seed: int, steps: list, fitting: dict, persistence: dict, single: int | None) -> Plan:
+        """The plan by the consensus-structure rule (:class:`Structure`), with the single-fit
+        rule's tables and step (``persistence``, ``single``) as evidence beside it."""
+        s, st, trunk = self.settings, self.structure, self.model_dir(self.trunk.name, seed)
+        n = min(st.sample, len(fitting["domains"]))
+        batch, domains = {k: v[:n] for k, v in fitting["batch"].items()}, fitting["domains"][:n]
+        every = list(range(int(s.model["n_layer"])))
+        tables, labels = router_structure(
+            trunk, batch, every, router=router_options(s), steps=steps, n_fits=st.n_fits, fraction=st.fraction,
+            seed=seed, horizon=self.rule.horizon, threshold=self.rule.threshold, level=st.level, min_size=st.min_size,
+            n_boot=st.n_boot, confidence=st.confidence)
+        step = structure_step({L: tables[L] for L in self.layers}, min_structure=st.min_structure,
+                              window=self._window())
+        rule = "consensus-structure" if step is not None else "window-end"
+        step = step if step is not None else self._window()[-1]
+        by_layer = []
+        for L in every:
+            row = tables[L].set_index("step").loc[step]
+            purity = cluster_purity(labels[L][step], domains, tail=s.finetune_domains)
+            by_layer.append({"layer": L, "structure": float(row["structure"]),
+                             "structure_low": float(row["structure_low"]), "n_persisting": int(row["n_persisting"]),
+                             "tail_share": purity["tail_share"], "n_pure_tail": purity["n_pure_tail"]})
+        ranked = sorted(by_layer, key=lambda r: (-r["structure"], -r["structure_low"], r["layer"]))
+        layers = sorted(r["layer"] for r in ranked[:len(self.layers)])
+        evidence = {"structure": {str(L): json.loads(t.to_json(orient="records")) for L, t in tables.items()},
+                    "structure_rule": {**dataclasses.asdict(st), "horizon": self.rule.horizon,
+                                       "threshold": self.rule.threshold, "window": self._window(),
+                                       "sample": n, "judged_at_layers": self.layers},
+                    "structure_by_layer": by_layer,
+                    "single_fit_rule": {"step": single, "min_persisting": self.rule.min_persisting,
+                                        "persistence": {str(L): json.loads(t.to_json(orient="records"))
+                                                        for L, t in persistence.items()}},
+                    "arms_layers": self.layers}
+        log.info("seed %d: warm-up %d (%s; the single-fit rule: %s); layers by structure %s", seed, step, rule,
+                 single, layers)
+        return Plan(layers, "ffn", int(step), "top-2 consensus structure at the warm-up (label-free)", evidence,
+                    rule)
 
     def warmup(self, arm: Arm, seed: int) -> int:
         if isinstance(arm.at, int):
@@ -301,7 +371,6 @@ class Sweep:
             sparse = json.loads((path / "config.json").read_text()).get("sparse") or {}
             if all(sparse.get("n_experts", [0])):
                 return [int(k) for k in sparse["n_experts"]]
-        from ntkscope.representation.router import fit_router
         from ntkscope.runs.checkpoints import load_checkpoint
         from ntkscope.runs.embeddings import layer_embeddings
         model = load_checkpoint(self.model_dir(self.trunk.name, seed) / "checkpoints" / f"step-{at:06d}")
@@ -354,19 +423,22 @@ class Sweep:
 def evaluate(model, blocks, held_out, special_ids=(), routes: Routes | None = None) -> dict:
     """Test perplexity of ``blocks`` (``ppl`` all, ``ppl DOMAIN``; DEMix with its prior cached on
     the ``held_out`` blocks, or, given ``routes`` for these test blocks, each block at its routed
-    expert) and, for a CSE or routed model, the blocks each expert receives by domain
-    (``routing``: {layer: {expert: {domain: count}}})."""
+    expert), each block's summed token loss and token count (``blocks``: {"loss": (N,), "tokens":
+    (N,)}, in the test blocks' order: what the block bootstrap resamples) and, for a CSE or routed
+    model, the blocks each expert receives by domain (``routing``: {layer: {expert: {domain:
+    count}}})."""
     model.eval()
+    kw = {"special_ids": special_ids}
     if routes is not None:  # the frozen-encoder router: the test blocks' routes, made from their text alone
-        routed = routes.apply(blocks, "test")
-        ppl = perplexity_by_domain(model, blocks, special_ids=special_ids, routes=routed.domains)
-        ppl = ppl.set_index("domain")["perplexity"]
-        table = routes.crosstab(blocks, "test")
-        return {"ppl": float(ppl["all"]), **{f"ppl {d}": float(ppl[d]) for d in blocks.domain_names},
-                "routing": {str(i): table for i in model.config.sparse.layers}}
-    prior = demix_prior(model, held_out, special_ids=special_ids) if _is_demix(model) else None
-    ppl = perplexity_by_domain(model, blocks, special_ids=special_ids, prior=prior).set_index("domain")["perplexity"]
-    out = {"ppl": float(ppl["all"]), **{f"ppl {d}": float(ppl[d]) for d in blocks.domain_names}}
+        kw["routes"] = routes.apply(blocks, "test").domains
+    elif _is_demix(model):
+        kw["prior"] = demix_prior(model, held_out, special_ids=special_ids)
+    sums, counts = block_losses(model, blocks, **kw)
+    ppl = domain_table(blocks, sums, counts).set_index("domain")["perplexity"]
+    out = {"ppl": float(ppl["all"]), **{f"ppl {d}": float(ppl[d]) for d in blocks.domain_names},
+           "blocks": {"loss": [round(float(x), 5) for x in sums], "tokens": [int(x) for x in counts]}}
+    if routes is not None:
+        return {**out, "routing": {str(i): routes.crosstab(blocks, "test") for i in model.config.sparse.layers}}
     sparse = model.config.sparse
     if sparse is not None and sparse.kind == "cse":
         routed = {}

@@ -33,6 +33,7 @@ from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.consistency import gradient_consistency
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.uncertainty import Resampling
+from ntkscope.representation.consensus import resampled_fits, structure_series
 from ntkscope.representation.persistence import cluster_persistence, persistence_summary
 from ntkscope.representation.clusters import LAYER_COLUMNS, ElbowKMeans, layer_separation, random_projection
 from ntkscope.representation.router import fit_router
@@ -302,6 +303,42 @@ def router_persistence(run_dir, batch: dict, layers=None, *, domains=None, tail=
     return persistence_tables(checkpoints, results["router"], len(next(iter(batch.values()))), horizon=horizon,
                               threshold=threshold)
 
+
+
+def structure_analysis(batch: dict, layers=None, *, point: str = "ffn_input", router: dict | None = None,
+                       n_fits: int = 8, fraction: float = 0.8, seed: int = 0) -> Analysis:
+    """The resampled router fits that :func:`router_structure` reads: per layer, (n_fits, n)
+    labels (:func:`~ntkscope.representation.consensus.resampled_fits`, seed ``seed + layer``)."""
+    router = {k: v for k, v in (router or {}).items() if k != "seed"}
+    options = {"what": "structure", "format": 1, "point": point, "layers": layers, "router": router,
+               "n_fits": n_fits, "fraction": fraction, "seed": seed}
+
+    def compute(model, step):
+        emb = layer_embeddings(model, batch, point=point, layers=layers).embeddings
+        return {str(layer): resampled_fits(X, n_fits=n_fits, fraction=fraction, seed=seed + int(layer),
+                                           router=router).tolist() for layer, X in emb.items()}
+    return Analysis(digest(options, arrays=batch), compute)
+
+
+def router_structure(run_dir, batch: dict, layers=None, *, point: str = "ffn_input", router: dict | None = None,
+                     steps=None, cache_dir=None, n_fits: int = 8, fraction: float = 0.8, seed: int = 0,
+                     horizon: int = 2, threshold: float = 0.5, level: float = 0.5, min_size: int = 10,
+                     n_boot: int = 20, confidence: float = 0.9) -> tuple[dict, dict]:
+    """The consensus structure of the router's clusters of ``batch`` over a run, per layer
+    (:func:`~ntkscope.representation.consensus.structure_series`: structure, its bootstrap
+    interval, ...), from ``n_fits`` resampled fits per checkpoint (cached per checkpoint).
+    Returns ({layer: series table}, {layer: {step: (n,) consensus labels}})."""
+    analysis = structure_analysis(batch, layers, point=point, router=router, n_fits=n_fits, fraction=fraction,
+                                  seed=seed)
+    checkpoints, results = walk(run_dir, {"structure": analysis}, steps=steps, cache_dir=cache_dir,
+                                func="router_structure")
+    tables, labels = {}, {}
+    for layer in results["structure"][0] if results["structure"] else {}:
+        fits = {step: np.asarray(found[layer]) for (step, _), found in zip(checkpoints, results["structure"])}
+        tables[int(layer)], labels[int(layer)] = structure_series(
+            fits, horizon=horizon, threshold=threshold, level=level, min_size=min_size, n_boot=n_boot,
+            confidence=confidence, seed=seed + int(layer))
+    return tables, labels
 
 def cluster_snapshots(run_dir, batch: dict, layer: int, steps, *, labels: pd.DataFrame | None = None,
                       point: str = "block", k_max: int = 10, projection_dim: int | None = 64, seed: int = 0,
