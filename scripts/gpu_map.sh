@@ -2,7 +2,7 @@
 # The warm-up map on one lent GPU (issue 42): both specs at once, each stopped before the call's
 # limit (units that finished are kept; the rest resume from their keys on any machine). What
 # finished comes back as one archive: units, results, plans, tables, logs and each model's
-# metrics and analysis caches; checkpoints stay behind (too large to bring back).
+# metrics and analysis caches (models.tgz); checkpoints stay behind (too large to bring back).
 #   scripts/gpu_map.sh SECONDS   (run from the repository root, with $OUT set)
 set -u
 LIMIT=${1:-480}
@@ -24,5 +24,6 @@ wait
 echo "ran $(( $(date +%s) - start )) s"
 python3 -m ntkscope experiment status runs/warmup-map 2>&1 | tail -5
 python3 -m ntkscope experiment status runs/warmup-map-mix 2>&1 | tail -5
-tar czf "$OUT/map.tgz" --exclude='checkpoints' --exclude='tensorboard' runs/warmup-map runs/warmup-map-mix
+tar czf "$OUT/map.tgz" --exclude='models' runs/warmup-map runs/warmup-map-mix
+tar czf "$OUT/models.tgz" --exclude='checkpoints' --exclude='tensorboard' runs/warmup-map/models runs/warmup-map-mix/models
 ls -la "$OUT"
