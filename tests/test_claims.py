@@ -15,7 +15,8 @@ from ntkscope.core.files import strict_json, write_json
 from ntkscope.reproduction.claims import MARKER, claims, mismatches, render
 
 ROOT = Path(__file__).resolve().parents[1]
-QUOTING = [ROOT / "README.md", ROOT / "benchmarks/README.md", *sorted((ROOT / "docs").glob("*.md"))]
+QUOTING = [ROOT / "README.md", ROOT / "benchmarks/README.md", ROOT / "figures/sweep/README.md",
+           *sorted((ROOT / "docs").glob("*.md"))]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from ntkscope.experiments import load_spec, parse_spec, run_experiment, status
+from ntkscope.experiments import load_spec, parse_spec, run_experiment, status, units
 from ntkscope.experiments.spec import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,8 +170,11 @@ def test_two_drivers_on_one_directory_never_train_a_unit_twice(tmp_path):
     ({"arms": [{"name": "dense", "kind": "dense"}, {"name": "x", "kind": "cse", "at": "late", "seeds": [7]}]},
      "toy.toml: arms (x).seeds must be seeds of the spec [0, 1] (their trunks) (got [7])"),
     ({"run": {"retries": -1}}, "toy.toml: run.retries must be at least 0 (got -1)"),
+    ({"trunk": {"structure": {"n_fits": 1}}}, "toy.toml: trunk.structure.n_fits must be at least 2 (got 1)"),
+    ({"trunk": {"structure": {"min_structre": 0.1}}}, "toy.toml: trunk.structure.min_structre is not a field here"),
 ])
 def test_a_spec_with_a_bad_field_is_refused_in_one_line(tmp_path, change, message):
+    """Every refusal names the file and the field; the run directory is not made."""
     path = toy_file(tmp_path, **change)
     with pytest.raises(SpecError) as err:
         load_spec(path)
@@ -180,6 +183,17 @@ def test_a_spec_with_a_bad_field_is_refused_in_one_line(tmp_path, change, messag
                            str(tmp_path / "run")], capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message.split(" (got")[0] in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_structure_rule_plans_every_trunk():
+    """With [trunk.structure], each seed gets a plan unit (the rule is judged in every trunk), keyed
+    by the rule's fields; without it, only seeds whose arms convert at the rule's step do."""
+    plain = {u.name for u in units(parse_spec(TOY), "v")}
+    spec = parse_spec({**TOY, "trunk": {**TOY["trunk"], "structure": {"n_fits": 4}}})
+    found = units(spec, "v")
+    assert {u.name for u in found} - plain == {"plan-seed0", "plan-seed1"}
+    other = units(parse_spec({**TOY, "trunk": {**TOY["trunk"], "structure": {"n_fits": 5}}}), "v")
+    assert {u.name: u.key for u in found}["plan-seed0"] != {u.name: u.key for u in other}["plan-seed0"]
 
 
 @pytest.mark.parametrize("name, committed", [("sweep", "figures/sweep"), ("tables-late", "figures/tables-late"),
@@ -246,15 +260,17 @@ def test_a_run_directory_copied_elsewhere_resumes_there(reference, tmp_path):
 def test_every_shipped_spec_reads_and_expands():
     """The shipped specs: the sweep's 28 units (cse-gc-drift at seed 0 only, as it ran), the
     tables' rows, the warm-up map's 84 units (5 trunks, a plan per trunk for the structure rule,
-    the arms) and its second mix's 14; the device is not part of a unit's key."""
+    the arms), its second mix's 14 and the controls re-run on re-made trunks (13); the device is
+    not part of a unit's key."""
     import dataclasses
 
-    from ntkscope.experiments import shipped, units
+    from ntkscope.experiments import shipped
 
     counts = {name: len(units(load_spec(name), "v")) for name in shipped()}
-    assert counts == {"sweep": 28, "tables": 54, "tables-late": 27, "warmup-map": 84, "warmup-map-mix": 14}
+    assert counts == {"sweep": 28, "tables": 54, "tables-late": 27, "warmup-map": 84, "warmup-map-mix": 14,
+                      "warmup-map-b": 13}
     spec = load_spec("sweep")
     on_gpu = dataclasses.replace(spec, settings=spec.settings.replace(device="cuda"))
     assert [u.key for u in units(spec, "v")] == [u.key for u in units(on_gpu, "v")]
     proc = subprocess.run([sys.executable, "-m", "ntkscope", "experiment", "specs"], capture_output=True, text=True)
-    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 5 and "warmup-map-mix" in proc.stdout
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 6 and "warmup-map-mix" in proc.stdout

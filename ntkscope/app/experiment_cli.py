@@ -31,6 +31,24 @@ def _spec(args):
     return load_spec(args.spec, **changes)
 
 
+def _map(args) -> int:
+    from ntkscope.experiments import load_spec
+    from ntkscope.experiments.map import summarise_map
+
+    for run in args.run_dirs:
+        if not (run / "results").is_dir():
+            raise InputError("RUN", "must be a run directory with results/", str(run), func="ntkscope experiment map")
+    found = summarise_map(args.run_dirs, args.out, load_spec(args.spec), pack=args.data)
+    for name in ("clusters_vs_shuffled", "cse_vs_fair"):
+        v = found[name]
+        print(f"{name}: {v['verdict']}" + (f" ({v['why']})" if "why" in v else "")
+              + f"; seeds ran {v['seeds_ran']}, wins {v['wins']}")
+    for arm, v in found["against_null"].items():
+        print(f"{arm} against dense-null: {v['verdict']}" + (f" ({v['why']})" if "why" in v else ""))
+    print(f"tables in {args.out / 'tables'}, figure {args.out / 'controls.png'}")
+    return 0
+
+
 def _run(args) -> int:
     from ntkscope.experiments import run_experiment
 
@@ -92,7 +110,7 @@ def _specs(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    """``ntkscope experiment run | status | tables | specs``."""
+    """``ntkscope experiment run | status | tables | map | specs``."""
     from ntkscope.experiments.spec import EXECUTORS
 
     exp = sub.add_parser("experiment", help="run an experiment spec's units (arms x seeds x steps) on local workers, "
@@ -131,5 +149,13 @@ def add_parsers(sub) -> None:
     tb.add_argument("run_dir", metavar="RUN", type=Path, help="the run directory")
     tb.add_argument("--data", "--pack", dest="data", help="the corpus pack the run used (default: the shipped one)")
     tb.set_defaults(run=_tables)
+    mp = ex.add_parser("map", help="the warm-up map's gains (block-bootstrap intervals), pre-registered verdicts and "
+                       "figure from the units that finished in one or more run directories on the same trunks")
+    mp.add_argument("run_dirs", metavar="RUN", type=Path, nargs="+", help="run directories (a unit in several is "
+                    "taken from the first)")
+    mp.add_argument("--spec", default="warmup-map", help="the spec whose seeds the verdicts count (default warmup-map)")
+    mp.add_argument("--out", type=Path, required=True, help="where tables/ and controls.png go")
+    mp.add_argument("--data", "--pack", dest="data", help="the corpus pack the runs used (default: the shipped one)")
+    mp.set_defaults(run=_map)
     sp = ex.add_parser("specs", help="the specs that ship with ntkscope")
     sp.set_defaults(run=_specs)

@@ -25,7 +25,7 @@ from ntkscope.core.files import write_text
 from ntkscope.representation.plan import gc_peak, stable_step
 from ntkscope.reproduction.claim_values import Tables, _f, _range, _signed_range, _steps
 from ntkscope.reproduction.claims_experiments import (_budget, _gpu_gc, _own_model, _p1, _p7, _sweep, _tail_rule,
-                                                      _tracked, _tracker, _training_step)
+                                                      _tracked, _tracker, _training_step, _warmup_map)
 from ntkscope.runs.dynamics import STABILITY_COLUMNS as STABILITY
 
 MARKER = re.compile(r"<!--claim:([\w.\-]+)-->(.*?)<!--/claim-->", re.S)
@@ -393,6 +393,9 @@ def _calibration(planted: pd.DataFrame, real: pd.DataFrame | None) -> dict:
     out["docs.calibration.groups"] = str(len(jk))
     out["docs.calibration.true_bias"] = _range(jk["true_bias"], 3)
     out["docs.calibration.biased_true_bias"] = _range(jk[jk["pool"].str.startswith("biased")]["true_bias"], 3)
+    high = jk["target"] >= 0.65  # the pools plant GC near 0.3-0.6 and near 0.7-0.95
+    out["docs.calibration.low_targets"] = _range(jk[~high]["target"], 2)
+    out["docs.calibration.high_targets"] = _range(jk[high]["target"], 2)
     out["docs.calibration.bias_estimate"] = _range(jk["mean_bias_estimate"], 3)
     claimed = jk[jk["claimed"] > 0]
     weight = claimed["claimed"]
@@ -445,6 +448,8 @@ def claims(root: str | Path = ROOT) -> dict:
     out.update(_gc_outputs_quick(pd.read_csv(root / "docs/gc-outputs-quick.csv")))
     if (root / "figures/sweep/tables/paired.csv").is_file():
         out.update(_sweep(Tables(root / "figures/sweep")))
+    if (root / "figures/warmup-map/tables/verdicts.json").is_file():
+        out.update(_warmup_map(Tables(root / "figures/warmup-map")))
     if (root / "figures/tables-late/tables/table_gpt.csv").is_file():
         out.update(_late_tables(Tables(root / "figures/tables-late")))
     if (root / "figures/own-model/comparison.csv").is_file():

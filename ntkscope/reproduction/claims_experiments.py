@@ -179,6 +179,19 @@ def _sweep(t: Tables) -> dict:
     out["sweep.first_tail"] = _range(first, 0)
     out.update(_tail_experts(t["routing"]))
     out["sweep.units"] = str(len(arms))
+    # a unit resumed after an interruption records only its last part: the whole trunks took over 20 minutes
+    trunks = arms[(arms["kind"] == "dense") & (arms["seconds"] > 1200)]["seconds"] / 60
+    out["sweep.whole_trunks"] = str(len(trunks))
+    late = arms[(arms["kind"] == "cse") & (arms["warmup"] == 1200) & (arms["seconds"] > 0)]["seconds"] / 60
+    out["sweep.trunk_minutes"] = _range(trunks, 0)
+    out["sweep.late_arm_minutes"] = _range(late, 0)
+    for d in ("legal", "biomedical"):  # the largest difference between two trainings of one seed's trunk
+        spread = max((abs(a / b - 1) for _, g in arms[arms["kind"] == "dense"].groupby("seed")
+                      for a in g[f"ppl {d}"] for b in g[f"ppl {d}"]), default=np.nan)
+        out[f"sweep.remade_max.{d}"] = f"{100 * spread:.1f} %"
+        rule = pairs[(pairs["arm"] == "cse-rule") & (pairs["domain"] == d)]["pct"]
+        if len(rule):
+            out[f"sweep.cse-rule.{d}.over_remade"] = f"{abs(float(rule.iloc[0])) / (100 * spread):.1f}×"
     out["sweep.hours"] = _f(arms["seconds"].sum() / 3600, 1)
     return out
 
@@ -259,3 +272,56 @@ def _tracked(t) -> dict:
             "tracked.seconds": _f(float(tracked["seconds"].median()), 1),
             "tracked.cka_min": _f(float(tracked["kernel_cka"].min()), 3),
             "tracked.cka_min_step": str(int(tracked.loc[tracked["kernel_cka"].idxmin(), "step"]))}
+
+
+def _pct(gain: float) -> str:
+    """A log-perplexity difference as a signed percent change of perplexity."""
+    return f"{100 * np.expm1(gain):+.1f} %".replace("-", "−")
+
+
+def _warmup_map(t: Tables) -> dict:
+    """The warm-up map's lines (figures/warmup-map): per arm at step 1200, the paired tail gain
+    over the trunk by seed, the pre-registered verdicts, and what ran."""
+    gains, verdicts = t["gains"], t["tables/verdicts.json"]
+    at = gains[gains["step"] == verdicts["step"]]
+    rows = ["| arm | seeds ran | tail (legal, biomedical) | legal | biomedical | general | against `dense-null` |",
+            "|---|---|---|---|---|---|---|"]
+    out = {}
+    order = at[at["domain"] == "tail"].groupby("arm")["gain"].mean().sort_values().index
+    for arm in order:
+        part = at[at["arm"] == arm]
+        cells = {}
+        for d in ("tail", "legal", "biomedical", "general"):
+            g = part[part["domain"] == d]["gain"]
+            cells[d] = _pct(g.mean()) + ("" if len(g) == 1 else f" ({_pct(g.min())} to {_pct(g.max())})")
+            out[f"map.{arm}.{d}"] = _pct(g.mean())
+        seeds = sorted(int(s) for s in part["seed"].unique())
+        floor = verdicts["against_null"].get(arm, {})
+        verdict = floor.get("verdict", "—") if arm != "dense-null" else "—"
+        if floor.get("on_seeds_ran"):
+            verdict += f" (on the seeds that ran: {floor['on_seeds_ran']})"
+        out[f"map.{arm}.seeds"] = ", ".join(map(str, seeds))
+        out[f"map.{arm}.null"] = verdict
+        rows.append(f"| `{arm}` | {', '.join(map(str, seeds))} | {cells['tail']} | {cells['legal']} | "
+                    f"{cells['biomedical']} | {cells['general']} | {verdict} |")
+    out["map.table"] = "\n".join(rows)
+    for name in ("clusters_vs_shuffled", "cse_vs_fair"):
+        v = verdicts[name]
+        text = v["verdict"]
+        if "why" in v:
+            text += f": {v['why']}"
+        hint = v.get("on_seeds_ran")
+        if hint:
+            text += (f"; on the seeds that ran, CSE is lower in {hint['wins']}, by "
+                     f"{_pct(v['mean_difference'])} on average against a null spread of ±{_pct(hint['null_spread'])[1:]}"
+                     f" ({'the test passes there' if hint['shown'] else 'the test fails there'})")
+        out[f"map.{name}"] = text
+    null = at[(at["arm"] == "dense-null") & (at["domain"] == "tail")]["gain"]
+    out["map.null.range"] = f"{_pct(null.min())} to {_pct(null.max())}"
+    tail = at[at["domain"] == "tail"]
+    width = (tail["high"] - tail["low"]) / 2
+    out["map.block_halfwidth"] = f"{100 * width.median():.1f} %"
+    out["map.units"] = f"{verdicts['units']['done']} of {verdicts['units']['planned']}"
+    mix = sorted((t.folder / "mix" / "results").glob("*.json"))
+    out["map.mix.units"] = ", ".join(f"`{p.stem}`" for p in mix) or "none"
+    return out

@@ -1,0 +1,109 @@
+"""The warm-up map's summary (ntkscope.reproduction.map_tables, ntkscope.experiments.map): paired
+gains with block-bootstrap intervals, the pre-registered verdicts, and the committed map
+rebuilt from its committed results; the second corpus mix (ntkscope corpus thin)."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ntkscope.reproduction.map_tables import family, gains, verdicts
+
+ROOT = Path(__file__).resolve().parents[1]
+DOMAINS = ["general"] * 6 + ["legal"] * 3 + ["biomedical"] * 3
+
+
+def _result(arm, seed, loss, *, kind="cse", step=1200):
+    loss = np.asarray(loss, dtype=float)
+    tokens = np.full(len(loss), 10)
+    ppl = {d: math.exp(loss[[i for i, x in enumerate(DOMAINS) if x == d]].sum() / 30) for d in set(DOMAINS)}
+    return {"arm": arm, "seed": seed, "kind": kind, "warmup": None if kind == "dense" else step,
+            **{f"ppl {d}": v for d, v in ppl.items()}, "blocks": {"loss": loss.tolist(), "tokens": tokens.tolist()}}
+
+
+def test_gains_are_paired_log_ratios_with_intervals_around_them():
+    rng = np.random.default_rng(0)
+    trunk = 40 + rng.random(12)
+    arm = trunk - np.array([0.0] * 6 + [2.0] * 3 + [1.0] * 3)  # legal -0.2 nats/token... per block of 10 tokens
+    results = {"dense-seed0": _result("dense", 0, trunk, kind="dense"), "cse-at1200-seed0": _result("cse-at1200", 0, arm)}
+    table = gains(results, DOMAINS, n_boot=200).set_index("domain")
+    assert table.loc["legal", "gain"] == pytest.approx(-2.0 / 10) and table.loc["biomedical", "gain"] == pytest.approx(-0.1)
+    assert table.loc["tail", "gain"] == pytest.approx(-0.15) and table.loc["general", "gain"] == pytest.approx(0.0)
+    # every block of a domain moved by the same amount: the interval is the point
+    assert table.loc["legal", "low"] == pytest.approx(-0.2) and table.loc["legal", "high"] == pytest.approx(-0.2)
+    assert (table["arm"] == "cse").all() and (table["step"] == 1200).all()
+    assert table.loc["legal", "ppl_dense"] == pytest.approx(results["dense-seed0"]["ppl legal"])
+
+
+def test_family_strips_the_step_suffix_only():
+    assert family("cse-at300") == "cse" and family("cse-shuffled-at1200") == "cse-shuffled"
+    assert family("dense-null") == "dense-null" and family("cse-l01") == "cse-l01"
+
+
+def _table(rows):
+    return pd.DataFrame([{"arm": a, "step": 1200, "seed": s, "domain": "tail", "gain": g, "low": g, "high": g,
+                          "ppl": None, "ppl_dense": None} for a, s, g in rows])
+
+
+def test_the_pre_registered_verdicts():
+    seeds = [0, 1, 2, 3, 4]
+    null = [("dense-null", s, g) for s, g in zip(seeds, [-0.02, 0.01, 0.02, -0.01, 0.0])]
+    cse = [("cse", s, -0.08) for s in seeds]
+    shuffled = [("cse-shuffled", s, 0.04) for s in seeds]
+    fair = [("switch-fair", s, g) for s, g in zip(seeds, [-0.09, -0.07, -0.07, -0.07, -0.07])]
+    found = verdicts(_table(null + cse + shuffled + fair), seeds)
+    assert found["clusters_vs_shuffled"]["verdict"] == "shown"  # 5 of 5, -0.12 beyond the 0.02 spread
+    assert found["cse_vs_fair"]["verdict"] == "not shown"  # lower in 4 of 5, but by 0.008 < 0.02
+    assert found["against_null"]["cse"]["verdict"] == "beats the noise floor"
+    assert found["against_null"]["cse-shuffled"]["verdict"] == "worse than the noise floor"
+    partial = verdicts(_table(null + cse + shuffled[:4]), seeds)
+    v = partial["clusters_vs_shuffled"]
+    assert v["verdict"] == "not decided" and "[4]" in v["why"] and v["on_seeds_ran"]["shown"]
+    assert partial["cse_vs_fair"]["verdict"] == "not decided"
+
+
+def test_the_rule_is_judged_against_each_trunks_map():
+    steps = [300, 600, 900, 1200, 1800]
+    curve = [-0.01, -0.05, -0.09, -0.10, -0.08]
+    table = _table([])
+    table = pd.DataFrame([{"arm": "cse", "step": st, "seed": 0, "domain": "tail", "gain": g, "low": g, "high": g}
+                          for st, g in zip(steps, curve)])
+    plans = {0: {"warmup_steps": 900, "warmup_rule": "consensus-structure"}}
+    assert verdicts(table, [0], plans=plans)["rule"]["0"]["verdict"] == "good"  # 0.09 >= 0.8 x 0.10, before 1200
+    plans = {0: {"warmup_steps": 600, "warmup_rule": "consensus-structure"}}
+    assert verdicts(table, [0], plans=plans)["rule"]["0"]["verdict"] == "not good"  # 0.05 < 0.08
+    plans = {0: {"warmup_steps": 1200, "warmup_rule": "window-end"}}
+    assert verdicts(table, [0], plans=plans)["rule"]["0"]["verdict"] == "the rule chose nothing"
+
+
+def test_the_committed_map_is_its_committed_results(tmp_path):
+    """gains.csv and verdicts.json are rebuilt, equal, from figures/warmup-map/results."""
+    from ntkscope.experiments import load_spec
+    from ntkscope.experiments.map import summarise_map
+
+    folder = ROOT / "figures" / "warmup-map"
+    summarise_map([folder], tmp_path, load_spec("warmup-map"))
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "tables" / "gains.csv"),
+                                  pd.read_csv(folder / "tables" / "gains.csv"))
+    assert json.loads((tmp_path / "tables" / "verdicts.json").read_text()) == \
+        json.loads((folder / "tables" / "verdicts.json").read_text())
+
+
+def test_thin_pack_halves_the_tail_in_train_only(tmp_path):
+    from ntkscope.text.corpus.pack import load_pack
+    from ntkscope.text.corpus.thin import thin_pack
+
+    source = load_pack()
+    out = load_pack(thin_pack(tmp_path / "half", {"legal": 0.5, "biomedical": 0.5}))
+    count = lambda pack, split, d: sum(r.domain == d for r in pack.records(split))  # noqa: E731
+    for d in ("legal", "biomedical"):
+        assert count(out, "train", d) == round(0.5 * count(source, "train", d))
+    assert count(out, "train", "general") == count(source, "train", "general")
+    assert out.records("test") == source.records("test") and out.manifest["version"] != source.manifest["version"]
+    assert out.manifest["derived_from"]["version"] == source.manifest["version"]
+    assert 0.03 < out.manifest["share_measured_train"] < 0.04
+    with pytest.raises(ValueError, match="thin_pack.*keep.*clinical"):
+        thin_pack(tmp_path / "bad", {"clinical": 0.5})
