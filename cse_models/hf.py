@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +39,14 @@ from safetensors.torch import save_model as _save_tensors_of
 
 from cse_models.config import SparseConfig
 from cse_models.experts import CSELayer, DEMixLayer, sequence_embedding
+from cse_models.hf_auto import MODEL_TYPE
 from cse_models.model import CONFIG_NAME, WEIGHTS_NAME, SparseRouting, TransformerLM, _sparse_module, load_model
 from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import atomic_path, check_safetensors, read_json_object, write_json
 from ntkscope.core.lm import lm_loss
 
 SECTION = "cse_sparse"  # the config.json key of a converted model
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -243,19 +246,38 @@ class SparseHF(SparseRouting, nn.Module):
     # ---- checkpoints ------------------------------------------------------------------------
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """``config.json`` (the HF config and the ``cse_sparse`` section) and ``model.safetensors``
-        (tied weights once), each written atomically."""
+        """A dense model (no sparse layers named) as a plain HF checkpoint of its family
+        (``transformers``' own ``save_pretrained``, safetensors). Else ``config.json`` of model
+        type :data:`~cse_models.hf_auto.MODEL_TYPE` (the base config under ``base``, the
+        ``cse_sparse`` section) and ``model.safetensors`` (tied weights once), each written
+        atomically: ``transformers.AutoModelForCausalLM.from_pretrained`` reads it after
+        ``import cse_models``, and refuses it without."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        if self.config.sparse is None:
+            self.hf.save_pretrained(directory, safe_serialization=True)
+            return directory
         with atomic_path(directory / WEIGHTS_NAME) as tmp:
             _save_tensors_of(self, str(tmp), metadata={"format": "pt"})
-        write_json(directory / CONFIG_NAME, {**self.config.hf.to_dict(), SECTION: self.config.section()})
+        write_json(directory / CONFIG_NAME, {
+            "model_type": MODEL_TYPE, "architectures": ["SparseForCausalLM"], "base": self.config.hf.to_dict(),
+            SECTION: self.config.section(),
+            "loading": "import cse_models, then transformers.AutoModelForCausalLM.from_pretrained(this directory)"})
         return directory
+
+
+def flat_config(data: dict) -> dict:
+    """A checkpoint's config.json as the base HF config with the ``cse_sparse`` section beside it,
+    from either format (model type :data:`~cse_models.hf_auto.MODEL_TYPE`, or the older one that
+    was the base config itself with the section added)."""
+    if data.get("model_type") == MODEL_TYPE:
+        return {**dict(data.get("base") or {}), SECTION: data.get(SECTION)}
+    return data
 
 
 def _hf_config(directory: Path, func: str):
     transformers = _transformers()
-    data = read_json_object(directory / CONFIG_NAME, func)
+    data = flat_config(read_json_object(directory / CONFIG_NAME, func))
     data.pop(SECTION, None)
     model_type = data.get("model_type")
     if model_type not in LAYOUTS:
@@ -275,7 +297,11 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (directory / name).is_file():
             raise MissingInput(f"{func}: {directory} has no {name} (an HF directory saved with safetensors)")
-    section = read_json_object(directory / CONFIG_NAME, func).get(SECTION)
+    saved = read_json_object(directory / CONFIG_NAME, func)
+    section = flat_config(saved).get(SECTION)
+    if section is not None and saved.get("model_type") != MODEL_TYPE:
+        log.warning("%s: %s was saved by an older cse_models (transformers' Auto classes would build a random model "
+                    "from it); re-save it: cse_models.load_hf(DIR).save_pretrained(DIR)", func, directory)
     if section is not None and sparse is not None:
         raise UserError(f"{func}: {directory} is a converted model already ({section['sparse']['kind']}); "
                         "convert a dense checkpoint")

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch.nn as nn
 
 import cse_models
-from cse_models.hf import LAYOUTS, SECTION, layout_blocks, quiet_loading
+from cse_models.hf import LAYOUTS, SECTION, flat_config, layout_blocks, quiet_loading
 from cse_models.model import build_model, load_weights
 from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import check_safetensors
@@ -261,6 +261,7 @@ def family_of(model: nn.Module) -> Family:
 
 def family_for_config(config: dict) -> Family | None:
     """The family a checkpoint's ``config.json`` (as a dict) names, or None."""
+    config = flat_config(config)
     for family in FAMILIES.values():
         if family.is_config(config):
             return family

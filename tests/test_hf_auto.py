@@ -1,0 +1,118 @@
+"""Sparse HF checkpoints as transformers models (cse_models.hf_auto): after ``import cse_models``,
+``AutoModelForCausalLM.from_pretrained`` on a saved CSE or Switch model gives our logits, and
+``generate`` and ``pipeline`` run; without cse_models, plain transformers refuses the directory
+(no random model); a dense model saves as a plain HF checkpoint; the older format still loads,
+with a warning."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cse_models import load_any_model
+from cse_models.cse import convert_to_cse, upcycle
+from cse_models.hf_auto import MODEL_TYPE
+
+transformers = pytest.importorskip("transformers")
+from test_hf_sparse import CONFIGS, batch, dense, planted_domains  # noqa: E402
+
+
+def _sparse(kind: str, sparse_kind: str, tmp_path):
+    dense(kind).save_pretrained(tmp_path / "dense")
+    model = load_any_model(tmp_path / "dense", dict(kind=sparse_kind, layers=[0, 2], n_experts=[0, 0]))
+    torch.manual_seed(3)
+    if sparse_kind == "cse":
+        planted, _ = planted_domains(T=12)
+        convert_to_cse(model, planted, None, min_cluster_size=10)
+    else:
+        upcycle(model, 3)
+    model.save_pretrained(tmp_path / sparse_kind)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+@pytest.mark.parametrize("sparse_kind", ["cse", "switch"])
+@torch.no_grad()
+def test_auto_model_reads_a_sparse_checkpoint_with_its_weights(kind, sparse_kind, tmp_path):
+    model = _sparse(kind, sparse_kind, tmp_path)
+    data = json.loads((tmp_path / sparse_kind / "config.json").read_text())
+    assert data["model_type"] == MODEL_TYPE and data["base"]["model_type"] == kind
+    ids, mask = batch()
+    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / sparse_kind)
+    assert type(auto).__name__ == "SparseForCausalLM" and not auto.training
+    torch.testing.assert_close(auto(input_ids=ids, attention_mask=mask).logits, model(ids, mask), rtol=0, atol=0)
+    labels = ids.masked_fill(mask == 0, -100)
+    loss = auto(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert torch.isfinite(loss)
+    # saved again through transformers' name, the directory loads to the same model
+    auto.save_pretrained(tmp_path / "again")
+    torch.testing.assert_close(load_any_model(tmp_path / "again")(ids, mask), model(ids, mask), rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_generate_routes_the_whole_sequence_so_far(tmp_path):
+    """Greedy generate equals a hand loop that feeds the whole sequence (prompt and continuation)
+    at every step: CSE routes the sequence as one, as in training (no key-value cache)."""
+    model = _sparse("gpt_neox", "cse", tmp_path)
+    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cse")
+    prompt = torch.tensor([[3, 7, 11, 2]])
+    out = auto.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    seq = prompt.clone()
+    for _ in range(6):
+        seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert out.tolist() == seq.tolist()
+
+
+def test_pipeline_generates(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    _sparse("gpt2", "cse", tmp_path)
+    vocab = {f"w{i}": i for i in range(50)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w0", pad_token="w0", eos_token="w1")
+    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cse")
+    generate = transformers.pipeline("text-generation", model=auto, tokenizer=tokenizer)
+    text = generate("w3 w7 w11", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert text.startswith("w3 w7 w11") and text.count("w") == 7  # the prompt and 4 new words
+
+
+def test_plain_transformers_refuses_a_sparse_checkpoint(tmp_path):
+    """In a fresh interpreter that never imports cse_models: an error naming the model type, never a
+    random model."""
+    _sparse("gpt_neox", "cse", tmp_path)
+    code = ("import transformers, sys\n"
+            f"try:\n    transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'cse')!r})\n"
+            "except (ValueError, KeyError) as err:\n    print('refused:', err); sys.exit(3)\n"
+            "print('loaded'); sys.exit(0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert MODEL_TYPE in proc.stdout and "cse_models" in proc.stdout
+
+
+@torch.no_grad()
+def test_a_dense_model_saves_as_a_plain_hf_checkpoint_and_old_sparse_directories_still_load(tmp_path, caplog):
+    ids, mask = batch()
+    plain = load_any_model(_dense_dir(tmp_path))
+    plain.save_pretrained(tmp_path / "plain")
+    data = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert data["model_type"] == "gpt_neox" and "cse_sparse" not in data
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    torch.testing.assert_close(hf(input_ids=ids, attention_mask=mask).logits, plain(ids, mask), rtol=0, atol=0)
+    # the older format: the base config with the section added; it loads, with a one-line warning
+    model = _sparse("gpt_neox", "switch", tmp_path)
+    config = tmp_path / "switch" / "config.json"
+    data = json.loads(config.read_text())
+    config.write_text(json.dumps({**data["base"], "cse_sparse": data["cse_sparse"]}))
+    with caplog.at_level("WARNING"):
+        old = load_any_model(tmp_path / "switch")
+    torch.testing.assert_close(old(ids, mask), model(ids, mask), rtol=0, atol=0)
+    assert any("older cse_models" in r.getMessage() and "save_pretrained" in r.getMessage() for r in caplog.records)
+
+
+def _dense_dir(tmp_path):
+    dense("gpt_neox").save_pretrained(tmp_path / "d")
+    return tmp_path / "d"
