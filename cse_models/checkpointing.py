@@ -28,14 +28,27 @@ def param_names(model) -> dict:
     return {id(p): n for n, p in model.named_parameters()}
 
 
+_EXPERT = (re.compile(r"\.layer\.experts\.\d+\.mlp\."), re.compile(r"\.experts\.\d+\."))
+
+
+def expert_source(name: str) -> str:
+    """The dense parameter an expert's parameter was copied from: ``X.mlp.layer.experts.j.mlp.Y``
+    (an HF block, :class:`~cse_models.SparseHF`) or ``X.experts.j.Y`` (cse_models) -> ``X.mlp.Y``
+    / ``X.Y``; any other name is its own."""
+    for pattern in _EXPERT:
+        if pattern.search(name):
+            return pattern.sub(".", name, count=1)
+    return name
+
+
 def carry_optimizer_state(old_state: dict, new_model, new_opt) -> None:
-    """Copy AdamW state by parameter name into ``new_opt``; a CSE expert ``...experts.j.X`` takes
-    the state of the dense module's ``...X`` it was copied from."""
+    """Copy AdamW state by parameter name into ``new_opt``; an expert's parameter takes the
+    state of the dense parameter it was copied from (:func:`expert_source`)."""
     names = param_names(new_model)
     for group in new_opt.param_groups:
         for p in group["params"]:
             name = names[id(p)]
-            source = old_state.get(name) or old_state.get(re.sub(r"\.experts\.\d+\.", ".", name))
+            source = old_state.get(name) or old_state.get(expert_source(name))
             if source is not None:
                 new_opt.state[p] = {k: v.clone() for k, v in source.items()}
 

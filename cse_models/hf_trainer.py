@@ -1,0 +1,168 @@
+"""CSE, Switch or DEMix conversion inside the researcher's own training (issue 43): a plain
+function for any loop, and a ``transformers.TrainerCallback`` that converts at the plan's
+warm-up step inside ``Trainer.train()``.
+
+- :func:`convert_in_training`: converts an HF causal LM in place (CSE: its router fitted on
+  ``fitting`` sequences; Switch / DEMix: upcycled) and moves the optimizer onto the new
+  parameters *in place*: each expert takes the AdamW state of the dense parameter it was copied
+  from, in that parameter's group; a parameter with no source (a Switch gate) starts empty in
+  the group its kind goes to. The optimizer object, its groups and any scheduler or wrapper
+  (accelerate's) stay the same, so the loop and the schedule go on.
+- :class:`SparseCallback` (``Trainer(callbacks=[SparseCallback(...)])``): at the step it
+  converts, and at every save after that it writes ``cse_sparse.json`` (the layout and the
+  :class:`~cse_models.SparseConfig`) into the checkpoint. To resume from such a checkpoint,
+  :meth:`SparseCallback.restore` rebuilds the sparse layers on the fresh model before
+  ``trainer.train(resume_from_checkpoint=...)``, so Trainer loads the weights and the optimizer
+  as it saved them. :meth:`SparseCallback.save` writes the converted model in
+  :meth:`~cse_models.SparseHF.save_pretrained`'s format (``AutoModelForCausalLM`` reads it).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from cse_models.cse import convert_to_cse, upcycle
+from cse_models.checkpointing import expert_source
+from cse_models.hf import Layout, SparseHF
+from ntkscope.core.checks import UserError
+from ntkscope.core.files import read_json_object, write_json
+
+log = logging.getLogger(__name__)
+
+SIDECAR = "cse_sparse.json"
+
+
+def _group_for(name: str, param: torch.Tensor, groups: list) -> int:
+    """The group of a parameter with no source: a decaying group for a matrix, else one without
+    weight decay (the first group when all are alike)."""
+    wants = param.dim() >= 2 and "bias" not in name and "norm" not in name.lower()
+    for i, g in enumerate(groups):
+        if (g.get("weight_decay", 0.0) > 0) == wants:
+            return i
+    return 0
+
+
+@torch.no_grad()
+def convert_in_training(model, optimizer, sparse: dict, *, fitting_ids: torch.Tensor | None = None,
+                        fitting_mask: torch.Tensor | None = None, seed: int = 0, router: dict | None = None,
+                        n_experts: int = 2, preserving: bool = True) -> SparseHF:
+    """Convert ``model`` (an HF causal LM, or a :class:`SparseHF`) in place at this point of a
+    training loop and move ``optimizer`` (torch's, or a wrapper with ``.optimizer``) onto the new
+    parameters (module docstring). ``sparse``: {"kind": "cse" | "switch" | "demix", "layers":
+    [...], ...} (:class:`~cse_models.SparseConfig`'s fields); CSE needs ``fitting_ids`` (N, T) and
+    takes ``router`` (:func:`~cse_models.cse.convert_to_cse`'s options). Returns the
+    :class:`SparseHF` around the model (sharing its modules)."""
+    hf = model.hf if isinstance(model, SparseHF) else model
+    if isinstance(model, SparseHF):
+        wrapper = model
+    else:
+        spec = {"n_experts": [0] * len(sparse.get("layers", [])), **sparse}
+        wrapper = SparseHF(hf, spec)
+    kind = wrapper.config.sparse.kind
+    if kind == "cse" and fitting_ids is None:
+        raise UserError("convert_in_training: fitting_ids must be given for a CSE conversion (the sequences its "
+                        "router clusters, (N, T) token ids)")
+    opt = getattr(optimizer, "optimizer", optimizer)
+    names = {id(p): n for n, p in hf.named_parameters()}
+    group_of = {names[id(p)]: i for i, g in enumerate(opt.param_groups) for p in g["params"] if id(p) in names}
+    state = {names[id(p)]: s for p, s in opt.state.items() if id(p) in names}
+    device = next(hf.parameters()).device
+    was_training = hf.training
+    if kind == "cse":
+        ids = fitting_ids.to(device)
+        mask = None if fitting_mask is None else fitting_mask.to(device)
+        convert_to_cse(wrapper, ids, mask, seed=seed, **(router or {}))
+    else:
+        upcycle(wrapper, n_experts, preserving=preserving)
+    hf.to(device).train(was_training)
+    groups = [[] for _ in opt.param_groups]
+    carried = {}
+    for name, p in hf.named_parameters():
+        if not p.requires_grad:
+            continue
+        source = name if name in group_of else expert_source(name)
+        groups[group_of[source] if source in group_of else _group_for(name, p, opt.param_groups)].append(p)
+        if source in state:
+            carried[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state[source].items()}
+    for group, params in zip(opt.param_groups, groups):
+        group["params"] = params
+    opt.state.clear()
+    opt.state.update(carried)
+    log.info("converted to %s at layers %s: %s experts; the optimizer carries %d parameters' state to the copies",
+             kind, wrapper.config.sparse.layers, wrapper.config.sparse.n_experts, len(carried))
+    return wrapper
+
+
+def restore(model, checkpoint) -> SparseHF | None:
+    """Rebuild the sparse layers that ``checkpoint/cse_sparse.json`` names on a fresh ``model``
+    (empty, ready for the checkpoint's weights), or None when the checkpoint has none (it was
+    saved before the conversion)."""
+    path = Path(checkpoint) / SIDECAR
+    if not path.is_file():
+        return None
+    section = read_json_object(path, "SparseCallback.restore")
+    return SparseHF(model, section["sparse"], Layout(**section["layout"]))
+
+
+def _callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class SparseCallback(_callback_base()):
+    """Convert the model at step ``at`` of ``Trainer.train()`` (``plan``: a plan JSON whose
+    ``warmup_steps`` and ``layers`` give ``at`` and the layers when they are not given), with
+    :func:`convert_in_training`'s ``kind``, ``fitting`` ({"input_ids": (N, T)[, "attention_mask"]},
+    CSE), ``router``, ``n_experts`` and ``seed``; record the sparse layers in every checkpoint
+    saved after it (module docstring)."""
+
+    def __init__(self, *, at: int | None = None, plan=None, kind: str = "cse", layers=None, fitting: dict | None = None,
+                 router: dict | None = None, n_experts: int = 2, seed: int = 0):
+        if plan is not None:
+            data = read_json_object(Path(plan), "SparseCallback")
+            at = at if at is not None else data.get("warmup_steps")
+            layers = layers if layers is not None else data.get("layers")
+        if not isinstance(at, int) or at < 1:
+            raise UserError(f"SparseCallback: at must be the step to convert at, a positive integer, or come from "
+                            f"plan's warmup_steps (got {at!r})")
+        if not layers:
+            raise UserError("SparseCallback: layers must name the blocks to make sparse (or come from plan)")
+        if kind not in ("cse", "switch", "demix"):
+            raise UserError(f"SparseCallback: kind must be 'cse', 'switch' or 'demix' (got {kind!r})")
+        if kind == "cse" and not fitting:
+            raise UserError("SparseCallback: fitting must hold the sequences CSE's router clusters "
+                            "({'input_ids': (N, T) token ids[, 'attention_mask']})")
+        self.at, self.kind, self.layers = at, kind, [int(i) for i in layers]
+        self.fitting, self.router, self.n_experts, self.seed = fitting, router, n_experts, seed
+        self.sparse: SparseHF | None = None
+
+    def restore(self, model, checkpoint) -> SparseHF | None:
+        """Before ``trainer.train(resume_from_checkpoint=checkpoint)``: the sparse layers of the
+        checkpoint rebuilt on ``model`` (see :func:`restore`), remembered as converted."""
+        self.sparse = restore(model, checkpoint)
+        return self.sparse
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.sparse is not None or state.global_step != self.at:
+            return
+        fitting = self.fitting or {}
+        self.sparse = convert_in_training(
+            model, optimizer, {"kind": self.kind, "layers": self.layers}, fitting_ids=fitting.get("input_ids"),
+            fitting_mask=fitting.get("attention_mask"), seed=self.seed, router=self.router,
+            n_experts=self.n_experts)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.sparse is not None:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            write_json(folder / SIDECAR, self.sparse.config.section())
+
+    def save(self, directory) -> Path:
+        """The converted model in :meth:`~cse_models.SparseHF.save_pretrained`'s format."""
+        if self.sparse is None:
+            raise UserError(f"SparseCallback.save: the model was not converted (the run did not reach step {self.at})")
+        return self.sparse.save_pretrained(directory)
+
