@@ -437,6 +437,8 @@ def routing_shares(routing, *, title: str = ""):
     columns): one heatmap per sparse layer (columns) and per model (rows, named by arm and seed),
     domains (rows) x experts (columns), each cell the share of the domain's sequences (CSE) or
     tokens (Switch) sent to that expert, with the count."""
+    from cse_models.expert_report import layer_label
+
     plt = _pyplot()
     by = [c for c in ("arm", "seed") if c in routing.columns]
     keys = ["layer", "expert", "domain", *by]
@@ -457,7 +459,7 @@ def routing_shares(routing, *, title: str = ""):
                 ax.axis("off")
                 continue
             _routing_panel(ax, part, domains)
-            ax.set_title(str(layer).removesuffix(".layer").removesuffix(".mlp"), fontsize=8)  # not ".layers."
+            ax.set_title(layer_label(str(layer)), fontsize=8)
         if len(models) > 1:
             row[0].set_ylabel(name, fontsize=9)
     if title:

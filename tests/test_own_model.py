@@ -174,6 +174,15 @@ def test_the_walkthrough_from_a_config_to_a_comparison(tmp_path, caplog):
     merged = pd.read_csv(tmp_path / "eval" / "perplexity.csv").merge(table[table["arm"] == "cse"], on="domain")
     np.testing.assert_allclose(merged["ppl_x"], merged["ppl_y"], rtol=1e-9)  # eval = the comparison's cse row
     assert (tmp_path / "eval" / "routing.png").is_file()
+    # what the experts learned: findings first, per layer and expert, each expert ablated
+    assert "what the experts learned:" in proc.stdout
+    assert proc.stdout.index("what the experts learned:") < proc.stdout.index("perplexity per domain")
+    layers = pd.read_csv(tmp_path / "eval" / "expert_layers.csv")
+    assert layers["layer"].str.match(r"layer \d+ \(mlp\)").all() and layers["purity"].between(0, 1).all()
+    ablation = pd.read_csv(tmp_path / "eval" / "ablation.csv")
+    assert set(ablation["domain"]) == set(merged["domain"]) and (ablation["change_low"] <= ablation["change_high"]).all()
+    findings = json.loads((tmp_path / "eval" / "result.json").read_text())["findings"]
+    assert findings and all(f.startswith("layer ") for f in findings)
     # the same plan on a 2-layer model: refused in one line naming the mismatch
     other = tmp_path / "other"
     torch.manual_seed(0)

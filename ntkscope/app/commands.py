@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from cse_models.domains import context_length, evaluate_domains
+from cse_models.expert_report import expert_report
 from cse_models.hf import architecture
 from ntkscope import __version__
 from ntkscope.core.checks import InputError, UserError
@@ -289,20 +290,30 @@ def freq_command(data="default", *, tokenizer=None, normalisation: str = "max", 
 
 
 def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int = 16, n_boot: int = 1000,
-                 seed: int = 0, out=None) -> dict:
+                 seed: int = 0, out=None, ablate: bool = True) -> dict:
     """Perplexity per domain of ``data``'s rows and, for a sparse model, where each domain is
-    routed (``ntkscope eval``): any causal checkpoint ``load_checkpoint`` reads (HF or
-    ``cse_models``, dense or sparse); a table's label column names the domains."""
+    routed and what the experts learned (:func:`cse_models.expert_report.expert_report`: purity,
+    NMI, each expert's shares, and with ``ablate`` each expert ablated), findings first
+    (``ntkscope eval``): any causal checkpoint ``load_checkpoint`` reads (HF or ``cse_models``,
+    dense or sparse); a table's label column names the domains."""
     check_output("eval", out)
     source = as_source(data)
     model, tok = load_model_and_tokenizer(checkpoint, tokenizer, source)
     rows = source.rows("test") if source.kind == "pack" else source.rows()
     texts, labels = [t for t, _ in rows], [label for _, label in rows]
-    result = evaluate_domains(model, tok.encode(texts), labels, batch_size=batch_size, n_boot=n_boot, seed=seed)
+    encoded = tok.encode(texts)
+    result = evaluate_domains(model, encoded, labels, batch_size=batch_size, n_boot=n_boot, seed=seed)
+    report = expert_report(model, encoded, labels, batch_size=batch_size, n_boot=min(n_boot, 500), seed=seed,
+                           ablate=ablate) if len(result.routing) else None
     written = []
     if out is not None:
         with Staging(out) as files:
             write_table(result.perplexity, files.path("perplexity.csv"))
+            if report is not None:
+                write_table(report.layers, files.path("expert_layers.csv"))
+                write_table(report.experts, files.path("experts.csv"))
+                if len(report.ablation):
+                    write_table(report.ablation, files.path("ablation.csv"))
             if len(result.routing):
                 write_table(result.routing, files.path("routing.csv"))
                 save_figure(routing_shares(result.routing, title=f"routing of {checkpoint}"),
@@ -312,11 +323,12 @@ def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int 
                 "context": result.context, "interval": f"{result.level:.0%} percentile bootstrap over texts",
                 "n_boot": n_boot, "seed": seed, "batch_size": batch_size,
                 "perplexity": result.perplexity.to_dict("records"),
+                "findings": [] if report is None else report.findings,
                 "provenance": provenance(weights=checkpoint, data_files=data_files(source),
                                          tokenizer=tok.name)})
         written = files.written
     return {"perplexity": result.perplexity, "routing": result.routing, "context": result.context,
-            "tokenizer": tok, "files": written}
+            "experts": report, "tokenizer": tok, "files": written}
 
 
 def clusters_command(target, data="default", *, sentences: Sentences = Sentences(), point: str = "block",

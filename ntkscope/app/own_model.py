@@ -13,7 +13,12 @@ from ntkscope.app.parsing import DATA_HELP, POSITIVE, POSITIVE_INT, add_column_a
 
 def _eval(args) -> int:
     r = commands.eval_command(args.checkpoint, source(args), tokenizer=args.tokenizer, batch_size=args.batch_size,
-                              n_boot=args.n_boot, seed=args.seed, out=args.out)
+                              n_boot=args.n_boot, seed=args.seed, out=args.out, ablate=not args.no_ablation)
+    if r["experts"] is not None:
+        print("what the experts learned:")
+        for finding in r["experts"].findings:
+            print(f"  - {finding}")
+        print_table("per sparse layer (90% intervals over texts):", r["experts"].layers.drop(columns="name"))
     print_table(f"perplexity per domain (texts truncated to {r['context']} tokens; 95% intervals over texts):",
                 r["perplexity"])
     if len(r["routing"]):
@@ -57,7 +62,10 @@ def add_parsers(sub) -> None:
     ev.add_argument("--batch-size", type=POSITIVE_INT, default=16)
     ev.add_argument("--n-boot", type=POSITIVE_INT, default=1000, help="bootstrap resamples of the intervals")
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--out", help="directory for perplexity.csv, routing.csv, routing.png, result.json")
+    ev.add_argument("--out", help="directory for perplexity.csv, routing.csv, routing.png, result.json, and for a "
+                    "sparse model expert_layers.csv, experts.csv, ablation.csv")
+    ev.add_argument("--no-ablation", action="store_true", help="skip ablating each expert (one pass over the data "
+                    "per expert)")
     ev.set_defaults(run=_eval)
     cmp_ = sub.add_parser("compare", help="train dense, CSE and Switch from your warm-up checkpoint and compare "
                           "them per domain", description="Example: ntkscope compare myrun/step200 --plan plan.json "

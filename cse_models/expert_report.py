@@ -1,0 +1,248 @@
+"""What the experts learned (issue 43): for each sparse layer of a model (CSE or Switch; ours
+or a converted HF model), against the user's labels:
+
+- the layer: routing purity (the share of units whose expert's majority domain is their own)
+  and normalised mutual information (scikit-learn) between domain and expert, with the load
+  entropy (the experts' loads, normalised to [0, 1]: 1 = even);
+- each expert: its load and its domain shares (the domain that leads it, and by how much);
+- each expert ablated: its units sent to their next-best expert (CSE: the next-nearest scaled
+  centre; Switch: the router's second choice), and the perplexity change per domain;
+- an interval for every number, a percentile bootstrap over texts (the ablation's paired:
+  the same texts with and without the expert), and findings in words first.
+
+A *unit* is a sequence for CSE (one text is routed as one) and a real token for Switch. Layers
+are named by their block index and module (``layer 2 (mlp)``), from the model's module names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn.metrics import normalized_mutual_info_score
+
+from cse_models.domains import _check_causal, _token_log_probs, context_length
+from cse_models.experts import CSELayer, SwitchFFN
+from ntkscope.core.checks import UserError
+
+LAYER_COLUMNS = ["layer", "name", "unit", "experts", "purity", "purity_low", "purity_high", "nmi", "nmi_low",
+                 "nmi_high", "load_entropy"]
+EXPERT_COLUMNS = ["layer", "expert", "load", "load_low", "load_high", "top_domain", "top_share", "top_share_low",
+                  "top_share_high"]
+ABLATION_COLUMNS = ["layer", "expert", "domain", "ppl", "ppl_ablated", "change", "change_low", "change_high"]
+
+
+def layer_label(name: str) -> str:
+    """``hf.gpt_neox.layers.2.mlp.layer`` -> ``layer 2 (mlp)``; names without a block index as they are."""
+    found = re.search(r"\.(\d+)\.(\w+)", name)
+    return f"layer {found.group(1)} ({found.group(2)})" if found else name
+
+
+@dataclass(frozen=True)
+class ExpertReport:
+    """``layers`` (LAYER_COLUMNS), ``experts`` (EXPERT_COLUMNS, plus ``share DOMAIN`` columns),
+    ``ablation`` (ABLATION_COLUMNS: change = ppl_ablated / ppl - 1), ``findings`` (sentences,
+    the most telling first), ``level`` (the intervals' coverage)."""
+
+    layers: pd.DataFrame
+    experts: pd.DataFrame
+    ablation: pd.DataFrame
+    findings: list
+    level: float
+
+
+@contextlib.contextmanager
+def _ablated(module, expert: int):
+    """``module``'s units that would go to ``expert`` go to their next-best expert instead."""
+    if isinstance(module, CSELayer):
+        inner = module._route
+
+        def route(v, dtype=None):
+            z, assign = inner(v, dtype)
+            scaled = torch.cdist(z, module.centres.to(z.dtype)) / module.radii.to(z.dtype)
+            scaled[:, expert] = float("inf")
+            return z, torch.where(assign == expert, scaled.argmin(dim=1), assign)
+        module._route = route
+        try:
+            yield
+        finally:
+            del module._route
+    else:
+        def hook(_m, _args, out):
+            out = out.clone()
+            out[..., expert] = float("-inf")
+            return out
+        handle = module.router.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
+def _score(model, texts: list, batch_size: int, layers: dict) -> tuple[np.ndarray, dict]:
+    """Per text: summed next-token NLL (N,), and per layer the units each expert took (N, E)."""
+    device = next(model.parameters()).device
+    nll = np.zeros(len(texts))
+    taken = {name: np.zeros((len(texts), len(m.experts)), dtype=np.int64) for name, m in layers.items()}
+    current: dict = {}
+
+    def hook(name):
+        def record(module, args, _out):
+            x, key_mask = args[0], (args[1] if len(args) > 1 else None)
+            if isinstance(module, CSELayer):
+                current[name] = module.route(x, key_mask)[1].cpu()
+            else:
+                choice = module.router(x).argmax(-1)
+                current[name] = (choice.masked_fill(~key_mask.bool(), -1) if key_mask is not None else choice).cpu()
+        return record
+    hooks = [m.register_forward_hook(hook(name)) for name, m in layers.items()]
+    try:
+        order = [i for i in np.argsort([len(t) for t in texts], kind="stable") if len(texts[i]) > 1]
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            T = max(len(texts[i]) for i in rows)
+            ids = torch.zeros(len(rows), T, dtype=torch.long)
+            mask = torch.zeros(len(rows), T, dtype=torch.long)
+            for r, i in enumerate(rows):
+                ids[r, :len(texts[i])] = torch.tensor(texts[i])
+                mask[r, :len(texts[i])] = 1
+            current.clear()
+            logp = _token_log_probs(model, ids.to(device), mask.to(device)).cpu()
+            nll[rows] = -(logp * mask[:, 1:]).sum(1).numpy()
+            for name, assign in current.items():
+                E = taken[name].shape[1]
+                if assign.dim() == 1:  # CSE: one expert per text
+                    taken[name][rows, assign.numpy()] += 1
+                else:  # Switch: per token
+                    for r, i in enumerate(rows):
+                        a = assign[r][assign[r] >= 0]
+                        taken[name][i] += np.bincount(a.numpy(), minlength=E)
+    finally:
+        for h in hooks:
+            h.remove()
+    return nll, taken
+
+
+def _purity_nmi(counts: np.ndarray, domain: np.ndarray, names: list) -> tuple[float, float]:
+    """Purity and NMI of the units in ``counts`` (N texts, E experts) with text domains."""
+    table = np.zeros((counts.shape[1], len(names)))
+    for d in range(len(names)):
+        table[:, d] = counts[domain == d].sum(0)
+    total = table.sum()
+    if not total:
+        return float("nan"), float("nan")
+    purity = float(table.max(axis=1).sum() / total)
+    experts, domains = np.nonzero(table)
+    weights = table[experts, domains].astype(np.int64)
+    nmi = float(normalized_mutual_info_score(np.repeat(domains, weights), np.repeat(experts, weights)))
+    return purity, nmi
+
+
+def _interval(values, level: float) -> tuple[float, float]:
+    values = np.asarray(values, dtype=float)
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return float("nan"), float("nan")
+    tail = (1 - level) / 2
+    return float(np.quantile(values, tail)), float(np.quantile(values, 1 - tail))
+
+
+@torch.no_grad()
+def expert_report(model, token_ids: Sequence[Sequence[int]], labels: Sequence[str], *, batch_size: int = 16,
+                  n_boot: int = 500, level: float = 0.9, seed: int = 0, ablate: bool = True) -> ExpertReport:
+    """What each sparse layer's experts learned of ``labels`` (module docstring). ``token_ids``:
+    one list of ids per text (truncated to the model's context); ``ablate=False`` skips the
+    ablations (one forward pass per expert each)."""
+    if len(token_ids) != len(labels) or not len(labels):
+        raise UserError(f"expert_report: token_ids and labels must be non-empty and of one length "
+                        f"(got {len(token_ids)} and {len(labels)})")
+    _check_causal(model)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, (CSELayer, SwitchFFN))}
+    if not layers:
+        raise UserError("expert_report: the model has no CSE or Switch layer (a dense model has no experts)")
+    context = context_length(model)
+    texts = [list(ids)[:context] for ids in token_ids]
+    names = sorted(set(map(str, labels)))
+    domain = np.array([names.index(str(label)) for label in labels])
+    pairs = np.array([max(len(t) - 1, 0) for t in texts], dtype=float)
+    was_training = model.training
+    model.eval()
+    try:
+        nll, taken = _score(model, texts, batch_size, layers)
+        ablated = {}
+        if ablate:
+            for name, module in layers.items():
+                if getattr(module, "shuffled", False):  # routed by a hash of the tokens: no next-best expert
+                    continue
+                for e in range(len(module.experts)):
+                    with _ablated(module, e):
+                        ablated[name, e] = _score(model, texts, batch_size, {})[0]
+    finally:
+        model.train(was_training)
+    rng = np.random.default_rng(seed)
+    draws = [np.concatenate([rng.choice(np.flatnonzero(domain == d), (domain == d).sum()) for d in range(len(names))])
+             for _ in range(n_boot)]  # texts resampled within each domain
+    layer_rows, expert_rows, ablation_rows, findings = [], [], [], []
+    for name, module in layers.items():
+        counts, label = taken[name], layer_label(name)
+        purity, nmi = _purity_nmi(counts, domain, names)
+        boot = np.array([_purity_nmi(counts[i], domain[i], names) for i in draws]).reshape(-1, 2)
+        load = counts.sum(0) / max(counts.sum(), 1)
+        positive = load[load > 0]
+        entropy = float(-(positive * np.log(positive)).sum() / np.log(len(load))) if len(load) > 1 else 0.0
+        layer_rows.append({"layer": label, "name": name, "unit": "sequences" if isinstance(module, CSELayer)
+                           else "tokens", "experts": len(load), "purity": purity,
+                           **dict(zip(("purity_low", "purity_high"), _interval(boot[:, 0], level))), "nmi": nmi,
+                           **dict(zip(("nmi_low", "nmi_high"), _interval(boot[:, 1], level))),
+                           "load_entropy": entropy})
+        by_domain = np.stack([counts[domain == d].sum(0) for d in range(len(names))], axis=1)  # (E, D)
+        for e in range(len(load)):
+            shares = by_domain[e] / max(by_domain[e].sum(), 1)
+            top = int(shares.argmax())
+            boot_load = [counts[i][:, e].sum() / max(counts[i].sum(), 1) for i in draws]
+            boot_share = [counts[i][domain[i] == top, e].sum() / max(counts[i][:, e].sum(), 1) for i in draws]
+            expert_rows.append({"layer": label, "expert": e, "load": float(load[e]),
+                                **dict(zip(("load_low", "load_high"), _interval(boot_load, level))),
+                                "top_domain": names[top], "top_share": float(shares[top]),
+                                **dict(zip(("top_share_low", "top_share_high"), _interval(boot_share, level))),
+                                **{f"share {n}": float(shares[d]) for d, n in enumerate(names)}})
+        for d, dname in enumerate(names):  # the domain's best expert: its share of the domain's units
+            row = by_domain[:, d] / max(by_domain[:, d].sum(), 1)
+            best = int(np.argmax(by_domain[:, d] / np.maximum(by_domain.sum(1), 1)))
+            lead = by_domain[best, d] / max(by_domain[best].sum(), 1)
+            if lead >= 0.8:
+                findings.append((lead, f"{label}: expert {best} serves {dname} ({lead:.0%} of its {layer_rows[-1]['unit']} "
+                                       f"are {dname}; it takes {row[best]:.0%} of {dname}'s)"))
+            else:
+                findings.append((1 - lead, f"{label}: no expert serves {dname}: its best share of an expert is "
+                                           f"{lead:.2f} (expert {best})"))
+        if (name, 0) in ablated:
+            for e in range(len(load)):
+                for d, dname in enumerate(names):
+                    keep = np.flatnonzero((domain == d) & (pairs > 0))
+                    if not len(keep):
+                        continue
+                    base = np.exp(nll[keep].sum() / pairs[keep].sum())
+                    gone = np.exp(ablated[name, e][keep].sum() / pairs[keep].sum())
+                    boot = [np.exp(ablated[name, e][i].sum() / pairs[i].sum()) / np.exp(nll[i].sum() / pairs[i].sum())
+                            - 1 for i in (rng.choice(keep, len(keep)) for _ in range(n_boot))]
+                    ablation_rows.append({"layer": label, "expert": e, "domain": dname, "ppl": float(base),
+                                          "ppl_ablated": float(gone), "change": float(gone / base - 1),
+                                          **dict(zip(("change_low", "change_high"), _interval(boot, level)))})
+    ablation = pd.DataFrame(ablation_rows, columns=ABLATION_COLUMNS)
+    if len(ablation):
+        for (label, e), rows in ablation.groupby(["layer", "expert"], sort=False):
+            worst = rows.loc[rows["change"].idxmax()]
+            findings.append((float(worst["change"]), f"{label}: without expert {e}, {worst['domain']} perplexity "
+                             f"changes by {worst['change']:+.1%} [{worst['change_low']:+.1%}, "
+                             f"{worst['change_high']:+.1%}]"))
+    ordered = [text for _, text in sorted(findings, key=lambda f: -f[0])]
+    experts = pd.DataFrame(expert_rows)
+    return ExpertReport(pd.DataFrame(layer_rows, columns=LAYER_COLUMNS),
+                        experts[EXPERT_COLUMNS + [c for c in experts.columns if c not in EXPERT_COLUMNS]],
+                        ablation, ordered, level)
