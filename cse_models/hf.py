@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import logging
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from ntkscope.core.files import atomic_path, check_safetensors, read_json_object
 from ntkscope.core.lm import lm_loss
 
 SECTION = "cse_sparse"  # the config.json key of a converted model
+LEGACY_WEIGHTS = "pytorch_model.bin"  # a dense checkpoint's older weights file (read with weights_only=True)
 log = logging.getLogger(__name__)
 
 
@@ -294,11 +296,14 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
     weights the HF way accepted); nothing is unpickled, no checkpoint code runs."""
     func = "load_hf"
     directory = Path(directory)
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (directory / name).is_file():
-            raise MissingInput(f"{func}: {directory} has no {name} (an HF directory saved with safetensors)")
+    if not (directory / CONFIG_NAME).is_file():
+        raise MissingInput(f"{func}: {directory} has no {CONFIG_NAME} (an HF model directory)")
     saved = read_json_object(directory / CONFIG_NAME, func)
     section = flat_config(saved).get(SECTION)
+    legacy = section is None and not (directory / WEIGHTS_NAME).is_file() and (directory / LEGACY_WEIGHTS).is_file()
+    if not legacy and not (directory / WEIGHTS_NAME).is_file():
+        raise MissingInput(f"{func}: {directory} has no {WEIGHTS_NAME}" + (
+            "" if section is not None else f" or {LEGACY_WEIGHTS}") + " (an HF model directory)")
     if section is not None and saved.get("model_type") != MODEL_TYPE:
         log.warning("%s: %s was saved by an older cse_models (transformers' Auto classes would build a random model "
                     "from it); re-save it: cse_models.load_hf(DIR).save_pretrained(DIR)", func, directory)
@@ -306,13 +311,19 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
         raise UserError(f"{func}: {directory} is a converted model already ({section['sparse']['kind']}); "
                         "convert a dense checkpoint")
     transformers, hf_config = _hf_config(directory, func)
-    check_safetensors(directory / WEIGHTS_NAME, func)
+    if legacy:  # transformers reads it with torch.load(weights_only=True): tensors only, never pickled code
+        log.info("%s: %s holds %s only: read with torch.load(weights_only=True)", func, directory, LEGACY_WEIGHTS)
+    else:
+        check_safetensors(directory / WEIGHTS_NAME, func)
     if section is None:  # a dense checkpoint, loaded the HF way (which ties the head to the embedding)
         try:
             with quiet_loading():
                 hf, info = transformers.AutoModelForCausalLM.from_pretrained(
-                    directory, config=hf_config, local_files_only=True, use_safetensors=True, trust_remote_code=False,
-                    output_loading_info=True)
+                    directory, config=hf_config, local_files_only=True, use_safetensors=not legacy,
+                    trust_remote_code=False, output_loading_info=True)
+        except pickle.UnpicklingError as err:
+            raise UserError(f"{func}: {directory / LEGACY_WEIGHTS} holds more than tensors; it is not loaded, since "
+                            f"that would run pickled code ({str(err).splitlines()[0][:160]})") from None
         except (RuntimeError, ValueError, OSError) as err:
             raise UserError(f"{func}: the weights in {directory} do not match its config.json "
                             f"({str(err).splitlines()[0][:200]})") from None
@@ -349,6 +360,6 @@ def load_any_model(directory: str | os.PathLike, sparse: SparseConfig | dict | N
     layout as a :class:`SparseHF` (converted, or dense with ``sparse`` to convert later)."""
     directory = Path(directory)
     data = read_json_object(directory / CONFIG_NAME, "load_model") if (directory / CONFIG_NAME).is_file() else {}
-    if SECTION in data or "architectures" in data:
+    if SECTION in data or "architectures" in data or data.get("model_type") in LAYOUTS:
         return load_hf(directory, sparse)
     return load_model(directory)

@@ -146,6 +146,16 @@ class SparseCallback(_callback_base()):
         self.sparse = restore(model, checkpoint)
         return self.sparse
 
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """Refuse layers the model does not have before training starts, not at the warm-up."""
+        n_layer = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        if n_layer is not None and any(not 0 <= i < n_layer for i in self.layers):
+            raise UserError(f"SparseCallback: layers must be block indices in [0, {n_layer}) for this "
+                            f"{n_layer}-layer model (got {self.layers})")
+        if self.at > args.max_steps > 0:
+            log.warning("SparseCallback: the run stops at step %d, before the conversion at step %d", args.max_steps,
+                        self.at)
+
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.sparse is not None or state.global_step != self.at:
             return

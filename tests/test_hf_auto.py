@@ -116,3 +116,24 @@ def test_a_dense_model_saves_as_a_plain_hf_checkpoint_and_old_sparse_directories
 def _dense_dir(tmp_path):
     dense("gpt_neox").save_pretrained(tmp_path / "d")
     return tmp_path / "d"
+
+
+@torch.no_grad()
+def test_a_pytorch_model_bin_checkpoint_is_an_init_from_without_pickled_code(tmp_path):
+    ids, mask = batch()
+    hf = dense("gpt_neox")
+    hf.config.save_pretrained(tmp_path / "bin")  # an older checkpoint: config.json and a torch.save'd state dict
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    assert (tmp_path / "bin" / "pytorch_model.bin").is_file() and not (tmp_path / "bin" / "model.safetensors").exists()
+    model = load_any_model(tmp_path / "bin", dict(kind="cse", layers=[1], n_experts=[0]))
+    torch.testing.assert_close(model(ids, mask), hf(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)
+    # a pickle that would run code is refused, and the code never runs
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+    torch.save({"x": Payload()}, tmp_path / "bin" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="load_hf: .*pytorch_model.bin holds more than tensors"):
+        load_any_model(tmp_path / "bin")
+    assert not marker.exists()
