@@ -77,3 +77,16 @@ def test_every_committed_manifest_hash_is_its_file():
         manifest = strict_json_load(ROOT / run / "manifest.json")
         for name, digest in manifest["files"].items():
             assert hashlib.sha256((ROOT / run / name).read_bytes()).hexdigest() == digest, f"{run}/{name}"
+
+
+def test_the_claims_are_read_from_the_checkout_they_are_given(tmp_path, monkeypatch):
+    """Not from wherever the package is installed: a directory without figures/ is refused in one line."""
+    from ntkscope.reproduction.claims import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="--root . holds no figures/"):
+        main(["README.md"])
+    text = "<!--claim:map.cse.tail-->x<!--/claim-->"
+    (tmp_path / "page.md").write_text(text)
+    assert main(["--root", str(ROOT), str(tmp_path / "page.md")]) == 0
+    assert (tmp_path / "page.md").read_text() != text

@@ -53,7 +53,7 @@ from ntkscope.kernel.grads import (VMAP_FACTOR, FunctionalModel, Transient, chec
 from ntkscope.kernel.kernels import kernel_bytes
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.params import ParameterSelection
-from ntkscope.kernel.structured_layout import layout, work_elements
+from ntkscope.kernel.structured_layout import Probe, layout, work_elements
 
 log = logging.getLogger(__name__)
 
@@ -285,21 +285,6 @@ def _put_chunk(dst: Chunk, src: Chunk, start: int) -> None:
             put_rows(d, f, start)
     if src.fallback is not None:
         dst.fallback[start : start + src.fallback.shape[0]] = src.fallback
-
-
-@dataclass(frozen=True)
-class Probe:
-    """The plan, one sample's factor bytes, the factors of the probe samples (for the cost model),
-    what a chunk's forward and backward hold (:class:`~ntkscope.kernel.grads.Transient`,
-    measured, the chunk's own factors included), and the multiply-adds of loading one sample
-    (its forward and backward, and its per-sample gradients of any fallback parameters)."""
-
-    plan: FactorPlan
-    sample_bytes: int
-    uses: dict
-    fallback_params: int
-    transient: Transient
-    sample_cost: float
 
 
 #: Where no peak can be read: a chunk's forward and backward hold about this many times its

@@ -2,7 +2,7 @@
 many are streamed past it at once, how many go through one forward and backward (a chunk), and
 what that costs.
 
-Everything is sized from a :class:`~ntkscope.kernel.structured.Probe` (one sample's factor bytes,
+Everything is sized from a :class:`Probe` (one sample's factor bytes,
 a chunk's measured transient, the multiply-adds of loading a sample) and the budget. A panel and
 the stream are held; beside them, the larger of a chunk in flight (its forward and backward, plus
 the stream being filled when the stream is longer than a chunk) and the pair products' tiles (a
@@ -14,13 +14,28 @@ Among the layouts that fit, :func:`layout` takes the one of least :func:`layout_
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from ntkscope.kernel.factors import pair_choice
+from ntkscope.kernel.grads import Transient
 from ntkscope.kernel.kernels import sample_passes
 
-if TYPE_CHECKING:
-    from ntkscope.kernel.structured import Probe
+@dataclass(frozen=True)
+class Probe:
+    """The plan (a :class:`~ntkscope.kernel.structured.FactorPlan`; the layout does not read it),
+    one sample's factor bytes, the factors of the probe samples (for the cost model),
+    what a chunk's forward and backward hold (:class:`~ntkscope.kernel.grads.Transient`,
+    measured, the chunk's own factors included), and the multiply-adds of loading one sample
+    (its forward and backward, and its per-sample gradients of any fallback parameters)."""
+
+    plan: object
+    sample_bytes: int
+    uses: dict
+    fallback_params: int
+    transient: Transient
+    sample_cost: float
+
+
 
 WORK_SHARE = 0.25  #: of the budget, for the tiles of pair products
 MAX_CHUNK = 64  #: samples per forward/backward

@@ -5,9 +5,10 @@ A quoted number sits between markers that name its claim::
     the three rarest bins lie below it (|GC| <!--claim:tail.fig2a.abs_gc.0-->0.838<!--/claim-->, ...)
 
 (the markers do not show in rendered Markdown). :func:`claims` computes every claim from the
-committed runs (``figures/tail``, ``figures/tables``, ``figures/tables-late``, ``docs/router-table.csv``);
-:func:`render` rewrites the text between markers from them (``python -m
-ntkscope.reproduction.claims README.md docs/*.md``), and :func:`mismatches` lists the markers
+committed runs of a checkout it is given (``figures/tail``, ``figures/tables``, ``figures/tables-late``,
+``docs/router-table.csv``, ...); :func:`render` rewrites the text between markers from them
+(``python -m ntkscope.reproduction.claims [--root DIR] README.md docs/*.md``, from a checkout),
+and :func:`mismatches` lists the markers
 whose text differs or whose claim is unknown (the test that keeps the README honest).
 """
 
@@ -29,7 +30,6 @@ from ntkscope.reproduction.claims_experiments import (_budget, _gpu_gc, _own_mod
 from ntkscope.runs.dynamics import STABILITY_COLUMNS as STABILITY
 
 MARKER = re.compile(r"<!--claim:([\w.\-]+)-->(.*?)<!--/claim-->", re.S)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- the tail run -------------------------------------------------------------------------------
@@ -433,8 +433,9 @@ def _gc_outputs_quick(table: pd.DataFrame) -> dict:
     return out
 
 
-def claims(root: str | Path = ROOT) -> dict:
-    """Every claim name -> its text, computed from the committed runs under ``root``."""
+def claims(root: str | Path) -> dict:
+    """Every claim name -> its text, computed from the committed runs under ``root`` (a checkout
+    of the repository: its figures/, benchmarks/ and docs/ tables)."""
     root = Path(root)
     tail, tables = Tables(root / "figures/tail"), Tables(root / "figures/tables")
     makers: list[tuple[Callable, Tables]] = [(_tail_rule, tail), (_fig1, tail), (_fig2a, tail), (_fig3a, tail), (_fig3b, tail), (_fig3c, tail), (_fig4, tail), (_router, tail), (_fitting, tail),
@@ -484,9 +485,23 @@ def mismatches(text: str, values: dict) -> list[tuple[str, str, str | None]]:
     return [(m[1], m[2], values.get(m[1])) for m in MARKER.finditer(text) if values.get(m[1]) != m[2]]
 
 
-def main(paths) -> int:
-    values = claims()
-    for path in map(Path, paths):
+def main(argv) -> int:
+    """``python -m ntkscope.reproduction.claims [--root DIR] FILE ...``: render FILEs' claims from
+    the committed runs under DIR (default: the working directory, a checkout of the repository)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ntkscope.reproduction.claims",
+                                     description="render the quoted numbers of Markdown files from the committed runs")
+    parser.add_argument("--root", default=".", help="the repository checkout whose figures/ and benchmarks/ hold the "
+                        "runs (default: the working directory)")
+    parser.add_argument("paths", nargs="+", help="Markdown files to render in place")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    if not (root / "figures").is_dir():
+        raise SystemExit(f"python -m ntkscope.reproduction.claims: --root {root} holds no figures/ (run it from a "
+                         "checkout of the repository, or name one with --root)")
+    values = claims(root)
+    for path in map(Path, args.paths):
         text = path.read_text()
         new = render(text, values)
         if new != text:
