@@ -165,7 +165,7 @@ def test_the_walkthrough_from_a_config_to_a_comparison(tmp_path, caplog):
                       "--seq-len", 32, "--min-cluster-size", 5, "--out", tmp_path / "cmp")
     assert proc.returncode == 0, proc.stderr
     table = pd.read_csv(tmp_path / "cmp" / "tables" / "comparison.csv")
-    assert sorted(set(table["arm"])) == ["cse", "dense", "switch"] and len(table) == 9
+    assert sorted(set(table["arm"])) == ["cse", "demix", "dense", "switch"] and len(table) == 12
     assert (table.loc[table["arm"] == "dense", "vs_dense"] == 0).all()
     cse = table.loc[table["arm"] == "cse", "checkpoint"].iloc[0]
     proc = in_process("eval", cse, "--data", data / "test.jsonl", "--label-column", "domain", "--out",

@@ -2,9 +2,12 @@
 continuation, CSE (the plan's layers, router fitted on their data) and Switch with CSE's expert
 count at each layer, upcycled so that the model's function is unchanged at conversion (the gate
 renormalised to 1, no token dropped in evaluation: the fair capacity control; Switch adds only its
-router, d x experts per layer), each for the same steps and batches
-(so the same tokens), per seed; then evaluate every arm on their held-out data, per domain: the
-Tables 1-2 analogue for their model and data.
+router, d x experts per layer) and, when the training table has two labels or more, DEMix (one
+expert per label, routed by the label in training: the labelled upper bound), each for the same
+steps and batches (so the same tokens), per seed; then evaluate every arm on their held-out
+data, per domain (DEMix by its label-free mixture): the Tables 1-2 analogue for their model and
+data. Every arm starts a fresh warm-up of its learning rate from the checkpoint, the dense arm
+too: the researcher's own schedule and optimizer state are not continued.
 
 Each (arm, seed) is one ``cse_models.train`` run under ``OUT/runs/ARM-seedK`` and resumes where it
 stopped; a finished one is not retrained. ``OUT/comparison.csv``: arm, seed, domain, texts, tokens,
@@ -23,7 +26,7 @@ import pandas as pd
 from cse_models.domains import evaluate_domains
 from cse_models.hf import load_any_model
 from cse_models.checkpointing import latest_checkpoint
-from cse_models.train import train
+from cse_models.train import load_data, train
 from cse_models.train_config import TrainConfig, warmup_after
 from ntkscope.app.commands import data_files
 from ntkscope.core.checks import InputError, UserError
@@ -38,17 +41,21 @@ from ntkscope.text.inputs import DataSource, as_source
 
 log = logging.getLogger(__name__)
 
-ARMS = ("dense", "cse", "switch")
+ARMS = ("dense", "cse", "switch", "demix")  # DEMix only when the training table has two labels or more
 REQUEST = "compare.json"  # what OUT was asked to hold (:func:`ntkscope.core.requests.bind_request`)
 
 
-def _config(arm: str, run: Path, common: dict, cse: dict, sparse_layers, switch_experts: int | None) -> TrainConfig:
+def _config(arm: str, run: Path, common: dict, cse: dict, sparse_layers, switch_experts: int | None,
+            domains=()) -> TrainConfig:
     zeros = [0] * len(sparse_layers) if isinstance(sparse_layers, list) else [0]
     spec = {"dense": {},
             "cse": {"model": {"sparse": {"kind": "cse", "layers": sparse_layers, "n_experts": zeros}},
                     "cse": {"warmup_steps": 0, **cse}},
             "switch": {"model": {"sparse": {"kind": "switch", "layers": sparse_layers, "n_experts": zeros}},
-                       "upcycle": {"at": 0, "n_experts": switch_experts}}}[arm]
+                       "upcycle": {"at": 0, "n_experts": switch_experts}},
+            "demix": {"model": {"sparse": {"kind": "demix", "layers": sparse_layers, "n_experts": zeros,
+                                           "domains": list(domains)}},
+                      "upcycle": {"at": 0}}}[arm]
     return TrainConfig.from_dict({**common, **spec, "out_dir": str(run)})
 
 
@@ -82,7 +89,7 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
                     batch_size: int = 16, seq_len: int = 64, lr: float = 1e-3, seeds=(0,), text_column: str = "text",
                     label_column: str | None = None, data_format: str = "auto", tokenizer=None, n_samples: int = 3000,
                     min_cluster_size: int = 15, n_boot: int = 1000, out="compare", force: bool = False) -> dict:
-    """Train dense / CSE / Switch from ``init_from`` on ``train_data`` and compare them per domain on
+    """Train dense / CSE / Switch (/ DEMix) from ``init_from`` on ``train_data`` and compare them per domain on
     ``eval_data`` (both read as ``--data`` is). ``plan`` (from ``ntkscope plan``) gives the layers
     (and is checked against the model), or ``layers`` names them.
 
@@ -157,12 +164,16 @@ def _train_and_evaluate(init_from, data, eval_source, plan, sparse_layers, seeds
                   "tensorboard": False, "plan": None if plan is None else str(plan)}
         cse = {"n_samples": n_samples, "min_cluster_size": min_cluster_size}
         last = {}
-        for arm in ("dense", "cse", "switch"):
+        domains = load_data(_config("dense", out, common, cse, sparse_layers, None))[0].domain_names
+        arms = ARMS if len(domains) > 1 else ARMS[:3]
+        if len(domains) < 2 and seed == seeds[0]:
+            log.info("compare: no DEMix arm: it needs two labels or more in the training table (--label-column)")
+        for arm in arms:
             run = out / "runs" / f"{arm}-seed{seed}"
             experts = None
             if arm == "switch":  # CSE's expert count at each layer, upcycled so the function is unchanged
                 experts = list(load_any_model(last["cse"]).config.sparse.n_experts)
-            cfg = _config(arm, run, common, cse, sparse_layers, experts)
+            cfg = _config(arm, run, common, cse, sparse_layers, experts, domains)
             done = latest_checkpoint(run)
             last[arm] = done if done is not None and done.name == f"step-{steps:06d}" else train(cfg)
         results.append((seed, last))
