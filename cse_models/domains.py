@@ -105,6 +105,21 @@ class _RoutingRecorder:
             h.remove()
 
 
+def padded_batches(texts: list, batch_size: int):
+    """Yield (rows, ids (B, T), mask (B, T)) over the texts (lists of token ids) of two tokens or
+    more, shortest first, right-padded with 0 to the batch's longest; ``rows`` index ``texts``."""
+    order = [i for i in np.argsort([len(t) for t in texts], kind="stable") if len(texts[i]) > 1]
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        T = max(len(texts[i]) for i in rows)
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, :len(texts[i])] = torch.tensor(texts[i])
+            mask[r, :len(texts[i])] = 1
+        yield rows, ids, mask
+
+
 def _bootstrap(nll: np.ndarray, pairs: np.ndarray, n_boot: int, level: float, rng) -> tuple[float, float]:
     if len(nll) < 2:
         return float("nan"), float("nan")
@@ -143,15 +158,7 @@ def evaluate_domains(model, token_ids: Sequence[Sequence[int]], labels: Sequence
     was_training = model.training
     model.eval()
     try:
-        order = [i for i in np.argsort([len(t) for t in texts], kind="stable") if pairs[i] > 0]
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
-            T = max(len(texts[i]) for i in rows)
-            ids = torch.zeros(len(rows), T, dtype=torch.long)
-            mask = torch.zeros(len(rows), T, dtype=torch.long)
-            for r, i in enumerate(rows):
-                ids[r, :len(texts[i])] = torch.tensor(texts[i])
-                mask[r, :len(texts[i])] = 1
+        for rows, ids, mask in padded_batches(texts, batch_size):
             recorder.batch.clear()
             logp = _token_log_probs(model, ids.to(device), mask.to(device)).cpu()
             nll[rows] = -(logp * mask[:, 1:]).sum(1).numpy()

@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 from sklearn.metrics import normalized_mutual_info_score
 
-from cse_models.domains import _check_causal, _token_log_probs, context_length
+from cse_models.domains import _check_causal, _RoutingRecorder, _token_log_probs, context_length, padded_batches
 from cse_models.experts import CSELayer, SwitchFFN
 from ntkscope.core.checks import UserError
 
@@ -85,46 +85,26 @@ def _ablated(module, expert: int):
 
 
 def _score(model, texts: list, batch_size: int, layers: dict) -> tuple[np.ndarray, dict]:
-    """Per text: summed next-token NLL (N,), and per layer the units each expert took (N, E)."""
+    """Per text: summed next-token NLL (N,), and per layer of ``layers`` the units each expert
+    took (N, E)."""
     device = next(model.parameters()).device
     nll = np.zeros(len(texts))
     taken = {name: np.zeros((len(texts), len(m.experts)), dtype=np.int64) for name, m in layers.items()}
-    current: dict = {}
-
-    def hook(name):
-        def record(module, args, _out):
-            x, key_mask = args[0], (args[1] if len(args) > 1 else None)
-            if isinstance(module, CSELayer):
-                current[name] = module.route(x, key_mask)[1].cpu()
-            else:
-                choice = module.router(x).argmax(-1)
-                current[name] = (choice.masked_fill(~key_mask.bool(), -1) if key_mask is not None else choice).cpu()
-        return record
-    hooks = [m.register_forward_hook(hook(name)) for name, m in layers.items()]
+    recorder = _RoutingRecorder(model)
     try:
-        order = [i for i in np.argsort([len(t) for t in texts], kind="stable") if len(texts[i]) > 1]
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
-            T = max(len(texts[i]) for i in rows)
-            ids = torch.zeros(len(rows), T, dtype=torch.long)
-            mask = torch.zeros(len(rows), T, dtype=torch.long)
-            for r, i in enumerate(rows):
-                ids[r, :len(texts[i])] = torch.tensor(texts[i])
-                mask[r, :len(texts[i])] = 1
-            current.clear()
+        for rows, ids, mask in padded_batches(texts, batch_size):
+            recorder.batch.clear()
             logp = _token_log_probs(model, ids.to(device), mask.to(device)).cpu()
             nll[rows] = -(logp * mask[:, 1:]).sum(1).numpy()
-            for name, assign in current.items():
-                E = taken[name].shape[1]
+            for name in taken:
+                assign, E = recorder.batch[name], taken[name].shape[1]
                 if assign.dim() == 1:  # CSE: one expert per text
                     taken[name][rows, assign.numpy()] += 1
-                else:  # Switch: per token
+                else:  # Switch: per token, padding -1
                     for r, i in enumerate(rows):
-                        a = assign[r][assign[r] >= 0]
-                        taken[name][i] += np.bincount(a.numpy(), minlength=E)
+                        taken[name][i] += np.bincount(assign[r][assign[r] >= 0].numpy(), minlength=E)
     finally:
-        for h in hooks:
-            h.remove()
+        recorder.remove()
     return nll, taken
 
 

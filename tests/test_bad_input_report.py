@@ -123,7 +123,7 @@ def test_routing_of_several_arms_and_seeds_is_drawn_per_arm_and_seed(tmp_path):
         assert sum(np.allclose(image, expected) for image in drawn) == 1
     titles = " ".join(ax.get_title() + " " + ax.get_ylabel() for ax in fig.axes)
     assert all(f"{arm}, seed {seed}" in titles for arm in ("cse", "switch") for seed in (0, 1)), titles
-    assert "hf.gpt_neox.layers.1 " in titles  # the module path, not "hf.gpt_neoxs.1"
+    assert "layer 1 (mlp)" in titles and "gpt_neox" not in titles  # named by block, not "hf.gpt_neoxs.1"
     plt.close(fig)
     one = routing[(routing["arm"] == "cse") & (routing["seed"] == 0)].drop(columns=["arm", "seed"])
     fig = routing_shares(one)  # eval's table of one model: one row of panels, as before

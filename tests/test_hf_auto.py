@@ -12,22 +12,15 @@ import pytest
 import torch
 
 from cse_models import load_any_model
-from cse_models.cse import convert_to_cse, upcycle
 from cse_models.hf_auto import MODEL_TYPE
 
 transformers = pytest.importorskip("transformers")
-from test_hf_sparse import CONFIGS, batch, dense, planted_domains  # noqa: E402
+from test_hf_sparse import CONFIGS, batch, convert, dense  # noqa: E402
 
 
 def _sparse(kind: str, sparse_kind: str, tmp_path):
     dense(kind).save_pretrained(tmp_path / "dense")
-    model = load_any_model(tmp_path / "dense", dict(kind=sparse_kind, layers=[0, 2], n_experts=[0, 0]))
-    torch.manual_seed(3)
-    if sparse_kind == "cse":
-        planted, _ = planted_domains(T=12)
-        convert_to_cse(model, planted, None, min_cluster_size=10)
-    else:
-        upcycle(model, 3)
+    model = convert(load_any_model(tmp_path / "dense", dict(kind=sparse_kind, layers=[0, 2], n_experts=[0, 0])))
     model.save_pretrained(tmp_path / sparse_kind)
     return model.eval()
 

@@ -99,20 +99,26 @@ def test_cse_routes_a_planted_two_domain_batch_to_two_experts(kind):
         assert (assign[test_domain == d] == majority[d]).all()
 
 
+def convert(model: SparseHF) -> SparseHF:
+    """``model`` converted in place as its sparse config says: CSE on a planted two-domain batch,
+    or Switch upcycled to 3 experts (torch's RNG seeded for the router)."""
+    torch.manual_seed(3)
+    if model.config.sparse.kind == "cse":
+        convert_to_cse(model, planted_domains(T=12)[0], None, min_cluster_size=10)
+    else:
+        upcycle(model, 3)
+    return model
+
+
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 @torch.no_grad()
 def test_converted_models_round_trip_through_safetensors(kind, tmp_path):
     ids, mask = batch()
     dense(kind).save_pretrained(tmp_path / "dense")
     for sparse_kind in ("cse", "switch"):
-        model = load_any_model(tmp_path / "dense", dict(kind=sparse_kind, layers=[0, 2], n_experts=[0, 0]))
+        model = convert(load_any_model(tmp_path / "dense", dict(kind=sparse_kind, layers=[0, 2], n_experts=[0, 0])))
         assert isinstance(model, SparseHF)
-        torch.manual_seed(3)
-        if sparse_kind == "cse":
-            planted, _ = planted_domains(T=12)
-            convert_to_cse(model, planted, None, min_cluster_size=10)
-        else:
-            upcycle(model, 3)
+        if sparse_kind == "switch":
             for layer in model.sparse_layers().values():  # experts that differ, so the round trip is tested
                 for j, expert in enumerate(layer.experts):
                     for p in expert.parameters():
