@@ -157,7 +157,7 @@ def expert_report(model, token_ids: Sequence[Sequence[int]], labels: Sequence[st
         ablated = {}
         if ablate:
             for name, module in layers.items():
-                if getattr(module, "shuffled", False):  # routed by a hash of the tokens: no next-best expert
+                if getattr(module, "shuffled", False) or len(module.experts) < 2:  # no next-best expert
                     continue
                 for e in range(len(module.experts)):
                     with _ablated(module, e):

@@ -131,8 +131,9 @@ class SparseCallback(_callback_base()):
                             f"plan's warmup_steps (got {at!r})")
         if not layers:
             raise UserError("SparseCallback: layers must name the blocks to make sparse (or come from plan)")
-        if kind not in ("cse", "switch", "demix"):
-            raise UserError(f"SparseCallback: kind must be 'cse', 'switch' or 'demix' (got {kind!r})")
+        if kind not in ("cse", "switch"):  # DEMix routes by labels that Trainer's forward never passes
+            raise UserError(f"SparseCallback: kind must be 'cse' or 'switch' (got {kind!r}); DEMix needs domain labels "
+                            "in every forward, which Trainer does not pass: train it with cse-train")
         if kind == "cse" and not fitting:
             raise UserError("SparseCallback: fitting must hold the sequences CSE's router clusters "
                             "({'input_ids': (N, T) token ids[, 'attention_mask']})")

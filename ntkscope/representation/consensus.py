@@ -108,9 +108,9 @@ def _structure(labels: dict, *, horizon: int, threshold: float) -> pd.DataFrame:
     rows = []
     for step in steps:
         at = table[table["step"] == step]
-        bulk = at["size"] >= n / 2
+        bulk = (at["size"] >= n / 2).astype(bool)
         tested = at[~bulk]
-        persisting = tested[tested["persists"]]
+        persisting = tested[tested["persists"].astype(bool)]
         rows.append({"step": int(step), "structure": float(persisting["size"].sum() / n), "n_clusters": len(at),
                      "n_persisting": len(persisting), "bulk_share": float(at.loc[bulk, "size"].sum() / n)})
     return pd.DataFrame(rows)
