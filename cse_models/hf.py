@@ -293,7 +293,8 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
     """An HF causal LM directory (``config.json`` + ``model.safetensors``) as a :class:`SparseHF`
     in eval mode: a converted one with its sparse layers, or a dense one with ``sparse`` (layers
     listed, 0 experts: dense until converted). Missing or unexpected tensors are refused (tied
-    weights the HF way accepted); nothing is unpickled, no checkpoint code runs."""
+    weights the HF way accepted); a dense checkpoint with only ``pytorch_model.bin`` is read with
+    ``torch.load(weights_only=True)``: tensors only, no checkpoint code runs."""
     func = "load_hf"
     directory = Path(directory)
     if not (directory / CONFIG_NAME).is_file():

@@ -10,8 +10,8 @@ and refuses the directory with an error that names it, so it never builds a rand
 
 Registration costs nothing at ``import cse_models``: the Auto classes are registered when
 transformers' ``modeling_auto`` module is first imported (a one-shot import hook), or at once
-when it already is. Loading goes through :func:`cse_models.hf.load_hf`: strict, safetensors
-only, no checkpoint code.
+when it already is. Loading goes through :func:`cse_models.hf.load_hf`: strict, safetensors,
+no checkpoint code.
 
 How CSE routes while generating: a CSE layer routes each sequence by the mean of its FFN
 input over the sequence's tokens, as in training. :class:`SparseForCausalLM` therefore runs

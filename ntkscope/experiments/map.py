@@ -25,8 +25,8 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
         results.update(read_results(run))
     blocks = make_sweep(spec, Path(runs[0]), pack).test_blocks()
     table = gains(results, [blocks.domain_names[int(d)] for d in blocks.domains])
-    plans = {int(p.stem.removeprefix("seed")): json.loads(p.read_text())
-             for r in runs for p in sorted((Path(r) / "plans").glob("seed*.json"))}
+    plans = {int(p.stem.removeprefix("seed")): json.loads(p.read_text())  # the first run's, as for results
+             for r in reversed([Path(r) for r in runs]) for p in sorted((r / "plans").glob("seed*.json"))}
     found = verdicts(table, spec.seeds, plans=plans)
     planned = {u.name for u in units(spec, "")}
     found["units"] = {"spec": spec.name, "planned": len(planned), "done": len(planned & set(results))}

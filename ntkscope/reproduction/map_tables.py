@@ -85,7 +85,7 @@ def verdicts(table: pd.DataFrame, seeds, *, step: int = 1200, plans: dict | None
     (the spec's). ``plans``: {seed: plan dict} for the rule's verdict, when the plans ran."""
     seeds = list(seeds)
     need = math.ceil(0.8 * len(seeds))  # 4 of 5
-    tail = table[table["domain"] == "tail"]
+    tail = table[(table["domain"] == "tail") & table["seed"].isin(seeds)]  # the spec's seeds only
     null = tail[(tail["arm"] == "dense-null") & (tail["step"] == step)].set_index("seed")["gain"]
     out = {"seeds": seeds, "step": step, "needs": f"{need} of {len(seeds)} seeds"}
 
