@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # The warm-up map on one lent GPU (issue 42): both specs at once, each stopped before the call's
-# limit (units that finished are kept; the rest resume from their keys on any machine). What
-# finished comes back as one archive: units, results, plans, tables, logs and each model's
-# metrics and analysis caches (models.tgz); checkpoints stay behind (too large to bring back).
-#   scripts/gpu_map.sh SECONDS   (run from the repository root, with $OUT set)
+# limit (units that finished are kept; the rest resume from their keys on any machine). The units
+# already committed under figures/warmup-map count as done (--adopt), except the trunks: their
+# checkpoints were never brought back, so they are re-made (bit for bit on the same GPU kind)
+# for the arms that branch from them. What finished comes back as one archive: units, results,
+# plans, tables, logs and each model's metrics and analysis caches (models.tgz); checkpoints stay
+# behind (too large to bring back).
+#   scripts/gpu_map.sh SECONDS [MAP_WORKERS] [MIX_WORKERS]   (from the repository root, $OUT set)
+# Many small units share one GPU: with CUDA MPS (started here when the driver has it, stopped at
+# the end) their kernels run side by side instead of in turns.
 set -u
 LIMIT=${1:-480}
+MAP_WORKERS=${2:-12}
+MIX_WORKERS=${3:-3}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -15,13 +22,33 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, sklearn, scipy; print('torch', torch.__version__, 'sklearn', sklearn.__version__, 'scipy', scipy.__version__, 'cuda', torch.cuda.is_available())"
+stage() {  # committed results, less the trunks, as an --adopt directory
+  mkdir -p "$2/results"
+  for f in "$1"/results/*.json; do
+    case "$(basename "$f")" in dense-seed*) ;; *) cp "$f" "$2/results/" ;; esac
+  done
+}
+stage figures/warmup-map /tmp/adopt-map
+stage figures/warmup-map/mix /tmp/adopt-mix
+mps=""
+if command -v nvidia-cuda-mps-control >/dev/null; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p /tmp/mps-pipe /tmp/mps-log
+  if nvidia-cuda-mps-control -d && timeout 60 python3 -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
+    mps=1; echo "CUDA MPS on"
+  else
+    echo quit | nvidia-cuda-mps-control 2>/dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    echo "CUDA MPS did not start: units take turns on the GPU"
+  fi
+fi
 start=$(date +%s)
-timeout "$LIMIT" python3 -m ntkscope experiment run warmup-map --out runs/warmup-map --workers 11 --device cuda \
-  >"$OUT/map.log" 2>&1 &
+timeout "$LIMIT" python3 -m ntkscope experiment run warmup-map --out runs/warmup-map --workers "$MAP_WORKERS" \
+  --device cuda --adopt /tmp/adopt-map >"$OUT/map.log" 2>&1 &
 timeout "$LIMIT" python3 -m ntkscope experiment run warmup-map-mix --data packs/tail-half --out runs/warmup-map-mix \
-  --workers 3 --device cuda >"$OUT/mix.log" 2>&1 &
+  --workers "$MIX_WORKERS" --device cuda --adopt /tmp/adopt-mix >"$OUT/mix.log" 2>&1 &
 wait
 echo "ran $(( $(date +%s) - start )) s"
+[ -n "$mps" ] && echo quit | nvidia-cuda-mps-control
 python3 -m ntkscope experiment status runs/warmup-map 2>&1 | tail -5
 python3 -m ntkscope experiment status runs/warmup-map-mix 2>&1 | tail -5
 tar czf "$OUT/map.tgz" --exclude='models' runs/warmup-map runs/warmup-map-mix

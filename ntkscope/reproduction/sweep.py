@@ -206,7 +206,7 @@ class Sweep:
         s, trunk, fitting = self.settings, self.model_dir(self.trunk.name, seed), self.fitting(seed)
         steps = self._window() + [self._window()[-1] + h * s.checkpoint_every for h in range(1, self.rule.horizon + 1)]
         kw = dict(domains=fitting["domains"], tail=s.finetune_domains, router={**router_options(s), "seed": seed},
-                  steps=steps, layers=self.layers)
+                  steps=steps, layers=self.layers, device=self._analysis_device())
         persistence = router_persistence(trunk, fitting["batch"], horizon=self.rule.horizon,
                                          threshold=self.rule.threshold, **kw)
         window = {L: t[t["step"].isin(self._window())] for L, t in persistence.items()}
@@ -233,6 +233,11 @@ class Sweep:
                  verdict[keep].to_dict("records"))
         return plan
 
+    def _analysis_device(self) -> str:
+        """Where the plan's checkpoints embed their blocks: the GPU when units train there."""
+        device = self.settings.device
+        return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
     def _structure_plan(self, seed: int, steps: list, fitting: dict, persistence: dict, single: int | None) -> Plan:
         """The plan by the consensus-structure rule (:class:`Structure`), with the single-fit
         rule's tables and step (``persistence``, ``single``) as evidence beside it."""
@@ -243,7 +248,7 @@ class Sweep:
         tables, labels = router_structure(
             trunk, batch, every, router=router_options(s), steps=steps, n_fits=st.n_fits, fraction=st.fraction,
             seed=seed, horizon=self.rule.horizon, threshold=self.rule.threshold, level=st.level, min_size=st.min_size,
-            n_boot=st.n_boot, confidence=st.confidence)
+            n_boot=st.n_boot, confidence=st.confidence, device=self._analysis_device())
         step = structure_step({L: tables[L] for L in self.layers}, min_structure=st.min_structure,
                               window=self._window())
         rule = "consensus-structure" if step is not None else "window-end"
@@ -374,7 +379,8 @@ class Sweep:
         from ntkscope.runs.checkpoints import load_checkpoint
         from ntkscope.runs.embeddings import layer_embeddings
         model = load_checkpoint(self.model_dir(self.trunk.name, seed) / "checkpoints" / f"step-{at:06d}")
-        emb = layer_embeddings(model, self.fitting(seed)["batch"], point="ffn_input", layers=layers).embeddings
+        emb = layer_embeddings(model.to(self._analysis_device()), self.fitting(seed)["batch"], point="ffn_input",
+                               layers=layers).embeddings
         return [fit_router(emb[L], **{**router_options(self.settings), "seed": seed + L}).n_clusters for L in layers]
 
     def _same_unit(self, arm: Arm, seed: int) -> Arm | None:

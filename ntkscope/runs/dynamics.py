@@ -120,12 +120,13 @@ def select_checkpoints(run_dir, steps, func: str) -> list:
     return [(s, p) for s, p in checkpoints if s in wanted]
 
 
-def walk(run_dir, analyses: dict, *, steps=None, cache_dir=None, models=None, func: str = "walk"):
+def walk(run_dir, analyses: dict, *, steps=None, cache_dir=None, models=None, func: str = "walk", device=None):
     """One pass over a run's checkpoints for several analyses ({name: :class:`Analysis`}): each
     checkpoint's result of each analysis is read from the cache, or computed, and a checkpoint
     is loaded at most once, only when some analysis has no cached result there (``models``:
-    {path: model} already loaded by the caller, used as they are). Returns ([(step, path)],
-    {name: [result per checkpoint]})."""
+    {path: model} already loaded by the caller, used as they are; ``device``: where a loaded
+    checkpoint computes, default the CPU; the cache does not tell devices apart). Returns
+    ([(step, path)], {name: [result per checkpoint]})."""
     checkpoints = select_checkpoints(run_dir, steps, func)
     cache = _cache(run_dir, cache_dir, func)
     models = {str(k): v for k, v in (models or {}).items()}
@@ -137,7 +138,10 @@ def walk(run_dir, analyses: dict, *, steps=None, cache_dir=None, models=None, fu
         def model(path=path):
             if not loaded:
                 given = models.get(str(path))
-                loaded.append(given if given is not None else load_checkpoint(path))
+                if given is None:
+                    given = load_checkpoint(path)
+                    given = given if device is None else given.to(device)
+                loaded.append(given)
             return loaded[0]
 
         for name, analysis in analyses.items():
@@ -273,7 +277,7 @@ def persistence_tables(checkpoints: list, results: list, n: int, *, horizon: int
 
 
 def router_dynamics(run_dir, batch: dict, layers=None, *, domains=None, tail=(), point: str = "ffn_input",
-                    router: dict | None = None, steps=None, cache_dir=None) -> pd.DataFrame:
+                    router: dict | None = None, steps=None, cache_dir=None, device=None) -> pd.DataFrame:
     """The CSE router's clusters of ``batch`` over a run: at each checkpoint and each of
     ``layers`` (default all), :func:`~ntkscope.fit_router` with ``router`` (its keyword
     arguments; default: its defaults) on the ``point`` embeddings, the router CSE would build there.
@@ -282,24 +286,25 @@ def router_dynamics(run_dir, batch: dict, layers=None, *, domains=None, tail=(),
     index, scikit-learn, of the labels against the next checkpoint's, noise as one more label;
     NaN at the last). With ``domains`` (n,) also :func:`~ntkscope.representation.structure.cluster_purity`'s
     n_pure, n_pure_tail, tail_share (and per ``tail`` domain), ari, and per domain the kNN lift
-    and silhouette in the routing space. Cached per checkpoint like :func:`cluster_dynamics`.
+    and silhouette in the routing space. Cached per checkpoint like :func:`cluster_dynamics`;
+    ``device``: where the checkpoints embed ``batch`` (:func:`walk`).
     """
     analysis = router_analysis(batch, layers, domains=domains, tail=tail, point=point, router=router)
     checkpoints, results = walk(run_dir, {"router": analysis}, steps=steps, cache_dir=cache_dir,
-                                func="router_dynamics")
+                                func="router_dynamics", device=device)
     return router_table(checkpoints, results["router"])
 
 
 def router_persistence(run_dir, batch: dict, layers=None, *, domains=None, tail=(), point: str = "ffn_input",
                        router: dict | None = None, steps=None, cache_dir=None, horizon: int = 2,
-                       threshold: float = 0.5) -> dict:
+                       threshold: float = 0.5, device=None) -> dict:
     """Per layer, :func:`~ntkscope.representation.persistence.persistence_summary` of the
     router's clusters of ``batch`` over a run: do its small clusters persist? The same fits (and
-    cache) as :func:`router_dynamics` with the same arguments; ``horizon`` and ``threshold`` are
+    cache) as :func:`router_dynamics` with the same arguments (``device`` too); ``horizon`` and ``threshold`` are
     :func:`~ntkscope.representation.persistence.cluster_persistence`'s. Returns {layer: table}."""
     analysis = router_analysis(batch, layers, domains=domains, tail=tail, point=point, router=router)
     checkpoints, results = walk(run_dir, {"router": analysis}, steps=steps, cache_dir=cache_dir,
-                                func="router_persistence")
+                                func="router_persistence", device=device)
     return persistence_tables(checkpoints, results["router"], len(next(iter(batch.values()))), horizon=horizon,
                               threshold=threshold)
 
@@ -323,15 +328,15 @@ def structure_analysis(batch: dict, layers=None, *, point: str = "ffn_input", ro
 def router_structure(run_dir, batch: dict, layers=None, *, point: str = "ffn_input", router: dict | None = None,
                      steps=None, cache_dir=None, n_fits: int = 8, fraction: float = 0.8, seed: int = 0,
                      horizon: int = 2, threshold: float = 0.5, level: float = 0.5, min_size: int = 10,
-                     n_boot: int = 20, confidence: float = 0.9) -> tuple[dict, dict]:
+                     n_boot: int = 20, confidence: float = 0.9, device=None) -> tuple[dict, dict]:
     """The consensus structure of the router's clusters of ``batch`` over a run, per layer
     (:func:`~ntkscope.representation.consensus.structure_series`: structure, its bootstrap
-    interval, ...), from ``n_fits`` resampled fits per checkpoint (cached per checkpoint).
+    interval, ...), from ``n_fits`` resampled fits per checkpoint (cached per checkpoint; ``device``: where the checkpoints embed, :func:`walk`).
     Returns ({layer: series table}, {layer: {step: (n,) consensus labels}})."""
     analysis = structure_analysis(batch, layers, point=point, router=router, n_fits=n_fits, fraction=fraction,
                                   seed=seed)
     checkpoints, results = walk(run_dir, {"structure": analysis}, steps=steps, cache_dir=cache_dir,
-                                func="router_structure")
+                                func="router_structure", device=device)
     tables, labels = {}, {}
     for layer in results["structure"][0] if results["structure"] else {}:
         fits = {step: np.asarray(found[layer]) for (step, _), found in zip(checkpoints, results["structure"])}
