@@ -544,30 +544,3 @@ def score_histogram_bars(histogram, *, title: str = ""):
     ax.set_title(title or "Sentence frequency", fontsize=10)
     fig.tight_layout()
     return fig
-
-
-def map_controls(gains, *, step: int = 1200, title: str = ""):
-    """The warm-up map's arms at one conversion step: each arm's paired tail gain over its trunk
-    (log-perplexity, legal and biomedical averaged; negative is better), one point per seed with
-    its block-bootstrap interval, and the null arm's seeds as a grey band. ``gains``: a
-    :func:`ntkscope.reproduction.map_tables.gains` table."""
-    plt = _pyplot()
-    tail = gains[(gains["domain"] == "tail") & (gains["step"] == step)]
-    null = tail[tail["arm"] == "dense-null"]["gain"]
-    arms = sorted(set(tail["arm"]), key=lambda a: tail.loc[tail["arm"] == a, "gain"].mean())
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(arms) + 1.4))
-    if len(null):
-        ax.axvspan(null.min(), null.max(), color="0.85", label=f"dense-null ({len(null)} seeds)")
-    ax.axvline(0, color="0.4", lw=0.8)
-    for y, arm in enumerate(arms):
-        part = tail[tail["arm"] == arm].sort_values("seed")
-        offsets = np.linspace(-0.18, 0.18, max(len(part), 1))
-        ax.errorbar(part["gain"], y + offsets[:len(part)], xerr=[part["gain"] - part["low"], part["high"] - part["gain"]],
-                    fmt="o", ms=4, lw=1, capsize=2)
-    ax.set_yticks(range(len(arms)), [f"{a} ({int((tail['arm'] == a).sum())})" for a in arms])
-    ax.set_xlabel("tail gain over the trunk: Δ log perplexity (legal, biomedical); < 0 is better")
-    ax.set_title(title or f"converted at step {step}: one point per seed, 90 % block-bootstrap intervals", fontsize=9)
-    if len(null):
-        ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    return fig

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The warm-up map on one lent GPU (issue 42): both specs at once, each stopped before the call's
 # limit (units that finished are kept; the rest resume from their keys on any machine). The units
-# already committed under figures/warmup-map count as done (--adopt), except the trunks: their
-# checkpoints were never brought back, so they are re-made (bit for bit on the same GPU kind)
-# for the arms that branch from them. What finished comes back as one archive: units, results,
+# committed from the same GPU kind (a build whose device.json names this GPU) count as done
+# (--adopt), except the trunks: their checkpoints were never brought back, so they are re-made
+# for the arms that branch from them, and the script says whether they came out bit for bit the
+# committed ones (another GPU kind's trunks do not: its units are not adopted). What finished comes back as one archive: units, results,
 # plans, tables, logs and each model's metrics and analysis caches (models.tgz); checkpoints stay
 # behind (too large to bring back).
 #   scripts/gpu_map.sh SECONDS [MAP_WORKERS] [MIX_WORKERS]   (from the repository root, $OUT set)
@@ -22,10 +23,16 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, sklearn, scipy; print('torch', torch.__version__, 'sklearn', sklearn.__version__, 'scipy', scipy.__version__, 'cuda', torch.cuda.is_available())"
-stage() {  # committed results, less the trunks, as an --adopt directory
-  mkdir -p "$2/results"
-  for f in "$1"/results/*.json; do
-    case "$(basename "$f")" in dense-seed*) ;; *) cp "$f" "$2/results/" ;; esac
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+stage() {  # the committed results of this GPU kind's builds under $1, less the trunks, as an --adopt directory
+  mkdir -p "$2/results" "$2/trunks"
+  for build in "$1" "$1"/h100; do
+    kind=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['gpu'])" "$build/device.json" 2>/dev/null)
+    case "$GPU" in "$kind"*) ;; *) continue ;; esac
+    echo "adopting the units of $build ($kind)"
+    for f in "$build"/results/*.json; do
+      case "$(basename "$f")" in dense-seed*) cp "$f" "$2/trunks/" ;; *) cp "$f" "$2/results/" ;; esac
+    done
   done
 }
 stage figures/warmup-map /tmp/adopt-map
@@ -49,6 +56,17 @@ timeout "$LIMIT" python3 -m ntkscope experiment run warmup-map-mix --data packs/
 wait
 echo "ran $(( $(date +%s) - start )) s"
 [ -n "$mps" ] && echo quit | nvidia-cuda-mps-control
+for pair in map:warmup-map mix:warmup-map-mix; do  # adopted arms pair with these trunks only if they are the committed ones
+  python3 - "/tmp/adopt-${pair%%:*}" "runs/${pair#*:}" <<'PY'
+import json, pathlib, sys
+staged, run = pathlib.Path(sys.argv[1]) / "trunks", pathlib.Path(sys.argv[2]) / "results"
+for old in sorted(staged.glob("*.json")):
+    new = run / old.name
+    if new.is_file():
+        same = json.loads(new.read_text())["blocks"] == json.loads(old.read_text())["blocks"]
+        print(f"{run.parent.name} {old.stem}: re-made {'bit for bit' if same else 'DIFFERENT: its adopted arms do not pair'}")
+PY
+done
 python3 -m ntkscope experiment status runs/warmup-map 2>&1 | tail -5
 python3 -m ntkscope experiment status runs/warmup-map-mix 2>&1 | tail -5
 tar czf "$OUT/map.tgz" --exclude='models' runs/warmup-map runs/warmup-map-mix

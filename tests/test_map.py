@@ -44,8 +44,8 @@ def test_family_strips_the_step_suffix_only():
 
 
 def _table(rows):
-    return pd.DataFrame([{"arm": a, "step": 1200, "seed": s, "domain": "tail", "gain": g, "low": g, "high": g,
-                          "ppl": None, "ppl_dense": None} for a, s, g in rows])
+    return pd.DataFrame([{"arm": a, "step": 1200, "seed": s, "trunks": "", "domain": "tail", "gain": g, "low": g,
+                          "high": g, "ppl": None, "ppl_dense": None} for a, s, g in rows])
 
 
 def test_the_pre_registered_verdicts():
@@ -69,8 +69,8 @@ def test_the_rule_is_judged_against_each_trunks_map():
     steps = [300, 600, 900, 1200, 1800]
     curve = [-0.01, -0.05, -0.09, -0.10, -0.08]
     table = _table([])
-    table = pd.DataFrame([{"arm": "cse", "step": st, "seed": 0, "domain": "tail", "gain": g, "low": g, "high": g}
-                          for st, g in zip(steps, curve)])
+    table = pd.DataFrame([{"arm": "cse", "step": st, "seed": 0, "trunks": "", "domain": "tail", "gain": g, "low": g,
+                           "high": g} for st, g in zip(steps, curve)])
     plans = {0: {"warmup_steps": 900, "warmup_rule": "consensus-structure"}}
     assert verdicts(table, [0], plans=plans)["rule"]["0"]["verdict"] == "good"  # 0.09 >= 0.8 x 0.10, before 1200
     plans = {0: {"warmup_steps": 600, "warmup_rule": "consensus-structure"}}
@@ -79,13 +79,44 @@ def test_the_rule_is_judged_against_each_trunks_map():
     assert verdicts(table, [0], plans=plans)["rule"]["0"]["verdict"] == "the rule chose nothing"
 
 
-def test_the_committed_map_is_its_committed_results(tmp_path):
-    """gains.csv and verdicts.json are rebuilt, equal, from figures/warmup-map/results."""
+def test_the_layer_pair_ranked_by_structure_is_judged_against_the_map():
+    table = _table([("cse", 0, -0.09), ("cse-l01", 0, -0.03), ("cse", 1, -0.05), ("cse-l01", 1, -0.10),
+                    ("cse", 2, -0.05), ("cse-l01", 2, -0.01)]).assign(trunks="a")
+    def plan(structure):
+        return {"warmup_steps": 900, "warmup_rule": "consensus-structure",
+                "evidence": {"structure_rule": {"min_structure": 0.05},
+                             "structure_by_layer": [{"layer": L, "structure": x} for L, x in enumerate(structure)]}}
+    plans = {0: plan([0.0, 0.1, 0.2, 0.2]), 1: plan([0.0, 0.1, 0.2, 0.2]), 2: plan([0.01, 0.0, 0.02, 0.0])}
+    found = verdicts(table, [0, 1, 2], plans=plans)["layers"]
+    assert found["trunks"]["0"]["verdict"] == "agrees"  # {2, 3} ranked higher and lower in the map
+    assert found["trunks"]["1"]["verdict"] == "disagrees" and found["trunks"]["1"]["map_better"] == [0, 1]
+    assert found["trunks"]["2"]["verdict"] == "no choice"  # neither pair reaches min_structure
+    assert (found["agree"], found["judged"]) == (1, 2)
+
+
+def test_each_unit_is_paired_with_its_own_runs_trunks(tmp_path):
+    """Two builds of the same seed's trunk (another GPU kind): a unit's gain is against its own."""
     from ntkscope.experiments import load_spec
     from ntkscope.experiments.map import summarise_map
 
     folder = ROOT / "figures" / "warmup-map"
-    summarise_map([folder], tmp_path, load_spec("warmup-map"))
+    summarise_map([folder, folder / "h100"], tmp_path, load_spec("warmup-map"))
+    table = pd.read_csv(tmp_path / "tables" / "gains.csv")
+    row = table[(table["arm"] == "cse") & (table["step"] == 1200) & (table["seed"] == 0)
+                & (table["domain"] == "legal")].iloc[0]
+    own = json.loads((folder / "h100" / "results" / "dense-seed0.json").read_text())
+    assert row["trunks"] == "NVIDIA H100" and row["ppl_dense"] == pytest.approx(own["ppl legal"])
+    other = json.loads((folder / "results" / "dense-seed0.json").read_text())
+    assert own["ppl legal"] != other["ppl legal"]  # the builds differ: pairing across them would be wrong
+
+
+def test_the_committed_map_is_its_committed_results(tmp_path):
+    """gains.csv and verdicts.json are rebuilt, equal, from figures/warmup-map's two builds."""
+    from ntkscope.experiments import load_spec
+    from ntkscope.experiments.map import summarise_map
+
+    folder = ROOT / "figures" / "warmup-map"
+    summarise_map([folder, folder / "h100"], tmp_path, load_spec("warmup-map"))
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "tables" / "gains.csv"),
                                   pd.read_csv(folder / "tables" / "gains.csv"))
     assert json.loads((tmp_path / "tables" / "verdicts.json").read_text()) == \

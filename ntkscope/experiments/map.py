@@ -1,38 +1,77 @@
 """The warm-up map's summary (issue 42): from the finished units of one or more run directories
 on the same trunks, the paired gains with their block-bootstrap intervals, the pre-registered
 verdicts (figures/warmup-map/CRITERIA.md) and the controls' figure
-(:mod:`ntkscope.reproduction.map_tables` computes them)."""
+(:mod:`ntkscope.reproduction.map_tables` computes them, :mod:`ntkscope.reproduction.map_figures` draws them)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pandas as pd
+
 from ntkscope.core.files import write_json, write_table
 from ntkscope.experiments.spec import Spec
 from ntkscope.experiments.units import make_sweep, units
-from ntkscope.plotting import map_controls, save_figure
+from ntkscope.plotting import save_figure
+from ntkscope.reproduction.map_figures import map_controls, map_curve
 from ntkscope.reproduction.map_tables import gains, read_results, verdicts
+
+
+def trunks_label(run: Path) -> str:
+    """A run directory's build of the trunks: ``device.json``'s ``gpu`` when it has one (a trunk
+    re-made on another GPU kind is another model), else the directory's name."""
+    path = Path(run) / "device.json"
+    return str(json.loads(path.read_text())["gpu"]) if path.is_file() else Path(run).name
 
 
 def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     """The map's tables from the finished units of ``runs`` (run directories of ``spec``'s
-    experiment and of its companions on the same trunks; a unit name found in several is taken
-    from the first): OUT/tables/gains.csv, OUT/tables/verdicts.json and OUT/controls.png.
-    Returns the verdicts."""
-    results = {}
-    for run in reversed([Path(r) for r in runs]):
-        results.update(read_results(run))
-    blocks = make_sweep(spec, Path(runs[0]), pack).test_blocks()
-    table = gains(results, [blocks.domain_names[int(d)] for d in blocks.domains])
-    plans = {int(p.stem.removeprefix("seed")): json.loads(p.read_text())  # the first run's, as for results
-             for r in reversed([Path(r) for r in runs]) for p in sorted((r / "plans").glob("seed*.json"))}
+    experiment and of its companions; a unit name found in several is taken from the first): each
+    unit is paired with the trunks of its own run directory (``trunks`` in the table: its build,
+    :func:`trunks_label`), the verdicts say which pairs crossed builds. Writes
+    OUT/tables/gains.csv, OUT/tables/verdicts.json, OUT/controls.png and OUT/map.png; returns the
+    verdicts."""
+    runs = [Path(r) for r in runs]
+    blocks = make_sweep(spec, runs[0], pack).test_blocks()
+    domains = [blocks.domain_names[int(d)] for d in blocks.domains]
+    tables, taken = [], set()
+    for run in runs:
+        results = read_results(run)
+        mine = {n: r for n, r in results.items() if n not in taken or n.startswith("dense-seed")}
+        tables.append(gains(mine, domains, trunks=trunks_label(run)))
+        taken |= set(results)
+    table = pd.concat([t for t in tables if len(t)] or tables[:1], ignore_index=True)
+    plans = {}
+    for run in reversed(runs):  # the first run's, as for results
+        for p in sorted((run / "plans").glob("seed*.json")):
+            plans[int(p.stem.removeprefix("seed"))] = {**json.loads(p.read_text()), "trunks": trunks_label(run)}
     found = verdicts(table, spec.seeds, plans=plans)
     planned = {u.name for u in units(spec, "")}
-    found["units"] = {"spec": spec.name, "planned": len(planned), "done": len(planned & set(results))}
+    done = taken | {f"plan-seed{s}" for s in plans}
+    found["units"] = {"spec": spec.name, "planned": len(planned), "done": len(planned & done)}
     out = Path(out)
     (out / "tables").mkdir(parents=True, exist_ok=True)
     write_table(table, out / "tables" / "gains.csv")
     write_json(out / "tables" / "verdicts.json", found)
     save_figure(map_controls(table), out / "controls.png")
+    rule = {s: p["warmup_steps"] for s, p in plans.items() if p.get("warmup_rule") == "consensus-structure"}
+    save_figure(map_curve(table, plan_structure(plans), rule), out / "map.png")
     return found
+
+
+def plan_structure(plans: dict) -> pd.DataFrame:
+    """step, seed, structure: each plan's consensus structure over the checkpoints of its rule's
+    window (the later ones cannot show persistence yet), averaged over the layers the rule judged
+    (its ``judged_at_layers``)."""
+    rows = []
+    for seed, plan in sorted(plans.items()):
+        evidence = plan.get("evidence") or {}
+        rule = evidence.get("structure_rule", {})
+        layers, window = rule.get("judged_at_layers", []), set(rule.get("window", []))
+        tables = [pd.DataFrame(evidence["structure"][str(L)]) for L in layers if str(L) in evidence.get("structure", {})]
+        if tables:
+            mean = pd.concat(tables).groupby("step")["structure"].mean()
+            rows += [{"step": int(s), "seed": seed, "structure": float(v)} for s, v in mean.items()
+                     if not window or int(s) in window]
+    return pd.DataFrame(rows, columns=["step", "seed", "structure"])

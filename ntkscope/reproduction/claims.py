@@ -26,7 +26,8 @@ from ntkscope.core.files import write_text
 from ntkscope.representation.plan import gc_peak, stable_step
 from ntkscope.reproduction.claim_values import Tables, _f, _range, _signed_range, _steps
 from ntkscope.reproduction.claims_experiments import (_budget, _gpu_gc, _own_model, _p1, _p7, _sweep, _tail_rule,
-                                                      _tracked, _tracker, _training_step, _warmup_map)
+                                                      _tracked, _tracker, _training_step)
+from ntkscope.reproduction.claims_map import _warmup_map
 from ntkscope.runs.dynamics import STABILITY_COLUMNS as STABILITY
 
 MARKER = re.compile(r"<!--claim:([\w.\-]+)-->(.*?)<!--/claim-->", re.S)

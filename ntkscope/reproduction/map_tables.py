@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 TAIL = ("legal", "biomedical")
-GAIN_COLUMNS = ["arm", "step", "seed", "domain", "gain", "low", "high", "ppl", "ppl_dense"]
+GAIN_COLUMNS = ["arm", "step", "seed", "trunks", "domain", "gain", "low", "high", "ppl", "ppl_dense"]
 
 
 def family(arm: str) -> str:
@@ -38,12 +38,15 @@ def _log_ppl(loss: np.ndarray, tokens: np.ndarray, idx: np.ndarray) -> np.ndarra
     return loss[idx].sum(axis=-1) / tokens[idx].sum(axis=-1)
 
 
-def gains(results: dict, domains, *, n_boot: int = 2000, confidence: float = 0.9, seed: int = 0) -> pd.DataFrame:
+def gains(results: dict, domains, *, trunks: str = "", n_boot: int = 2000, confidence: float = 0.9,
+          seed: int = 0) -> pd.DataFrame:
     """The paired gains of every finished arm against its seed's trunk.
 
-    results: {unit name: result dict} (``dense-seedK`` the trunks); domains: (N,) the domain of
-    each test block, in the results' block order. Returns GAIN_COLUMNS, one row per (arm, step,
-    seed, domain), domain in legal, biomedical, tail, general."""
+    results: {unit name: result dict} of one build of the trunks (``dense-seedK`` the trunks, every
+    other unit branched from them); domains: (N,) the domain of each test block, in the results'
+    block order; ``trunks``: that build's label (e.g. the GPU that trained it: a trunk re-made on
+    another GPU kind is another model). Returns GAIN_COLUMNS, one row per (arm, step, seed,
+    domain), domain in legal, biomedical, tail, general."""
     domains = np.asarray(domains)
     rng = np.random.default_rng(seed)
     where = {d: np.flatnonzero(domains == d) for d in (*TAIL, "general")}
@@ -68,7 +71,7 @@ def gains(results: dict, domains, *, n_boot: int = 2000, confidence: float = 0.9
         for d in (*TAIL, "tail", "general"):
             ppl = None if d == "tail" else float(result[f"ppl {d}"])
             rows.append({"arm": family(result["arm"]), "step": int(result["warmup"]), "seed": int(result["seed"]),
-                         "domain": d, "gain": float(point[d]), "low": float(np.quantile(boot[d], q)),
+                         "trunks": trunks, "domain": d, "gain": float(point[d]), "low": float(np.quantile(boot[d], q)),
                          "high": float(np.quantile(boot[d], 1 - q)), "ppl": ppl,
                          "ppl_dense": None if d == "tail" else float(trunk[f"ppl {d}"])})
     return pd.DataFrame(rows, columns=GAIN_COLUMNS)
@@ -78,6 +81,14 @@ def _paired(tail: pd.DataFrame, arm: str, other: str, step: int) -> pd.Series:
     a = tail[(tail["arm"] == arm) & (tail["step"] == step)].set_index("seed")["gain"]
     b = tail[(tail["arm"] == other) & (tail["step"] == step)].set_index("seed")["gain"]
     return (a - b).dropna()
+
+
+def _same_trunks(tail: pd.DataFrame, arm: str, other: str, step: int) -> list:
+    """The seeds at which ``arm`` and ``other`` at ``step`` branched from the same build of the
+    trunk (a pair across builds still compares two paired gains, but not on one model)."""
+    at = tail[tail["step"] == step].set_index(["arm", "seed"])["trunks"]
+    seeds = sorted(set(s for a, s in at.index if a == arm) & set(s for a, s in at.index if a == other))
+    return [int(s) for s in seeds if at[(arm, s)] == at[(other, s)]]
 
 
 def verdicts(table: pd.DataFrame, seeds, *, step: int = 1200, plans: dict | None = None) -> dict:
@@ -92,6 +103,7 @@ def verdicts(table: pd.DataFrame, seeds, *, step: int = 1200, plans: dict | None
     def against(arm, other, what):
         diff = _paired(tail, arm, other, step)
         base = {"what": what, "seeds_ran": sorted(int(s) for s in diff.index), "wins": int((diff < 0).sum()),
+                "same_trunks": _same_trunks(tail, arm, other, step),
                 "mean_difference": float(diff.mean()) if len(diff) else None,
                 "null_spread": float(null.abs().max()) if len(null) == len(seeds) else None}
         if len(diff) < len(seeds) or base["null_spread"] is None:
@@ -116,6 +128,7 @@ def verdicts(table: pd.DataFrame, seeds, *, step: int = 1200, plans: dict | None
         gain = tail[(tail["arm"] == arm) & (tail["step"] == step)].set_index("seed")["gain"]
         both = sorted(set(int(s) for s in gain.index) & set(int(s) for s in null.index))
         entry = {"seeds_ran": sorted(int(s) for s in gain.index), "mean_gain": float(gain.mean()),
+                 "same_trunks": _same_trunks(tail, arm, "dense-null", step),
                  "below_null": int(sum(gain[s] < null[s] for s in both)),
                  "above_null": int(sum(gain[s] > null[s] for s in both))}
         if len(both) < len(seeds):
@@ -134,17 +147,63 @@ def verdicts(table: pd.DataFrame, seeds, *, step: int = 1200, plans: dict | None
         floor[arm] = entry
     out["against_null"] = floor
     out["rule"] = _rule_verdicts(tail, plans or {})
+    out["layers"] = _layer_verdicts(tail, plans or {}, step)
     return out
 
 
+PAIRS = {"cse": (2, 3), "cse-l01": (0, 1)}  # the arm that converts at each layer pair at the verdict's step
+
+
+def _layer_verdicts(tail: pd.DataFrame, plans: dict, step: int) -> dict:
+    """Per trunk: does the layer pair the plan ranks higher by consensus structure at its warm-up
+    (the pair's mean) have the lower tail gain at ``step``? (CRITERIA.md, verdict 5.) A pair shows
+    structure when its mean is at least the rule's ``min_structure``; where neither does, the
+    plan made no choice."""
+    at = tail[tail["step"] == step].set_index(["arm", "seed"])
+    per, agree, judged = {}, 0, 0
+    for seed, plan in sorted(plans.items()):
+        evidence = plan.get("evidence") or {}
+        by_layer = {int(r["layer"]): float(r["structure"]) for r in evidence.get("structure_by_layer", [])}
+        if not by_layer or any((arm, seed) not in at.index for arm in PAIRS):
+            continue
+        floor = float(evidence.get("structure_rule", {}).get("min_structure", 0.05))
+        mean = {arm: float(np.mean([by_layer.get(L, 0.0) for L in pair])) for arm, pair in PAIRS.items()}
+        gain = {arm: float(at.loc[(arm, seed), "gain"]) for arm in PAIRS}
+        entry = {"structure": {"-".join(map(str, PAIRS[a])): m for a, m in mean.items()},
+                 "tail_gain": {"-".join(map(str, PAIRS[a])): g for a, g in gain.items()},
+                 "same_trunks": bool(at.loc[("cse", seed), "trunks"] == at.loc[("cse-l01", seed), "trunks"])}
+        if max(mean.values()) < floor:
+            per[str(seed)] = {**entry, "verdict": "no choice"}
+            continue
+        ranked, better = max(mean, key=mean.get), min(gain, key=gain.get)
+        judged += 1
+        agree += ranked == better
+        per[str(seed)] = {**entry, "ranked_higher": list(PAIRS[ranked]), "map_better": list(PAIRS[better]),
+                          "verdict": "agrees" if ranked == better else "disagrees"}
+    return {"trunks": per, "agree": agree, "judged": judged}
+
+
+def _judge(curve: pd.Series, step: int) -> dict:
+    """The rule's ``step`` against one CSE map ``curve`` (step -> tail gain), CRITERIA.md verdict 4."""
+    gain = float(np.interp(step, curve.index.to_numpy(), curve.to_numpy()))
+    best = int(curve.idxmin())
+    good = curve[best] < 0 and -gain >= 0.8 * -curve[best] and step <= best
+    return {"gain_at_rule": gain, "best_step": best, "best_gain": float(curve[best]),
+            "extrapolated": step < int(curve.index.min()), "verdict": "good" if good else "not good"}
+
+
 def _rule_verdicts(tail: pd.DataFrame, plans: dict) -> dict:
-    """Per trunk: the rule's step against the trunk's CSE map (CRITERIA.md, verdict 4)."""
+    """Per trunk: the rule's step against the trunk's CSE map (CRITERIA.md, verdict 4). Where the
+    map's steps come from more than one build of the trunk (a plan's ``trunks`` names its own),
+    the same judgement on the plan's build alone is given beside it (``on_plan_trunks``)."""
     out = {}
     cse = tail[tail["arm"] == "cse"]
     for seed, plan in sorted(plans.items()):
-        curve = cse[cse["seed"] == seed].set_index("step")["gain"].sort_index()
+        rows = cse[cse["seed"] == seed].set_index("step").sort_index()
+        curve = rows["gain"]
         entry = {"rule_step": plan.get("warmup_steps"), "warmup_rule": plan.get("warmup_rule"),
-                 "map_steps": [int(s) for s in curve.index]}
+                 "map_steps": [int(s) for s in curve.index],
+                 "map_trunks": {str(int(s)): str(t) for s, t in rows["trunks"].items()}}
         if plan.get("warmup_rule") != "consensus-structure":
             out[str(seed)] = {**entry, "verdict": "the rule chose nothing"}
             continue
@@ -152,12 +211,11 @@ def _rule_verdicts(tail: pd.DataFrame, plans: dict) -> dict:
             out[str(seed)] = {**entry, "verdict": "not decided", "why": "the trunk's CSE map is incomplete"}
             continue
         step = int(plan["warmup_steps"])
-        gain = float(np.interp(step, curve.index.to_numpy(), curve.to_numpy()))
-        best = int(curve.idxmin())
-        good = curve[best] < 0 and -gain >= 0.8 * -curve[best] and step <= best
-        out[str(seed)] = {**entry, "gain_at_rule": gain, "best_step": best, "best_gain": float(curve[best]),
-                          "extrapolated": step < int(curve.index.min()),
-                          "verdict": "good" if good else "not good"}
+        out[str(seed)] = {**entry, **_judge(curve, step)}
+        own = rows["trunks"] == plan.get("trunks", rows["trunks"].iloc[0])
+        if not own.all() and own.sum() >= 2:
+            out[str(seed)]["on_plan_trunks"] = {"map_steps": [int(s) for s in curve[own].index],
+                                                **_judge(curve[own], step)}
     return out
 
 

@@ -1,0 +1,218 @@
+"""The warm-up map's claims (figures/warmup-map, docs/warmup-map.md and the README): the arms at
+step 1200, the map over conversion steps, the pre-registered verdicts, the rule in each trunk
+(in sample, out of sample, the second mix), the layer check and the two builds of the trunks.
+:mod:`ntkscope.reproduction.claims` gathers them with the others."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+
+from ntkscope.reproduction.claim_values import Tables
+
+IN_SAMPLE = (0, 1, 2)  # the seeds the sweep's rule was designed beside (CRITERIA.md)
+
+
+def _pct(gain: float) -> str:
+    """A log-perplexity difference as a signed percent change of perplexity."""
+    return f"{100 * np.expm1(gain):+.1f} %".replace("-", "−")
+
+
+def _cell(g: pd.Series) -> str:
+    return _pct(g.mean()) + ("" if len(g) == 1 else f" ({_pct(g.min())} to {_pct(g.max())})")
+
+
+def _seeds(seeds) -> str:
+    return ", ".join(str(int(s)) for s in seeds) or "none"
+
+
+def _at_step(at: pd.DataFrame, verdicts: dict) -> dict:
+    rows = ["| arm | seeds ran | tail (legal, biomedical) | legal | biomedical | general | against `dense-null` |",
+            "|---|---|---|---|---|---|---|"]
+    out = {}
+    for arm in at[at["domain"] == "tail"].groupby("arm")["gain"].mean().sort_values().index:
+        part = at[at["arm"] == arm]
+        cells = {d: _cell(part[part["domain"] == d]["gain"]) for d in ("tail", "legal", "biomedical", "general")}
+        out.update({f"map.{arm}.{d}": _pct(part[part["domain"] == d]["gain"].mean())
+                    for d in ("tail", "legal", "biomedical", "general")})
+        seeds = sorted(int(s) for s in part["seed"].unique())
+        floor = verdicts["against_null"].get(arm, {})
+        verdict = floor.get("verdict", "—") if arm != "dense-null" else "—"
+        if floor.get("on_seeds_ran"):
+            verdict += f" (on the seeds that ran: {floor['on_seeds_ran']})"
+        out[f"map.{arm}.seeds"] = _seeds(seeds)
+        out[f"map.{arm}.null"] = verdict
+        rows.append(f"| `{arm}` | {_seeds(seeds)} | {cells['tail']} | {cells['legal']} | {cells['biomedical']} | "
+                    f"{cells['general']} | {verdict} |")
+    out["map.table"] = "\n".join(rows)
+    tail = at[at["domain"] == "tail"].groupby("arm")["gain"].mean()
+    if {"cse", "demix"} <= set(tail.index):
+        out["map.cse.demix_share"] = f"{tail['cse'] / tail['demix']:.2f}"
+    return out
+
+
+def _verdict_lines(verdicts: dict) -> dict:
+    out = {}
+    for name in ("clusters_vs_shuffled", "cse_vs_fair"):
+        v = verdicts[name]
+        text = v["verdict"]
+        if "why" in v:
+            text += f": {v['why']}"
+        hint = v.get("on_seeds_ran")
+        if hint:
+            text += (f"; on the seeds that ran, CSE is lower in {hint['wins']}, by "
+                     f"{_pct(v['mean_difference'])} on average against a null spread of ±{_pct(hint['null_spread'])[1:]}"
+                     f" ({'the test passes there' if hint['shown'] else 'the test fails there'})")
+        elif v["mean_difference"] is not None:
+            text += (f": CSE is lower in {v['wins']} of {len(v['seeds_ran'])} seeds, by {_pct(v['mean_difference'])} "
+                     f"on average against a null spread of ±{_pct(v['null_spread'])[1:]}")
+        same = v.get("same_trunks", [])
+        text += (f"; both arms branched from the same build of the trunk at seeds {_seeds(same)} only" if
+                 len(same) < len(v["seeds_ran"]) else "; every pair on one build of the trunk")
+        out[f"map.{name}"] = text
+    return out
+
+
+def _curve(tail: pd.DataFrame) -> dict:
+    mapped = [a for a, part in tail.groupby("arm") if part["step"].nunique() > 1]
+    steps = sorted(tail.loc[tail["arm"].isin(mapped), "step"].unique())
+    rows = ["| arm | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
+    out = {}
+    for arm in sorted(mapped, key=lambda a: tail.loc[tail["arm"] == a, "gain"].mean()):
+        part = tail[tail["arm"] == arm]
+        cells = []
+        for s in steps:
+            g = part[part["step"] == s]["gain"]
+            cells.append(f"{_cell(g)}, {len(g)} seeds" if len(g) else "—")
+        rows.append(f"| `{arm}` | " + " | ".join(cells) + " |")
+        mean = part.groupby("step")["gain"].mean()
+        out[f"map.curve.{arm}.best_step"] = str(int(mean.idxmin()))
+    out["map.curve"] = "\n".join(rows)
+    cse = tail[tail["arm"] == "cse"]
+    best = cse.loc[cse.groupby("seed")["gain"].idxmin()]
+    out["map.curve.cse.best_steps"] = ", ".join(f"{int(r.step)} (seed {int(r.seed)})" for r in best.itertuples())
+    return out
+
+
+def _rule_rows(rule: dict, label) -> tuple[list, dict]:
+    rows, counts = [], {}
+    for seed, v in sorted(rule.items(), key=lambda kv: int(kv[0])):
+        where = label(int(seed))
+        c = counts.setdefault(where, {"good": 0, "chose": 0, "nothing": 0, "trunks": 0})
+        c["trunks"] += 1
+        if v["verdict"] == "the rule chose nothing":
+            c["nothing"] += 1
+            rows.append(f"| {where} | {seed} | none (fell back to {v['rule_step']}) | — | — | chose nothing | — |")
+            continue
+        c["chose"] += 1
+        c["good"] += v["verdict"] == "good"
+        own = v.get("on_plan_trunks")
+        alone = f"{own['verdict']} (best {own['best_step']})" if own else "—"
+        rows.append(f"| {where} | {seed} | {v['rule_step']} | {_pct(v['gain_at_rule'])} | {v['best_step']} "
+                    f"({_pct(v['best_gain'])}) | {v['verdict']} | {alone} |")
+    return rows, counts
+
+
+def _rule(verdicts: dict, mix: dict | None) -> dict:
+    header = ["| trunks | seed | rule's step | tail gain there | best map step (gain) | verdict | "
+              "on the plan's build alone |", "|---|---|---|---|---|---|---|"]
+    rows, counts = _rule_rows(verdicts["rule"], lambda s: "in sample" if s in IN_SAMPLE else "out of sample")
+    if mix:
+        more, mixed = _rule_rows(mix["rule"], lambda s: "second mix")
+        rows += more
+        counts.update(mixed)
+    out = {"map.rule.table": "\n".join(header + rows)}
+    for where, c in counts.items():
+        key = where.replace(" ", "_")
+        out[f"map.rule.{key}"] = (f"good in {c['good']} of the {c['chose']} trunks where it chose"
+                                  + (f" (it chose nothing in {c['nothing']})" if c["nothing"] else ""))
+    steps = [v["rule_step"] for v in verdicts["rule"].values() if v["verdict"] != "the rule chose nothing"]
+    if mix:
+        steps += [v["rule_step"] for v in mix["rule"].values() if v["verdict"] != "the rule chose nothing"]
+    out["map.rule.steps"] = f"{min(steps)}–{max(steps)}" if steps else "none"
+    good = sum(c["good"] for c in counts.values())
+    out["map.rule.good"] = f"{good} of {sum(c['chose'] for c in counts.values())}"
+    return out
+
+
+def _layers(verdicts: dict) -> dict:
+    v = verdicts["layers"]
+    rows = ["| seed | structure {0, 1} | structure {2, 3} | tail gain {0, 1} | tail gain {2, 3} | one build | verdict |",
+            "|---|---|---|---|---|---|---|"]
+    for seed, e in sorted(v["trunks"].items(), key=lambda kv: int(kv[0])):
+        rows.append(f"| {seed} | {e['structure']['0-1']:.3f} | {e['structure']['2-3']:.3f} | "
+                    f"{_pct(e['tail_gain']['0-1'])} | {_pct(e['tail_gain']['2-3'])} | "
+                    f"{'yes' if e['same_trunks'] else 'no'} | {e['verdict']} |")
+    return {"map.layers.table": "\n".join(rows), "map.layers.agree": f"{v['agree']} of {v['judged']}"}
+
+
+def _builds(folder) -> dict:
+    """How far the re-made trunks (another GPU kind) are from the first ones, per domain."""
+    out, worst = {}, (0.0, "", 0)
+    for d in ("legal", "biomedical", "general"):
+        diffs = []
+        for path in sorted((folder / "h100" / "results").glob("dense-seed*.json")):
+            other = folder / "results" / path.name
+            if other.is_file():
+                a, b = json.loads(path.read_text()), json.loads(other.read_text())
+                diffs.append((abs(np.log(b[f"ppl {d}"]) - np.log(a[f"ppl {d}"])), int(a["seed"])))
+        if diffs:
+            top = max(diffs)
+            out[f"map.builds.{d}"] = f"{100 * np.expm1(top[0]):.1f} %"
+            worst = max(worst, (top[0], d, top[1]))
+    if worst[1]:
+        out["map.builds.max"] = f"{100 * np.expm1(worst[0]):.1f} % ({worst[1]}, seed {worst[2]})"
+    return out
+
+
+def _flicker(folder) -> dict:
+    """How often a trunk's consensus structure at a sparse layer falls back to zero inside the
+    rule's window after it first appeared (the single-fit rule's failure, measured again)."""
+    drops, series = 0, 0
+    for path in sorted((folder / "plans").glob("seed*.json")):
+        evidence = json.loads(path.read_text())["evidence"]
+        window = set(evidence["structure_rule"]["window"])
+        for layer in evidence["structure_rule"]["judged_at_layers"]:
+            values = [r["structure"] for r in evidence["structure"][str(layer)] if r["step"] in window]
+            first = next((i for i, v in enumerate(values) if v > 0), None)
+            series += 1
+            drops += first is not None and any(v == 0 for v in values[first:])
+    return {"map.structure.drops": f"{drops} of {series}"} if series else {}
+
+
+def _seconds(folder) -> dict:
+    """The units' own times on the lent GPU (their state files), trunks and arms apart."""
+    states = [json.loads(p.read_text()) for p in sorted((folder / "units").glob("*.json"))]
+    took = pd.DataFrame([{"name": s["name"], "seconds": s["seconds"]} for s in states if s.get("seconds")])
+    if took.empty:
+        return {}
+    kind = np.where(took["name"].str.startswith("dense-seed"), "trunk",
+                    np.where(took["name"].str.startswith("plan-"), "plan", "arm"))
+    return {f"map.seconds.{k}": f"{took.loc[kind == k, 'seconds'].median():.0f} s" for k in ("trunk", "plan", "arm")
+            if (kind == k).any()}
+
+
+def _warmup_map(t: Tables) -> dict:
+    """The warm-up map's lines (figures/warmup-map and its second mix in mix/)."""
+    gains, verdicts = t["gains"], t["tables/verdicts.json"]
+    at = gains[gains["step"] == verdicts["step"]]
+    out = {**_at_step(at, verdicts), **_verdict_lines(verdicts), **_curve(gains[gains["domain"] == "tail"])}
+    null = at[(at["arm"] == "dense-null") & (at["domain"] == "tail")]["gain"]
+    out["map.null.range"] = f"{_pct(null.min())} to {_pct(null.max())}"
+    tail = at[at["domain"] == "tail"]
+    out["map.block_halfwidth"] = f"{100 * ((tail['high'] - tail['low']) / 2).median():.1f} %"
+    out["map.units"] = f"{verdicts['units']['done']} of {verdicts['units']['planned']}"
+    mix_file = t.folder / "mix" / "tables" / "verdicts.json"
+    mix = json.loads(mix_file.read_text()) if mix_file.is_file() else None
+    if mix:
+        out["map.mix.units"] = f"{mix['units']['done']} of {mix['units']['planned']}"
+        m = pd.read_csv(t.folder / "mix" / "tables" / "gains.csv")
+        out["map.mix.curve"] = _curve(m[m["domain"] == "tail"])["map.curve"] if m["step"].nunique() > 1 else ""
+    out.update(_rule(verdicts, mix))
+    out.update(_layers(verdicts))
+    out.update(_builds(t.folder))
+    out.update(_seconds(t.folder))
+    out.update(_flicker(t.folder))
+    return out
