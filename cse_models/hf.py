@@ -230,14 +230,18 @@ class SparseHF(SparseRouting, nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 domains: torch.Tensor | None = None, positions: slice | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) of ``input_ids`` (B, T) (``positions``: a slice of them; with
+        ``targets``, the summed next-token loss instead). ``position_ids`` (B, T): passed to the
+        model underneath (e.g. from a left-padded batch's mask, as generation does); default its own."""
         T = input_ids.shape[1]
         if T > self.config.block_size:
             raise UserError(f"SparseHF.forward: input_ids has {T} positions, more than the model's "
                             f"context of {self.config.block_size}")
         self._context["domains"] = domains
         try:
-            logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            extra = {} if position_ids is None else {"position_ids": position_ids}
+            logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
         finally:
             self._context.clear()
         logits = logits if positions is None else logits[:, positions]

@@ -26,6 +26,8 @@ import importlib.util
 import logging
 import sys
 
+import torch
+
 log = logging.getLogger(__name__)
 
 MODEL_TYPE = "cse_models_sparse"
@@ -37,7 +39,6 @@ def classes() -> tuple:
     """(SparseCausalLMConfig, SparseForCausalLM), built on first use (they subclass transformers')."""
     if _classes:
         return _classes["config"], _classes["model"]
-    import torch
     from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -88,13 +89,13 @@ def classes() -> tuple:
             ``dtype`` / ``torch_dtype`` and ``device_map`` (one device) are applied after."""
             from cse_models.hf import load_hf
 
+            dtype = _dtype(kwargs.get("dtype", kwargs.get("torch_dtype")))
+            device = _device(kwargs.get("device_map"))
             sparse = load_hf(pretrained_model_name_or_path)
             model = cls(sparse_config(sparse), sparse)
-            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-            if dtype is not None and dtype != "auto":
+            if dtype is not None:
                 model = model.to(dtype)
-            device = kwargs.get("device_map")
-            if isinstance(device, str) and device != "auto":
+            if device is not None:
                 model = model.to(device)
             return model.eval()
 
@@ -108,10 +109,15 @@ def classes() -> tuple:
             return self.hf.get_output_embeddings()
 
         def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-            return {"input_ids": input_ids, "attention_mask": attention_mask}
+            """The whole sequence so far (no cache); with a mask, positions counted over the real
+            tokens, so a left-padded prompt is placed as an unpadded one (transformers' rule)."""
+            position_ids = None
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
-        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
-            logits = self.sparse(input_ids, attention_mask)
+        def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, **kwargs):
+            logits = self.sparse(input_ids, attention_mask, position_ids=position_ids)
             loss = None
             if labels is not None:
                 shift, target = logits[:, :-1].float(), labels[:, 1:]
@@ -121,6 +127,41 @@ def classes() -> tuple:
 
     _classes.update(config=SparseCausalLMConfig, model=SparseForCausalLM)
     return SparseCausalLMConfig, SparseForCausalLM
+
+
+def _dtype(value):
+    """``dtype`` / ``torch_dtype`` as transformers takes it: a torch dtype, its name
+    ("bfloat16", "torch.float16"), or "auto" / None (the checkpoint's own)."""
+    if value is None or value == "auto" or isinstance(value, torch.dtype):
+        return None if value == "auto" else value
+    found = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"SparseForCausalLM.from_pretrained: dtype must be a torch dtype or its name "
+                         f"(e.g. 'bfloat16'), not {value!r}")
+    return found
+
+
+def _device(device_map):
+    """``device_map`` on one device: a device or its name, a CUDA index, a dict whose values
+    name one device, or "auto" (the first GPU, else the CPU); a model split across devices is
+    refused (the sparse layers route whole sequences on one device)."""
+    if device_map is None:
+        return None
+    if isinstance(device_map, dict):
+        devices = {str(torch.device(v if not isinstance(v, int) else f"cuda:{v}")) for v in device_map.values()}
+        if len(devices) != 1:
+            raise ValueError(f"SparseForCausalLM.from_pretrained: device_map must place the model on one device "
+                             f"(the sparse layers route whole sequences), not {sorted(devices)}")
+        return torch.device(devices.pop())
+    if device_map == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if isinstance(device_map, int) and not isinstance(device_map, bool):
+        return torch.device(f"cuda:{device_map}")
+    try:
+        return torch.device(device_map)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"SparseForCausalLM.from_pretrained: device_map must be a device, a CUDA index, a dict "
+                         f"of one device or 'auto', not {device_map!r}") from None
 
 
 def sparse_config(sparse) -> object:
@@ -151,14 +192,21 @@ def register() -> None:
 class _AfterAuto(importlib.abc.MetaPathFinder):
     """A one-shot import hook: once transformers' ``modeling_auto`` has run, :func:`register`."""
 
+    busy = False
+
     def find_spec(self, name, path, target=None):
-        if name != _AUTO:
+        """Wrap the loader of ``modeling_auto``; the hook stays until the module has run (a
+        ``find_spec`` probe that imports nothing leaves it in place)."""
+        if name != _AUTO or self.busy:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self.busy = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.busy = False
         if spec is None or spec.loader is None:
             return spec
-        inner = spec.loader
+        inner, finder = spec.loader, self
 
         class Loader(importlib.abc.Loader):
             def create_module(self, spec):
@@ -166,6 +214,8 @@ class _AfterAuto(importlib.abc.MetaPathFinder):
 
             def exec_module(self, module):
                 inner.exec_module(module)
+                if finder in sys.meta_path:
+                    sys.meta_path.remove(finder)
                 try:
                     register()
                 except Exception as err:  # never break the user's transformers import

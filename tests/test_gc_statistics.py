@@ -311,10 +311,10 @@ def _sources(n=120, seed=0):
 
 
 def test_a_homogeneous_group_is_below_the_random_null_and_within_the_homogeneous_one():
-    K, labels = _sources()
+    K, labels = _sources(240)  # large enough for the group's interval, not only its point, to clear the band
     a, b = np.flatnonzero(labels == 1), np.flatnonzero(labels == 2)
     rng = np.random.default_rng(1)
-    group = np.sort(rng.choice(a, 24, replace=False))  # one ordinary source, no tail
+    group = np.sort(rng.choice(a, 48, replace=False))  # one ordinary source, no tail
     tail = np.flatnonzero(labels == 0)
     for controls in (ns.Controls(homogeneous=[a, b]), ns.Controls()):  # pools, then gradient neighbours
         res_group, res_tail = ns.kernel_gc(K, [group, tail], controls=controls)
@@ -402,3 +402,70 @@ def test_planted_pools_refuse_bad_settings():
         ns.PlantedPool(dim=0)
     with pytest.raises(ValueError, match=r"interval_calibration: n must be an integer of at least 2 samples per group"):
         ns.interval_calibration(ns.PlantedPool(), 4)
+
+
+def test_a_verdict_needs_the_interval_to_clear_the_band():
+    from ntkscope.kernel.nulls import NullBand
+
+    band = NullBand(0.91, 0.93, 0.95, 200)
+    assert band.versus(0.89) == "below"  # a point alone
+    assert band.versus(0.89, (0.82, 0.96)) == "within"  # the interval reaches into the band (issue 42's bin 2)
+    assert band.versus(0.84, (0.80, 0.88)) == "below" and band.versus(0.97, (0.96, 0.99)) == "above"
+    assert band.versus(0.89, (float("nan"), float("nan"))) == "below"  # no interval: the point
+    assert NullBand(float("nan"), float("nan"), float("nan"), 0).versus(0.5, (0.4, 0.6)) == "n/a"
+
+
+def test_the_committed_verdicts_follow_the_interval_rule():
+    """Every versus_* of the committed GC tables is its interval against its band."""
+    from pathlib import Path
+
+    from ntkscope.kernel.nulls import NullBand
+
+    root = Path(__file__).resolve().parents[1]
+    for path in [*(root / "figures" / "tail" / "tables").glob("gc_*.csv"), *(root / "docs").glob("gc-*-quick.csv")]:
+        table = pd.read_csv(path)
+        for column in [c for c in table.columns if c.startswith("versus_")]:
+            name = column.removeprefix("versus_")
+            low, high = ("null_low", "null_high") if name == "null" else (f"null_{name}_low", f"null_{name}_high")
+            for _, r in table[table[low].notna() & table[column].notna()].iterrows():
+                band = NullBand(r[low], np.nan, r[high], 1)
+                assert r[column] == band.versus(r["abs_gc"], (r["abs_gc_low"], r["abs_gc_high"])), (path.name, column)
+
+
+def test_the_jackknife_interval_uses_t_on_satterthwaite_degrees_of_freedom():
+    rng = np.random.default_rng(0)
+    J = rng.normal(size=(30, 8)) + np.array([2.0] + [0.0] * 7)
+    K = J @ J.T
+    members = [np.arange(30)]  # one stratum, delete-1: df = n - 1 exactly
+    jk = R.jackknife(K, members, budget=200, halves=0, seed=0)
+    assert np.allclose(jk.df[np.isfinite(jk.df)], 29)
+    sub = np.arange(10)
+    jk2 = R.jackknife(K, [sub], budget=200, halves=0, seed=0)  # two strata of 10 and 20: df between 9 and 28
+    assert np.all((jk2.df[np.isfinite(jk2.df)] >= 9 - 1e-9) & (jk2.df[np.isfinite(jk2.df)] <= 28 + 1e-9))
+    res = ns.kernel_gc(K, [sub], resampling=ns.Resampling(null_draws=0, half_samples=0))[0]
+    import scipy.stats
+
+    t = scipy.stats.t.ppf(0.95, jk2.df[1])  # the abs statistic of subset 0 of 1
+    lo, hi = res.abs_interval
+    if 0 < lo and hi < 1:
+        assert hi - lo == pytest.approx(2 * t * res.abs_se)
+    assert t > 1.645
+
+
+def test_planted_noise_that_is_anisotropic_or_heavy_tailed_keeps_its_exact_large_sample_value():
+    pool = ns.PlantedPool(dim=16, spectrum=1.0, df=5, noise=0.3)
+    J = pool.draw(200_000, np.random.default_rng(0))
+    labels = pool.labels(200_000)
+
+    def top(A):
+        return np.linalg.eigh(A.T @ A)[1][:, -1]
+
+    whole = top(J)
+    measured = [abs(whole @ top(J[labels == k])) for k in range(3)]
+    assert np.allclose(measured, pool.large_sample_gc(), atol=0.02)
+    e = (J - pool.means()[labels]) / pool.noise
+    assert np.allclose(e.T @ e / len(e), pool.covariance(), atol=0.03)
+    with pytest.raises(ValueError, match="PlantedPool.*df.*above 2"):
+        ns.PlantedPool(df=2)
+    with pytest.raises(ValueError, match="PlantedPool.*spectrum"):
+        ns.PlantedPool(spectrum=-1)

@@ -130,3 +130,44 @@ def test_a_pytorch_model_bin_checkpoint_is_an_init_from_without_pickled_code(tmp
     with pytest.raises(ValueError, match="load_hf: .*pytorch_model.bin holds more than tensors"):
         load_any_model(tmp_path / "bin")
     assert not marker.exists()
+
+
+@torch.no_grad()
+def test_a_left_padded_batch_generates_as_its_unpadded_prompts(tmp_path):
+    """Positions count the real tokens (transformers' rule for GPT-2): a left-padded prompt in a
+    batch continues as it does alone."""
+    _sparse("gpt2", "cse", tmp_path)
+    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cse")
+    short, long = [5, 9], [3, 7, 11, 2]
+    ids = torch.tensor([[0, 0] + short, long])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    batched = auto.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    alone = auto.generate(torch.tensor([short]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert batched[0, 2:].tolist() == alone[0].tolist()
+
+
+def test_from_pretrained_takes_dtype_names_and_one_device_maps(tmp_path):
+    _sparse("gpt2", "cse", tmp_path)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    assert next(load(tmp_path / "cse", torch_dtype="bfloat16").parameters()).dtype == torch.bfloat16
+    assert next(load(tmp_path / "cse", dtype=torch.float64).parameters()).dtype == torch.float64
+    assert next(load(tmp_path / "cse", device_map={"": "cpu"}).parameters()).device.type == "cpu"
+    assert next(load(tmp_path / "cse", device_map="auto").parameters()).device.type in ("cpu", "cuda")
+    sparse_cls = type(load(tmp_path / "cse"))  # transformers' Auto class checks a dtype name itself first
+    with pytest.raises(ValueError, match="from_pretrained: dtype must be a torch dtype or its name"):
+        sparse_cls.from_pretrained(tmp_path / "cse", dtype="float17")
+    with pytest.raises(ValueError, match="device_map must place the model on one device"):
+        load(tmp_path / "cse", device_map={"hf.transformer.h.0": "cpu", "hf.lm_head": "meta"})
+
+
+def test_a_find_spec_probe_does_not_disarm_the_registration():
+    """Probing transformers' Auto module without importing it (as tools do) leaves the hook armed."""
+    code = ("import importlib.util, sys, cse_models\n"
+            "importlib.util.find_spec('transformers.models.auto.modeling_auto')\n"
+            "from transformers import AutoConfig\n"
+            "import transformers.models.auto.modeling_auto\n"
+            "from cse_models.hf_auto import MODEL_TYPE\n"
+            "AutoConfig.for_model(MODEL_TYPE)\n"
+            "print('registered')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "registered" in out.stdout, out.stderr[-2000:]

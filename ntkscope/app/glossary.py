@@ -34,7 +34,7 @@ COLUMNS = {
     "null_low": "Lower end of the random null band: |GC| of random subsets of the same size.",
     "null_median": "Median |GC| of random subsets of the same size.",
     "null_high": "Upper end of the random null band.",
-    "versus_null": "Where |GC| lies against the random null band: below, within or above.",
+    "versus_null": "Where |GC| lies against the random null band: below or above only when its interval clears the band, else within.",
     "excess": "|GC| minus the random null's median: how much less (negative) or more coherent the subset is than chance.",
     "excess_se": "Standard error of the excess.",
     "sign_confidence": "Chance that an independent draw keeps GC's sign (jackknife normal approximation).",

@@ -1,14 +1,19 @@
 """Planted pools with a known answer, and how well GC's intervals and nulls cover it (docs/gc-calibration.md).
 
 A :class:`PlantedPool` draws per-sample gradients ``g_i = a s + b_k d_k(i) + sigma e_i``: a
-shared direction ``s``, one direction per group ``k`` (group 0 is the tail), isotropic noise.
+shared direction ``s``, one direction per group ``k`` (group 0 is the tail), and noise ``e_i``
+of unit variance per coordinate on average: isotropic Gaussian by default, anisotropic
+(``spectrum``: the variance along a random basis falls as ``(j + 1)^-spectrum``) and/or heavy
+tailed (``df``: multivariate t, each sample's noise scaled by its own chi-square draw).
 Its GC has two known answers:
 
 - **finite-n**: the mean |GC| over independent draws of the same sizes (Monte Carlo), the
   quantity :attr:`~ntkscope.GCResult.abs_interval` should cover;
 - **large-sample**: with n -> infinity the whole set's ``g(X)`` points along the top eigenvector
-  of ``sum_k pi_k mu_k mu_k^T`` (noise adds ``sigma^2 I``, which moves no eigenvector) and a
-  group's along its mean ``mu_k``, so ``GC_inf = |cos(v_top, mu_k)|`` exactly.
+  of the gradients' second moment ``sum_k pi_k mu_k mu_k^T + sigma^2 Sigma`` (``Sigma`` the
+  noise covariance; isotropic noise moves no eigenvector) and a group's along the top
+  eigenvector of its own, ``mu_k mu_k^T + sigma^2 Sigma`` (its mean ``mu_k`` when isotropic),
+  so ``GC_inf`` is the cosine of the two, exactly.
 
 :func:`interval_calibration` measures coverage and width against the draw-to-draw spread.
 """
@@ -41,8 +46,14 @@ class PlantedPool:
         ``sigma``: per-coordinate noise.
     dim : int
         P, the gradient dimension.
+    spectrum : float
+        Noise anisotropy: the variance along the j-th of a random orthonormal basis is
+        proportional to ``(j + 1)^-spectrum`` (0: isotropic), scaled to a mean of 1.
+    df : float
+        Heavy tails: the noise is multivariate t with ``df`` degrees of freedom (> 2), scaled to
+        the same covariance; 0: Gaussian.
     seed : int
-        Seeds the directions (draws take their own generator).
+        Seeds the directions and the noise basis (draws take their own generator).
     """
 
     shares: tuple = (0.1, 0.45, 0.45)
@@ -50,6 +61,8 @@ class PlantedPool:
     shared: float = 1.0
     noise: float = 0.25
     dim: int = 64
+    spectrum: float = 0.0
+    df: float = 0.0
     seed: int = 0
 
     @entry("PlantedPool")
@@ -63,6 +76,10 @@ class PlantedPool:
             raise InputError("dim", "must be a positive integer", self.dim)
         if not self.noise >= 0:
             raise InputError("noise", "must be a non-negative number", self.noise)
+        if not self.spectrum >= 0:
+            raise InputError("spectrum", "must be a non-negative number (0: isotropic noise)", self.spectrum)
+        if not (self.df == 0 or self.df > 2):
+            raise InputError("df", "must be 0 (Gaussian) or above 2 (a t with finite variance)", self.df)
 
     def directions(self) -> tuple[np.ndarray, np.ndarray]:
         """(shared direction s (P,), group directions d (k, P)), each of unit length."""
@@ -82,18 +99,40 @@ class PlantedPool:
         s, d = self.directions()
         return self.shared * s + np.array(self.strength)[:, None] * d
 
+    def noise_basis(self) -> tuple[np.ndarray, np.ndarray]:
+        """(Q (P, P) orthonormal, scales (P,)): the noise is ``Q (scales * z)``, mean scale^2 1."""
+        scales = (np.arange(self.dim) + 1.0) ** (-self.spectrum / 2)
+        scales /= np.sqrt(np.mean(scales ** 2))
+        if not self.spectrum:
+            return np.eye(self.dim), scales
+        q, _ = np.linalg.qr(np.random.default_rng([self.seed, 1]).normal(size=(self.dim, self.dim)))
+        return q, scales
+
+    def covariance(self) -> np.ndarray:
+        """(P, P) the noise covariance ``Sigma`` (per unit ``noise``)."""
+        q, scales = self.noise_basis()
+        return (q * scales ** 2) @ q.T
+
     def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
         """(n, P) gradients of one independent draw, in :meth:`labels` order."""
         mu = self.means()[self.labels(n)]
-        return mu + self.noise * rng.normal(size=mu.shape)
+        q, scales = self.noise_basis()
+        e = rng.normal(size=mu.shape) * scales
+        if self.df:
+            e *= np.sqrt((self.df - 2) / rng.chisquare(self.df, size=(len(mu), 1)))
+        return mu + self.noise * (e @ q.T if self.spectrum else e)
 
     def large_sample_gc(self, groups=None) -> np.ndarray:
-        """``|cos(v_top, mu_k)|`` per group (default all): GC as n -> infinity."""
-        mu = self.means()
-        second = (np.array(self.shares)[:, None, None] * mu[:, :, None] * mu[:, None, :]).sum(0)
-        _, vecs = np.linalg.eigh(second)
-        top = vecs[:, -1]
-        cos = np.abs(mu @ top) / np.linalg.norm(mu, axis=1)
+        """Per group (default all): GC as n -> infinity, the cosine of the top eigenvectors of the
+        whole set's and the group's second moments (module docstring)."""
+        mu, noise = self.means(), self.noise ** 2 * self.covariance()
+
+        def top(m):
+            return np.linalg.eigh(m)[1][:, -1]
+
+        second = (np.array(self.shares)[:, None, None] * mu[:, :, None] * mu[:, None, :]).sum(0) + noise
+        whole = top(second)
+        cos = np.array([abs(whole @ top(np.outer(m, m) + noise)) for m in mu])
         return cos if groups is None else cos[list(groups)]
 
 

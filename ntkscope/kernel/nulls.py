@@ -39,13 +39,16 @@ class NullBand(NamedTuple):
     high: float
     draws: int
 
-    def versus(self, value: float) -> str:
-        """``value`` against the band: "above", "below", "within", or "n/a" without a band."""
+    def versus(self, value: float, interval=None) -> str:
+        """``value`` against the band: "above", "below", "within", or "n/a" without a band. With
+        ``interval`` (low, high) around the value, it must clear the band: "below" only when its
+        upper end is under the band, "above" only when its lower end is over it."""
         if self.draws == 0 or math.isnan(value):
             return "n/a"
-        if value > self.high:
+        low, high = (value, value) if interval is None or any(map(math.isnan, interval)) else interval
+        if low > self.high:
             return "above"
-        if value < self.low:
+        if high < self.low:
             return "below"
         return "within"
 

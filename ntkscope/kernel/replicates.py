@@ -106,7 +106,9 @@ def strata(n: int, members: list) -> list:
 class Jackknife(NamedTuple):
     """Per statistic (3k,): the point, the jackknife standard error, the jackknife bias
     (finite-n mean minus large-sample value, O(1/n)), and the half-sample check of that bias:
-    the mean over half-samples minus the point, which equals the bias when it is O(1/n)."""
+    the mean over half-samples minus the point, which equals the bias when it is O(1/n);
+    ``df``: the variance's degrees of freedom, Satterthwaite's over the strata (a stratum of
+    g_h groups gives g_h - 1; the strata's shares weigh them), the t quantile's for the interval."""
 
     point: np.ndarray
     se: np.ndarray
@@ -114,6 +116,7 @@ class Jackknife(NamedTuple):
     half_bias: np.ndarray
     half_se: np.ndarray
     deletions: int
+    df: np.ndarray
 
 
 def _groups(units: list, budget: int, rng) -> list:
@@ -141,7 +144,7 @@ def jackknife(K: np.ndarray, members: list, *, budget: int, halves: int, seed: i
     ones = np.ones(n, dtype=np.int64)
     point = values(K, ones, members)
     deletions = sum(len(g) for g in groups)
-    var, bias = np.zeros_like(point), np.zeros_like(point)
+    var, bias, shares = np.zeros_like(point), np.zeros_like(point), np.zeros_like(point)
     with progress_bar(deletions + halves, "GC jackknife", "replicate") as bar:
         for unit_groups in groups:
             reps = []
@@ -153,7 +156,9 @@ def jackknife(K: np.ndarray, members: list, *, budget: int, halves: int, seed: i
             reps = np.array(reps)
             g = len(unit_groups)
             mean = reps.mean(0)
-            var += (g - 1) / g * ((reps - mean) ** 2).sum(0)
+            part = (g - 1) / g * ((reps - mean) ** 2).sum(0)
+            var += part
+            shares += part ** 2 / (g - 1)
             bias += (g - 1) * (mean - point)
         half = []
         for _ in range(halves):
@@ -163,9 +168,10 @@ def jackknife(K: np.ndarray, members: list, *, budget: int, halves: int, seed: i
             half.append(values(K, counts, members))
             bar.update(1)
     half = np.array(half) if halves else np.full((1, point.size), np.nan)
+    df = np.divide(var ** 2, shares, out=np.full_like(var, np.inf), where=shares > 0)  # Satterthwaite
     return Jackknife(point, np.sqrt(var), bias, half.mean(0) - point,
                      half.std(0, ddof=1) / math.sqrt(len(half)) if halves > 1 else np.full(point.size, np.nan),
-                     deletions)
+                     deletions, df)
 
 
 def bootstrap(K: np.ndarray, members: list, *, resamples: int, confidence: float, method: str, seed: int):

@@ -214,20 +214,23 @@ class GCResult:
     def versus_null(self) -> str:
         """``|score|`` against the random null band: "above", "below" or "within" ("n/a" without a band).
 
-        A permutation test at level ``1 - confidence``: the point value against the values that
-        random subsets of the same size give on the same kernel. The band already holds the
-        sampling noise of a subset of this size, so the point is what is compared (the
-        interval answers another question: how the score would move with other data)."""
-        return self.null.versus(abs(self.score))
+        The verdict is about the finite-n quantity, what another analysis set of these sizes
+        would show, so the score's interval (:attr:`abs_interval`) must clear the band: "below"
+        only when its upper end lies under the band's lower end ("above" the other way). A point
+        under the band with an interval reaching into it is "within" (issue 42: a point-only
+        verdict called bins below the null whose intervals covered the whole band). Without an
+        interval (no resamples) the point is compared."""
+        return self.null.versus(abs(self.score), self.abs_interval)
 
     def versus(self, control: str = "random") -> str:
-        """``|score|`` against the band of ``control`` ("random", "homogeneous", "matched-length", ...)."""
+        """``|score|`` (its interval) against the band of ``control`` ("random", "homogeneous",
+        "matched-length", ...), as :attr:`versus_null`."""
         if control == "random":
             return self.versus_null
         if control not in self.controls:
             raise InputError("control", f"must be 'random' or one of this result's controls {list(self.controls)}",
                              control)
-        return self.controls[control].versus(abs(self.score))
+        return self.controls[control].versus(abs(self.score), self.abs_interval)
 
     @property
     def excess(self) -> float:
@@ -251,7 +254,8 @@ class GCResult:
             versus_null=self.versus_null, excess=self.excess, excess_se=self.excess_se)
         for name, band in self.controls.items():
             row.update({f"null_{name}_low": band.low, f"null_{name}_median": band.median,
-                        f"null_{name}_high": band.high, f"versus_{name}": band.versus(abs(self.score))})
+                        f"null_{name}_high": band.high,
+                        f"versus_{name}": band.versus(abs(self.score), self.abs_interval)})
         row.update(
             sign_confidence=self.sign_confidence, gc_signed=self.signed,
             mean_gradient=self.mean_gradient, mean_gradient_low=self.mean_gradient_interval.low,
@@ -323,20 +327,26 @@ def _large_sample(point: float, bias: float, half_bias: float, half_se: float, s
 
 
 def _from_jackknife(jk: replicates.Jackknife, k: int, j: int, r: Resampling) -> dict:
-    """The interval, bias and large-sample fields of subset ``j`` of ``k`` from the jackknife."""
-    z = r.z
+    """The interval, bias and large-sample fields of subset ``j`` of ``k`` from the jackknife:
+    ``point +- t se`` with the t quantile on the jackknife's degrees of freedom (Satterthwaite
+    over the strata; the normal quantile only when they are many)."""
     p, se = jk.point, jk.se
-    fields = {"interval": _clipped(p[j], p[j] - z * se[j], p[j] + z * se[j]),
-              "abs_interval": _clipped(p[k + j], p[k + j] - z * se[k + j], p[k + j] + z * se[k + j], (0.0, 1.0)),
-              "mean_gradient_interval": _clipped(p[2 * k + j], p[2 * k + j] - z * se[2 * k + j],
-                                                 p[2 * k + j] + z * se[2 * k + j]),
-              "abs_se": float(se[k + j]), "abs_bias": float(jk.bias[k + j])}
-    fields["sign_confidence"] = 1.0 if se[j] == 0 else float(scipy.stats.norm.cdf(abs(p[j]) / se[j]))
-    claim = _large_sample(p[k + j], jk.bias[k + j], jk.half_bias[k + j], jk.half_se[k + j], se[k + j], z)
+
+    def t(i):
+        return float(scipy.stats.t.ppf((1 + r.confidence) / 2, jk.df[i])) if np.isfinite(jk.df[i]) else r.z
+
+    def around(i, bounds=None):
+        return _clipped(p[i], p[i] - t(i) * se[i], p[i] + t(i) * se[i], *([bounds] if bounds else []))
+
+    fields = {"interval": around(j), "abs_interval": around(k + j, (0.0, 1.0)),
+              "mean_gradient_interval": around(2 * k + j), "abs_se": float(se[k + j]), "abs_bias": float(jk.bias[k + j])}
+    fields["sign_confidence"] = 1.0 if se[j] == 0 else float(
+        scipy.stats.t.cdf(abs(p[j]) / se[j], jk.df[j]) if np.isfinite(jk.df[j]) else scipy.stats.norm.cdf(abs(p[j]) / se[j]))
+    claim = _large_sample(p[k + j], jk.bias[k + j], jk.half_bias[k + j], jk.half_se[k + j], se[k + j], r.z)
     fields["large_sample"] = claim
     if claim == "claimed":
         large = float(p[k + j] - jk.bias[k + j])
-        spread = z * math.sqrt(2) * se[k + j]  # the bias estimate is about as noisy as the point (calibration)
+        spread = t(k + j) * math.sqrt(2) * se[k + j]  # the bias estimate is about as noisy as the point (calibration)
         fields["abs_large"] = large
         fields["abs_large_interval"] = _clipped(large, large - spread, large + spread, (0.0, 1.0))
     return fields

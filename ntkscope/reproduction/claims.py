@@ -88,7 +88,8 @@ def _fig3a(t: Tables) -> dict:
     unflagged = [s for s in excess.index if s not in set(peak["left_out"])]
     out["tail.fig3a.excess_range"] = _range(excess[unflagged], 3)
     out["tail.fig3a.excess.max_step"] = str(int(excess.idxmax()))
-    out["tail.fig3a.below_random"] = str(int((mean["abs_gc"] < mean["null_low"]).sum()))
+    below = gc.groupby("step")["versus_null"].apply(lambda v: (v == "below").all())  # the interval clears the band
+    out["tail.fig3a.below_random"] = str(int(below.sum()))
     rechecked = t.folder / "plan_rechecked.json"
     if rechecked.is_file():
         plan = t["plan_rechecked.json"]
