@@ -108,6 +108,7 @@ _EXPORTS = {
     "Probes": "ntkscope.gc.tracker",
     "GCTracker": "ntkscope.gc.tracker",
     "GCCallback": "ntkscope.gc.callbacks",
+    "InRunGC": "ntkscope.gc.inrun",
     # the reproduction
     "ReproduceSettings": "ntkscope.reproduction",
     "Reproduction": "ntkscope.reproduction",

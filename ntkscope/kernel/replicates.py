@@ -108,7 +108,10 @@ class Jackknife(NamedTuple):
     (finite-n mean minus large-sample value, O(1/n)), and the half-sample check of that bias:
     the mean over half-samples minus the point, which equals the bias when it is O(1/n);
     ``df``: the variance's degrees of freedom, Satterthwaite's over the strata (a stratum of
-    g_h groups gives g_h - 1; the strata's shares weigh them), the t quantile's for the interval."""
+    g_h groups gives g_h - 1; the strata's shares weigh them), the t quantile's for the interval;
+    ``half_sd``: the half-samples' spread around their mean, the delete-half jackknife's standard
+    error (deleting d = n/2 weighs the squares by (n - d)/d = 1), which stays consistent where
+    the statistic is not smooth enough for delete-1 (Shao & Wu 1989, Ann. Stat. 17(3))."""
 
     point: np.ndarray
     se: np.ndarray
@@ -117,6 +120,7 @@ class Jackknife(NamedTuple):
     half_se: np.ndarray
     deletions: int
     df: np.ndarray
+    half_sd: np.ndarray
 
 
 def _groups(units: list, budget: int, rng) -> list:
@@ -169,9 +173,10 @@ def jackknife(K: np.ndarray, members: list, *, budget: int, halves: int, seed: i
             bar.update(1)
     half = np.array(half) if halves else np.full((1, point.size), np.nan)
     df = np.divide(var ** 2, shares, out=np.full_like(var, np.inf), where=shares > 0)  # Satterthwaite
+    spread = half.std(0, ddof=1) if halves > 1 else np.full(point.size, np.nan)
     return Jackknife(point, np.sqrt(var), bias, half.mean(0) - point,
-                     half.std(0, ddof=1) / math.sqrt(len(half)) if halves > 1 else np.full(point.size, np.nan),
-                     deletions, df)
+                     spread / math.sqrt(len(half)) if halves > 1 else np.full(point.size, np.nan),
+                     deletions, df, spread)
 
 
 def bootstrap(K: np.ndarray, members: list, *, resamples: int, confidence: float, method: str, seed: int):

@@ -57,8 +57,10 @@ class Resampling:
     confidence : float
         Level of the intervals and of the null bands (two-sided).
     interval : {"jackknife", "basic", "bca"}
-        "jackknife" (the default; calibrated in docs/gc-calibration.md): ``point +- z se`` with
-        the stratified jackknife's standard error, plus its bias and the large-sample estimate.
+        "jackknife" (the default; calibrated in docs/gc-calibration.md): ``point +- t se`` with
+        the larger of the stratified delete-1 jackknife's and the delete-half jackknife's (the
+        half-samples') standard errors, t on its degrees of freedom, plus the bias and the
+        large-sample estimate.
         "basic" / "bca": ``scipy.stats.bootstrap``'s intervals, kept for comparison; their
         resamples hold about 63 % distinct samples, so they describe a smaller sample than the
         point's (mostly ``[point, 1]`` near GC = 1).
@@ -328,12 +330,17 @@ def _large_sample(point: float, bias: float, half_bias: float, half_se: float, s
 
 def _from_jackknife(jk: replicates.Jackknife, k: int, j: int, r: Resampling) -> dict:
     """The interval, bias and large-sample fields of subset ``j`` of ``k`` from the jackknife:
-    ``point +- t se`` with the t quantile on the jackknife's degrees of freedom (Satterthwaite
-    over the strata; the normal quantile only when they are many)."""
-    p, se = jk.point, jk.se
+    ``point +- t se``, se the larger of the delete-1 jackknife's and the delete-half one's (the
+    half-samples' spread: delete-1 under-covers under anisotropic or heavy-tailed gradients,
+    docs/gc-calibration.md), t on the chosen one's degrees of freedom (Satterthwaite over the
+    strata for delete-1, half-samples - 1 for delete-half; the normal quantile when they are many)."""
+    p = jk.point
+    halves = np.isfinite(jk.half_sd) & (jk.half_sd > jk.se)
+    se = np.where(halves, jk.half_sd, jk.se)
+    df = np.where(halves, r.half_samples - 1, jk.df)
 
     def t(i):
-        return float(scipy.stats.t.ppf((1 + r.confidence) / 2, jk.df[i])) if np.isfinite(jk.df[i]) else r.z
+        return float(scipy.stats.t.ppf((1 + r.confidence) / 2, df[i])) if np.isfinite(df[i]) else r.z
 
     def around(i, bounds=None):
         return _clipped(p[i], p[i] - t(i) * se[i], p[i] + t(i) * se[i], *([bounds] if bounds else []))
@@ -341,7 +348,7 @@ def _from_jackknife(jk: replicates.Jackknife, k: int, j: int, r: Resampling) -> 
     fields = {"interval": around(j), "abs_interval": around(k + j, (0.0, 1.0)),
               "mean_gradient_interval": around(2 * k + j), "abs_se": float(se[k + j]), "abs_bias": float(jk.bias[k + j])}
     fields["sign_confidence"] = 1.0 if se[j] == 0 else float(
-        scipy.stats.t.cdf(abs(p[j]) / se[j], jk.df[j]) if np.isfinite(jk.df[j]) else scipy.stats.norm.cdf(abs(p[j]) / se[j]))
+        scipy.stats.t.cdf(abs(p[j]) / se[j], df[j]) if np.isfinite(df[j]) else scipy.stats.norm.cdf(abs(p[j]) / se[j]))
     claim = _large_sample(p[k + j], jk.bias[k + j], jk.half_bias[k + j], jk.half_se[k + j], se[k + j], r.z)
     fields["large_sample"] = claim
     if claim == "claimed":

@@ -25,7 +25,7 @@ import pandas as pd
 from ntkscope.core.files import write_text
 from ntkscope.representation.plan import gc_peak, stable_step
 from ntkscope.reproduction.claim_values import Tables, _f, _range, _signed_range, _steps
-from ntkscope.reproduction.claims_experiments import (_budget, _gpu_gc, _own_model, _p1, _p7, _sweep, _tail_rule,
+from ntkscope.reproduction.claims_experiments import (_budget, _gpu_gc, _inrun, _own_model, _p1, _p7, _sweep, _tail_rule,
                                                       _tracked, _tracker, _training_step)
 from ntkscope.reproduction.claims_map import _warmup_map
 from ntkscope.runs.dynamics import STABILITY_COLUMNS as STABILITY
@@ -467,6 +467,8 @@ def claims(root: str | Path) -> dict:
         out.update(_budget(pd.read_csv(root / "benchmarks/budget.csv")))
     if (root / "benchmarks/p7.csv").is_file():
         out.update(_p7(pd.read_csv(root / "benchmarks/p7.csv")))
+    if (root / "benchmarks/inrun.csv").is_file():
+        out.update(_inrun(pd.read_csv(root / "benchmarks/inrun.csv")))
     if (root / "benchmarks/tracker.csv").is_file():
         out.update(_tracker(pd.read_csv(root / "benchmarks/tracker.csv")))
     if (root / "figures/tail/tables/gc_tracked.csv").is_file():

@@ -254,6 +254,17 @@ def _tracker(table: pd.DataFrame) -> dict:
     return out
 
 
+def _inrun(table: pd.DataFrame) -> dict:
+    """docs/tracking.md and benchmarks/README.md: in-run GC's overhead every step (benchmarks/inrun.csv)."""
+    plain = table[table["arm"] == "plain"].iloc[0]
+    inrun = table[table["arm"] == "in-run GC"].iloc[0]
+    return {"bench.inrun.step_s": _f(plain["s_per_step"], 2), "bench.inrun.gc_s": _f(inrun["gc_s"], 3),
+            "bench.inrun.overhead": f"{100 * inrun['overhead']:.0f} %",
+            "bench.inrun.same_losses": "identical" if bool(inrun["same_losses"]) else "different",
+            "bench.inrun.layers": str(int(inrun["layers_hooked"])), "bench.inrun.steps": str(int(inrun["steps"])),
+            "bench.inrun.rounds": str(int(inrun["rounds"]))}
+
+
 def _tracked(t) -> dict:
     """README: Figure 3(a) from the tracker (figures/tail/tables/gc_tracked.csv) against the
     checkpoints' series (gc_over_steps.csv, draw 0) at the steps both measured."""

@@ -1,0 +1,168 @@
+"""In-run GC: the gradient consistency of the training batch's own subsets, from the factors the
+training step's backward already has (issue 45).
+
+For a linear map ``y = x W^T`` applied at every token, sample i's gradient is
+``sum_t delta_it a_it^T`` (a: the layer's input, delta: the gradient of the loss at its output),
+so the kernel of per-sample gradients is ``sum_{t,s} (a_it . a_js)(delta_it . delta_js)`` over
+the layers (the "ghost" form; :mod:`ntkscope.kernel.factors` picks it or the per-sample
+gradients, whichever is cheaper). The training step's forward holds every ``a`` and its
+backward computes every ``delta``: :class:`InRunGC` keeps them with hooks, and :meth:`InRunGC.gc`
+turns them into the kernel and the GC of each subset, with no second forward or backward.
+
+What it measures, precisely: the NTK of the *training batch at the current weights* under the
+training loss, restricted to the weights of the hooked linear layers (every ``nn.Linear`` and
+HF ``Conv1D`` whose weight trains, by default; not embeddings, biases or norms), in the mode the
+step ran (with dropout, if the model has it). It is not the kernel of a fixed probe set
+(:class:`ntkscope.GCTracker`): each step sees other samples. A sample's gradient is its share
+of the batch loss; with ``loss_terms`` (how many loss terms each sample has) it is rescaled to
+the sample's mean token loss, the ``"loss"`` output of :func:`ntkscope.gradient_consistency_groups`,
+which gives the same rows (tests/test_inrun.py). A global scale of the loss cancels in GC.
+
+Not covered: a layer called twice in one forward with gradient checkpointing (the recomputed
+forward adds a second use), and models that run their linear layers outside ``nn.Module`` calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from ntkscope.core.checks import InputError, entry
+from ntkscope.kernel.factors import Linear, pair_kernel
+from ntkscope.kernel.uncertainty import GCResult, Resampling, kernel_gc
+
+log = logging.getLogger(__name__)
+
+WORK_ELEMENTS = 1 << 24  # elements a pair product's tiles may hold at once
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
+def _trained_linears(model: nn.Module) -> list:
+    """Every linear layer whose weight trains and is its own (a head tied to an embedding is
+    left out: its other use is not a linear layer's)."""
+    embedded = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+    return [m for m in model.modules()
+            if _is_linear(m) and m.weight.requires_grad and m.weight.data_ptr() not in embedded]
+
+
+class InRunGC:
+    """Hooks that keep each linear layer's inputs and output gradients of the last training step.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model being trained.
+    modules : None or list of nn.Module
+        The linear layers whose weights the kernel covers (default: every ``nn.Linear`` and HF
+        ``Conv1D`` whose weight requires grad, less a head tied to the input embedding).
+
+    Use as a context manager around the training loop (or :meth:`attach` / :meth:`detach`);
+    after each ``loss.backward()``, :meth:`gc` gives the GC of the batch's subsets. Shapes: the
+    batch is (B, T); a layer's inputs (B, T, d_in), its output gradients (B, T, d_out).
+    """
+
+    @entry("InRunGC")
+    def __init__(self, model: nn.Module, modules=None):
+        if not isinstance(model, nn.Module):
+            raise InputError("model", "must be a torch nn.Module", type(model).__name__)
+        found = _trained_linears(model) if modules is None else list(modules)
+        bad = [type(m).__name__ for m in found if not _is_linear(m)]
+        if bad or not found:
+            raise InputError("modules", "must be linear layers (nn.Linear or HF Conv1D) of the model, at least one",
+                             bad or found)
+        self.model, self.modules = model, found
+        self._hooks: list = []
+        self._uses: dict = {}  # layer index -> its uses in the last step: {"a", "io", "delta"}
+        self._backward_seen = False
+
+    def attach(self) -> "InRunGC":
+        if not self._hooks:
+            self._hooks = [m.register_forward_hook(self._keep(i)) for i, m in enumerate(self.modules)]
+        return self
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._uses, self._backward_seen = [], {}, False
+
+    def __enter__(self) -> "InRunGC":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def _keep(self, i: int):
+        def hook(module, args, output):
+            if not torch.is_grad_enabled() or not output.requires_grad:
+                return
+            if self._backward_seen:  # a new step's forward: drop the last one's factors
+                self._uses, self._backward_seen = {}, False
+            use = {"a": args[0].detach(), "io": not isinstance(module, nn.Linear)}
+            self._uses.setdefault(i, []).append(use)
+
+            def grad(g):
+                use["delta"] = g.detach()
+                self._backward_seen = True
+            output.register_hook(grad)
+        return hook
+
+    def factors(self) -> list:
+        """Per hooked layer, its :class:`~ntkscope.kernel.factors.Linear` factors of the last step."""
+        layers = []
+        for i in range(len(self.modules)):
+            uses = [u for u in self._uses.get(i, []) if "delta" in u]
+            if uses:
+                layers.append([Linear(u["a"].reshape(u["a"].shape[0], -1, u["a"].shape[-1]),
+                                      u["delta"].reshape(u["delta"].shape[0], -1, u["delta"].shape[-1]), u["io"])
+                               for u in uses])
+        return layers
+
+    def kernel(self, loss_terms=None, *, dtype=None) -> np.ndarray:
+        """The (B, B) kernel of the last step's per-sample gradients over the hooked weights, in
+        float64; ``loss_terms`` (B,): each sample's number of loss terms, to read the mean token
+        loss's kernel (module docstring); ``dtype``: of the pair products (default the factors'
+        own, as training computed them; torch.float64 for a reference)."""
+        layers = self.factors()
+        if not layers:
+            raise InputError("InRunGC.kernel", "needs a training step first: no layer has both its inputs and its "
+                             "output gradients (call it after loss.backward(), inside the hooks' context)", None)
+        K = None
+        for uses in layers:
+            uses = uses if dtype is None else [Linear(u.a.to(dtype), u.delta.to(dtype), u.io) for u in uses]
+            for p, fa in enumerate(uses):
+                for q, fb in enumerate(uses):
+                    block, _ = pair_kernel(fa, fb, WORK_ELEMENTS, symmetric=p == q)
+                    K = block.double() if K is None else K + block.double()
+        if loss_terms is not None:
+            terms = torch.as_tensor(loss_terms, dtype=K.dtype, device=K.device).reshape(-1)
+            if terms.shape != (K.shape[0],) or bool((terms <= 0).any()):
+                raise InputError("loss_terms", f"must give each of the {K.shape[0]} samples a positive count",
+                                 terms.tolist())
+            K = K / terms[:, None] / terms[None, :]
+        return K.cpu().numpy()
+
+    def gc(self, labels, *, loss_terms=None, min_count: int = 2, resampling: Resampling | None = None,
+           dtype=None) -> list[GCResult]:
+        """GC of every group of ``labels`` (B,) (e.g. domains or frequency bins of the batch's
+        samples) against the whole batch, on :meth:`kernel` (``resampling``: intervals, as
+        :func:`ntkscope.kernel_gc`; default none, the point values). Groups under ``min_count``
+        samples are left out; ``loss_terms``, ``dtype``: :meth:`kernel`'s. Returns one
+        :class:`~ntkscope.GCResult` per group, labelled."""
+        K = self.kernel(loss_terms, dtype=dtype)
+        labels = np.asarray(labels)
+        if labels.shape != (K.shape[0],):
+            raise InputError("labels", f"must give one label per sample of the batch, shape ({K.shape[0]},)",
+                             labels.shape)
+        groups = [(lab, np.flatnonzero(labels == lab)) for lab in sorted(set(labels.tolist()), key=str)]
+        groups = [(lab, idx) for lab, idx in groups if idx.size >= max(2, min_count)]
+        if not groups:
+            raise InputError("labels", f"has no group of at least {max(2, min_count)} samples", labels.tolist())
+        found = kernel_gc(K, [idx for _, idx in groups], resampling=resampling)
+        return [dataclasses.replace(r, label=lab) for r, (lab, _) in zip(found, groups)]

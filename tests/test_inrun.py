@@ -1,0 +1,93 @@
+"""In-run GC (ntkscope.gc.inrun): the GC of a training batch's subsets from the factors of the
+training step's own backward equals a separate gradient_consistency_groups call on the same
+weights, batch and parameters, for a causal and a masked LM with padding; with a token-mean
+training loss, ``loss_terms`` turns it into the mean-token-loss kernel."""
+
+import numpy as np
+import pytest
+import torch
+
+from ntkscope import LMLoss, gradient_consistency_groups
+from ntkscope.gc.inrun import InRunGC
+from ntkscope.kernel.objectives import call_model, resolve_output
+
+transformers = pytest.importorskip("transformers")
+
+LABELS = np.array(["a", "a", "b", "b", "b", "c", "c", "a"])
+
+
+def _model(kind: str):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(config)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, 40, (8, 12), generator=g)
+    mask = torch.ones(8, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    mask[5, 4:] = 0
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+def _names(model, modules):
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [by_id[id(m.weight)] for m in modules]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_in_run_gc_equals_a_separate_call_on_the_same_weights(kind):
+    model, batch = _model(kind), _batch()
+    output = "loss" if kind == "gpt2" else LMLoss(objective="masked", mask_token_id=4)
+    objective = resolve_output(output, model)
+    with InRunGC(model) as inrun:
+        data = objective.prepare(model, batch)
+        loss = objective.evaluate(lambda inputs: call_model(model, inputs), data).mean()  # a training step's loss
+        loss.backward()
+        rows = {r.label: r for r in inrun.gc(LABELS, dtype=torch.float64)}
+    separate = gradient_consistency_groups(model, batch, LABELS, output=output, resampling=None, method="exact",
+                                           params=_names(model, inrun.modules), dtype=torch.float64)
+    assert set(rows) == {"a", "b", "c"}
+    for label, r in rows.items():
+        assert r.score == pytest.approx(separate.results[label].score, abs=1e-6)
+        assert r.mean_gradient == pytest.approx(separate.results[label].mean_gradient, abs=1e-6)
+
+
+def test_a_token_mean_loss_reads_the_mean_token_kernel_with_its_loss_terms():
+    model, batch = _model("gpt2"), _batch()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    labels = ids.masked_fill(mask == 0, -100)
+    with InRunGC(model) as inrun:
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()  # HF's token-mean loss
+        terms = (labels[:, 1:] != -100).sum(1)
+        rows = {r.label: r for r in inrun.gc(LABELS, loss_terms=terms, dtype=torch.float64)}
+        plain = {r.label: r for r in inrun.gc(LABELS, dtype=torch.float64)}
+        inrun_float32 = {r.label: r for r in inrun.gc(LABELS)}
+    separate = gradient_consistency_groups(model, batch, LABELS, output="loss", resampling=None, method="exact",
+                                           params=_names(model, inrun.modules), dtype=torch.float64)
+    for label, r in rows.items():
+        assert r.score == pytest.approx(separate.results[label].score, abs=1e-6)
+    assert any(abs(plain[k].score - rows[k].score) > 1e-4 for k in rows)  # padding: the weighting matters
+    for k, r in plain.items():  # the factors' own float32 products: the same rows to float32's precision
+        assert r.score == pytest.approx(inrun_float32[k].score, abs=1e-4)
+
+
+def test_in_run_gc_needs_a_step_and_one_label_per_sample():
+    model = _model("gpt2")
+    inrun = InRunGC(model)
+    with pytest.raises(ValueError, match="InRunGC.kernel.*needs a training step first"):
+        inrun.gc(LABELS)
+    with pytest.raises(ValueError, match="InRunGC.*modules.*linear layers"):
+        InRunGC(model, modules=[model.transformer.wte])
+    batch = _batch()
+    with inrun:
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+        with pytest.raises(ValueError, match="labels.*one label per sample"):
+            inrun.gc(LABELS[:3])
