@@ -51,6 +51,13 @@ POOLS = {
 METHODS = {"jackknife": ns.Resampling(null_draws=0), "basic": ns.Resampling(null_draws=0, interval="basic")}
 
 
+def noise_kind(pool: ns.PlantedPool) -> str:
+    """The kind of noise a pool plants: "isotropic Gaussian" (the pools the method was chosen
+    on), else "anisotropic", "heavy-tailed" or both."""
+    kinds = [k for k, on in (("anisotropic", pool.spectrum), ("heavy-tailed", pool.df)) if on]
+    return ", ".join(kinds) or "isotropic Gaussian"
+
+
 def planted(n: int, draws: int, pools=None) -> pd.DataFrame:
     """One row per (pool, interval method, group): interval_calibration's columns (``pools``:
     names of :data:`POOLS`, default all)."""
@@ -62,6 +69,7 @@ def planted(n: int, draws: int, pools=None) -> pd.DataFrame:
             start = time.perf_counter()
             table = ns.interval_calibration(pool, n, draws=draws, truth_draws=4 * draws, resampling=resampling)
             table.insert(0, "method", method)
+            table.insert(0, "noise", noise_kind(pool))
             table.insert(0, "pool", name)
             frames.append(table)
             log.info("%s, %s: %.0f s", name, method, time.perf_counter() - start)

@@ -390,6 +390,11 @@ def _calibration(planted: pd.DataFrame, real: pd.DataFrame | None) -> dict:
         out[f"docs.calibration.{method}.biased_coverage"] = _range(rows[biased]["coverage"], 2)
         out[f"docs.calibration.{method}.other_coverage"] = _range(rows[~biased]["coverage"], 2)
         out[f"docs.calibration.{method}.below_80"] = f"{int((rows['coverage'] < 0.8).sum())} of {len(rows)}"
+        if "noise" in rows:
+            for kind, part in rows.groupby("noise"):
+                key = kind.replace(", ", "-").replace(" ", "-")
+                out[f"docs.calibration.{method}.{key}.coverage"] = _range(part["coverage"], 2)
+                out[f"docs.calibration.{method}.{key}.width"] = _range(part["median_width_over_sd"], 1)
     jk = planted[planted["method"] == "jackknife"]
     out["docs.calibration.pools"] = str(jk["pool"].nunique())
     out["docs.calibration.groups"] = str(len(jk))
