@@ -317,7 +317,8 @@ def test_a_homogeneous_group_is_below_the_random_null_and_within_the_homogeneous
     group = np.sort(rng.choice(a, 48, replace=False))  # one ordinary source, no tail
     tail = np.flatnonzero(labels == 0)
     for controls in (ns.Controls(homogeneous=[a, b]), ns.Controls()):  # pools, then gradient neighbours
-        res_group, res_tail = ns.kernel_gc(K, [group, tail], controls=controls)
+        res_group, res_tail = ns.kernel_gc(K, [group, tail], controls=controls,
+                                           resampling=ns.Resampling(resamples=60, null_draws=100))
         assert res_group.versus_null == "below" and res_group.versus("homogeneous") == "within", res_group.controls
         assert res_tail.versus_null == "below" and res_tail.versus("homogeneous") == "below"
         assert res_group.row()["versus_homogeneous"] == "within"

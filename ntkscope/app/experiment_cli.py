@@ -150,7 +150,8 @@ def add_parsers(sub) -> None:
     tb.add_argument("--data", "--pack", dest="data", help="the corpus pack the run used (default: the shipped one)")
     tb.set_defaults(run=_tables)
     mp = ex.add_parser("map", help="the warm-up map's gains (block-bootstrap intervals), pre-registered verdicts and "
-                       "figure from the units that finished in one or more run directories on the same trunks")
+                       "figures from the units that finished in one or more run directories (each a build of the "
+                       "trunks: its units pair with its own trunks)")
     mp.add_argument("run_dirs", metavar="RUN", type=Path, nargs="+", help="run directories (a unit in several is "
                     "taken from the first)")
     mp.add_argument("--spec", default="warmup-map", help="the spec whose seeds the verdicts count (default warmup-map)")

@@ -1,5 +1,5 @@
-"""The warm-up map's summary (issue 42): from the finished units of one or more run directories
-on the same trunks, the paired gains with their block-bootstrap intervals, the pre-registered
+"""The warm-up map's summary (issue 42): from the finished units of one or more run directories,
+each a build of the trunks (its units paired with its own trunks), the paired gains with their block-bootstrap intervals, the pre-registered
 verdicts (figures/warmup-map/CRITERIA.md) and the controls' figure
 (:mod:`ntkscope.reproduction.map_tables` computes them, :mod:`ntkscope.reproduction.map_figures` draws them)."""
 

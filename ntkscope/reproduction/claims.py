@@ -481,6 +481,12 @@ def claims(root: str | Path) -> dict:
     planted, real = root / "docs/gc-calibration-planted.csv", root / "docs/gc-calibration.csv"
     if planted.is_file():
         out.update(_calibration(pd.read_csv(planted), pd.read_csv(real) if real.is_file() else None))
+    delete1 = root / "docs/gc-calibration-planted-delete1.csv"
+    if delete1.is_file():  # the same pools with the delete-1 jackknife's se alone (and the t quantile)
+        for kind, part in pd.read_csv(delete1).groupby("noise"):
+            key = kind.replace(", ", "-").replace(" ", "-")
+            out[f"docs.calibration.delete1.{key}.coverage"] = _range(part["coverage"], 2)
+            out[f"docs.calibration.delete1.{key}.width"] = _range(part["median_width_over_sd"], 1)
     return out
 
 
