@@ -94,31 +94,23 @@ def test_the_layer_pair_ranked_by_structure_is_judged_against_the_map():
     assert (found["agree"], found["judged"]) == (1, 2)
 
 
-def test_each_unit_is_paired_with_its_own_runs_trunks(tmp_path):
-    """Two builds of the same seed's trunk (another GPU kind): a unit's gain is against its own."""
+def test_the_committed_map_is_its_committed_results(tmp_path):
+    """gains.csv and verdicts.json are rebuilt, equal, from figures/warmup-map's two builds, each
+    unit paired with its own build's trunk."""
     from ntkscope.experiments import load_spec
     from ntkscope.experiments.map import summarise_map
 
     folder = ROOT / "figures" / "warmup-map"
     summarise_map([folder, folder / "h100"], tmp_path, load_spec("warmup-map"))
     table = pd.read_csv(tmp_path / "tables" / "gains.csv")
+    pd.testing.assert_frame_equal(table, pd.read_csv(folder / "tables" / "gains.csv"))
+    # two builds of the same seed's trunk (another GPU kind): each unit's gain is against its own
     row = table[(table["arm"] == "cse") & (table["step"] == 1200) & (table["seed"] == 0)
                 & (table["domain"] == "legal")].iloc[0]
     own = json.loads((folder / "h100" / "results" / "dense-seed0.json").read_text())
-    assert row["trunks"] == "NVIDIA H100" and row["ppl_dense"] == pytest.approx(own["ppl legal"])
     other = json.loads((folder / "results" / "dense-seed0.json").read_text())
+    assert row["trunks"] == "NVIDIA H100" and row["ppl_dense"] == pytest.approx(own["ppl legal"])
     assert own["ppl legal"] != other["ppl legal"]  # the builds differ: pairing across them would be wrong
-
-
-def test_the_committed_map_is_its_committed_results(tmp_path):
-    """gains.csv and verdicts.json are rebuilt, equal, from figures/warmup-map's two builds."""
-    from ntkscope.experiments import load_spec
-    from ntkscope.experiments.map import summarise_map
-
-    folder = ROOT / "figures" / "warmup-map"
-    summarise_map([folder, folder / "h100"], tmp_path, load_spec("warmup-map"))
-    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "tables" / "gains.csv"),
-                                  pd.read_csv(folder / "tables" / "gains.csv"))
     assert json.loads((tmp_path / "tables" / "verdicts.json").read_text()) == \
         json.loads((folder / "tables" / "verdicts.json").read_text())
 

@@ -93,6 +93,8 @@ def _curve(tail: pd.DataFrame) -> dict:
     cse = tail[tail["arm"] == "cse"]
     best = cse.loc[cse.groupby("seed")["gain"].idxmin()]
     out["map.curve.cse.best_steps"] = ", ".join(f"{int(r.step)} (seed {int(r.seed)})" for r in best.itertuples())
+    low, high = int(best["step"].min()), int(best["step"].max())
+    out["map.curve.cse.best_range"] = str(low) if low == high else f"{low}–{high}"
     return out
 
 
@@ -170,16 +172,22 @@ def _builds(folder) -> dict:
 def _flicker(folder) -> dict:
     """How often a trunk's consensus structure at a sparse layer falls back to zero inside the
     rule's window after it first appeared (the single-fit rule's failure, measured again)."""
-    drops, series = 0, 0
+    drops, series, firsts = 0, 0, []
     for path in sorted((folder / "plans").glob("seed*.json")):
         evidence = json.loads(path.read_text())["evidence"]
         window = set(evidence["structure_rule"]["window"])
         for layer in evidence["structure_rule"]["judged_at_layers"]:
-            values = [r["structure"] for r in evidence["structure"][str(layer)] if r["step"] in window]
+            rows = [r for r in evidence["structure"][str(layer)] if r["step"] in window]
+            values = [r["structure"] for r in rows]
             first = next((i for i, v in enumerate(values) if v > 0), None)
             series += 1
             drops += first is not None and any(v == 0 for v in values[first:])
-    return {"map.structure.drops": f"{drops} of {series}"} if series else {}
+            if first is not None:
+                firsts.append(int(rows[first]["step"]))
+    if not series:
+        return {}
+    return {"map.structure.drops": f"{drops} of {series}",
+            "map.structure.first": f"{min(firsts)}–{max(firsts)}" if firsts else "never"}
 
 
 def _seconds(folder) -> dict:
@@ -204,6 +212,7 @@ def _warmup_map(t: Tables) -> dict:
     tail = at[at["domain"] == "tail"]
     out["map.block_halfwidth"] = f"{100 * ((tail['high'] - tail['low']) / 2).median():.1f} %"
     out["map.units"] = f"{verdicts['units']['done']} of {verdicts['units']['planned']}"
+    out["map.seeds"] = str(len(verdicts["seeds"]))
     mix_file = t.folder / "mix" / "tables" / "verdicts.json"
     mix = json.loads(mix_file.read_text()) if mix_file.is_file() else None
     if mix:
