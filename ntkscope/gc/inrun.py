@@ -25,7 +25,6 @@ forward adds a second use), and models that run their linear layers outside ``nn
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import numpy as np
 import torch
@@ -34,8 +33,6 @@ import torch.nn as nn
 from ntkscope.core.checks import InputError, entry
 from ntkscope.kernel.factors import Linear, pair_kernel
 from ntkscope.kernel.uncertainty import GCResult, Resampling, kernel_gc
-
-log = logging.getLogger(__name__)
 
 WORK_ELEMENTS = 1 << 24  # elements a pair product's tiles may hold at once
 

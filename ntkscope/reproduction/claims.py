@@ -380,6 +380,16 @@ def _router_table(table: pd.DataFrame) -> dict:
     return out
 
 
+def _by_noise(rows: pd.DataFrame, method: str) -> dict:
+    """docs/gc-calibration.md's table by planted noise kind: coverage and width ranges of ``method``."""
+    out = {}
+    for kind, part in rows.groupby("noise"):
+        key = f"docs.calibration.{method}.{kind.replace(', ', '-').replace(' ', '-')}"
+        out[f"{key}.coverage"] = _range(part["coverage"], 2)
+        out[f"{key}.width"] = _range(part["median_width_over_sd"], 1)
+    return out
+
+
 def _calibration(planted: pd.DataFrame, real: pd.DataFrame | None) -> dict:
     """docs/gc-calibration.md: the planted pools per interval method, and the real kernels."""
     out = {}
@@ -391,10 +401,7 @@ def _calibration(planted: pd.DataFrame, real: pd.DataFrame | None) -> dict:
         out[f"docs.calibration.{method}.other_coverage"] = _range(rows[~biased]["coverage"], 2)
         out[f"docs.calibration.{method}.below_80"] = f"{int((rows['coverage'] < 0.8).sum())} of {len(rows)}"
         if "noise" in rows:
-            for kind, part in rows.groupby("noise"):
-                key = kind.replace(", ", "-").replace(" ", "-")
-                out[f"docs.calibration.{method}.{key}.coverage"] = _range(part["coverage"], 2)
-                out[f"docs.calibration.{method}.{key}.width"] = _range(part["median_width_over_sd"], 1)
+            out.update(_by_noise(rows, method))
     jk = planted[planted["method"] == "jackknife"]
     out["docs.calibration.pools"] = str(jk["pool"].nunique())
     out["docs.calibration.groups"] = str(len(jk))
@@ -483,10 +490,7 @@ def claims(root: str | Path) -> dict:
         out.update(_calibration(pd.read_csv(planted), pd.read_csv(real) if real.is_file() else None))
     delete1 = root / "docs/gc-calibration-planted-delete1.csv"
     if delete1.is_file():  # the same pools with the delete-1 jackknife's se alone (and the t quantile)
-        for kind, part in pd.read_csv(delete1).groupby("noise"):
-            key = kind.replace(", ", "-").replace(" ", "-")
-            out[f"docs.calibration.delete1.{key}.coverage"] = _range(part["coverage"], 2)
-            out[f"docs.calibration.delete1.{key}.width"] = _range(part["median_width_over_sd"], 1)
+        out.update(_by_noise(pd.read_csv(delete1), "delete1"))
     return out
 
 
