@@ -113,6 +113,14 @@ def test_the_committed_map_is_its_committed_results(tmp_path):
     assert own["ppl legal"] != other["ppl legal"]  # the builds differ: pairing across them would be wrong
     assert json.loads((tmp_path / "tables" / "verdicts.json").read_text()) == \
         json.loads((folder / "tables" / "verdicts.json").read_text())
+    # the medium-scale hint (8 layers x 512, its own spec and trunks) is rebuilt the same way
+    scale = folder / "scale"
+    summarise_map([scale], tmp_path / "scale", load_spec("warmup-map-scale"))
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "scale" / "tables" / "gains.csv"),
+                                  pd.read_csv(scale / "tables" / "gains.csv"))
+    found = json.loads((tmp_path / "scale" / "tables" / "verdicts.json").read_text())
+    assert found == json.loads((scale / "tables" / "verdicts.json").read_text())
+    assert found["units"] == {"spec": "warmup-map-scale", "planned": 12, "done": 12}
 
 
 def test_thin_pack_halves_the_tail_in_train_only(tmp_path):

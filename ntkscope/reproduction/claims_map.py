@@ -28,32 +28,32 @@ def _seeds(seeds) -> str:
     return ", ".join(str(int(s)) for s in seeds) or "none"
 
 
-def _at_step(at: pd.DataFrame, verdicts: dict) -> dict:
+def _at_step(at: pd.DataFrame, verdicts: dict, prefix: str = "map") -> dict:
     rows = ["| arm | seeds ran | tail (legal, biomedical) | legal | biomedical | general | against `dense-null` |",
             "|---|---|---|---|---|---|---|"]
     out = {}
     for arm in at[at["domain"] == "tail"].groupby("arm")["gain"].mean().sort_values().index:
         part = at[at["arm"] == arm]
         cells = {d: _cell(part[part["domain"] == d]["gain"]) for d in ("tail", "legal", "biomedical", "general")}
-        out.update({f"map.{arm}.{d}": _pct(part[part["domain"] == d]["gain"].mean())
+        out.update({f"{prefix}.{arm}.{d}": _pct(part[part["domain"] == d]["gain"].mean())
                     for d in ("tail", "legal", "biomedical", "general")})
         seeds = sorted(int(s) for s in part["seed"].unique())
         floor = verdicts["against_null"].get(arm, {})
         verdict = floor.get("verdict", "—") if arm != "dense-null" else "—"
         if floor.get("on_seeds_ran"):
             verdict += f" (on the seeds that ran: {floor['on_seeds_ran']})"
-        out[f"map.{arm}.seeds"] = _seeds(seeds)
-        out[f"map.{arm}.null"] = verdict
+        out[f"{prefix}.{arm}.seeds"] = _seeds(seeds)
+        out[f"{prefix}.{arm}.null"] = verdict
         rows.append(f"| `{arm}` | {_seeds(seeds)} | {cells['tail']} | {cells['legal']} | {cells['biomedical']} | "
                     f"{cells['general']} | {verdict} |")
-    out["map.table"] = "\n".join(rows)
+    out[f"{prefix}.table"] = "\n".join(rows)
     tail = at[at["domain"] == "tail"].groupby("arm")["gain"].mean()
     if {"cse", "demix"} <= set(tail.index):
-        out["map.cse.demix_share"] = f"{tail['cse'] / tail['demix']:.2f}"
+        out[f"{prefix}.cse.demix_share"] = f"{tail['cse'] / tail['demix']:.2f}"
     return out
 
 
-def _verdict_lines(verdicts: dict) -> dict:
+def _verdict_lines(verdicts: dict, prefix: str = "map") -> dict:
     out = {}
     for name in ("clusters_vs_shuffled", "cse_vs_fair"):
         v = verdicts[name]
@@ -71,7 +71,7 @@ def _verdict_lines(verdicts: dict) -> dict:
         same = v.get("same_trunks", [])
         text += (f"; both arms branched from the same build of the trunk at seeds {_seeds(same)} only" if
                  len(same) < len(v["seeds_ran"]) else "; every pair on one build of the trunk")
-        out[f"map.{name}"] = text
+        out[f"{prefix}.{name}"] = text
     return out
 
 
@@ -224,4 +224,26 @@ def _warmup_map(t: Tables) -> dict:
     out.update(_builds(t.folder))
     out.update(_seconds(t.folder))
     out.update(_flicker(t.folder))
+    out.update(_scale(t.folder / "scale", gains))
+    return out
+
+
+def _scale(folder, small: pd.DataFrame) -> dict:
+    """The medium-scale hint (figures/warmup-map/scale: 8 layers x 512, step 1200, two seeds):
+    its arms and verdicts as the map's, and its dense trunks' perplexity beside the map's."""
+    if not (folder / "tables" / "verdicts.json").is_file():
+        return {}
+    verdicts = json.loads((folder / "tables" / "verdicts.json").read_text())
+    gains = pd.read_csv(folder / "tables" / "gains.csv")
+    out = {**_at_step(gains[gains["step"] == verdicts["step"]], verdicts, "scale"),
+           **_verdict_lines(verdicts, "scale")}
+    out["scale.units"] = f"{verdicts['units']['done']} of {verdicts['units']['planned']}"
+    out["scale.seeds"] = str(len(verdicts["seeds"]))
+    for name, where in (("scale", folder), ("map", folder.parent)):
+        ppl = [json.loads(p.read_text())["ppl"] for p in sorted((where / "results").glob("dense-seed*.json"))]
+        low, high = f"{min(ppl):.1f}", f"{max(ppl):.1f}"
+        out[f"{name}.dense.ppl"] = f"{low} in both seeds" if low == high and len(ppl) == 2 else f"{low}–{high}"
+    null = gains[(gains["arm"] == "dense-null") & (gains["domain"] == "tail") & (gains["step"] == verdicts["step"])]
+    out["scale.null.range"] = f"{_pct(null['gain'].min())} to {_pct(null['gain'].max())}"
+    out.update({k.replace("map.", "scale.", 1): v for k, v in _seconds(folder).items()})
     return out
