@@ -121,6 +121,7 @@ def test_the_committed_map_is_its_committed_results(tmp_path):
     found = json.loads((tmp_path / "scale" / "tables" / "verdicts.json").read_text())
     assert found == json.loads((scale / "tables" / "verdicts.json").read_text())
     assert found["units"] == {"spec": "warmup-map-scale", "planned": 12, "done": 12}
+    assert not (tmp_path / "scale" / "map.png").exists()  # one conversion step: no curve to draw
 
 
 def test_thin_pack_halves_the_tail_in_train_only(tmp_path):

@@ -30,8 +30,8 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     experiment and of its companions; a unit name found in several is taken from the first): each
     unit is paired with the trunks of its own run directory (``trunks`` in the table: its build,
     :func:`trunks_label`), the verdicts say which pairs crossed builds. Writes
-    OUT/tables/gains.csv, OUT/tables/verdicts.json, OUT/controls.png and OUT/map.png; returns the
-    verdicts."""
+    OUT/tables/gains.csv, OUT/tables/verdicts.json, OUT/controls.png and, when an arm converted at
+    several steps, OUT/map.png; returns the verdicts."""
     runs = [Path(r) for r in runs]
     blocks = make_sweep(spec, runs[0], pack).test_blocks()
     domains = [blocks.domain_names[int(d)] for d in blocks.domains]
@@ -56,7 +56,8 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     write_json(out / "tables" / "verdicts.json", found)
     save_figure(map_controls(table), out / "controls.png")
     rule = {s: p["warmup_steps"] for s, p in plans.items() if p.get("warmup_rule") == "consensus-structure"}
-    save_figure(map_curve(table, plan_structure(plans), rule), out / "map.png")
+    if len(table) and table.groupby("arm")["step"].nunique().max() > 1:  # a curve needs two conversion steps
+        save_figure(map_curve(table, plan_structure(plans), rule), out / "map.png")
     return found
 
 
