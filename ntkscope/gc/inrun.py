@@ -60,6 +60,8 @@ class InRunGC:
         The linear layers whose weights the kernel covers (default: every ``nn.Linear`` and HF
         ``Conv1D`` whose weight requires grad, less a head tied to the input embedding).
 
+    Notes
+    -----
     Use as a context manager around the training loop (or :meth:`attach` / :meth:`detach`);
     after each ``loss.backward()``, :meth:`gc` gives the GC of the batch's subsets. Shapes: the
     batch is (B, T); a layer's inputs (B, T, d_in), its output gradients (B, T, d_out).

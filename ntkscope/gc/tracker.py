@@ -245,6 +245,8 @@ class GCTracker:
     tensorboard : bool
         Also write scalars to ``OUT/tensorboard`` (needs the ``tensorboard`` package and ``out``).
 
+    Notes
+    -----
     Use it as a ``cse_models.train`` callback (``train(cfg, callbacks=[tracker])``), through
     :class:`ntkscope.GCCallback` in a Hugging Face ``Trainer``, or call :meth:`step` in a loop,
     in single-process training: under a process group of several ranks a probe is refused (its

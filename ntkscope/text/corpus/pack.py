@@ -197,7 +197,10 @@ def build_pack(out: str | Path, *, sources: Sequence[str] | None = None, share: 
         documents are left out of the probe.
     vocab_size : of the byte-level BPE trained on the train split.
 
-    Returns the path of the pack.
+    Returns
+    -------
+    Path
+        The pack's directory.
     """
     func = "build_pack"
     check_fraction("share", share)
