@@ -1,7 +1,7 @@
 """Do GC's intervals cover what they claim? Planted pools with a known answer, and a real checkpoint.
 
     python scripts/gc_calibration.py planted [--n 192] [--draws 100] [--out docs/gc-calibration-planted.csv]
-    python scripts/gc_calibration.py CHECKPOINT [--pool 768] [--n 192] [--draws 40]
+    python scripts/gc_calibration.py CHECKPOINT [--pool 768] [--n 192] [--draws 40] [--disjoint]
         [--outputs centred-true-logit,true-logit,loss] [--out docs/gc-calibration.csv]
 
 **planted**: :class:`ntkscope.PlantedPool` pools (low and high GC, small and large tail groups,
@@ -15,7 +15,10 @@ seed 7) is scored once: its exact NTK, per output. Each of ``--draws`` random ``
 subsets of the pool stands for a fresh analysis batch: its 6 equal-count bins, their |GC| and
 intervals from its own kernel (a sub-matrix of the pool's), as ``ntkscope gc`` computes them.
 The finite-n target of a bin is the mean |GC| of that bin over the other draws; coverage is the
-share of (draw, bin) pairs whose interval holds it. Results and what they mean: docs/gc-calibration.md.
+share of (draw, bin) pairs whose interval holds it. Draws of one pool overlap, which shrinks the
+draw-to-draw spread the intervals are judged against; ``--disjoint`` instead cuts every
+validation and test sentence of the pack into disjoint draws of ``--n``, each draw's kernel its
+own (independent draws: the target and the spread are what a fresh analysis would see). Results and what they mean: docs/gc-calibration.md.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ import time
 
 import numpy as np
 import pandas as pd
+import torch
 
 import ntkscope as ns
 from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.inputs import as_source
 from ntkscope.text.frequency import bin_edges, bin_of
 from ntkscope.text.frequency import save_table
 
@@ -81,26 +86,60 @@ def _bins(scores: np.ndarray, bins: int) -> list:
     return [np.flatnonzero(which == b) for b in range(bins)]
 
 
-def real(checkpoint, *, outputs, pool: int, n: int, draws: int, bins: int = 6, seed: int = 0) -> pd.DataFrame:
-    """One row per (output, method, draw, bin): abs_gc, its interval, flags, and the target."""
-    pack = load_pack()
-    data = ns.load_analysis_data(str(pack.path), pack.tokenizer(), n=pool, seq_len=48, seed=7)
-    model = ns.load_checkpoint(checkpoint)
-    scores = data.labels["score"].to_numpy()
+def _draw_rows(K: np.ndarray, scores: np.ndarray, bins: int, output: str, draw: int) -> list:
+    """One draw's rows: its equal-count bins, their |GC| and intervals from its own kernel ``K`` (n, n)."""
     rows = []
-    for output in outputs:
-        start = time.perf_counter()
-        K = ns.empirical_ntk(model, data.batch, output=output, method="exact").matrix.double().numpy()
-        log.info("%s: the pool's kernel (%d x %d) in %.0f s", output, pool, pool, time.perf_counter() - start)
-        rng = np.random.default_rng(seed)
-        for draw in range(draws):
-            idx = np.sort(rng.choice(pool, n, replace=False))
-            Ks, groups = K[np.ix_(idx, idx)], _bins(scores[idx], bins)
-            for method, resampling in METHODS.items():
-                for b, r in enumerate(ns.kernel_gc(Ks, groups, resampling=dataclasses.replace(resampling, seed=draw))):
-                    rows.append(dict(output=output, method=method, draw=draw, bin=b, abs_gc=abs(r.score),
-                                     low=r.abs_interval.low, high=r.abs_interval.high, flags=" ".join(r.flags)))
-            log.info("%s: draw %d/%d", output, draw + 1, draws)
+    for method, resampling in METHODS.items():
+        for b, r in enumerate(ns.kernel_gc(K, _bins(scores, bins), resampling=dataclasses.replace(resampling, seed=draw))):
+            rows.append(dict(output=output, method=method, draw=draw, bin=b, abs_gc=abs(r.score),
+                             low=r.abs_interval.low, high=r.abs_interval.high, flags=" ".join(r.flags)))
+    return rows
+
+
+def disjoint_draws(pack, n: int, draws: int | None = None) -> list:
+    """Disjoint ``n``-sentence draws: every validation and test sentence of the pack, shuffled
+    (seed 7) within its split and cut into blocks of ``n``; at most ``draws``. Each is (split,
+    rows: the sentences' indices in the split (n,), batch (n, T), scores (n,))."""
+    out = []
+    for split in ("validation", "test"):
+        every = len(as_source(str(pack.path)).rows(split))
+        data = ns.load_analysis_data(str(pack.path), pack.tokenizer(), n=every, seq_len=48, seed=7, split=split)
+        order = np.random.default_rng(7).permutation(len(data.labels))
+        for start in range(0, len(order) - n + 1, n):
+            idx = torch.as_tensor(np.sort(order[start:start + n]))
+            out.append((split, idx.numpy(), {k: v[idx] for k, v in data.batch.items()},
+                        data.labels["score"].to_numpy()[idx.numpy()]))
+    return out[:draws] if draws else out
+
+
+def real(checkpoint, *, outputs, pool: int, n: int, draws: int | None, bins: int = 6, seed: int = 0,
+         disjoint: bool = False) -> pd.DataFrame:
+    """One row per (output, method, draw, bin): abs_gc, its interval, flags, and the target.
+    ``disjoint``: each draw is its own ``n`` sentences (:func:`disjoint_draws`, every draw's
+    kernel computed alone) instead of ``n`` of a ``pool`` scored once."""
+    pack = load_pack()
+    model = ns.load_checkpoint(checkpoint)
+    rows = []
+    if disjoint:
+        sets = disjoint_draws(pack, n, draws)
+        log.info("%d disjoint draws of %d sentences", len(sets), n)
+        for output in outputs:
+            start = time.perf_counter()
+            for draw, (_, _, batch, scores) in enumerate(sets):
+                K = ns.empirical_ntk(model, batch, output=output, method="exact").matrix.double().numpy()
+                rows += _draw_rows(K, scores, bins, output, draw)
+            log.info("%s: %d draws in %.0f s", output, len(sets), time.perf_counter() - start)
+    else:
+        data = ns.load_analysis_data(str(pack.path), pack.tokenizer(), n=pool, seq_len=48, seed=7)
+        scores = data.labels["score"].to_numpy()
+        for output in outputs:
+            start = time.perf_counter()
+            K = ns.empirical_ntk(model, data.batch, output=output, method="exact").matrix.double().numpy()
+            log.info("%s: the pool's kernel (%d x %d) in %.0f s", output, pool, pool, time.perf_counter() - start)
+            rng = np.random.default_rng(seed)
+            for draw in range(draws or 40):
+                idx = np.sort(rng.choice(pool, n, replace=False))
+                rows += _draw_rows(K[np.ix_(idx, idx)], scores[idx], bins, output, draw)
     table = pd.DataFrame(rows)
     jk = table[table["method"] == "jackknife"]
     sums = jk.groupby(["output", "bin"])["abs_gc"].agg(["sum", "count"])
@@ -131,6 +170,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=192)
     parser.add_argument("--draws", type=int)
     parser.add_argument("--outputs", default="centred-true-logit,true-logit,loss")
+    parser.add_argument("--disjoint", action="store_true",
+                        help="CHECKPOINT: disjoint draws (every validation and test sentence, each draw's own kernel)")
     parser.add_argument("--pools", help="planted: pool names, comma-separated (default all)")
     parser.add_argument("--append", action="store_true", help="planted: add the rows to --out's table")
     parser.add_argument("--out", help="the table (CSV)")
@@ -143,7 +184,7 @@ def main() -> None:
         shown = table
     else:
         table = real(args.checkpoint, outputs=args.outputs.split(","), pool=args.pool, n=args.n,
-                     draws=args.draws or 40)
+                     draws=args.draws, disjoint=args.disjoint)
         shown = summary(table)
     if args.out:
         save_table(table, args.out)

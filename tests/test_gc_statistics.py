@@ -470,3 +470,25 @@ def test_planted_noise_that_is_anisotropic_or_heavy_tailed_keeps_its_exact_large
         ns.PlantedPool(df=2)
     with pytest.raises(ValueError, match="PlantedPool.*spectrum"):
         ns.PlantedPool(spectrum=-1)
+
+
+def test_the_real_kernel_calibration_draws_are_disjoint():
+    """scripts/gc_calibration.py --disjoint: every validation and test sentence at most once,
+    draws of exactly n, as many as the splits hold."""
+    import importlib.util
+    from pathlib import Path
+
+    from ntkscope.text.corpus.pack import load_pack
+    from ntkscope.text.inputs import as_source
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gc_calibration.py"
+    spec = importlib.util.spec_from_file_location("gc_calibration", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    pack = load_pack()
+    draws = script.disjoint_draws(pack, 192)
+    seen = [(split, int(i)) for split, rows, _, _ in draws for i in rows]
+    assert len(seen) == len(set(seen)) == 192 * len(draws)
+    sizes = {s: len(as_source(str(pack.path)).rows(s)) for s in ("validation", "test")}
+    assert len(draws) == sum(n // 192 for n in sizes.values())
+    assert all(b["input_ids"].shape[0] == len(s) == 192 for _, _, b, s in draws)

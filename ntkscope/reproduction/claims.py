@@ -417,15 +417,29 @@ def _calibration(planted: pd.DataFrame, real: pd.DataFrame | None) -> dict:
     out["docs.calibration.large_coverage"] = _f(float((claimed["large_coverage"] * weight).sum() / weight.sum()), 2)
     out["docs.calibration.large_coverage_range"] = _range(claimed["large_coverage"], 2)
     if real is not None:
-        for (output, method), rows in real.groupby(["output", "method"]):
-            sd = rows.groupby("bin")["abs_gc"].transform("std")
-            covered = ((rows["low"] <= rows["target"]) & (rows["target"] <= rows["high"])).mean()
-            key = f"docs.calibration.real.{output}.{method}"
-            out[f"{key}.coverage"] = _f(float(covered), 2)
-            out[f"{key}.width"] = _f(float(((rows["high"] - rows["low"]) / sd).median()), 1)
-            out[f"{key}.point_to_1"] = f"{100 * float(((rows['low'] == rows['abs_gc']) & (rows['high'] >= 1)).mean()):.0f} %"
-            out[f"{key}.flagged"] = f"{100 * float((rows['flags'].fillna('') != '').mean()):.0f} %"
-        out["docs.calibration.real.draws"] = str(int(real["draw"].nunique()))
+        out.update(_real_calibration(real, "docs.calibration.real"))
+    return out
+
+
+def _real_calibration(real: pd.DataFrame, key: str) -> dict:
+    """A real-kernel calibration table's cells per output and method (scripts/gc_calibration.py)."""
+    out = {}
+    for (output, method), rows in real.groupby(["output", "method"]):
+        sd = rows.groupby("bin")["abs_gc"].transform("std")
+        covered = ((rows["low"] <= rows["target"]) & (rows["target"] <= rows["high"])).mean()
+        cell = f"{key}.{output}.{method}"
+        out[f"{cell}.coverage"] = _f(float(covered), 2)
+        out[f"{cell}.width"] = _f(float(((rows["high"] - rows["low"]) / sd).median()), 1)
+        out[f"{cell}.point_to_1"] = f"{100 * float(((rows['low'] == rows['abs_gc']) & (rows['high'] >= 1)).mean()):.0f} %"
+        out[f"{cell}.flagged"] = f"{100 * float((rows['flags'].fillna('') != '').mean()):.0f} %"
+    out[f"{key}.draws"] = str(int(real["draw"].nunique()))
+    jk = real[real["method"] == "jackknife"]
+    by_bin = jk.groupby(["output", "bin"]).apply(
+        lambda r: ((r["low"] <= r["target"]) & (r["target"] <= r["high"])).mean(), include_groups=False)
+    out[f"{key}.jackknife.bins"] = _range(by_bin, 2)
+    for stat in ("coverage", "width"):
+        out[f"{key}.jackknife.{stat}"] = _range(
+            [float(out[f"{key}.{o}.jackknife.{stat}"]) for o in sorted(jk["output"].unique())], 2 if stat == "coverage" else 1)
     return out
 
 
