@@ -140,6 +140,27 @@ def gc_vs_frequency(table, histogram, *, title: str = "", chosen: str | None = N
     return fig
 
 
+def gc_per_layer(frame, *, title: str = ""):
+    """|GC| of each subset over training, one panel per subset (``label``) and one line per layer
+    (``frame``: a tracker's per-layer rows: step, label, layer, abs_gc)."""
+    plt = _pyplot()
+    labels = list(dict.fromkeys(frame["label"].astype(str)))
+    fig, axes = plt.subplots(1, len(labels), figsize=(3.2 * len(labels) + 0.8, 3.0), squeeze=False, sharey=True)
+    for ax, label in zip(axes[0], labels):
+        rows = frame[frame["label"].astype(str) == label]
+        for layer, part in rows.groupby("layer", sort=False):
+            part = part.sort_values("step")
+            ax.plot(part["step"], part["abs_gc"], marker=".", lw=1, label=str(layer))
+        ax.set_title(f"|GC| of {label}, per layer", fontsize=9)
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("|GC| (the layer's block of the kernel)")
+    axes[0][-1].legend(fontsize=6, loc="best")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: str = ""):
     """Figure 3(a). ``frame``: a :func:`ntkscope.gc_series` table (a ``draw`` column: several
     independent draws of analysis sentences). Top: |GC| of the long tail and the random null
@@ -533,14 +554,21 @@ def training_curve(metrics, *, title: str = ""):
 
 
 def score_histogram_bars(histogram, *, title: str = ""):
-    """The sentences' frequency scores in bins (``histogram``: :func:`ntkscope.score_histogram`:
-    left, right, count): a long tail at the low end."""
+    """The distribution of the sentences' frequency scores from their bins (``histogram``:
+    :func:`ntkscope.score_histogram`: left, right, count): each bar's height is its count over
+    its width, so equal-count bins (the GC bins) show the density rather than a flat row of
+    bars; the bins' edges are marked, with each bin's count above it. A long tail at the low end."""
     plt = _pyplot()
+    width = (histogram["right"] - histogram["left"]).to_numpy(dtype=float)
+    density = histogram["count"].to_numpy(dtype=float) / histogram["count"].sum() / width
     fig, ax = plt.subplots(figsize=(6.4, 3.0))
-    ax.bar(histogram["left"], histogram["count"], width=(histogram["right"] - histogram["left"]), align="edge",
-           color="#5d6d7e", edgecolor="white")
-    ax.set_xlabel("sentence frequency score")
-    ax.set_ylabel("sentences")
+    ax.bar(histogram["left"], density, width=width, align="edge", color="#5d6d7e", edgecolor="white")
+    for left, w, d, n in zip(histogram["left"], width, density, histogram["count"]):
+        ax.text(left + w / 2, d, f"{int(n)}", ha="center", va="bottom", fontsize=7, color="#333")
+    for edge in [*histogram["left"], histogram["right"].iloc[-1]]:
+        ax.axvline(edge, color="#c0392b", lw=0.6, ls=":")
+    ax.set_xlabel("sentence frequency score (dotted: the bins' edges; above a bar: its sentences)")
+    ax.set_ylabel("density")
     ax.set_title(title or "Sentence frequency", fontsize=10)
     fig.tight_layout()
     return fig

@@ -58,6 +58,14 @@ def test_the_tail_run_report_is_one_self_contained_page(tail_report):
         assert f">{title}</h2>" in page
     assert "ntkscope reproduce --tail" in page and "below the random null band" in page
     assert "not described" not in page  # every column shown is in the glossary
+    # findings first, and one verdict per quantity: the plan's GC peak (made with older statistics) beside
+    # the one re-measured from its table, never the two as separate verdicts
+    assert page.index(">What was found</h2>") < min(page.index(f">{t}</h2>") for t in ("The plan", "GC over training"))
+    assert "GC peak: shown at step" not in page and "recorded it as shown at step 75" in page
+    assert page.count("no GC peak shown") >= 1
+    # long tables are shown in part, each whole one folded below it
+    assert "<details><summary>The whole table (" in page and "12 of " in page
+    assert "dotted lines are the bins" in page  # the scores' distribution, with the bins' edges
 
 
 def test_a_real_browser_draws_the_report(tail_report, tmp_path):
@@ -86,7 +94,8 @@ def test_report_of_a_tracked_training_run(tmp_path):
     spec = {"out_dir": str(tmp_path / "run"), "model": {"n_layer": 2, "n_embd": 32, "n_head": 2},
             "data": {"seq_len": 32, "split": "validation"}, "steps": 6, "batch_size": 8, "checkpoint_every": 6,
             "log_every": 2, "warmup_steps": 2, "tensorboard": False,
-            "track": {"every": 3, "n": 24, "by": "frequency-bins", "bins": 2, "resamples": 20, "null_draws": 20}}
+            "track": {"every": 3, "n": 24, "by": "frequency-bins", "bins": 2, "resamples": 20, "null_draws": 20,
+                      "per_layer": True}}
     (tmp_path / "run.json").write_text(json.dumps(spec))
     assert cse_train([str(tmp_path / "run.json")]) == 0
     proc = in_process("report", tmp_path / "run")
@@ -94,5 +103,8 @@ def test_report_of_a_tracked_training_run(tmp_path):
     page = (tmp_path / "run" / "report.html").read_text()
     assert ">GC over training</h2>" in page and ">Training</h2>" in page and "cse-train" in page
     assert "bin 0" in page and "bin 1" in page and "kernel_cka" in page and "not described" not in page
+    assert "|GC| of each subset against the whole set" in page and "the long-tail subset" not in page
+    assert "layers&#x27; blocks of the kernel" in page  # the per-layer rows have their own figure, not dropped
+    assert _references(page).images == 4  # the per-layer panel, one per bin, the training curve
     bad = in_process("report", tmp_path / "run", "--out", tmp_path / "page.txt")
     assert bad.returncode == 1 and "report: out must end in .html" in bad.stderr

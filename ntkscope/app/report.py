@@ -20,14 +20,14 @@ from ntkscope.app.glossary import describe
 from ntkscope.core.checks import MissingInput, UserError, fail
 from ntkscope.core.files import read_json_object, strict_json, write_text
 from ntkscope.core.provenance import environment
-from ntkscope.plotting import (gc_by_label, gc_over_steps, gc_vs_frequency, layer_dynamics, routing_shares,
-                               score_histogram_bars, training_curve)
+from ntkscope.plotting import (gc_by_label, gc_over_steps, gc_per_layer, gc_vs_frequency, layer_dynamics,
+                               routing_shares, score_histogram_bars, training_curve)
 from ntkscope.representation.plan import gc_peak
 
 log = logging.getLogger(__name__)
 
-#: rows of a table shown in the page (the whole table is the file it names)
-MAX_ROWS = 30
+#: a table longer or wider than this is shown in part, the whole of it folded below (and in the file it names)
+MAX_ROWS, MAX_COLUMNS = 12, 9
 FLAG_WORDS = {
     "eigengap": "the whole set's top two NTK eigenvalues are close, so its primary direction is ill-defined",
     "eigengap-subset": "the subset's top two NTK eigenvalues are close, so its direction is ill-defined",
@@ -176,8 +176,9 @@ def _frequency(files: _Files) -> Section | None:
     hist = files.table("histogram.csv", ["left", "right", "count"], key="count")
     if hist is None:
         return None
-    section = Section("Sentence frequency", "How many analysis sentences fall in each frequency-score bin (the "
-                      "score is the mean log frequency of a sentence's tokens in the training text).")
+    section = Section("Sentence frequency", "The distribution of the analysis sentences' frequency scores (the "
+                      "score is the mean log frequency of a sentence's tokens in the training text), drawn from its "
+                      "bins: a bar's area is its share of the sentences, the dotted lines are the bins' edges.")
     section.figures.append(_png(score_histogram_bars(hist)))
     section.tables["histogram"] = hist
     return section
@@ -190,11 +191,18 @@ def _gc_steps(files: _Files) -> Section | None:
         frame, source = files.table("gc.csv", GC_STEPS, key="step"), "the tracker's probes during training"
     if frame is None:
         return None
-    section = Section("GC over training", f"|GC| of the long-tail subset against the whole set at each step "
-                      f"(from {source}), above; below, its excess over the random null's median with a 90 % band. "
-                      "A rise and fall beyond the noise and against the null is the GC peak the plan reads.")
+    labelled = "label" in frame
+    section = Section("GC over training", f"|GC| of {'each subset' if labelled else 'the long-tail subset'} "
+                      f"against the whole set at each step (from {source}), one figure per subset, named in its "
+                      "title; below each, the excess over the random null's median with a 90 % band. A rise and fall "
+                      "beyond the noise and against the null is the GC peak the plan reads.")
     parts = [("", frame)]
-    if "label" in frame:
+    if labelled:
+        if "layer" in frame and (frame["layer"].astype(str) != "all").any():
+            layers = frame[frame["layer"].astype(str) != "all"]
+            section.figures.append(_png(gc_per_layer(layers)))
+            section.notes.append(f"Per layer: {layers['layer'].nunique()} layers' blocks of the kernel, "
+                                 f"{len(layers)} rows, one line per layer in the per-layer figure.")
         frame = frame[frame["layer"].astype(str) == "all"] if "layer" in frame else frame
         parts = [(str(label), rows.drop(columns=["label", "layer"], errors="ignore"))
                  for label, rows in frame.groupby("label", sort=False)][:6]
@@ -256,9 +264,21 @@ def _plan(files: _Files) -> Section | None:
                                                               if plan.get("warmup_rule") else "") + "." if warmup
                          is not None else "No warm-up was chosen (no GC series or router dynamics).")
     peak = evidence.get("gc_peak")
-    if isinstance(peak, dict):
+    if isinstance(peak, dict):  # as the plan recorded it; beside it, what its table says today
         found = f"shown at step {peak.get('step')}" if peak.get("shown") else "not shown"
-        section.notes.append(f"GC peak: {found} ({peak.get('why', '')}).")
+        series = files.table("gc_over_steps.csv", GC_STEPS, key="step")
+        now = gc_peak(series) if series is not None and "label" not in series else None
+        if now is None:
+            section.notes.append(f"GC peak, as the plan recorded it when it was made: {found} ({peak.get('why', '')}).")
+        elif bool(now["shown"]) == bool(peak.get("shown")) and (not now["shown"] or now["step"] == peak.get("step")):
+            section.notes.append(f"GC peak: {found}, as the plan recorded it and as re-measured from "
+                                 f"gc_over_steps.csv ({now['why']}).")
+        else:
+            again = f"shown at step {now['step']}" if now["shown"] else "not shown"
+            section.notes.append(f"GC peak: {again}, re-measured from gc_over_steps.csv with today's statistics "
+                                 f"({now['why']}); the plan, made with older statistics, recorded it as {found}, "
+                                 "and its warm-up was chosen by that.")
+
     separation = evidence.get("separation")
     if isinstance(separation, list) and separation:
         section.tables["separation per layer (evidence)"] = pd.DataFrame(separation)
@@ -344,17 +364,24 @@ h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-to
 table{border-collapse:collapse;font-size:.78em;margin:.6em 0;display:block;overflow-x:auto}
 td,th{border:1px solid #ddd;padding:.2em .45em;text-align:right}th{background:#f3f3f3}
 td:first-child,th:first-child{text-align:left}img{max-width:100%}.notes li{margin:.25em 0}
-pre{background:#f6f6f6;padding:.6em;font-size:.75em;overflow-x:auto}.muted{color:#777;font-size:.85em}"""
+pre{background:#f6f6f6;padding:.6em;font-size:.75em;overflow-x:auto}.muted{color:#777;font-size:.85em}
+details{margin:.3em 0 1em}summary{cursor:pointer;color:#2e5c8a;font-size:.85em}"""
 
 
 def _table_html(caption: str, table) -> str:
     if isinstance(table, dict):
         text = strict_json(table, indent=1)  # NaN as null, paths and dtypes as text
         return f"<h3>{html.escape(caption)}</h3><pre>{html.escape(text)}</pre>"
-    shown = table.head(MAX_ROWS)
-    more = (f"<p class='muted'>The first {MAX_ROWS} of {len(table)} rows.</p>" if len(table) > MAX_ROWS else "")
-    body = shown.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0, escape=True)
-    return f"<h3>{html.escape(caption)}</h3>{body}{more}"
+    def body(frame):
+        return frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0, escape=True)
+
+    head = f"<h3>{html.escape(caption)}</h3>"
+    if len(table) <= MAX_ROWS and table.shape[1] <= MAX_COLUMNS:
+        return head + body(table)
+    shown = table.iloc[:MAX_ROWS, :MAX_COLUMNS]
+    return (f"{head}{body(shown)}<p class='muted'>{len(shown)} of {len(table)} rows and {shown.shape[1]} of "
+            f"{table.shape[1]} columns here.</p><details><summary>The whole table ({len(table)} rows × "
+            f"{table.shape[1]} columns)</summary>{body(table)}</details>")
 
 
 def render(title: str, sections: list) -> str:
