@@ -20,6 +20,7 @@ import yaml
 from cse_models.config import from_fields
 from cse_models.hf import architecture
 from ntkscope.core.checks import MissingInput, UserError, fail
+from ntkscope.gc.options import GCOptions
 from ntkscope.representation.plan import Plan
 
 log = logging.getLogger("cse_models.train")
@@ -139,8 +140,8 @@ class TrackConfig:
     seq_len: int | None = None
     seed: int = 0
     by: str = "tail"
-    tail_fraction: float = 0.25
-    bins: int = 4
+    tail_fraction: float = GCOptions.tail_fraction  # the grouping's defaults and checks are GCOptions'
+    bins: int = GCOptions.bins
     homogeneous: str | None = None
     output: str = "centred-true-logit"
     method: str = "auto"
@@ -156,6 +157,10 @@ class TrackConfig:
             _positive("track.seq_len", self.seq_len)
         if self.by not in ("tail", "frequency-bins", "label"):
             raise UserError(f"TrainConfig: track.by must be 'tail', 'frequency-bins' or 'label' (got {self.by!r})")
+        try:
+            GCOptions(bins=self.bins, tail_fraction=self.tail_fraction)
+        except UserError as e:
+            raise UserError(f"TrainConfig: track.{e}") from None
         for name in ("resamples", "null_draws"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

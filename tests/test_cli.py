@@ -167,7 +167,8 @@ def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path, m
     train_bpe(texts[:200], vocab_size=600).backend.save(str(tok_path))
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:80]))
-    from ntkscope.app.options import GCOptions, Sentences
+    from ntkscope.gc.options import GCOptions
+    from ntkscope.text.sentences import Sentences
 
     kw = dict(sentences=Sentences(n=24, seq_len=16, tokenizer=str(tok_path)), gc=GCOptions(bins=2),
               resampling=commands.Resampling(resamples=10, null_draws=10), out=tmp_path / "out")

@@ -15,7 +15,7 @@ import ntkscope.runs.dynamics as dynamics
 from ntkscope.representation.clusters import AutoDBSCAN, ElbowKMeans, cluster_geometry, jl_guidance, random_projection
 from ntkscope.representation.clusters import layer_separation
 import ntkscope as ns
-from ntkscope.app.options import Sentences
+from ntkscope.text.sentences import Sentences
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.runs.dynamics import cluster_dynamics, cluster_snapshots, gc_series, router_dynamics
 from ntkscope.text.frequency import long_tail_subset

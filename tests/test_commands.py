@@ -85,7 +85,8 @@ def test_gc_command_equals_the_library_call(checkpoints, tmp_path):
 
 def test_gc_outputs_side_by_side_in_equal_count_bins(checkpoints, tmp_path):
     from ntkscope.app import commands
-    from ntkscope.app.options import GCOptions, Sentences
+    from ntkscope.gc.options import GCOptions
+    from ntkscope.text.sentences import Sentences
 
     out = tmp_path / "outputs"
     sentences = Sentences(n=48, seq_len=24)

@@ -29,8 +29,9 @@ from ntkscope.app.parsing import print_table as _print_table
 from ntkscope.app.parsing import COUNT, FRACTION, POSITIVE_INT, ranged
 from ntkscope.app.parsing import source as _source
 from ntkscope.app.demo import perplexity, run_demo
-from ntkscope.app.options import GCOptions, Sentences
+from ntkscope.gc.options import GCOptions
 from ntkscope.core.checks import InputError, UserError
+from ntkscope.kernel.grads import MEMORY_DEFAULT_TEXT
 from ntkscope.core.files import check_output, output_lock, write_table
 from ntkscope.core.progress import logging_redirect_tqdm
 from ntkscope.core.provenance import set_command
@@ -42,6 +43,7 @@ from ntkscope.kernel.uncertainty import INTERVALS, Resampling
 from ntkscope.runs.checkpoints import is_run_dir
 from ntkscope.runs.families import POINTS
 from ntkscope.text.frequency import BINNINGS, NORMALISATIONS
+from ntkscope.text.sentences import Sentences
 
 
 def _columns(frame, columns):
@@ -116,7 +118,8 @@ def _report(args) -> int:
 def _plan(args) -> int:
     r = commands.plan_command(args.run_dir, _source(args), **_analysis_options(args), module=args.module,
                               tail_fraction=args.tail_fraction,
-                              kernel=KernelOptions(output=args.output, method=args.method), overlap=args.overlap, choose_by=args.choose_by,
+                              kernel=KernelOptions(output=args.output, method=args.method, seed=args.seed),
+                              overlap=args.overlap, choose_by=args.choose_by,
                               tail_labels=args.tail_labels.split(",") if args.tail_labels else None, out=args.out)
     _print_table("separation per checkpoint and layer:", r["separation"].pivot(
         index="step", columns="layer", values="separation").reset_index())
@@ -155,8 +158,8 @@ def _resampling(args) -> Resampling:
 
 # gc's options that have no meaning for a run directory, where gc follows the long tail's GC over
 # the checkpoints, and for one checkpoint (every other option is honoured for both)
-GC_ONE = {"bins": 6, "binning": "count", "min_count": 4}  # defaults of the options for one checkpoint only
-GC_RUN = {"tail_fraction": 1 / 3}                       # and for a run directory only
+GC_ONE = {k: getattr(GCOptions(), k) for k in ("bins", "binning", "min_count")}  # GCOptions' defaults: one
+GC_RUN = {"tail_fraction": GCOptions().tail_fraction}                             # checkpoint only; a run only
 _GC_ONE_CHECKPOINT = {"--by label": lambda a: a.by == "label", "--outputs": lambda a: a.outputs,
                       **{f"--{k.replace('_', '-')}": (lambda a, k=k: getattr(a, k) is not None) for k in GC_ONE}}
 _GC_RUN_ONLY = {"--cache-dir": lambda a: a.cache_dir,
@@ -250,7 +253,7 @@ def _add_model_args(parser, n_default: int, task: str, output: str = "loss") -> 
     parser.add_argument("--device", help="compute device, e.g. cuda or cuda:1 (default cpu); the memory budget is "
                         "that device's free memory")
     parser.add_argument("--max-memory", type=float, metavar="GIB",
-                        help="memory budget in GiB for the kernel computation (default: half the device's free memory)")
+                        help=f"memory budget in GiB for the kernel computation (default: {MEMORY_DEFAULT_TEXT})".replace("%", "%%"))
     parser.add_argument("--out", help="directory for the results (written atomically)")
     parser.set_defaults(task=task)
 
@@ -350,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("run_dir", metavar="RUN", help="a training run directory (checkpoints/step-NNNNNN)")
     _add_analysis_args(plan)
     plan.add_argument("--module", default="ffn", choices=["ffn", "attn"])
-    plan.add_argument("--tail-fraction", type=FRACTION, default=1 / 3,
+    plan.add_argument("--tail-fraction", type=FRACTION, default=GC_RUN["tail_fraction"],
                       help="long tail: lowest-score share (default 1/3)")
     plan.add_argument("--output", default=GC_OUTPUT, choices=list(SCALAR_OUTPUTS),
                       help=f"f(x) for GC (default {GC_OUTPUT}; docs/gc-outputs.md)")

@@ -22,7 +22,7 @@ from cse_models.hf import architecture
 from ntkscope import __version__
 from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import Staging, check_output, digest, write_json, write_table
-from ntkscope.app.options import GCOptions, Sentences
+from ntkscope.gc.options import GCOptions
 from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.core.provenance import provenance
 from ntkscope.kernel.distributed import from_rank0, writes
@@ -44,7 +44,7 @@ from ntkscope.text.corpus.text import Record
 from ntkscope.text.frequency import (count_tokens, domain_table, long_tail_subset, score_histogram,
                                      sentence_table)
 from ntkscope.text.inputs import as_source
-from ntkscope.text.sentences import load_analysis_data
+from ntkscope.text.sentences import Sentences, load_analysis_data
 from ntkscope.text.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ def clusters_command(target, data="default", *, sentences: Sentences = Sentences
 
 def plan_command(run_dir, data="default", *, sentences: Sentences = Sentences(),
                  kernel: KernelOptions = KernelOptions(output=GC_OUTPUT), point: str = "block", k_max: int = 10,
-                 projection_dim: int = 64, top_k: int = 2, module: str = "ffn", tail_fraction: float = 1 / 3,
+                 projection_dim: int = 64, top_k: int = 2, module: str = "ffn", tail_fraction: float = GCOptions.tail_fraction,
                  overlap: float = 0.8, router: dict | None = None, tail_labels=None, choose_by: str = "structure",
                  cache_dir=None, out="plan.json") -> dict:
     """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``

@@ -52,6 +52,7 @@ from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.params import select_parameters
 from ntkscope.kernel.uncertainty import GCResult, Resampling, check_resampling, kernel_statistics
 from ntkscope.gc.groups import GC_OUTPUT, analysis_controls, group_labels, homogeneous_pools
+from ntkscope.gc.options import GCOptions
 from ntkscope.text.frequency import long_tail_subset
 from ntkscope.text.inputs import DataSource, as_source
 from ntkscope.text.sentences import AnalysisData, load_analysis_data
@@ -151,14 +152,17 @@ class Probes:
 
     @classmethod
     @entry("Probes.from_data")
-    def from_data(cls, data: AnalysisData, *, by: str = "tail", tail_fraction: float = 0.25, bins: int = 4,
-                  binning: str = "count", min_count: int = 4, homogeneous=None) -> "Probes":
+    def from_data(cls, data: AnalysisData, *, by: str = "tail", tail_fraction: float = GCOptions.tail_fraction,
+                  bins: int = GCOptions.bins, binning: str = GCOptions.binning, min_count: int = GCOptions.min_count,
+                  homogeneous=None) -> "Probes":
         """Subsets of analysis sentences (:func:`ntkscope.load_analysis_data`): ``by`` "tail" (the
         lowest ``tail_fraction`` of frequency scores, one subset named "tail": the CSE paper's
         Figure 3(a)), "frequency-bins" ("bin k", ``bins`` of them by ``binning``) or "label" (the
         data's labels); groups smaller than ``min_count`` are left out. ``homogeneous``: a label
-        of the data whose sentences make the homogeneous null."""
+        of the data whose sentences make the homogeneous null. The grouping's defaults and checks
+        are :class:`~ntkscope.gc.options.GCOptions`'."""
         check_choice("by", by, PROBE_KINDS)
+        GCOptions(bins=bins, binning=binning, min_count=min_count, tail_fraction=tail_fraction)
         if by == "tail":
             groups = {"tail": long_tail_subset(data.labels["score"], tail_fraction)}
         else:

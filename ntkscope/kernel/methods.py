@@ -28,7 +28,8 @@ from ntkscope.core.checks import InputError
 from ntkscope.core.memory import format_bytes, hand_back_freed_memory
 from ntkscope.kernel import distributed
 from ntkscope.kernel.eigen import EigenResult, NTKOperator, dense_top_eigenpair, lanczos_top_eigenpair
-from ntkscope.kernel.grads import (VMAP_FACTOR, FunctionalModel, Transient, default_chunk_size, memory_budget, step_cost,
+from ntkscope.kernel.grads import (ALLOCATOR_RESERVE, VMAP_FACTOR, FunctionalModel, Transient, asked_memory,
+                                   default_chunk_size, memory_budget, step_cost,
                                    vmap_transient)
 from ntkscope.kernel.kernels import (
     exact_kernels,
@@ -131,18 +132,12 @@ def workload(fm: FunctionalModel, batch, batch2=None, *, opts: KernelOptions) ->
     n2 = n1 if batch2 is None else batch_size(batch2, "batch2")
     data1 = fm.prepare(batch, "batch")
     data2 = None if batch2 is None else fm.prepare(batch2, "batch2")
-    asked = memory_budget(opts.max_memory, fm.device)
+    asked = asked_memory(opts.max_memory, fm.device)
     if fm.device.type == "cpu":
         hand_back_freed_memory()  # so that what is freed stops counting against the budget
-    budget = int(asked * (1 - ALLOCATOR_RESERVE))
+    budget = memory_budget(asked)
     chunk = opts.chunk_size or default_chunk_size(max(n1, n2), fm, budget)
     return Workload(fm, data1, data2, n1, n2, chunk, budget, opts, distributed.active(), asked)
-
-
-#: The share of ``max_memory`` that layouts leave to the allocator: the heap's small blocks and
-#: their fragmentation, which no tensor count sees (measured: 6-8 % over a budget without it, in a
-#: long-lived test process at tens of MB)
-ALLOCATOR_RESERVE = 0.15
 
 
 def _asked(nbytes: int) -> int:

@@ -53,7 +53,8 @@ class KernelOptions:
     chunk_size : int, optional
         Samples per vmap call (default up to 8, fewer when memory is short).
     max_memory : int, optional
-        Bytes the computation may hold (default: half the free memory of the model's device).
+        Bytes the computation may hold (default: ``ntkscope.kernel.grads.MEMORY_DEFAULT_TEXT``:
+        half the free memory of the computation's device, of which layouts keep 15 % for the allocator).
     projection, projection_dim, seed, confidence
         Projected method: ``"gaussian"`` or ``"rademacher"``, k columns per block, the RNG
         seed, and the probability at which its error bound is stated.

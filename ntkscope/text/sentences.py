@@ -6,13 +6,14 @@ tokenized with the model's tokenizer, labelled, and scored by sentence frequency
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import torch
 
-from ntkscope.core.checks import check_positive_int, entry, fail
+from ntkscope.core.checks import InputError, check_positive_int, entry, fail
 from ntkscope.text.frequency import sentence_scores, token_frequency
 from ntkscope.text.inputs import as_source
 from ntkscope.text.tokenization import as_tokenizer
@@ -25,6 +26,29 @@ class AnalysisData:
     batch: dict
     labels: pd.DataFrame
     source: str
+
+
+@dataclass(frozen=True)
+class Sentences:
+    """What an analysis reads of the data (every command's ``--n``, ``--seq-len``, ``--seed``,
+    ``--tokenizer``): ``n`` sentences of the data, at most ``seq_len`` tokens each, drawn with ``seed``;
+    ``tokenizer``: a tokenizer file or directory (default: the checkpoint's own)."""
+
+    n: int = 256
+    seq_len: int = 64
+    seed: int = 0
+    tokenizer: str | None = None
+
+    def __post_init__(self):
+        check_positive_int("n", self.n)
+        check_positive_int("seq_len", self.seq_len)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise InputError("seed", "must be a non-negative integer", self.seed)
+        if self.tokenizer is not None:
+            object.__setattr__(self, "tokenizer", str(self.tokenizer))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def encode_texts(tokenizer, texts, max_length: int) -> dict:

@@ -1,17 +1,6 @@
-"""What a command is asked to do, as objects the command line builds once and the commands take.
-
-A kernel command's options come in four objects, each validated where it is built:
-
-- :class:`Sentences`: which sentences are analysed (how many, how long, drawn with which seed,
-  tokenized by what);
-- :class:`~ntkscope.KernelOptions`: how the kernel is computed (output, parameters, method, dtype,
-  device, memory budget);
-- :class:`~ntkscope.Resampling`: the statistics' intervals and null bands;
-- :class:`GCOptions`: how ``gc`` groups the sentences.
-
-Cache keys and ``result.json`` are made from their fields, so an option added to one of them
-reaches the key without being written down a second time.
-"""
+"""How GC groups an analysis's sentences: the one declaration of ``gc``'s grouping options
+(``--by``, ``--bins``, ``--binning``, ``--min-count``, ``--outputs``, ``--tail-fraction``,
+``--homogeneous-label``), their defaults and their checks."""
 
 from __future__ import annotations
 
@@ -21,28 +10,6 @@ from dataclasses import dataclass
 from ntkscope.core.checks import InputError, check_choice, check_positive_int
 from ntkscope.gc.groups import GROUPINGS
 from ntkscope.text.frequency import BINNINGS
-
-
-@dataclass(frozen=True)
-class Sentences:
-    """``n`` sentences of the data, at most ``seq_len`` tokens each, drawn with ``seed``;
-    ``tokenizer``: a tokenizer file or directory (default: the checkpoint's own)."""
-
-    n: int = 256
-    seq_len: int = 64
-    seed: int = 0
-    tokenizer: str | None = None
-
-    def __post_init__(self):
-        check_positive_int("n", self.n)
-        check_positive_int("seq_len", self.seq_len)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise InputError("seed", "must be a non-negative integer", self.seed)
-        if self.tokenizer is not None:
-            object.__setattr__(self, "tokenizer", str(self.tokenizer))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
