@@ -5,9 +5,9 @@ from cse_models.config import BERTConfig, GPTConfig, SparseConfig
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
 from cse_models.hf import SparseHF, load_any_model, load_hf
 from cse_models.hf_auto import install as _install_transformers_classes
-from cse_models.model import BERT, GPT, TransformerLM, load_model
+from cse_models.model import BERT, GPT, SparseHost, SparseRouting, TransformerLM, load_model
 
 __all__ = ["BERT", "BERTConfig", "CSELayer", "DEMixLayer", "GPT", "GPTConfig", "SparseConfig", "SparseHF",
-           "SwitchFFN", "TransformerLM", "load_any_model", "load_hf", "load_model"]
+           "SparseHost", "SparseRouting", "SwitchFFN", "TransformerLM", "load_any_model", "load_hf", "load_model"]
 
 _install_transformers_classes()  # AutoModelForCausalLM reads sparse checkpoints (cse_models.hf_auto); free until used

@@ -64,7 +64,7 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                          proj_dim=sparse.proj_dim, min_cluster_size=min_cluster_size, min_samples=min_samples,
                          eps=eps_i, percentile=percentile, selection=selection, max_experts=max_experts,
                          seed=seed + i, on_no_cluster=on_no_cluster)
-        dense = model._module(i)
+        dense = model.sparse_module(i)
         weight = next(dense.parameters())
         as_t = lambda a: torch.as_tensor(a, device=weight.device, dtype=weight.dtype)  # noqa: E731
         router = (as_t(fit.projection), as_t(fit.centres), as_t(fit.radii))
@@ -76,7 +76,7 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
             layer = CSELayer(list(layer.experts), *router, sparse.alpha, **options, shares=shares)
             log.info("CSE layer %d shuffled: sequences routed by a hash of their tokens in the shares %s", i,
                      [round(float(x), 3) for x in shares])
-        model._replace(i, layer.train(was_training))  # the mode the model is in
+        model.replace_sparse_module(i, layer.train(was_training))  # the mode the model is in
         sparse.n_experts[n] = fit.n_clusters
         fits[i] = fit
         log.info("CSE layer %d (%s): %d experts from %d sequences (%s, %s), cluster sizes %s, %d noise%s",
@@ -131,10 +131,10 @@ def upcycle(model, n_experts: int | list | None = None, *, preserving: bool = Tr
         sparse.preserving = bool(preserving)
     weight = next(model.parameters())  # a new router in the model's device and dtype, whatever torch's default
     for n, (i, k) in enumerate(zip(sparse.layers, counts)):
-        experts = [copy.deepcopy(model._module(i)) for _ in range(k)]
+        experts = [copy.deepcopy(model.sparse_module(i)) for _ in range(k)]
         layer = DEMixLayer(experts) if sparse.kind == "demix" else SwitchFFN(
             experts, model.config.n_embd, sparse.capacity_factor, preserving=sparse.preserving)
-        model._replace(i, layer.to(device=weight.device, dtype=weight.dtype).train(model.training))
+        model.replace_sparse_module(i, layer.to(device=weight.device, dtype=weight.dtype).train(model.training))
         sparse.n_experts[n] = k
     log.info("%s: upcycled layers %s (%s) into %s experts%s", sparse.kind, sparse.layers, sparse.module, counts,
              " (function-preserving: gate renormalised to 1, no token dropped in evaluation)"

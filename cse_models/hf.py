@@ -186,7 +186,7 @@ class SparseHF(SparseRouting, nn.Module):
         self.hf.register_forward_pre_hook(self._capture_mask, with_kwargs=True)
         for i in (sparse.layers if sparse is not None else ()):
             if sparse.experts_at(i) > 0:
-                self._replace(i, _sparse_module(self.config, self._module(i), sparse.experts_at(i)))
+                self.replace_sparse_module(i, _sparse_module(self.config, self.sparse_module(i), sparse.experts_at(i)))
 
     def _capture_mask(self, _module, args, kwargs):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
@@ -194,16 +194,16 @@ class SparseHF(SparseRouting, nn.Module):
 
     # ---- the FFN of a block ---------------------------------------------------------------
 
-    def _block(self, layer: int) -> nn.Module:
+    def block(self, layer: int) -> nn.Module:
         return layout_blocks(self.hf, self.config.layout)[layer]
 
-    def _module(self, layer: int) -> nn.Module:
+    def sparse_module(self, layer: int) -> nn.Module:
         """The FFN of block ``layer``: its sparse layer, or the dense MLP as an expert."""
-        ffn = getattr(self._block(layer), self.config.layout.ffn)
+        ffn = getattr(self.block(layer), self.config.layout.ffn)
         return ffn.layer if isinstance(ffn, HFSparseFFN) else HFExpert(ffn)
 
-    def _replace(self, layer: int, module: nn.Module) -> None:
-        setattr(self._block(layer), self.config.layout.ffn, HFSparseFFN(module, self._context))
+    def replace_sparse_module(self, layer: int, module: nn.Module) -> None:
+        setattr(self.block(layer), self.config.layout.ffn, HFSparseFFN(module, self._context))
 
     @torch.no_grad()
     def module_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers,
@@ -212,7 +212,7 @@ class SparseHF(SparseRouting, nn.Module):
         if module != "ffn":
             raise UserError(f"SparseHF.module_inputs: module must be 'ffn' (got {module!r})")
         captured: dict[int, list] = {i: [] for i in layers}
-        hooks = [getattr(self._block(i), self.config.layout.ffn).register_forward_pre_hook(
+        hooks = [getattr(self.block(i), self.config.layout.ffn).register_forward_pre_hook(
             lambda _m, args, i=i: captured[i].append(sequence_embedding(args[0], self._context.get("key_mask"))))
             for i in layers]
         try:

@@ -13,6 +13,7 @@ import copy
 import math
 import os
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -63,10 +64,41 @@ def _initialise(module: nn.Module, n_layer: int) -> None:
             nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
 
+@runtime_checkable
+class SparseHost(Protocol):
+    """What a model family provides so that its dense modules can become CSE, Switch or DEMix
+    layers (:func:`cse_models.convert_to_cse`, :func:`cse_models.upcycle`, cse-train and the
+    Trainer callback). :class:`TransformerLM` (our GPT and BERT) and :class:`cse_models.hf.SparseHF`
+    (any HF causal LM with a :class:`~cse_models.hf.Layout`) implement it; a new family either adds
+    one ``Layout`` to ``cse_models.hf.LAYOUTS`` (an HF model: the blocks' path and the FFN's name)
+    or implements these four members and mixes in :class:`SparseRouting` (docs/cse-models.md,
+    "A new model family").
+
+    - ``config``: ``n_layer``, ``n_embd`` and ``sparse`` (a :class:`~cse_models.SparseConfig` or None).
+    - ``sparse_module(layer)``: the module of block ``layer`` that ``sparse.module`` names (its
+      FFN, or attention): the dense module before conversion, the sparse layer after.
+    - ``replace_sparse_module(layer, module)``: put ``module`` in its place.
+    - ``module_inputs(input_ids (B, T), attention_mask (B, T) | None, layers, module, *, chunk)``:
+      {layer: (B, d)}, each sequence's mean over real tokens of that module's input (what CSE's
+      router clusters); and ``forward(input_ids, attention_mask, domains)``, ``domains`` (B,)
+      read by DEMix layers only.
+    """
+
+    config: object
+
+    def sparse_module(self, layer: int) -> nn.Module: ...
+
+    def replace_sparse_module(self, layer: int, module: nn.Module) -> None: ...
+
+    def module_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers,
+                      module: str = "ffn", *, chunk: int = 256) -> dict[int, torch.Tensor]: ...
+
+
 class SparseRouting:
     """What a model holding CSE / Switch / DEMix layers offers a training loop (mixed into
     :class:`TransformerLM` and :class:`cse_models.hf.SparseHF`): the layers, Switch's auxiliary
-    loss, the CSE centre updates after a step, and the routing counters. Needs ``config.sparse``."""
+    loss, the CSE centre updates after a step, and the routing counters. Needs ``config.sparse``
+    (a :class:`SparseHost` otherwise)."""
 
     def sparse_layers(self) -> dict[str, nn.Module]:
         """{qualified name: layer} of the CSE / Switch / DEMix layers, in depth order."""
@@ -128,21 +160,21 @@ class TransformerLM(SparseRouting, nn.Module):
             for i in config.sparse.layers:
                 c = config.sparse.experts_at(i)
                 if c > 0:
-                    layer = _sparse_module(config, self._module(i), c)
+                    layer = _sparse_module(config, self.sparse_module(i), c)
                     if config.sparse.kind != "cse":  # Switch / DEMix experts start independent;
                         for expert in layer.experts:  # CSE experts are copies of the warmed-up module
                             _initialise(expert, config.n_layer)
-                    self._replace(i, layer)
+                    self.replace_sparse_module(i, layer)
 
     # ---- the sparse layers ----------------------------------------------------------------
 
     def _attr(self) -> str:
         return "attn" if self.config.sparse is not None and self.config.sparse.module == "attn" else "mlp"
 
-    def _module(self, layer: int) -> nn.Module:
+    def sparse_module(self, layer: int) -> nn.Module:
         return getattr(self.transformer.h[layer], self._attr())
 
-    def _replace(self, layer: int, module: nn.Module) -> None:
+    def replace_sparse_module(self, layer: int, module: nn.Module) -> None:
         setattr(self.transformer.h[layer], self._attr(), module)
 
     @torch.no_grad()

@@ -55,7 +55,7 @@ def test_a_bf16_model_with_a_cse_layer_routes_as_its_float32_copy(tmp_path):
     g = torch.Generator().manual_seed(1)
     ids = torch.cat([torch.randint(start, start + 20, (30, 12), generator=g) for start in (0, 4000, 7000)])
     convert_to_cse(model, ids, None, min_cluster_size=5, min_samples=2)  # sequences of three vocabularies
-    layer = model._module(1)
+    layer = model.sparse_module(1)
     assert len(layer.experts) >= 2 and layer.centres.dtype == torch.bfloat16
     logits = model(ids[:8])  # routed in float32, computed in bfloat16
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()

@@ -32,8 +32,8 @@ def _tiny_gpt2(vocab: int = 50, positions: int = 32):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=vocab, n_positions=positions, bos_token_id=None, eos_token_id=None, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0))
+        vocab_size=vocab, n_positions=positions, bos_token_id=None, eos_token_id=None, n_embd=16, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
 def _trainer_names(max_steps: int) -> dict:
@@ -100,6 +100,7 @@ RUNS = {
                   "checkpoints"): (_sparse_trainer, _converted),
     ("docs/own-model.md", "from cse_models.hf_trainer import SparseCallback"): (_sparse_trainer, _converted),
     ("docs/corpora.md", "from ntkscope.text.corpus import load_pack"): (dict, lambda n: len(n["sizes"]) > 0),
+    ("docs/cse-models.md", "import transformers"): (dict, lambda n: n["dense_ffn"] is not None),
     ("docs/engine.md", "import ntkscope as ns"): (dict, lambda n: "general" in set(n["by_domain"]["label"])),
     ("docs/tracking.md", "from ntkscope import GCTracker, GCCallback, Probes"): (_tracker, _tracked),
     ("docs/tracking.md", "from ntkscope import InRunGC"): (_inrun, lambda n: len(n["rows"]) == 2),

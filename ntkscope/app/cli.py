@@ -253,7 +253,8 @@ def _add_model_args(parser, n_default: int, task: str, output: str = "loss") -> 
     parser.add_argument("--device", help="compute device, e.g. cuda or cuda:1 (default cpu); the memory budget is "
                         "that device's free memory")
     parser.add_argument("--max-memory", type=float, metavar="GIB",
-                        help=f"memory budget in GiB for the kernel computation (default: {MEMORY_DEFAULT_TEXT})".replace("%", "%%"))
+                        help=f"memory budget in GiB for the kernel computation (default: "
+                        f"{MEMORY_DEFAULT_TEXT})".replace("%", "%%"))
     parser.add_argument("--out", help="directory for the results (written atomically)")
     parser.set_defaults(task=task)
 

@@ -450,8 +450,8 @@ def evaluate(model, blocks, held_out, special_ids=(), routes: Routes | None = No
         routed = {}
         inputs = model.module_inputs(blocks.input_ids, None, sparse.layers, sparse.module)  # {layer: (N, d)}
         for i in sparse.layers:
-            keys = sequence_keys(blocks.input_ids) if model._module(i).shuffled else None  # cse-shuffled's hash
-            _, expert = model._module(i).route(inputs[i][:, None, :], keys=keys)  # one-token sequences: v itself
+            keys = sequence_keys(blocks.input_ids) if model.sparse_module(i).shuffled else None  # cse-shuffled's hash
+            _, expert = model.sparse_module(i).route(inputs[i][:, None, :], keys=keys)  # one-token sequences: v itself
             frame = pd.crosstab(expert.numpy(), [blocks.domain_names[int(d)] for d in blocks.domains])
             routed[str(i)] = {str(e): {d: int(n) for d, n in row.items()} for e, row in frame.iterrows()}
         out["routing"] = routed
