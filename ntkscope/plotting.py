@@ -140,6 +140,26 @@ def gc_vs_frequency(table, histogram, *, title: str = "", chosen: str | None = N
     return fig
 
 
+def expert_layers(layers, *, title: str = ""):
+    """Each sparse layer's routing purity and NMI against the labels, with their intervals
+    (``layers``: :func:`cse_models.expert_report.expert_report`'s layer table: name, purity,
+    purity_low/high, nmi, nmi_low/high)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 0.5 + 0.45 * len(layers) + 1.2))
+    y = np.arange(len(layers))
+    for offset, stat, colour in ((-0.15, "purity", "#2e86c1"), (0.15, "nmi", "#c0392b")):
+        value = layers[stat].to_numpy(dtype=float)
+        err = [value - layers[f"{stat}_low"].to_numpy(dtype=float), layers[f"{stat}_high"].to_numpy(dtype=float) - value]
+        ax.errorbar(value, y + offset, xerr=err, fmt="o", color=colour, capsize=3, label=stat)
+    ax.set_yticks(y, layers["name"].astype(str))
+    ax.set_xlim(0, 1.02)
+    ax.set_xlabel("against the labels (intervals: bootstrap over texts)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title or "What the experts learned: routing purity and NMI per layer", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def gc_per_layer(frame, *, title: str = ""):
     """|GC| of each subset over training, one panel per subset (``label``) and one line per layer
     (``frame``: a tracker's per-layer rows: step, label, layer, abs_gc)."""

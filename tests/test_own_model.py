@@ -3,6 +3,7 @@ real text in a JSONL with a domain column, CSE conversion and training with ``cs
 (``init_from`` the HF directory), exact resume, and ``ntkscope eval`` whose per-domain
 perplexities equal a direct computation with ``transformers`` on the same sequences."""
 
+import html
 import json
 from pathlib import Path
 
@@ -183,6 +184,13 @@ def test_the_walkthrough_from_a_config_to_a_comparison(tmp_path, caplog):
     assert set(ablation["domain"]) == set(merged["domain"]) and (ablation["change_low"] <= ablation["change_high"]).all()
     findings = json.loads((tmp_path / "eval" / "result.json").read_text())["findings"]
     assert findings and all(f.startswith("layer ") for f in findings)
+    # ... and in `ntkscope report` of that result: the findings first, the tables, every column described
+    proc = in_process("report", tmp_path / "eval", "--out", tmp_path / "eval.html")
+    assert proc.returncode == 0, proc.stderr
+    page = (tmp_path / "eval.html").read_text()
+    assert ">What the experts learned</h2>" in page and page.index(">What was found</h2>") < page.index(
+        ">What the experts learned</h2>")
+    assert html.escape(findings[0]) in page and "one expert ablated" in page and "not described" not in page
     # the same plan on a 2-layer model: refused in one line naming the mismatch
     other = tmp_path / "other"
     torch.manual_seed(0)

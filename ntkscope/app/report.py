@@ -20,8 +20,8 @@ from ntkscope.app.glossary import describe
 from ntkscope.core.checks import MissingInput, UserError, fail
 from ntkscope.core.files import read_json_object, strict_json, write_text
 from ntkscope.core.provenance import environment
-from ntkscope.plotting import (gc_by_label, gc_over_steps, gc_per_layer, gc_vs_frequency, layer_dynamics,
-                               routing_shares, score_histogram_bars, training_curve)
+from ntkscope.plotting import (expert_layers, gc_by_label, gc_over_steps, gc_per_layer, gc_vs_frequency,
+                               layer_dynamics, routing_shares, score_histogram_bars, training_curve)
 from ntkscope.representation.plan import gc_peak
 
 log = logging.getLogger(__name__)
@@ -304,6 +304,27 @@ def _routing(files: _Files) -> Section | None:
     return section
 
 
+def _experts(files: _Files) -> Section | None:
+    """``ntkscope eval``'s expert report: findings in words, then per layer, per expert and per ablation."""
+    layers = files.table("expert_layers.csv", ["layer", "name", "purity", "purity_low", "purity_high", "nmi",
+                                               "nmi_low", "nmi_high"], key="purity")
+    if layers is None:
+        return None
+    section = Section("What the experts learned", "Per sparse layer: how purely its experts serve the labels "
+                      "(purity, NMI), each expert's load and the domain it serves most, and the perplexity change "
+                      "of each domain when one expert is taken out (its units sent to the next-best expert); each "
+                      "number with its interval.")
+    findings = (files.json("result.json") or {}).get("findings")
+    section.notes += [str(f) + "." for f in findings] if isinstance(findings, list) else []
+    section.figures.append(_png(expert_layers(layers)))
+    section.tables["expert layers"] = layers
+    for name, caption in (("experts.csv", "experts"), ("ablation.csv", "one expert ablated")):
+        table = files.csv(name)
+        if table is not None:
+            section.tables[caption] = table
+    return section
+
+
 def _results(files: _Files) -> Section | None:
     found = {name: files.csv(f"{name}.csv") for name in ("results", "seeds_summary", "perplexity", "comparison")}
     found = {k: v for k, v in found.items() if v is not None}
@@ -415,7 +436,7 @@ def report(path, out=None) -> dict:
     if out.suffix.lower() not in (".html", ".htm"):
         raise fail("report", "out", "must end in .html", str(out))
     files = _Files(root)
-    builders = (_plan, _frequency, _gc_groups, _gc_steps, _dynamics, _routing, _results, _training)
+    builders = (_plan, _frequency, _gc_groups, _gc_steps, _dynamics, _experts, _routing, _results, _training)
     sections = [s for s in (build(files) for build in builders) if s is not None]
     if not sections:
         raise fail("report", "path", "holds no table this report knows (gc.csv, gc_over_steps.csv, dynamics.csv, "
