@@ -149,7 +149,8 @@ def expert_layers(layers, *, title: str = ""):
     y = np.arange(len(layers))
     for offset, stat, colour in ((-0.15, "purity", "#2e86c1"), (0.15, "nmi", "#c0392b")):
         value = layers[stat].to_numpy(dtype=float)
-        err = [value - layers[f"{stat}_low"].to_numpy(dtype=float), layers[f"{stat}_high"].to_numpy(dtype=float) - value]
+        low, high = (layers[f"{stat}_{end}"].to_numpy(dtype=float) for end in ("low", "high"))
+        err = [value - low, high - value]
         ax.errorbar(value, y + offset, xerr=err, fmt="o", color=colour, capsize=3, label=stat)
     ax.set_yticks(y, layers["name"].astype(str))
     ax.set_xlim(0, 1.02)
