@@ -14,15 +14,8 @@ set -u
 LIMIT=${1:-480}
 MAP_WORKERS=${2:-12}
 MIX_WORKERS=${3:-3}
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, sklearn, scipy; print('torch', torch.__version__, 'sklearn', sklearn.__version__, 'scipy', scipy.__version__, 'cuda', torch.cuda.is_available())"
+. "$(dirname "$0")/gpu_common.sh"
+gpu_python
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 stage() {  # the committed results of this GPU kind's builds under $1, less the trunks, as an --adopt directory
   mkdir -p "$2/results" "$2/trunks"
@@ -37,17 +30,7 @@ stage() {  # the committed results of this GPU kind's builds under $1, less the 
 }
 stage figures/warmup-map /tmp/adopt-map
 stage figures/warmup-map/mix /tmp/adopt-mix
-mps=""
-if command -v nvidia-cuda-mps-control >/dev/null; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p /tmp/mps-pipe /tmp/mps-log
-  if nvidia-cuda-mps-control -d && timeout 60 python3 -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
-    mps=1; echo "CUDA MPS on"
-  else
-    echo quit | nvidia-cuda-mps-control 2>/dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-    echo "CUDA MPS did not start: units take turns on the GPU"
-  fi
-fi
+gpu_mps_start
 start=$(date +%s)
 timeout "$LIMIT" python3 -m ntkscope experiment run warmup-map --out runs/warmup-map --workers "$MAP_WORKERS" \
   --device cuda --adopt /tmp/adopt-map >"$OUT/map.log" 2>&1 &
@@ -55,7 +38,7 @@ timeout "$LIMIT" python3 -m ntkscope experiment run warmup-map-mix --data packs/
   --workers "$MIX_WORKERS" --device cuda --adopt /tmp/adopt-mix >"$OUT/mix.log" 2>&1 &
 wait
 echo "ran $(( $(date +%s) - start )) s"
-[ -n "$mps" ] && echo quit | nvidia-cuda-mps-control
+gpu_mps_stop
 for pair in map:warmup-map mix:warmup-map-mix; do  # adopted arms pair with these trunks only if they are the committed ones
   python3 - "/tmp/adopt-${pair%%:*}" "runs/${pair#*:}" <<'PY'
 import json, pathlib, sys

@@ -7,25 +7,10 @@
 set -u
 LIMIT=${1:-480}
 WORKERS=${2:-6}
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-mps=""
-if command -v nvidia-cuda-mps-control >/dev/null; then  # the arms' kernels side by side, not in turns
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p /tmp/mps-pipe /tmp/mps-log
-  if nvidia-cuda-mps-control -d && timeout 60 python3 -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
-    mps=1; echo "CUDA MPS on"
-  else
-    echo quit | nvidia-cuda-mps-control 2>/dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  fi
-fi
+. "$(dirname "$0")/gpu_common.sh"
+gpu_python >"$OUT/gpu.txt"  # not in a pipe: its exports must reach this shell
+cat "$OUT/gpu.txt"
+gpu_mps_start
 start=$(date +%s)
 for seed in 0 1; do
   left=$(( LIMIT - ($(date +%s) - start) ))
@@ -35,7 +20,7 @@ for seed in 0 1; do
     --workers "$WORKERS" --device cuda >>"$OUT/scale.log" 2>&1
   echo "seed $seed: rc $? after $(( $(date +%s) - start )) s"
 done
-[ -n "$mps" ] && echo quit | nvidia-cuda-mps-control
+gpu_mps_stop
 python3 -m ntkscope experiment status runs/warmup-map-scale 2>&1 | tail -15
 tar czf "$OUT/scale.tgz" --exclude='checkpoints' --exclude='tensorboard' runs/warmup-map-scale
 ls -la "$OUT"
