@@ -17,6 +17,7 @@ import logging
 import torch
 
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
+from cse_models.model import check_sparse_host
 from ntkscope.core.checks import UserError
 from ntkscope.representation.router import NoClusterError, RouterFit, fit_router
 
@@ -44,6 +45,7 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     its clusters. The model's function is unchanged at conversion either way (every expert is a
     copy of the dense module).
     """
+    check_sparse_host(model, "convert_to_cse")
     sparse = model.config.sparse
     if sparse is None or sparse.kind != "cse":
         raise UserError("convert_to_cse: model.config.sparse must describe CSE layers (kind='cse')")
@@ -116,6 +118,7 @@ def upcycle(model, n_experts: int | list | None = None, *, preserving: bool = Tr
     dropped in evaluation, so the model's function is unchanged at conversion, as CSE's is
     (:class:`~cse_models.experts.SwitchFFN`); False: the classic softmax-scaled gate. Returns the
     experts per layer."""
+    check_sparse_host(model, "upcycle")
     sparse = model.config.sparse
     if sparse is None or sparse.kind not in ("switch", "demix"):
         raise UserError("upcycle: model.config.sparse must describe Switch or DEMix layers")

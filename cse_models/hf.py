@@ -3,7 +3,7 @@
 :class:`SparseHF` wraps a ``transformers`` causal LM (GPT-2, GPT-NeoX / Pythia, the Llama layout)
 and offers what :class:`~cse_models.TransformerLM` offers a training loop and a conversion:
 ``forward(input_ids, attention_mask, domains, positions=, targets=)``, ``module_inputs`` (the
-sequence embeddings at the FFN's input), ``_module`` / ``_replace`` (the FFN of a block) and the
+sequence embeddings at the FFN's input), ``sparse_module`` / ``replace_sparse_module`` (the FFN of a block: :class:`~cse_models.SparseHost`) and the
 routing counters (:class:`~cse_models.model.SparseRouting`). So :func:`~cse_models.cse.convert_to_cse`,
 :func:`~cse_models.cse.upcycle` and ``cse-train`` work on it unchanged, and a one-expert layer is
 the dense MLP itself (the same output, bit for bit).

@@ -67,11 +67,11 @@ def _initialise(module: nn.Module, n_layer: int) -> None:
 @runtime_checkable
 class SparseHost(Protocol):
     """What a model family provides so that its dense modules can become CSE, Switch or DEMix
-    layers (:func:`cse_models.convert_to_cse`, :func:`cse_models.upcycle`, cse-train and the
-    Trainer callback). :class:`TransformerLM` (our GPT and BERT) and :class:`cse_models.hf.SparseHF`
+    layers (:func:`cse_models.cse.convert_to_cse`, :func:`cse_models.cse.upcycle`, cse-train and
+    the Trainer callback). :class:`TransformerLM` (our GPT and BERT) and :class:`cse_models.hf.SparseHF`
     (any HF causal LM with a :class:`~cse_models.hf.Layout`) implement it; a new family either adds
     one ``Layout`` to ``cse_models.hf.LAYOUTS`` (an HF model: the blocks' path and the FFN's name)
-    or implements these four members and mixes in :class:`SparseRouting` (docs/cse-models.md,
+    or implements these members and mixes in :class:`SparseRouting` (docs/cse-models.md,
     "A new model family").
 
     - ``config``: ``n_layer``, ``n_embd`` and ``sparse`` (a :class:`~cse_models.SparseConfig` or None).
@@ -92,6 +92,18 @@ class SparseHost(Protocol):
 
     def module_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers,
                       module: str = "ffn", *, chunk: int = 256) -> dict[int, torch.Tensor]: ...
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                domains: torch.Tensor | None = None, **kwargs): ...
+
+
+def check_sparse_host(model, func: str) -> None:
+    """Refuse, in one line naming what is missing, a model that is not a :class:`SparseHost`."""
+    missing = [m for m in ("config", "sparse_module", "replace_sparse_module", "module_inputs", "forward")
+               if not hasattr(model, m)]
+    if missing:
+        raise UserError(f"{func}: model must be a cse_models.SparseHost (a cse_models GPT/BERT, or an HF model wrapped "
+                        f"in cse_models.SparseHF); {type(model).__name__} has no {', '.join(missing)}")
 
 
 class SparseRouting:

@@ -150,7 +150,7 @@ def expert_layers(layers, *, title: str = ""):
     for offset, stat, colour in ((-0.15, "purity", "#2e86c1"), (0.15, "nmi", "#c0392b")):
         value = layers[stat].to_numpy(dtype=float)
         low, high = (layers[f"{stat}_{end}"].to_numpy(dtype=float) for end in ("low", "high"))
-        err = [value - low, high - value]
+        err = np.clip([value - low, high - value], 0, None)  # a percentile interval may miss its point
         ax.errorbar(value, y + offset, xerr=err, fmt="o", color=colour, capsize=3, label=stat)
     ax.set_yticks(y, layers["name"].astype(str))
     ax.set_xlim(0, 1.02)
@@ -581,7 +581,11 @@ def score_histogram_bars(histogram, *, title: str = ""):
     bars; the bins' edges are marked, with each bin's count above it. A long tail at the low end."""
     plt = _pyplot()
     width = (histogram["right"] - histogram["left"]).to_numpy(dtype=float)
-    density = histogram["count"].to_numpy(dtype=float) / histogram["count"].sum() / width
+    flat = not (width > 0).all()  # tied scores made a bin of no width: its density is undefined, so counts
+    density = histogram["count"].to_numpy(dtype=float) / (1 if flat else histogram["count"].sum() * width)
+    if flat:
+        width = np.full_like(width, max(np.ptp(histogram[["left", "right"]].to_numpy(dtype=float)), 1e-9)
+                             / (2 * len(width)))
     fig, ax = plt.subplots(figsize=(6.4, 3.0))
     ax.bar(histogram["left"], density, width=width, align="edge", color="#5d6d7e", edgecolor="white")
     for left, w, d, n in zip(histogram["left"], width, density, histogram["count"]):
@@ -589,7 +593,7 @@ def score_histogram_bars(histogram, *, title: str = ""):
     for edge in [*histogram["left"], histogram["right"].iloc[-1]]:
         ax.axvline(edge, color="#c0392b", lw=0.6, ls=":")
     ax.set_xlabel("sentence frequency score (dotted: the bins' edges; above a bar: its sentences)")
-    ax.set_ylabel("density")
+    ax.set_ylabel("sentences (a bin has no width: tied scores)" if flat else "density")
     ax.set_title(title or "Sentence frequency", fontsize=10)
     fig.tight_layout()
     return fig

@@ -21,6 +21,16 @@ from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File
 
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)  # a code block's text is code, not links
+
+
+def _links(text: str, rewrite) -> str:
+    """``text`` with ``rewrite`` applied to every Markdown link outside its code blocks."""
+    out, at = [], 0
+    for m in FENCE.finditer(text):
+        out += [LINK.sub(rewrite, text[at:m.start()]), m[0]]
+        at = m.end()
+    return "".join(out + [LINK.sub(rewrite, text[at:])])
 STAGES = (("ntkscope.core", "Errors"), ("ntkscope.text", "Text: corpora, tokenizers, frequency, sentences"),
           ("ntkscope.kernel", "Kernel: gradients, NTK, eigenpairs, GC"), ("ntkscope.gc", "GC by group, in training"),
           ("ntkscope.representation", "Representations: clusters, router, plan"),
@@ -58,17 +68,20 @@ def _normal(path: Path) -> Path:
 def _readme_page(root: Path) -> str:
     """README.md with its links into docs/ as site links (the rest are left to :func:`on_page_markdown`)."""
     text = (root / "README.md").read_text()
-    return LINK.sub(lambda m: f"{m[1]}[{m[2]}]({m[3][len('docs/'):]})" if m[3].startswith("docs/")
-                    else f"{m[1]}[{m[2]}](../{m[3]})" if not re.match(r"[a-z]+:|#", m[3]) else m[0], text)
+    return _links(text, lambda m: f"{m[1]}[{m[2]}]({m[3][len('docs/'):]})" if m[3].startswith("docs/")
+                  else f"{m[1]}[{m[2]}](../{m[3]})" if not re.match(r"[a-z]+:|#", m[3]) else m[0])
 
 
 def on_files(files, config):
     root = _root(config)
-    files.append(File.generated(config, "index.md", content=_readme_page(root)))
+    readme = _readme_page(root)
+    files.append(File.generated(config, "index.md", content=readme))
     files.append(File.generated(config, "api.md", content=_api_page()))
     copied = set()
-    for path in sorted(Path(config["docs_dir"]).glob("*.md")):
-        for m in LINK.finditer(path.read_text()):
+    docs = Path(config["docs_dir"])
+    pages = [(docs / "index.md", readme), *((p, p.read_text()) for p in sorted(docs.glob("*.md")))]
+    for path, text in pages:  # the README's links, made relative to docs/, as the pages'
+        for m in LINK.finditer(FENCE.sub("", text)):
             target = _normal(path.parent / m[3].split("#")[0])
             if (m[3].startswith("../") and target.is_file() and target.is_relative_to(root)
                     and target.suffix != ".md" and target not in copied):
@@ -93,4 +106,4 @@ def on_page_markdown(markdown, page, config, files):
             return f"{bang}[{label}](repo/{rel}{'#' + anchor if anchor else ''})"
         return f"{label} (`{rel}`)" if label.strip("`") != rel else f"`{rel}`"
 
-    return LINK.sub(link, markdown)
+    return _links(markdown, link)

@@ -176,3 +176,11 @@ def test_a_missing_text_file_is_one_line(tmp_path, texts, capsys):
     config = _text_files_config(tmp_path, texts, [str(tmp_path / "nowhere.txt")])
     err = one_line_error(capsys, cse_train, config)
     assert "nowhere.txt" in err, err
+
+
+def test_conversion_refuses_a_model_that_is_not_a_sparse_host():
+    from cse_models.cse import upcycle
+
+    for convert in (lambda m: convert_to_cse(m, torch.zeros(2, 4, dtype=torch.long)), upcycle):
+        with pytest.raises(ValueError, match=r"must be a cse_models.SparseHost .* Linear has no config, sparse_module"):
+            convert(torch.nn.Linear(2, 2))

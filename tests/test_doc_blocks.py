@@ -100,7 +100,7 @@ RUNS = {
                   "checkpoints"): (_sparse_trainer, _converted),
     ("docs/own-model.md", "from cse_models.hf_trainer import SparseCallback"): (_sparse_trainer, _converted),
     ("docs/corpora.md", "from ntkscope.text.corpus import load_pack"): (dict, lambda n: len(n["sizes"]) > 0),
-    ("docs/cse-models.md", "import transformers"): (dict, lambda n: n["dense_ffn"] is not None),
+    ("docs/cse-models.md", "import transformers"): (dict, lambda n: n["dense_ffn"].mlp is n["hf"].transformer.h[1].mlp),
     ("docs/engine.md", "import ntkscope as ns"): (dict, lambda n: "general" in set(n["by_domain"]["label"])),
     ("docs/tracking.md", "from ntkscope import GCTracker, GCCallback, Probes"): (_tracker, _tracked),
     ("docs/tracking.md", "from ntkscope import InRunGC"): (_inrun, lambda n: len(n["rows"]) == 2),
@@ -114,6 +114,7 @@ def _key(block) -> tuple:
 def test_every_block_runs_here_or_says_why_not():
     blocks = list(doc_blocks())
     unmarked = {_key(b): b for b in blocks if b[4] is None}
+    assert len(unmarked) == sum(b[4] is None for b in blocks), "two runnable blocks of a file share a first line"
     missing = [f"{b[0]}:{b[1]}" for k, b in unmarked.items() if k not in RUNS]
     assert not missing, f"blocks neither run by this test nor marked '<!-- not run: why -->': {missing}"
     assert set(RUNS) <= set(unmarked), f"setups for blocks that are gone or marked: {set(RUNS) - set(unmarked)}"

@@ -492,3 +492,8 @@ def test_the_real_kernel_calibration_draws_are_disjoint():
     sizes = {s: len(as_source(str(pack.path)).rows(s)) for s in ("validation", "test")}
     assert len(draws) == sum(n // 192 for n in sizes.values())
     assert all(b["input_ids"].shape[0] == len(s) == 192 for _, _, b, s in draws)
+    # each draw is the sentences it names: its rows of the split's own encoding
+    split, rows, batch, _ = draws[-1]
+    whole = ns.load_analysis_data(str(pack.path), pack.tokenizer(), n=sizes[split], seq_len=48, seed=7, split=split)
+    T = batch["input_ids"].shape[1]
+    assert torch.equal(whole.batch["input_ids"][rows, :T], batch["input_ids"])

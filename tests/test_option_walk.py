@@ -5,6 +5,7 @@ and the value is found in the options object it was handed. A new option without
 fails the coverage check."""
 
 import pytest
+import torch
 
 from ntkscope.app import cli, commands
 
@@ -175,11 +176,17 @@ def test_every_track_field_reaches_the_tracker(monkeypatch, tmp_path):
 
     defaults = TrackConfig()
     assert (defaults.tail_fraction, defaults.bins) == (GCOptions().tail_fraction, GCOptions().bins)  # declared once
+    import json
+
     pack = load_pack()
-    given = dict(every=7, n=40, seq_len=24, seed=3, by="frequency-bins", tail_fraction=0.2, bins=3,
-                 homogeneous="general", output="true-logit", method="exact", resamples=30, null_draws=40,
+    table = tmp_path / "probes.jsonl"  # track.data: the user's table, not the training pack
+    rows = [r for r in pack.records("validation")]
+    table.write_text("".join(json.dumps({"text": r.text, "label": r.domain}) + "\n"
+                             for r in rows[:300] + [r for r in rows if r.domain == "legal"][:60]))
+    given = dict(every=7, n=40, data=str(table), seq_len=24, seed=3, by="frequency-bins", tail_fraction=0.2,
+                 bins=3, homogeneous="general", output="true-logit", method="exact", resamples=30, null_draws=40,
                  per_layer=True)
-    assert set(given) | {"data"} == {f.name for f in dataclasses.fields(TrackConfig)}
+    assert set(given) == {f.name for f in dataclasses.fields(TrackConfig)}
     assert all(given[k] != getattr(defaults, k) for k in given)
     cfg = train.TrainConfig.from_dict({"out_dir": str(tmp_path / "run"), "data": {"seq_len": 32},
                                        "track": given})
@@ -191,6 +198,11 @@ def test_every_track_field_reaches_the_tracker(monkeypatch, tmp_path):
     assert probes.n == 40 and probes.batch["input_ids"].shape[1] <= 24
     assert sorted(probes.groups) == ["bin 0", "bin 1", "bin 2"]
     assert probes.pools is not None  # the homogeneous label's sentences
+    assert str(table) in probes.source
+    other = train.TrainConfig.from_dict({"out_dir": str(tmp_path / "run1"), "data": {"seq_len": 32},
+                                         "track": {**given, "seed": 4}})
+    assert not torch.equal(train._tracker(other, pack.tokenizer(), 1).probes.batch["input_ids"],
+                           probes.batch["input_ids"])  # the seed draws the probe sentences
     cfg_tail = train.TrainConfig.from_dict({"out_dir": str(tmp_path / "run2"), "data": {"seq_len": 32},
                                             "track": {**given, "by": "tail"}})
     tail = train._tracker(cfg_tail, pack.tokenizer(), 1).probes

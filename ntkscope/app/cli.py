@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_analysis_args(plan)
     plan.add_argument("--module", default="ffn", choices=["ffn", "attn"])
     plan.add_argument("--tail-fraction", type=FRACTION, default=GC_RUN["tail_fraction"],
-                      help="long tail: lowest-score share (default 1/3)")
+                      help=f"long tail: lowest-score share (default {GC_RUN['tail_fraction']:.3g})")
     plan.add_argument("--output", default=GC_OUTPUT, choices=list(SCALAR_OUTPUTS),
                       help=f"f(x) for GC (default {GC_OUTPUT}; docs/gc-outputs.md)")
     plan.add_argument("--overlap", type=ranged(float, 0, 1, open_low=True), default=0.8,

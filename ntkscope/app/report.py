@@ -26,8 +26,9 @@ from ntkscope.representation.plan import gc_peak
 
 log = logging.getLogger(__name__)
 
-#: a table longer or wider than this is shown in part, the whole of it folded below (and in the file it names)
-MAX_ROWS, MAX_COLUMNS = 12, 9
+#: a table longer or wider than this is shown in part, the whole of it folded below (and in the file it names);
+#: one longer than FOLDED_ROWS is folded in part too: its file holds the rest
+MAX_ROWS, MAX_COLUMNS, FOLDED_ROWS = 12, 9, 2000
 FLAG_WORDS = {
     "eigengap": "the whole set's top two NTK eigenvalues are close, so its primary direction is ill-defined",
     "eigengap-subset": "the subset's top two NTK eigenvalues are close, so its direction is ill-defined",
@@ -200,6 +201,7 @@ def _gc_steps(files: _Files) -> Section | None:
     if labelled:
         if "layer" in frame and (frame["layer"].astype(str) != "all").any():
             layers = frame[frame["layer"].astype(str) != "all"]
+            layers = layers[layers["label"].isin(list(dict.fromkeys(layers["label"]))[:6])]  # as the figures below
             section.figures.append(_png(gc_per_layer(layers)))
             section.notes.append(f"Per layer: {layers['layer'].nunique()} layers' blocks of the kernel, "
                                  f"{len(layers)} rows, one line per layer in the per-layer figure.")
@@ -275,9 +277,9 @@ def _plan(files: _Files) -> Section | None:
                                  f"gc_over_steps.csv ({now['why']}).")
         else:
             again = f"shown at step {now['step']}" if now["shown"] else "not shown"
-            section.notes.append(f"GC peak: {again}, re-measured from gc_over_steps.csv with today's statistics "
-                                 f"({now['why']}); the plan, made with older statistics, recorded it as {found}, "
-                                 "and its warm-up was chosen by that.")
+            section.notes.append(f"GC peak: {again}, re-measured now from gc_over_steps.csv ({now['why']}); the "
+                                 f"plan recorded it as {found} when it was made (another version's statistics, or "
+                                 "other draws), and its warm-up was chosen by that.")
 
     separation = evidence.get("separation")
     if isinstance(separation, list) and separation:
@@ -400,9 +402,11 @@ def _table_html(caption: str, table) -> str:
     if len(table) <= MAX_ROWS and table.shape[1] <= MAX_COLUMNS:
         return head + body(table)
     shown = table.iloc[:MAX_ROWS, :MAX_COLUMNS]
+    folded = ("The whole table" if len(table) <= FOLDED_ROWS else f"The first {FOLDED_ROWS} rows (its CSV holds "
+              "the rest)") + f" ({len(table)} rows × {table.shape[1]} columns)"
     return (f"{head}{body(shown)}<p class='muted'>{len(shown)} of {len(table)} rows and {shown.shape[1]} of "
-            f"{table.shape[1]} columns here.</p><details><summary>The whole table ({len(table)} rows × "
-            f"{table.shape[1]} columns)</summary>{body(table)}</details>")
+            f"{table.shape[1]} columns here.</p><details><summary>{folded}</summary>"
+            f"{body(table.head(FOLDED_ROWS))}</details>")
 
 
 def render(title: str, sections: list) -> str:

@@ -58,6 +58,8 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     rule = {s: p["warmup_steps"] for s, p in plans.items() if p.get("warmup_rule") == "consensus-structure"}
     if len(table) and table.groupby("arm")["step"].nunique().max() > 1:  # a curve needs two conversion steps
         save_figure(map_curve(table, plan_structure(plans), rule), out / "map.png")
+    else:
+        (out / "map.png").unlink(missing_ok=True)  # an earlier summary's curve is not this one's
     return found
 
 

@@ -374,11 +374,13 @@ def per_sample_grads(model, batch, *, train=False, options: KernelOptions | None
         data = fm.prepare(batch)
         n = batch_size(batch)
         K, P = fm.n_outputs, fm.selection.n_params
-        budget = memory_budget(asked_memory(opts.max_memory, fm.device))
+        asked = asked_memory(opts.max_memory, fm.device)
+        budget = memory_budget(asked)
         need = n * K * P * fm.itemsize
         if need > budget:
-            raise InputError("batch", f"needs {format_bytes(need)} for all per-sample gradients, more than "
-                             f"max_memory={format_bytes(budget)}; use empirical_ntk (streams chunks) or fewer "
+            raise InputError("batch", f"needs {format_bytes(need)} for all per-sample gradients, more than the "
+                             f"{format_bytes(budget)} that max_memory={format_bytes(asked)} leaves beside the "
+                             f"allocator's {ALLOCATOR_RESERVE:.0%}; use empirical_ntk (streams chunks) or fewer "
                              "params; n", n)
         chunk = opts.chunk_size or default_chunk_size(n, fm, budget)
         flat = torch.empty(n, K, P, dtype=fm.dtype, device=fm.device)  # (n, K, P): J

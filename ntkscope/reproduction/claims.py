@@ -434,8 +434,8 @@ def _real_calibration(real: pd.DataFrame, key: str) -> dict:
         out[f"{cell}.flagged"] = f"{100 * float((rows['flags'].fillna('') != '').mean()):.0f} %"
     out[f"{key}.draws"] = str(int(real["draw"].nunique()))
     jk = real[real["method"] == "jackknife"]
-    by_bin = jk.groupby(["output", "bin"]).apply(
-        lambda r: ((r["low"] <= r["target"]) & (r["target"] <= r["high"])).mean(), include_groups=False)
+    covered = jk.assign(covered=(jk["low"] <= jk["target"]) & (jk["target"] <= jk["high"]))
+    by_bin = covered.groupby(["output", "bin"])["covered"].mean()
     out[f"{key}.jackknife.bins"] = _range(by_bin, 2)
     for stat in ("coverage", "width"):
         out[f"{key}.jackknife.{stat}"] = _range(

@@ -224,11 +224,11 @@ def _warmup_map(t: Tables) -> dict:
     out.update(_builds(t.folder))
     out.update(_seconds(t.folder))
     out.update(_flicker(t.folder))
-    out.update(_scale(t.folder / "scale", gains))
+    out.update(_scale(t.folder / "scale"))
     return out
 
 
-def _scale(folder, small: pd.DataFrame) -> dict:
+def _scale(folder) -> dict:
     """The medium-scale hint (figures/warmup-map/scale: 8 layers x 512, step 1200, two seeds):
     its arms and verdicts as the map's, and its dense trunks' perplexity beside the map's."""
     if not (folder / "tables" / "verdicts.json").is_file():
