@@ -14,13 +14,13 @@ def _run(*args):
 
 def test_demo_runs_and_writes_its_table(tmp_path):
     out = tmp_path / "gc.csv"
-    proc = _run("--quiet", "demo", "--steps", "30", "--n", "40", "--out", str(out))
+    proc = _run("--quiet", "demo", "--steps", "10", "--n", "24", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "gradient consistency of each group" in proc.stdout
     table = pd.read_csv(out)
     assert set(table["by"]) == {"domain", "frequency bin"}
     assert table["gc"].between(-1, 1).all() and (table["abs_gc_low"] <= table["abs_gc"]).all()
-    assert table.loc[table.by == "domain", "n_subset"].sum() == 40
+    assert table.loc[table.by == "domain", "n_subset"].sum() == 24
 
 
 def test_user_error_is_one_line_and_exit_code_1(capsys):
