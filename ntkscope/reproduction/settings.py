@@ -13,9 +13,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ntkscope.core.checks import fail
+from ntkscope.core.checks import UserError, fail
 from ntkscope.core.files import write_json
 from ntkscope.core.requests import differences, listed
+from ntkscope.gc.options import GCOptions
 from ntkscope.kernel.uncertainty import Resampling
 
 
@@ -95,17 +96,17 @@ class ReproduceSettings:
     early_until: int = 0
     n: int = 192
     n_perplexity: int = 1500
-    bins: int = 6
-    min_count: int = 4
-    tail_fraction: float = 1 / 3
+    bins: int = GCOptions.bins  # the grouping's defaults and checks are GCOptions' (declared once)
+    min_count: int = GCOptions.min_count
+    tail_fraction: float = GCOptions.tail_fraction
     k_max: int = 8
     projection_dim: int = 64
     snapshots: int = 4
     gc_output: str = "centred-true-logit"
     gc_outputs: tuple = ("loss", "true-logit", "centred-true-logit")
-    binning: str = "count"
-    gc_resamples: int = 200
-    gc_null_draws: int = 200
+    binning: str = GCOptions.binning
+    gc_resamples: int = Resampling.resamples  # and the statistics' are Resampling's
+    gc_null_draws: int = Resampling.null_draws
     homogeneous_domain: str = "general"
     gc_draws: int = 1
     stable_overlap: float = 0.8
@@ -122,8 +123,21 @@ class ReproduceSettings:
     adopt_from: str = ""
     track_every: int = 0
 
+    def __post_init__(self):
+        try:
+            self.gc_options()
+            self.resampling()
+        except UserError as e:
+            raise UserError(f"ReproduceSettings: {e}") from None
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def gc_options(self) -> GCOptions:
+        """The GC grouping these settings use (``bins``, ``binning``, ``min_count``,
+        ``tail_fraction``), checked by :class:`~ntkscope.gc.options.GCOptions`."""
+        return GCOptions(bins=self.bins, binning=self.binning, min_count=self.min_count,
+                         tail_fraction=self.tail_fraction)
 
     def resampling(self) -> Resampling:
         """The GC statistics' settings: ``gc_resamples`` (jackknife), ``gc_null_draws``, ``seed``."""
