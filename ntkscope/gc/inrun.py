@@ -31,14 +31,14 @@ import torch
 import torch.nn as nn
 
 from ntkscope.core.checks import InputError, entry
-from ntkscope.kernel.factors import Linear, pair_kernel
+from ntkscope.kernel.factors import Linear, is_conv1d, pair_kernel
 from ntkscope.kernel.uncertainty import GCResult, Resampling, kernel_gc
 
 WORK_ELEMENTS = 1 << 24  # elements a pair product's tiles may hold at once
 
 
 def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _trained_linears(model: nn.Module) -> list:

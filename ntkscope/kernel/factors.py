@@ -30,6 +30,12 @@ SYMMETRIC_TILES = 4  # a factor against itself: at least this many tiles a side,
 # ---- factors: what one use of a parameter contributes to the per-sample gradients of a chunk ----
 
 
+def is_conv1d(module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): ``y = x W + b`` with W of shape (d_in, d_out), a
+    :class:`Linear` factor with ``io``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
 @dataclass
 class Linear:
     """``grad_i = sum_t delta_it a_it^T``; a (c, T, d_in), delta (c, T, d_out); ``io``: W is (d_in, d_out)."""

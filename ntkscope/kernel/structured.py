@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from ntkscope.core.checks import InputError
 from ntkscope.core.memory import format_bytes
 from ntkscope.core.progress import progress_bar
-from ntkscope.kernel.factors import Dense, Embed, Linear, empty_rows, pair_kernel, put_rows, rows_of, summed
+from ntkscope.kernel.factors import (Dense, Embed, Linear, empty_rows, is_conv1d, pair_kernel, put_rows, rows_of,
+                                     summed)
 from ntkscope.kernel.grads import (VMAP_FACTOR, FunctionalModel, Transient, check_finite, jacobian_rows,
                                    measure_transient, step_cost)
 from ntkscope.kernel.kernels import kernel_bytes
@@ -58,15 +59,10 @@ from ntkscope.kernel.structured_layout import Probe, layout, work_elements
 log = logging.getLogger(__name__)
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` (GPT-2): ``y = x W + b`` with W of shape (d_in, d_out)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
 def _supported(module: nn.Module) -> bool:
     if isinstance(module, nn.Embedding):
         return module.max_norm is None and not module.scale_grad_by_freq
-    return isinstance(module, (nn.Linear, nn.LayerNorm)) or _is_conv1d(module)
+    return isinstance(module, (nn.Linear, nn.LayerNorm)) or is_conv1d(module)
 
 
 # ---- capture: one forward and one backward of a chunk -------------------------------------------
@@ -151,7 +147,7 @@ def _factors(module, x, delta, roles: dict, c: int) -> dict:
     a = x.reshape(c, -1, d_in)
     d = delta.reshape(c, a.shape[1], -1)
     if "weight" in roles:
-        out[roles["weight"]] = Linear(a, d, io=_is_conv1d(module))
+        out[roles["weight"]] = Linear(a, d, io=is_conv1d(module))
     if "bias" in roles:
         out[roles["bias"]] = Dense(d.sum(1))
     return out

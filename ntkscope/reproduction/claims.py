@@ -423,23 +423,23 @@ def _calibration(planted: pd.DataFrame, real: pd.DataFrame | None) -> dict:
 
 def _real_calibration(real: pd.DataFrame, key: str) -> dict:
     """A real-kernel calibration table's cells per output and method (scripts/gc_calibration.py)."""
-    out = {}
+    real = real.assign(covered=(real["low"] <= real["target"]) & (real["target"] <= real["high"]),
+                       width=(real["high"] - real["low"]) / real.groupby(["output", "method", "bin"])["abs_gc"]
+                       .transform("std"))
+    out, jackknife = {}, {"coverage": [], "width": []}
     for (output, method), rows in real.groupby(["output", "method"]):
-        sd = rows.groupby("bin")["abs_gc"].transform("std")
-        covered = ((rows["low"] <= rows["target"]) & (rows["target"] <= rows["high"])).mean()
-        cell = f"{key}.{output}.{method}"
-        out[f"{cell}.coverage"] = _f(float(covered), 2)
-        out[f"{cell}.width"] = _f(float(((rows["high"] - rows["low"]) / sd).median()), 1)
+        cell, coverage, width = f"{key}.{output}.{method}", rows["covered"].mean(), rows["width"].median()
+        out[f"{cell}.coverage"], out[f"{cell}.width"] = _f(float(coverage), 2), _f(float(width), 1)
         out[f"{cell}.point_to_1"] = f"{100 * float(((rows['low'] == rows['abs_gc']) & (rows['high'] >= 1)).mean()):.0f} %"
         out[f"{cell}.flagged"] = f"{100 * float((rows['flags'].fillna('') != '').mean()):.0f} %"
+        if method == "jackknife":
+            jackknife["coverage"].append(coverage)
+            jackknife["width"].append(width)
     out[f"{key}.draws"] = str(int(real["draw"].nunique()))
-    jk = real[real["method"] == "jackknife"]
-    covered = jk.assign(covered=(jk["low"] <= jk["target"]) & (jk["target"] <= jk["high"]))
-    by_bin = covered.groupby(["output", "bin"])["covered"].mean()
+    by_bin = real[real["method"] == "jackknife"].groupby(["output", "bin"])["covered"].mean()
     out[f"{key}.jackknife.bins"] = _range(by_bin, 2)
-    for stat in ("coverage", "width"):
-        out[f"{key}.jackknife.{stat}"] = _range(
-            [float(out[f"{key}.{o}.jackknife.{stat}"]) for o in sorted(jk["output"].unique())], 2 if stat == "coverage" else 1)
+    out[f"{key}.jackknife.coverage"] = _range(jackknife["coverage"], 2)
+    out[f"{key}.jackknife.width"] = _range(jackknife["width"], 1)
     return out
 
 

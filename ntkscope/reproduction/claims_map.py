@@ -47,6 +47,10 @@ def _at_step(at: pd.DataFrame, verdicts: dict, prefix: str = "map") -> dict:
         rows.append(f"| `{arm}` | {_seeds(seeds)} | {cells['tail']} | {cells['legal']} | {cells['biomedical']} | "
                     f"{cells['general']} | {verdict} |")
     out[f"{prefix}.table"] = "\n".join(rows)
+    null = at[(at["arm"] == "dense-null") & (at["domain"] == "tail")]["gain"]
+    out[f"{prefix}.null.range"] = f"{_pct(null.min())} to {_pct(null.max())}"
+    out[f"{prefix}.units"] = f"{verdicts['units']['done']} of {verdicts['units']['planned']}"
+    out[f"{prefix}.seeds"] = str(len(verdicts["seeds"]))
     tail = at[at["domain"] == "tail"].groupby("arm")["gain"].mean()
     if {"cse", "demix"} <= set(tail.index):
         out[f"{prefix}.cse.demix_share"] = f"{tail['cse'] / tail['demix']:.2f}"
@@ -190,7 +194,7 @@ def _flicker(folder) -> dict:
             "map.structure.first": f"{min(firsts)}–{max(firsts)}" if firsts else "never"}
 
 
-def _seconds(folder) -> dict:
+def _seconds(folder, prefix: str = "map") -> dict:
     """The units' own times on the lent GPU (their state files), trunks and arms apart."""
     states = [json.loads(p.read_text()) for p in sorted((folder / "units").glob("*.json"))]
     took = pd.DataFrame([{"name": s["name"], "seconds": s["seconds"]} for s in states if s.get("seconds")])
@@ -198,7 +202,7 @@ def _seconds(folder) -> dict:
         return {}
     kind = np.where(took["name"].str.startswith("dense-seed"), "trunk",
                     np.where(took["name"].str.startswith("plan-"), "plan", "arm"))
-    return {f"map.seconds.{k}": f"{took.loc[kind == k, 'seconds'].median():.0f} s" for k in ("trunk", "plan", "arm")
+    return {f"{prefix}.seconds.{k}": f"{took.loc[kind == k, 'seconds'].median():.0f} s" for k in ("trunk", "plan", "arm")
             if (kind == k).any()}
 
 
@@ -207,12 +211,8 @@ def _warmup_map(t: Tables) -> dict:
     gains, verdicts = t["gains"], t["tables/verdicts.json"]
     at = gains[gains["step"] == verdicts["step"]]
     out = {**_at_step(at, verdicts), **_verdict_lines(verdicts), **_curve(gains[gains["domain"] == "tail"])}
-    null = at[(at["arm"] == "dense-null") & (at["domain"] == "tail")]["gain"]
-    out["map.null.range"] = f"{_pct(null.min())} to {_pct(null.max())}"
     tail = at[at["domain"] == "tail"]
     out["map.block_halfwidth"] = f"{100 * ((tail['high'] - tail['low']) / 2).median():.1f} %"
-    out["map.units"] = f"{verdicts['units']['done']} of {verdicts['units']['planned']}"
-    out["map.seeds"] = str(len(verdicts["seeds"]))
     mix_file = t.folder / "mix" / "tables" / "verdicts.json"
     mix = json.loads(mix_file.read_text()) if mix_file.is_file() else None
     if mix:
@@ -236,14 +236,9 @@ def _scale(folder) -> dict:
     verdicts = json.loads((folder / "tables" / "verdicts.json").read_text())
     gains = pd.read_csv(folder / "tables" / "gains.csv")
     out = {**_at_step(gains[gains["step"] == verdicts["step"]], verdicts, "scale"),
-           **_verdict_lines(verdicts, "scale")}
-    out["scale.units"] = f"{verdicts['units']['done']} of {verdicts['units']['planned']}"
-    out["scale.seeds"] = str(len(verdicts["seeds"]))
+           **_verdict_lines(verdicts, "scale"), **_seconds(folder, "scale")}
     for name, where in (("scale", folder), ("map", folder.parent)):
         ppl = [json.loads(p.read_text())["ppl"] for p in sorted((where / "results").glob("dense-seed*.json"))]
         low, high = f"{min(ppl):.1f}", f"{max(ppl):.1f}"
         out[f"{name}.dense.ppl"] = f"{low} in both seeds" if low == high and len(ppl) == 2 else f"{low}–{high}"
-    null = gains[(gains["arm"] == "dense-null") & (gains["domain"] == "tail") & (gains["step"] == verdicts["step"])]
-    out["scale.null.range"] = f"{_pct(null['gain'].min())} to {_pct(null['gain'].max())}"
-    out.update({k.replace("map.", "scale.", 1): v for k, v in _seconds(folder).items()})
     return out
