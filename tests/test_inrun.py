@@ -70,6 +70,8 @@ def test_a_token_mean_loss_reads_the_mean_token_kernel_with_its_loss_terms():
         rows = {r.label: r for r in inrun.gc(LABELS, loss_terms=terms, dtype=torch.float64)}
         plain = {r.label: r for r in inrun.gc(LABELS, dtype=torch.float64)}
         inrun_float32 = {r.label: r for r in inrun.gc(LABELS)}
+        K = inrun.kernel()
+    assert np.array_equal(K, K.T)  # float32 products, symmetric exactly (kernel_gc's check is strict)
     separate = gradient_consistency_groups(model, batch, LABELS, output="loss", resampling=None, method="exact",
                                            params=_names(model, inrun.modules), dtype=torch.float64)
     for label, r in rows.items():

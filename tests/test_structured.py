@@ -250,3 +250,37 @@ def test_layout_is_near_the_cheapest_that_fits(gpt, lm_batch):
         assert cost <= layout_cost(pr, n, n, half, half, True, work) * (1 + 1e-9)
         saw_small_stream |= stream < panel
     assert saw_small_stream
+
+
+def test_an_accelerator_layout_takes_the_largest_chunk_that_fits(gpt, lm_batch):
+    """On an accelerator the layout keeps to one chunk, the largest of the candidates that leaves
+    room for a panel, and still fits the budget (the kernel does not depend on the chunk:
+    tests/test_properties.py draws chunk sizes)."""
+    import dataclasses
+
+    from ntkscope.kernel.grads import functional_model
+    from ntkscope.kernel.options import KernelOptions
+    from ntkscope.kernel.structured import probe
+    from ntkscope.kernel.structured_layout import MAX_CHUNK, WORK_SHARE, layout, minimum_budget
+
+    batch = {k: v.repeat(3, 1) for k, v in lm_batch.items()}  # n = 24
+    opts = KernelOptions.build(None, method="structured", dtype="float64")
+    with functional_model(gpt, opts) as fm:
+        pr = probe(fm, fm.prepare(batch), 24)
+    fast = dataclasses.replace(pr, accelerator=True)
+    n, s = 24, pr.sample_bytes
+    least = minimum_budget(pr, n, n, True)
+    chunks_seen = set()
+    for budget in [int(least * f) for f in (1.5, 2.5, 4.0, 8.0)]:
+        work = int(WORK_SHARE * budget)
+        panel, stream, chunk = layout(fast, n, n, budget)
+        if panel == n:
+            continue
+        first = max(1, min(MAX_CHUNK, work // max(1, pr.transient.per_sample)))
+        largest = next(c for c in sorted({max(1, first >> k) for k in range(7)}, reverse=True)
+                       if budget - s - max(pr.transient.bytes(c), work + c * s) >= s)
+        assert chunk == largest >= layout(pr, n, n, budget)[2], (budget, chunk, largest)
+        loading = pr.transient.bytes(chunk) + (stream * s if stream > chunk else 0)
+        assert s + panel * s + max(loading, work + stream * s) <= budget
+        chunks_seen.add(chunk)
+    assert chunks_seen  # at least one budget needed panels

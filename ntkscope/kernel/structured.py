@@ -313,7 +313,7 @@ def probe(fm: FunctionalModel, data: dict, n: int) -> Probe:
     del ch
     n_fallback = int(sum(fm.params[k].numel() for k in plan.fallback))
     load = step_cost(fm, data, 1) * (1 + (VMAP_FACTOR if plan.fallback else 0))
-    result = Probe(plan, per_sample, uses, n_fallback, transient, load)
+    result = Probe(plan, per_sample, uses, n_fallback, transient, load, fm.device.type != "cpu")
     log.info("structured: factors %s a sample; a chunk's forward and backward hold %s a sample (%s)",
              format_bytes(per_sample), format_bytes(transient.per_sample),
              "measured" if transient.measured else "a guess: no peak memory to read here")

@@ -25,8 +25,9 @@ class Probe:
     """The plan (a :class:`~ntkscope.kernel.structured.FactorPlan`; the layout does not read it),
     one sample's factor bytes, the factors of the probe samples (for the cost model),
     what a chunk's forward and backward hold (:class:`~ntkscope.kernel.grads.Transient`,
-    measured, the chunk's own factors included), and the multiply-adds of loading one sample
-    (its forward and backward, and its per-sample gradients of any fallback parameters)."""
+    measured, the chunk's own factors included), the multiply-adds of loading one sample
+    (its forward and backward, and its per-sample gradients of any fallback parameters), and
+    whether the device is an accelerator (:func:`layout` then takes the largest chunk)."""
 
     plan: object
     sample_bytes: int
@@ -34,6 +35,7 @@ class Probe:
     fallback_params: int
     transient: Transient
     sample_cost: float
+    accelerator: bool = False
 
 
 
@@ -101,7 +103,12 @@ def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
     of least :func:`layout_cost` among chunks of ``chunk`` (or 64, 32, ... 1 samples) and streams
     of 1, 2, 4 ... chunks, each with the largest panel that then fits. What they hold, with the
     ``kernels`` bytes and the tiles' share, stays within ``budget`` whenever it is at least
-    :func:`minimum_budget`."""
+    :func:`minimum_budget`.
+
+    On an accelerator (``pr.accelerator``) only the largest chunk that leaves room for a panel is
+    considered: there a forward and backward of a few samples, and the pair products of a short
+    stream, are bound by kernel launches rather than multiply-adds, which the cost model does not
+    count (docs/design.md §1.2.1; benchmarks/README.md, GC on a GPU)."""
     work = int(WORK_SHARE * budget)
     fixed, s = kernels + pr.sample_bytes, pr.sample_bytes  # the probe's sample, kept for the cost model
     first = int(chunk or max(1, min(MAX_CHUNK, work // max(1, pr.transient.per_sample))))
@@ -116,6 +123,8 @@ def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
             return n1, n1, min(c, n1)
         if not symmetric and panel_room(c, n2) >= n1:
             return n1, n2, c
+    if pr.accelerator and not chunk:
+        chunks = [next((c for c in chunks if panel_room(c, c) >= 1), chunks[-1])]
     best = None
     other = (n1 - 1) if symmetric else n2
     for c in chunks:
