@@ -103,6 +103,7 @@ _EXPORTS = {
     "cluster_purity": "ntkscope.representation.structure",
     "knn_lift": "ntkscope.representation.structure",
     "domain_silhouette": "ntkscope.representation.structure",
+    "GCOptions": "ntkscope.gc.options",
     "gc_by_bins": "ntkscope.gc.groups",
     "gc_sensitivity": "ntkscope.gc.groups",
     "Probes": "ntkscope.gc.tracker",

@@ -29,13 +29,13 @@ from ntkscope.app.parsing import print_table as _print_table
 from ntkscope.app.parsing import COUNT, FRACTION, POSITIVE_INT, ranged
 from ntkscope.app.parsing import source as _source
 from ntkscope.app.demo import perplexity, run_demo
-from ntkscope.gc.options import GCOptions
+from ntkscope.gc.options import GROUPINGS, GCOptions
 from ntkscope.core.checks import InputError, UserError
 from ntkscope.kernel.grads import MEMORY_DEFAULT_TEXT
 from ntkscope.core.files import check_output, output_lock, write_table
 from ntkscope.core.progress import logging_redirect_tqdm
 from ntkscope.core.provenance import set_command
-from ntkscope.gc.groups import GC_OUTPUT, GROUPINGS
+from ntkscope.gc.groups import GC_OUTPUT
 from ntkscope.kernel.methods import METHODS, method_names, unsupported
 from ntkscope.kernel.objectives import OUTPUTS, SCALAR_OUTPUTS
 from ntkscope.kernel.options import KernelOptions

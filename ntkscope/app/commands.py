@@ -136,12 +136,8 @@ def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),
     model, tok = load_model_and_tokenizer(checkpoint, sentences.tokenizer, data)
     ad = analysis_sentences(model, tok, data, sentences)
     log.info("%s", memory_note(model, kernel))
-    common = dict(by=gc.by, bins=gc.bins, binning=gc.binning, min_count=gc.min_count, resampling=resampling,
-                  homogeneous=gc.homogeneous_label, options=kernel)
-    if gc.outputs:
-        table, hist, skipped = gc_sensitivity(model, ad, outputs=gc.outputs, **common)
-    else:
-        table, hist, skipped = gc_by_bins(model, ad, **common)
+    by_output = gc_sensitivity if gc.outputs else gc_by_bins  # gc.outputs: several side by side
+    table, hist, skipped = by_output(model, ad, gc=gc, resampling=resampling, options=kernel)
     out = out if writes() else None
     result = {"key": key, "options": options, "data": ad.source, "n": sentences.n, "groups": table.to_dict("records"),
               "skipped": skipped, "warnings": flag_warnings(table),

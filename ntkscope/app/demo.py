@@ -30,6 +30,7 @@ from cse_models.train import TrainConfig, load_data, train
 from ntkscope.core.checks import InputError, check_positive_int, entry
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.gc.groups import gc_by_bins
+from ntkscope.gc.options import GCOptions
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import split_sentences
 from ntkscope.text.frequency import count_tokens, sentence_scores, token_frequency
@@ -101,8 +102,8 @@ def run_demo(*, steps: int = 800, n: int = 128, n_tail: int = 12, seq_len: int =
                         "the pack's validation sentences, stratified")
     frames = []
     for by, name in (("label", "domain"), ("frequency-bins", "frequency bin")):
-        frame, _, _ = gc_by_bins(model, data, by=by, bins=3, min_count=2, resampling=Resampling(seed=seed),
-                                 controls=None, method=method, output=output)
+        frame, _, _ = gc_by_bins(model, data, gc=GCOptions(by=by, bins=3, min_count=2),
+                                 resampling=Resampling(seed=seed), controls=None, method=method, output=output)
         frame.insert(0, "by", name)
         frames.append(frame)
     table = pd.concat(frames, ignore_index=True)

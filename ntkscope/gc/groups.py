@@ -9,19 +9,20 @@ matched on length and on loss."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
 import torch
 
 from ntkscope.core.checks import InputError, check_choice, entry
+from ntkscope.gc.options import GCOptions
 from ntkscope.kernel.consistency import gradient_consistency_groups
 from ntkscope.kernel.nulls import Controls
 from ntkscope.kernel.objectives import SCALAR_OUTPUTS, LMLoss, sample_outputs
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.text.frequency import BINNINGS, bin_edges, bin_of, score_histogram
 
-GROUPINGS = ("frequency-bins", "label")
 MATCHES = ("length", "loss")
 #: the output ``ntkscope gc``, ``plan`` and the reproduction differentiate by default: the
 #: best-conditioned of the three measured (docs/gc-outputs.md); the loss's direction is a coin toss
@@ -87,34 +88,76 @@ def group_labels(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd
     return groups, hist
 
 
+#: the grouping keywords gc_by_bins still takes beside ``gc``, each the GCOptions field it stands for
+_LOOSE = {"by": "by", "bins": "bins", "binning": "binning", "min_count": "min_count"}
+
+
+def _same(a, b) -> bool:
+    """a == b for values that may be arrays (an array is never a grouping field's value)."""
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def _grouping(gc, loose: dict, homogeneous) -> tuple[GCOptions, object]:
+    """The one GCOptions the call means and its homogeneous null's label or pools: ``gc`` (a
+    GCOptions or None: its defaults), the loose grouping keywords (``loose``: shorthand for its
+    fields) and ``homogeneous`` (pools of indices, or a label: ``gc.homogeneous_label``). A loose
+    value that differs from ``gc``'s is refused: the grouping is given once."""
+    if gc is not None and not isinstance(gc, GCOptions):
+        raise InputError("gc", "must be a GCOptions or None", type(gc).__name__)
+    if gc is None:
+        label = homogeneous if isinstance(homogeneous, str) else None
+        gc = GCOptions(**{_LOOSE[k]: v for k, v in loose.items()}, homogeneous_label=label)
+    else:
+        for key, value in loose.items():
+            if not _same(value, getattr(gc, _LOOSE[key])):
+                raise InputError(key, f"is also set by gc (gc.{_LOOSE[key]}={getattr(gc, _LOOSE[key])!r}): give the "
+                                 "grouping once, in gc=GCOptions(...)", value)
+        if homogeneous is not None and gc.homogeneous_label is not None and not _same(homogeneous,
+                                                                                       gc.homogeneous_label):
+            raise InputError("homogeneous", f"is also set by gc (gc.homogeneous_label={gc.homogeneous_label!r}): give "
+                             "the homogeneous null once", homogeneous)
+    if gc.outputs:
+        raise InputError("gc", "must name no outputs here: gc_by_bins computes one output (output=...); several side "
+                         "by side are gc_sensitivity's", f"outputs={list(gc.outputs)}")
+    return gc, gc.homogeneous_label if homogeneous is None else homogeneous
+
+
 @entry("gc_by_bins")
-def gc_by_bins(model, data, *, by: str = "frequency-bins", bins: int = 6, binning: str = "count", min_count: int = 4,
-               resampling: Resampling | None = Resampling(), controls="auto", homogeneous=None,
-               **options) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+def gc_by_bins(model, data, *, gc: GCOptions | None = None, resampling: Resampling | None = Resampling(),
+               controls="auto", homogeneous=None, **options) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """GC of each subset of ``data`` (an :class:`~ntkscope.AnalysisData`) against the whole set.
 
-    ``by``: frequency bins of the score ("bin k"; ``binning`` "count": equal-count, the
-    default, or "width": equal-width) or the data's labels. ``resampling``: the intervals and
-    random null (:class:`~ntkscope.Resampling`). ``controls``: "auto" (the homogeneous null from
-    ``homogeneous``: a label of the data, or pools of indices, one ordinary source each; without
-    it, from gradient-space neighbours; and nulls matched on length and loss:
-    :func:`analysis_controls`), a :class:`~ntkscope.Controls`, or None. ``options``:
-    :class:`~ntkscope.KernelOptions` fields. Returns (table: one :meth:`~ntkscope.GCResult.row` per group, with left and right
-    for bins and mean_frequency_score; the histogram of the scores in the same bins;
-    {skipped label: size}).
+    ``gc``: the grouping (a :class:`~ntkscope.GCOptions`; None: its defaults): ``gc.by`` frequency
+    bins of the score ("bin k"; ``gc.bins`` of them, ``gc.binning`` "count": equal-count, the
+    default, or "width": equal-width) or the data's labels; a subset under ``gc.min_count``
+    sentences is skipped; ``gc.homogeneous_label``: the label whose sentences the homogeneous null
+    draws from (``gc.outputs`` is :func:`gc_sensitivity`'s; ``gc.tail_fraction`` is a run's). The
+    keywords ``by``, ``bins``, ``binning`` and ``min_count`` still work without ``gc``, as
+    shorthand for its fields; beside a ``gc`` whose field differs, they are refused.
+    ``resampling``: the intervals and random null (:class:`~ntkscope.Resampling`). ``controls``:
+    "auto" (the homogeneous null from ``gc.homogeneous_label`` or ``homogeneous``: pools of
+    indices, one ordinary source each; without either, from gradient-space neighbours; and nulls
+    matched on length and loss: :func:`analysis_controls`), a :class:`~ntkscope.Controls`, or
+    None. ``options``: :class:`~ntkscope.KernelOptions` fields. Returns (table: one
+    :meth:`~ntkscope.GCResult.row` per group, with left and right for bins and
+    mean_frequency_score; the histogram of the scores in the same bins; {skipped label: size}).
+
+    >>> table, hist, skipped = gc_by_bins(model, data, gc=GCOptions(bins=4, min_count=8))  # doctest: +SKIP
     """
-    check_choice("by", by, GROUPINGS)
-    check_choice("binning", binning, BINNINGS)
-    labels, hist = group_labels(data, by, bins, binning)
+    gc, homogeneous = _grouping(gc, {k: options.pop(k) for k in list(options) if k in _LOOSE}, homogeneous)
+    labels, hist = group_labels(data, gc.by, gc.bins, gc.binning)
     scores = data.labels["score"].to_numpy()
     given = options.get("options")
     output = options.get("output", given.output if given is not None else "loss")
     controls = _controls(controls, model, data, homogeneous, output) if resampling is not None else None
-    groups = gradient_consistency_groups(model, data.batch, labels, min_count=min_count, resampling=resampling,
+    groups = gradient_consistency_groups(model, data.batch, labels, min_count=gc.min_count, resampling=resampling,
                                          controls=controls, **options)
     table = groups.to_frame()
     table["mean_frequency_score"] = [float(scores[labels == lab].mean()) for lab in table["label"]]
-    if by == "frequency-bins":
+    if gc.by == "frequency-bins":
         index = table["label"].str.split().str[1].astype(int)
         table.insert(1, "left", hist["left"].to_numpy()[index])
         table.insert(2, "right", hist["right"].to_numpy()[index])
@@ -123,17 +166,28 @@ def gc_by_bins(model, data, *, by: str = "frequency-bins", bins: int = 6, binnin
 
 
 @entry("gc_sensitivity")
-def gc_sensitivity(model, data, *, outputs=SCALAR_OUTPUTS, **kwargs) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
-    """:func:`gc_by_bins` for each of ``outputs`` (built-in scalar output names), stacked with
-    an ``output`` column: does a conclusion depend on what ``f`` is? Same bins, same resampling
-    seed for every output. Returns (table, histogram, {output: skipped})."""
+def gc_sensitivity(model, data, *, outputs=None, **kwargs) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """:func:`gc_by_bins` for each of ``outputs`` (built-in scalar output names; None:
+    ``gc.outputs`` when ``gc=`` names some, else every one of them), stacked with an ``output``
+    column: does a conclusion depend on what ``f`` is? Same bins, same resampling seed for every
+    output. ``kwargs``: :func:`gc_by_bins`'s. Returns (table, histogram, {output: skipped})."""
+    gc = kwargs.get("gc")
+    named = tuple(gc.outputs or ()) if isinstance(gc, GCOptions) else ()
+    if outputs is None:
+        outputs = named or SCALAR_OUTPUTS
+    if not isinstance(outputs, Iterable):
+        raise InputError("outputs", "must be a scalar output's name or a list of them", outputs)
     outputs = [outputs] if isinstance(outputs, str) else list(outputs)
+    if named and outputs != list(named):
+        raise InputError("outputs", f"is also set by gc (gc.outputs={list(named)}): give the outputs once", outputs)
     if not outputs or len(set(outputs)) != len(outputs):
         raise InputError("outputs", "must name at least one output, each once", outputs)
     for name in outputs:
         check_choice("outputs", name, SCALAR_OUTPUTS)
     if "output" in kwargs:
         raise InputError("output", "is set per table by outputs= here", kwargs["output"])
+    if named:
+        kwargs["gc"] = dataclasses.replace(gc, outputs=None)
     tables, skipped, hist = [], {}, None
     for name in outputs:
         table, hist, skipped[name] = gc_by_bins(model, data, output=name, **kwargs)

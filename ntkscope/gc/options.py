@@ -8,8 +8,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from ntkscope.core.checks import InputError, check_choice, check_positive_int
-from ntkscope.gc.groups import GROUPINGS
 from ntkscope.text.frequency import BINNINGS
+
+#: the subsets ``gc`` compares with the whole set: frequency-score bins or the data's labels
+GROUPINGS = ("frequency-bins", "label")
 
 
 @dataclass(frozen=True)

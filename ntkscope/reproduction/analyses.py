@@ -74,10 +74,8 @@ def gc_by_frequency(dense_last: Path, data, pools: list, settings: ReproduceSett
     :meth:`~ntkscope.GCResult.row` per bin and output, by :func:`ntkscope.gc.groups.gc_sensitivity`),
     gc_by_bin (the rows of ``settings.gc_output``) and the histogram of the same bins."""
     outputs = list(dict.fromkeys([settings.gc_output, *settings.gc_outputs]))
-    table, hist, _ = gc_sensitivity(load_checkpoint(dense_last), data, outputs=outputs, bins=settings.bins,
-                                    binning=settings.binning, min_count=settings.min_count,
-                                    resampling=settings.resampling(), seed=settings.seed,
-                                    homogeneous=pools or None)
+    table, hist, _ = gc_sensitivity(load_checkpoint(dense_last), data, outputs=outputs, gc=settings.gc_options(),
+                                    resampling=settings.resampling(), seed=settings.seed, homogeneous=pools or None)
     chosen = table[table["output"] == settings.gc_output].drop(columns="output").reset_index(drop=True)
     return {"gc_by_bin": chosen, "histogram": hist, "gc_outputs": table}
 
