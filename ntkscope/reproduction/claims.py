@@ -495,6 +495,8 @@ def claims(root: str | Path) -> dict:
         out.update(_p7(pd.read_csv(root / "benchmarks/p7.csv")))
     if (root / "benchmarks/inrun.csv").is_file():
         out.update(_inrun(pd.read_csv(root / "benchmarks/inrun.csv")))
+    if (root / "benchmarks/inrun_gpu.csv").is_file():
+        out.update(_inrun(pd.read_csv(root / "benchmarks/inrun_gpu.csv"), "bench.inrun.gpu"))
     if (root / "benchmarks/tracker.csv").is_file():
         out.update(_tracker(pd.read_csv(root / "benchmarks/tracker.csv")))
     if (root / "figures/tail/tables/gc_tracked.csv").is_file():

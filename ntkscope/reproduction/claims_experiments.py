@@ -34,26 +34,34 @@ def _training_step(table: pd.DataFrame) -> dict:
 
 
 def _gpu_gc(table: pd.DataFrame) -> dict:
-    """benchmarks/README.md: GC on one H100 at GPT-2-small shape, per method and budget."""
-    rows = ["| run | method | max_memory | seconds | peak GB above the model | GC | \\|GC\\| interval | random null |",
-            "|---|---|---|---|---|---|---|---|"]
+    """benchmarks/README.md: GC at GPT-2-small shape on one GPU, per method, budget and layout rule."""
+    rows = ["| run | GPU | method | max_memory | seconds | kernel s | peak GB above the model | GC | \\|GC\\| interval "
+            "| random null |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in table.itertuples():
+        kernel = "—" if not np.isfinite(r.kernel_s) else f"{r.kernel_s:.0f}"
         if isinstance(r.error, str):
-            rows.append(f"| {r.run} | {r.method} | {r.max_memory_gb:g} GB | — | — | — | — | {r.error} |")
+            rows.append(f"| {r.run} | {r.device} | {r.method} | {r.max_memory_gb:g} GB | — | {kernel} | — | — | — "
+                        f"| {r.error} |")
             continue
         interval = "—" if not np.isfinite(r.abs_low) else f"[{r.abs_low:.3f}, {r.abs_high:.3f}]"
         null = "—" if not np.isfinite(r.null_low) else f"[{r.null_low:.3f}, {r.null_high:.3f}]"
-        rows.append(f"| {r.run} | {r.method} | {r.max_memory_gb:g} GB | {r.seconds:.0f} | "
+        rows.append(f"| {r.run} | {r.device} | {r.method} | {r.max_memory_gb:g} GB | {r.seconds:.0f} | {kernel} | "
                     f"{r.peak_gb_above_model:.2f} | {r.gc:.6f} | {interval} | {null} |")
     out = {"bench.gpu.table": "\n".join(rows)}
-    runs = table.dropna(subset=["seconds"])
-    structured = runs[(runs["method"] == "structured") & (runs["max_memory_gb"] == 16)]
-    if len(structured) >= 2:  # the first and the latest run of structured at 16 GB, for the prose
-        before, after = structured.iloc[0], structured.iloc[-1]
-        out.update({"bench.gpu.before.seconds": f"{before.seconds:.0f} s", "bench.gpu.after.seconds":
-                    f"{after.seconds:.0f} s", "bench.gpu.slower": f"{after.seconds / before.seconds:.1f}×",
-                    "bench.gpu.before.peak": f"{before.peak_gb_above_model:.2f} GB",
-                    "bench.gpu.after.peak": f"{after.peak_gb_above_model:.2f} GB"})
+    latest = table[table["device"] == table["device"].iloc[-1]]  # the last card's rows, compared with each other
+    rule = latest[latest["layout"] == "CPU rule"]
+    accel = latest[latest["layout"] == "accelerator"]
+    if len(rule) and len(accel):
+        at16, at8 = accel[accel["max_memory_gb"] == 16].iloc[-1], accel[accel["max_memory_gb"] == 8].iloc[-1]
+        before = rule[rule["max_memory_gb"] == 16].iloc[-1]
+        out.update({"bench.gpu.device": str(at16.device), "bench.gpu.accel.seconds": f"{at16.seconds:.0f} s",
+                    "bench.gpu.accel.kernel": f"{at16.kernel_s:.0f} s",
+                    "bench.gpu.accel.peak": f"{at16.peak_gb_above_model:.2f} GB",
+                    "bench.gpu.accel8.seconds": f"{at8.seconds:.0f} s",
+                    "bench.gpu.accel8.peak": f"{at8.peak_gb_above_model:.2f} GB",
+                    "bench.gpu.rule.kernel": f"{before.kernel_s:.0f} s",
+                    "bench.gpu.kernel_speedup": f"{before.kernel_s / at16.kernel_s:.1f}×",
+                    "bench.gpu.statistics": f"{at16.seconds - at16.kernel_s:.0f} s"})
     return out
 
 
@@ -254,15 +262,16 @@ def _tracker(table: pd.DataFrame) -> dict:
     return out
 
 
-def _inrun(table: pd.DataFrame) -> dict:
-    """docs/tracking.md and benchmarks/README.md: in-run GC's overhead every step (benchmarks/inrun.csv)."""
+def _inrun(table: pd.DataFrame, key: str = "bench.inrun") -> dict:
+    """docs/tracking.md and benchmarks/README.md: in-run GC's overhead every step (benchmarks/inrun.csv
+    on the CPU; benchmarks/inrun_gpu.csv, ``key`` bench.inrun.gpu, on a GPU)."""
     plain = table[table["arm"] == "plain"].iloc[0]
     inrun = table[table["arm"] == "in-run GC"].iloc[0]
-    return {"bench.inrun.step_s": _f(plain["s_per_step"], 2), "bench.inrun.gc_s": _f(inrun["gc_s"], 3),
-            "bench.inrun.overhead": f"{100 * inrun['overhead']:.0f} %",
-            "bench.inrun.same_losses": "identical" if bool(inrun["same_losses"]) else "different",
-            "bench.inrun.layers": str(int(inrun["layers_hooked"])), "bench.inrun.steps": str(int(inrun["steps"])),
-            "bench.inrun.rounds": str(int(inrun["rounds"]))}
+    return {f"{key}.step_s": _f(plain["s_per_step"], 3), f"{key}.gc_s": _f(inrun["gc_s"], 3),
+            f"{key}.overhead": f"{100 * inrun['overhead']:.0f} %",
+            f"{key}.same_losses": "identical" if bool(inrun["same_losses"]) else "different",
+            f"{key}.layers": str(int(inrun["layers_hooked"])), f"{key}.steps": str(int(inrun["steps"])),
+            f"{key}.rounds": str(int(inrun["rounds"])), f"{key}.machine": str(inrun["machine"])}
 
 
 def _tracked(t) -> dict:
