@@ -284,3 +284,34 @@ def test_an_accelerator_layout_takes_the_largest_chunk_that_fits(gpt, lm_batch):
         assert s + panel * s + max(loading, work + stream * s) <= budget
         chunks_seen.add(chunk)
     assert chunks_seen  # at least one budget needed panels
+
+
+def test_the_probe_is_kept_across_calls_on_one_model_and_redone_when_it_changes(gpt, lm_batch, monkeypatch):
+    """A tracker's probes reuse the plan and the chunk's measured memory: the same model and data
+    shapes plan once, new weights still give the exact kernel; new content in the planned samples
+    or a replaced layer plans again."""
+    import copy
+
+    import ntkscope.kernel.structured as S
+
+    plans = []
+    plan_factors = S.plan_factors
+    monkeypatch.setattr(S, "plan_factors", lambda *a: plans.append(1) or plan_factors(*a))
+
+    def both(batch):
+        return (ns.empirical_ntk(gpt, batch, method="structured").matrix,
+                ns.empirical_ntk(gpt, batch, method="exact").matrix)
+
+    both(lm_batch)
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.mul_(1.1)
+    structured, exact = both(lm_batch)
+    assert len(plans) == 1 and close(structured, exact) < RTOL
+    other = {k: v.clone() for k, v in lm_batch.items()}
+    other["input_ids"][0, 0] = (other["input_ids"][0, 0] + 1) % 50
+    structured, exact = both(other)
+    assert len(plans) == 2 and close(structured, exact) < RTOL
+    gpt.transformer.h[0].mlp = copy.deepcopy(gpt.transformer.h[0].mlp)
+    structured, exact = both(lm_batch)
+    assert len(plans) == 3 and close(structured, exact) < RTOL

@@ -34,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ntkscope.core.checks import InputError, entry
 from ntkscope.core.memory import PeakMemory, available_memory_bytes, format_bytes
 from ntkscope.core.progress import progress_bar
+from ntkscope.kernel.kept import kept
 from ntkscope.kernel.objectives import (
     CallableOutput,
     Objective,
@@ -284,19 +285,24 @@ def measure_transient(run, rows: int, guess: int, device) -> tuple[Transient, ob
 
 def vmap_transient(fm: FunctionalModel, data: dict) -> Transient:
     """What ``jacobian_rows`` holds per sample beyond its output rows (the per-sample gradients
-    inside vmap, the forward's activations), probed on the first sample; cached on ``fm``."""
+    inside vmap, the forward's activations), probed on the first sample; cached on ``fm``, and
+    across calls on the same model and shapes (:func:`~ntkscope.kernel.kept.kept`)."""
     cache = fm.__dict__.setdefault("_vmap_transients", {})
-    if id(data) not in cache:
+    if id(data) in cache:
+        return cache[id(data)]
+    across = kept(fm, data, 1, "per-sample gradients")  # the same model and shapes: measured once
+    if "transient" not in across:
         one = take(data, slice(0, 1))
         out = torch.empty(1, fm.n_outputs, fm.selection.n_params, dtype=fm.dtype, device=fm.device)
         row = fm.n_outputs * fm.selection.n_params * fm.itemsize
         try:
-            cache[id(data)], _ = measure_transient(lambda: jacobian_rows(fm, one, out), 1, 3 * row, fm.device)
+            across["transient"], _ = measure_transient(lambda: jacobian_rows(fm, one, out), 1, 3 * row, fm.device)
         except InputError:  # a non-finite output: the computation itself reports every such sample
             return Transient(3 * row, False)
         log.info("per-sample gradients: %s a sample beyond its row of J (%s)",
-                 format_bytes(cache[id(data)].per_sample),
-                 "measured" if cache[id(data)].measured else "a guess: no peak memory to read here")
+                 format_bytes(across["transient"].per_sample),
+                 "measured" if across["transient"].measured else "a guess: no peak memory to read here")
+    cache[id(data)] = across["transient"]
     return cache[id(data)]
 
 

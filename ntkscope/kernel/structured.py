@@ -51,6 +51,7 @@ from ntkscope.kernel.factors import (Dense, Embed, Linear, empty_rows, is_conv1d
                                      summed)
 from ntkscope.kernel.grads import (VMAP_FACTOR, FunctionalModel, Transient, check_finite, jacobian_rows,
                                    measure_transient, step_cost)
+from ntkscope.kernel.kept import kept
 from ntkscope.kernel.kernels import kernel_bytes
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.params import ParameterSelection
@@ -290,10 +291,16 @@ _TRANSIENT_GUESS = 5
 
 def probe(fm: FunctionalModel, data: dict, n: int) -> Probe:
     """Plan the structured method on the first samples of ``data`` and measure a chunk of them;
-    cached on ``fm`` per data."""
+    cached on ``fm`` per data, and across calls on the same model and data shapes
+    (:func:`~ntkscope.kernel.kept.kept`): a training run's tracker plans and measures once, not at
+    every probe."""
     cache = fm.__dict__.setdefault("_structured_probes", {})
     if id(data) in cache:
         return cache[id(data)]
+    across = kept(fm, data, min(n, 2), "structured")
+    if "probe" in across:
+        cache[id(data)] = across["probe"]
+        return across["probe"]
     plan = plan_factors(fm, data, n)
     c = min(n, 2)
     sub = _sub(fm, plan)
@@ -317,7 +324,7 @@ def probe(fm: FunctionalModel, data: dict, n: int) -> Probe:
     log.info("structured: factors %s a sample; a chunk's forward and backward hold %s a sample (%s)",
              format_bytes(per_sample), format_bytes(transient.per_sample),
              "measured" if transient.measured else "a guess: no peak memory to read here")
-    cache[id(data)] = result
+    cache[id(data)] = across["probe"] = result
     return result
 
 

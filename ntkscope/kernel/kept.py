@@ -1,0 +1,56 @@
+"""What a kernel call measures about a model and its data, kept across calls.
+
+A method's plan and its memory measurements (the structured method's probe, the per-sample
+gradients' transient) follow the architecture and the data's shapes, not the weights' values. A
+tracker that probes the same model on the same sentences every few hundred steps would otherwise
+plan and measure again at every probe (a forward and backward of a few samples, three times over,
+per method that "auto" weighs). :func:`kept` gives each (model, signature) one dictionary that lives
+as long as the model does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+
+import torch
+import torch.nn as nn
+
+#: per model (weakly: the entries go with it), per :func:`signature`, per kind of measurement
+_KEPT: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _leaves(data, path: str = ""):
+    """(path, tensor) of every tensor in nested dicts, lists and tuples (prepared data), in order."""
+    if torch.is_tensor(data):
+        yield path, data
+    elif isinstance(data, dict):
+        for k in sorted(data, key=str):
+            yield from _leaves(data[k], f"{path}/{k}")
+    elif isinstance(data, (list, tuple)):
+        for i, v in enumerate(data):
+            yield from _leaves(v, f"{path}/{i}")
+
+
+def signature(fm, data, rows: int) -> tuple:
+    """What a measurement of ``fm`` (a :class:`~ntkscope.kernel.grads.FunctionalModel`) on prepared
+    ``data`` depends on: the modules (by identity, so that a replaced or converted layer makes a
+    new entry), the selected parameters' names and shapes, the output, dtype and device, and the
+    data's shapes with the content of the ``rows`` first samples (those a plan is made on). Not the
+    weights' values."""
+    content = tuple((path, tuple(v.shape), str(v.dtype), _digest(v[:rows] if v.dim() else v))
+                    for path, v in _leaves(data))
+    modules = tuple((name, id(m)) for name, m in fm.module.named_modules())
+    params = tuple((k, tuple(v.shape)) for k, v in fm.params.items())
+    output = (type(fm.objective).__name__, fm.objective.name, fm.n_outputs)
+    return modules, params, output, str(fm.dtype), str(fm.device), rows, content
+
+
+def kept(fm, data, rows: int, kind: str) -> dict:
+    """The dictionary of ``kind`` measurements kept for ``fm``'s model and :func:`signature`."""
+    per_model = _KEPT.setdefault(fm.module, {})
+    return per_model.setdefault((kind, signature(fm, data, rows)), {})
