@@ -42,7 +42,7 @@ from cse_models.config import SparseConfig
 from cse_models.experts import CSELayer, DEMixLayer, sequence_embedding
 from cse_models.hf_auto import MODEL_TYPE
 from cse_models.model import CONFIG_NAME, WEIGHTS_NAME, SparseRouting, TransformerLM, _sparse_module, load_model
-from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.core.checks import MissingInput, UserError, check_path
 from ntkscope.core.files import atomic_path, check_safetensors, read_json_object, write_json
 from ntkscope.core.lm import lm_loss
 
@@ -300,6 +300,7 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
     weights the HF way accepted); a dense checkpoint with only ``pytorch_model.bin`` is read with
     ``torch.load(weights_only=True)``: tensors only, no checkpoint code runs."""
     func = "load_hf"
+    check_path("directory", directory, func=func)
     directory = Path(directory)
     if not (directory / CONFIG_NAME).is_file():
         raise MissingInput(f"{func}: {directory} has no {CONFIG_NAME} (an HF model directory)")
@@ -363,6 +364,7 @@ def architecture(model) -> dict:
 def load_any_model(directory: str | os.PathLike, sparse: SparseConfig | dict | None = None):
     """A ``cse_models`` checkpoint (:class:`~cse_models.TransformerLM`), or an HF causal LM of a known
     layout as a :class:`SparseHF` (converted, or dense with ``sparse`` to convert later)."""
+    check_path("directory", directory, func="load_any_model")
     directory = Path(directory)
     data = read_json_object(directory / CONFIG_NAME, "load_model") if (directory / CONFIG_NAME).is_file() else {}
     if SECTION in data or "architectures" in data or data.get("model_type") in LAYOUTS:

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from cse_models.config import BERTConfig, GPTConfig
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN, sequence_embedding, sequence_keys
 from cse_models.layers import Block
-from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.core.checks import MissingInput, UserError, check_path
 from ntkscope.core.files import atomic_path, load_safetensors, read_json_object, write_json
 from ntkscope.core.lm import linear_cross_entropy, lm_loss
 from ntkscope.core.memory import check_fits
@@ -277,6 +277,7 @@ class TransformerLM(SparseRouting, nn.Module):
     def from_pretrained(cls, directory: str | os.PathLike) -> "TransformerLM":
         """Rebuild a model from ``config.json`` and load ``model.safetensors`` (no pickle)."""
         func = f"{cls.__name__}.from_pretrained"
+        check_path("directory", directory, func=func)
         directory = Path(directory)
         for name in (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
@@ -376,4 +377,5 @@ def build_model(config: GPTConfig, what: str = "build_model") -> TransformerLM:
 
 def load_model(directory: str | os.PathLike) -> TransformerLM:
     """A GPT or BERT checkpoint, whichever ``config.json`` says."""
+    check_path("directory", directory, func="load_model")
     return TransformerLM.from_pretrained(directory)

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import numbers
+import os
 from typing import Any
 
 _ENTERED = contextvars.ContextVar("ntkscope_entry", default=None)
 
 
 def _shown(value: Any) -> str:
-    shown = repr(value)
+    shown = repr(value).replace("\n", " ")  # one line: a tensor's or a module's repr spans several
     return shown[:197] + "..." if len(shown) > 200 else shown
 
 
@@ -92,9 +94,45 @@ def check_positive_int(arg: str, value: Any, *, allow_none: bool = False) -> Non
         raise InputError(arg, "must be a positive integer" + (" or None" if allow_none else ""), value)
 
 
+def check_seed(value: Any, arg: str = "seed") -> None:
+    """A random seed: a non-negative integer, a numpy one too (numpy's generators take no other)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise InputError(arg, "must be a non-negative integer", value)
+
+
 def check_choice(arg: str, value: Any, choices) -> None:
-    if value not in choices:
+    try:
+        known = value in choices
+    except (TypeError, ValueError, RuntimeError):  # unhashable (a list, a dict), or an array's truth value
+        known = False
+    if not known:
         raise InputError(arg, f"must be one of {sorted(choices)}", value)
+
+
+def check_path(arg: str, value: Any, *, allow_none: bool = False, func: str | None = None) -> None:
+    """A file or directory name: a str or an ``os.PathLike`` (a ``pathlib.Path``); None where allowed.
+    ``func``: the function to name, for one that is not an :func:`entry`."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, (str, os.PathLike)):
+        raise InputError(arg, "must be a path (a str or a pathlib.Path)" + (" or None" if allow_none else ""),
+                         type(value).__name__, func)
+
+
+def as_numbers(arg: str, value: Any, *, ndim: int | None = None, what: str | None = None, func: str | None = None):
+    """``value`` as a float64 numpy array (of ``ndim`` dimensions where given); else the InputError
+    naming ``arg`` and saying it must be ``what`` (``func``: the function to name, for one that is
+    not an :func:`entry`)."""
+    import numpy as np
+
+    what = what or ("a sequence of numbers" if ndim in (None, 1) else f"a {ndim}-dimensional array of numbers")
+    try:
+        out = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputError(arg, f"must be {what}", type(value).__name__, func) from None
+    if ndim is not None and out.ndim != ndim:
+        raise InputError(arg, f"must be {what}", f"{type(value).__name__} of shape {out.shape}", func)
+    return out
 
 
 def check_fraction(arg: str, value: Any) -> None:

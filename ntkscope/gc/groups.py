@@ -9,6 +9,7 @@ matched on length and on loss."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable
 
 import numpy as np
@@ -21,7 +22,8 @@ from ntkscope.kernel.consistency import gradient_consistency_groups
 from ntkscope.kernel.nulls import Controls
 from ntkscope.kernel.objectives import SCALAR_OUTPUTS, LMLoss, sample_outputs
 from ntkscope.kernel.uncertainty import Resampling
-from ntkscope.text.frequency import BINNINGS, bin_edges, bin_of, score_histogram
+from ntkscope.text.frequency import bin_edges, bin_of, score_histogram
+from ntkscope.text.sentences import AnalysisData
 
 MATCHES = ("length", "loss")
 #: the output ``ntkscope gc``, ``plan`` and the reproduction differentiate by default: the
@@ -53,9 +55,17 @@ def analysis_controls(model, batch, *, pools=None, match=MATCHES, output="loss")
     return Controls(homogeneous=pools, matched=covariates)
 
 
+def _check_homogeneous(homogeneous) -> None:
+    if homogeneous is not None and (isinstance(homogeneous, (bytes, os.PathLike))
+                                    or not isinstance(homogeneous, Iterable)):
+        raise InputError("homogeneous", "must be a label of the data, pools of indices (a list of index sequences) or "
+                         "None", type(homogeneous).__name__)
+
+
 def homogeneous_pools(data, homogeneous) -> list | None:
     """The homogeneous null's pools: ``homogeneous`` a label of ``data`` (its sentences), index
     arrays (as they are), or None (none: gradient-space neighbours are used)."""
+    _check_homogeneous(homogeneous)
     if not isinstance(homogeneous, str):
         return None if homogeneous is None else list(homogeneous)
     labels = data.labels["label"].astype(str).to_numpy()
@@ -107,6 +117,7 @@ def _grouping(gc, loose: dict, homogeneous) -> tuple[GCOptions, object]:
     value that differs from ``gc``'s is refused: the grouping is given once."""
     if gc is not None and not isinstance(gc, GCOptions):
         raise InputError("gc", "must be a GCOptions or None", type(gc).__name__)
+    _check_homogeneous(homogeneous)
     if gc is None:
         label = homogeneous if isinstance(homogeneous, str) else None
         gc = GCOptions(**{_LOOSE[k]: v for k, v in loose.items()}, homogeneous_label=label)
@@ -147,6 +158,8 @@ def gc_by_bins(model, data, *, gc: GCOptions | None = None, resampling: Resampli
 
     >>> table, hist, skipped = gc_by_bins(model, data, gc=GCOptions(bins=4, min_count=8))  # doctest: +SKIP
     """
+    if not isinstance(data, AnalysisData):
+        raise InputError("data", "must be an AnalysisData (ntkscope.load_analysis_data)", type(data).__name__)
     gc, homogeneous = _grouping(gc, {k: options.pop(k) for k in list(options) if k in _LOOSE}, homogeneous)
     labels, hist = group_labels(data, gc.by, gc.bins, gc.binning)
     scores = data.labels["score"].to_numpy()
@@ -178,6 +191,8 @@ def gc_sensitivity(model, data, *, outputs=None, **kwargs) -> tuple[pd.DataFrame
     if not isinstance(outputs, Iterable):
         raise InputError("outputs", "must be a scalar output's name or a list of them", outputs)
     outputs = [outputs] if isinstance(outputs, str) else list(outputs)
+    if not all(isinstance(name, str) for name in outputs):
+        raise InputError("outputs", "must be a scalar output's name or a list of them", outputs)
     if named and outputs != list(named):
         raise InputError("outputs", f"is also set by gc (gc.outputs={list(named)}): give the outputs once", outputs)
     if not outputs or len(set(outputs)) != len(outputs):

@@ -375,6 +375,8 @@ def per_sample_grads(model, batch, *, train=False, options: KernelOptions | None
     -------
     PerSampleGrads
     """
+    if not isinstance(train, bool):
+        raise InputError("train", "must be True or False", train)
     opts = KernelOptions.build(options, **fields)
     with functional_model(model, opts, train=train) as fm:
         data = fm.prepare(batch)

@@ -272,8 +272,15 @@ class CallableOutput(Objective):
     def prepare(self, model, batch):
         n = batch_size(batch)
         probe_rows = min(n, 2)
-        with torch.no_grad():
-            y = self.fn(model, take(batch, slice(0, probe_rows)))
+        try:  # the first call of the user's function: a model or a tokenizer given as output= fails here
+            with torch.no_grad():
+                y = self.fn(model, take(batch, slice(0, probe_rows)))
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, RuntimeError) as err:
+            said = str(err).splitlines()[0][:120] if str(err) else ""
+            raise InputError("output", f"must be a callable fn(model, batch) -> tensor of shape (n,); on {probe_rows} "
+                             f"samples it raised {type(err).__name__}: {said}", type(self.fn).__name__) from err
         if not torch.is_tensor(y) or tuple(y.shape) != (probe_rows,):
             raise InputError("output", f"must be a callable returning a tensor of shape (n,) (for {probe_rows} samples)",
                        tuple(y.shape) if torch.is_tensor(y) else type(y).__name__)
@@ -375,6 +382,8 @@ def to_device_dtype(tree, device, dtype):
 def sample_outputs(model: nn.Module, batch, *, output="loss", chunk_size: int = 64) -> torch.Tensor:
     """``f`` of every sample, evaluated without gradients (the loss GC differentiates, e.g. for
     per-sentence perplexity ``exp(f)``): (n,) for scalar outputs, (n, K) otherwise."""
+    if not isinstance(model, nn.Module):
+        raise InputError("model", "must be a torch.nn.Module", type(model).__name__)
     check_positive_int("chunk_size", chunk_size)
     n = batch_size(batch)
     objective = resolve_output(output, model)

@@ -26,13 +26,15 @@ Calibration against planted pools and real kernels: docs/gc-calibration.md.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 import scipy.stats
 
-from ntkscope.core.checks import InputError, check_choice, check_fraction, entry
+from ntkscope.core.checks import InputError, as_numbers, check_choice, check_fraction, entry
 from ntkscope.kernel import replicates
 from ntkscope.kernel.nulls import (NO_BAND, Controls, NullBand, check_controls, homogeneous_band, matched_band,
                                    random_band)
@@ -448,7 +450,8 @@ def kernel_gc(kernel, subsets, *, resampling: Resampling | None = Resampling(),
     -------
     list of GCResult, one per subset (``method="kernel"``)
     """
-    K = np.asarray(kernel.detach().cpu().numpy() if hasattr(kernel, "detach") else kernel, dtype=np.float64)
+    K = as_numbers("kernel", kernel.detach().cpu().numpy() if hasattr(kernel, "detach") else kernel,
+                   what="a square matrix of numbers")
     if K.ndim != 2 or K.shape[0] != K.shape[1] or K.shape[0] < 2:
         raise InputError("kernel", "must be a square matrix of shape (n, n) with n >= 2", K.shape)
     if not np.isfinite(K).all():
@@ -461,11 +464,14 @@ def kernel_gc(kernel, subsets, *, resampling: Resampling | None = Resampling(),
     check_resampling(resampling)
     n = K.shape[0]
     members = []
+    if isinstance(subsets, (str, bytes, os.PathLike)) or not isinstance(subsets, Iterable):
+        raise InputError("subsets", "must be a sequence of index sequences", type(subsets).__name__)
     for s in subsets:
         idx = np.asarray(s)
         if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer) or idx.size < 2 or len(np.unique(idx)) != idx.size \
                 or idx.min() < 0 or idx.max() >= n:
-            raise InputError("subsets", f"must each hold at least 2 distinct indices in [0, {n})", np.asarray(s).tolist()[:10])
+            shown = idx.tolist()[:10] if idx.ndim == 1 else idx.tolist() if idx.ndim == 0 else f"shape {idx.shape}"
+            raise InputError("subsets", f"must each hold at least 2 distinct indices in [0, {n})", shown)
         members.append(np.sort(idx))
     if not members:
         raise InputError("subsets", "must hold at least one subset", [])

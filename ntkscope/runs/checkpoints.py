@@ -18,7 +18,7 @@ import logging
 import re
 from pathlib import Path
 
-from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.core.checks import MissingInput, UserError, check_path
 from ntkscope.runs.families import family_for_config, family_of
 from ntkscope.runs.weights import STATE_DICT_NAMES, weights_file
 from ntkscope.text.inputs import as_source
@@ -72,6 +72,7 @@ def is_run_dir(path: str | Path) -> bool:
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """[(step, path)] of a run's complete checkpoints (config.json and weights), in step order."""
+    check_path("run_dir", run_dir, func="list_checkpoints")
     run_dir = Path(run_dir)
     found = _step_dirs(run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir) \
         or _trainer_dirs(run_dir)
@@ -89,6 +90,7 @@ def load_checkpoint(path: str | Path):
     (``transformers``: GPT-2-style causal LMs, BERT-style MLMs and encoders), with weights
     from ``model.safetensors`` or a plain state dict (``pytorch_model.bin``, ``model.pt``).
     """
+    check_path("path", path, func="load_checkpoint")
     path = Path(path)
     if not path.exists():
         what = "is a symbolic link to nothing, or a loop of links" if path.is_symlink() else "does not exist"

@@ -11,6 +11,8 @@ A sentence's score is the mean of ``phi`` over its tokens.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -18,7 +20,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from ntkscope.core.checks import UserError, check_choice, check_positive_int, entry, fail
+from ntkscope.core.checks import (InputError, UserError, as_numbers, check_choice, check_fraction, check_positive_int,
+                                  entry, fail)
 from ntkscope.core.files import write_table
 from ntkscope.text.corpus.text import Record, count_words, split_sentences
 from ntkscope.text.tokenization import TextTokenizer
@@ -67,6 +70,8 @@ def _check_tokenizer(func: str, tokenizer) -> None:
 def _texts(func: str, texts) -> list[str]:
     if isinstance(texts, str):
         raise fail(func, "texts", "must be a sequence of strings, not one string", texts[:50])
+    if isinstance(texts, (bytes, os.PathLike)) or not isinstance(texts, Iterable):
+        raise fail(func, "texts", "must be a sequence of strings or Records", type(texts).__name__)
     out = [t.text if isinstance(t, Record) else t for t in texts]
     bad = next((t for t in out if not isinstance(t, str)), None)
     if bad is not None:
@@ -102,8 +107,8 @@ def count_tokens(texts: Sequence[str] | Sequence[Record], tokenizer: TextTokeniz
     func = "count_tokens"
     _check_tokenizer(func, tokenizer)
     texts = _texts(func, texts)
-    if not 0 <= max_unknown <= 1:
-        raise fail(func, "max_unknown", "must be in [0, 1]", max_unknown)
+    if isinstance(max_unknown, bool) or not isinstance(max_unknown, (int, float)) or not 0 <= max_unknown <= 1:
+        raise fail(func, "max_unknown", "must be a number in [0, 1]", max_unknown)
     ids, _ = _flat_ids(tokenizer, texts)
     ids = ids[_keep_mask(tokenizer, ids)]
     if ids.size == 0:
@@ -119,6 +124,8 @@ def count_tokens(texts: Sequence[str] | Sequence[Record], tokenizer: TextTokeniz
 @entry("token_frequency")
 def token_frequency(counts: TokenCounts, normalisation: str = "max") -> np.ndarray:
     """``phi``: (vocab_size,) float64 in [0, 1]; unseen (and special) tokens get 0."""
+    if not isinstance(counts, TokenCounts):
+        raise fail("token_frequency", "counts", "must be a TokenCounts (ntkscope.count_tokens)", type(counts).__name__)
     check_choice("normalisation", normalisation, NORMALISATIONS)
     c = counts.counts.astype(np.float64)
     if normalisation == "max":
@@ -143,7 +150,7 @@ def sentence_scores(texts: Sequence[str], tokenizer: TextTokenizer, frequency: n
     func = "sentence_scores"
     _check_tokenizer(func, tokenizer)
     texts = _texts(func, texts)
-    frequency = np.asarray(frequency, dtype=np.float64)
+    frequency = as_numbers("frequency", frequency, func=func)
     if frequency.shape != (tokenizer.vocab_size,):
         raise fail(func, "frequency", f"must have shape ({tokenizer.vocab_size},), one value per token id",
                    frequency.shape)
@@ -193,6 +200,19 @@ def bin_of(scores, edges: np.ndarray) -> np.ndarray:
 BINNINGS = ("width", "count")
 
 
+def _check_range(range) -> None:
+    """None, or (low, high) finite numbers with low < high (``np.histogram``'s range)."""
+    if range is None:
+        return
+    try:
+        low, high = (float(v) for v in range)
+        good = np.isfinite(low) and np.isfinite(high) and low <= high
+    except (TypeError, ValueError, RuntimeError):
+        good = False
+    if not good:
+        raise InputError("range", "must be None or (low, high), two finite numbers with low <= high", range)
+
+
 @entry("score_histogram")
 def score_histogram(scores: Sequence[float], *, bins: int = 10, range: tuple[float, float] | None = None,
                     kind: str = "width") -> pd.DataFrame:
@@ -200,10 +220,11 @@ def score_histogram(scores: Sequence[float], *, bins: int = 10, range: tuple[flo
     quantile edges): bin, left, right, count, percent (of all sentences)."""
     check_positive_int("bins", bins)
     check_choice("kind", kind, BINNINGS)
-    scores = np.asarray(scores, dtype=np.float64)
+    scores = as_numbers("scores", scores)
     scores = scores[np.isfinite(scores)]
     if scores.size == 0:
         raise fail("score_histogram", "scores", "must hold at least one finite score", scores.size)
+    _check_range(range)
     edges = bin_edges(scores, bins, range=range, kind=kind)
     inside = scores[(scores >= edges[0]) & (scores <= edges[-1])]
     counts = np.bincount(bin_of(inside, edges), minlength=bins)
@@ -260,8 +281,10 @@ def save_table(frame: pd.DataFrame, path: str | Path) -> Path:
     return write_table(frame, path)
 
 
+@entry("long_tail_subset")
 def long_tail_subset(scores, fraction: float = 1 / 3) -> np.ndarray:
     """Indices of the lowest-frequency ``fraction`` of the sentences (the long tail), sorted."""
-    scores = np.asarray(scores, dtype=np.float64)
+    scores = as_numbers("scores", scores, ndim=1)
+    check_fraction("fraction", fraction)
     k = max(2, int(round(fraction * len(scores))))
     return np.sort(np.argsort(scores, kind="stable")[:k])

@@ -30,6 +30,7 @@ import atexit
 import gzip
 import json
 import logging
+import os
 import shutil
 import tempfile
 import zlib
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ntkscope.core.checks import InputError, MissingInput, MissingPackage, UserError
+from ntkscope.core.checks import InputError, MissingInput, MissingPackage, UserError, entry
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import normalise_space, read_text, split_sentences
 from ntkscope.text.frequency import TokenCounts, count_tokens
@@ -95,9 +96,20 @@ class DataSource:
     format: str = "auto"
 
     def __post_init__(self):
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise InputError("path", "must be a path (a str or a pathlib.Path) or None", type(self.path).__name__,
+                             func=_FUNC)
         if isinstance(self.path, str):  # DataSource("rows.jsonl") as well as DataSource(Path(...))
             object.__setattr__(self, "path", Path(self.path))
-        if self.format not in FORMATS:
+        if self.frequency_from is not None and not isinstance(self.frequency_from, (str, os.PathLike)):
+            raise InputError("frequency_from", "must be a path (a str or a pathlib.Path) or None",
+                             type(self.frequency_from).__name__, func=_FUNC)
+        for name in ("text_column", "label_column"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (name == "label_column" and value is None):
+                raise InputError(name, "must be a column name (a str)" + (" or None" if name == "label_column" else ""),
+                                 value, func=_FUNC)
+        if not isinstance(self.format, str) or self.format not in FORMATS:
             raise InputError("format", f"must be one of {list(FORMATS)}", self.format, func=_FUNC)
 
     @cached_property
@@ -182,13 +194,18 @@ class DataSource:
         return [text for text, _ in self.rows()]
 
 
+@entry("as_source")
 def as_source(data, *, columns: DataSource | None = None) -> DataSource:
     """``data`` (a DataSource, a path, ``"default"`` or None) as a :class:`DataSource` that
     exists; ``columns`` lends its text / label columns to a bare path."""
+    if columns is not None and not isinstance(columns, DataSource):
+        raise InputError("columns", "must be a DataSource or None", type(columns).__name__)
     if isinstance(data, DataSource):
         source = data
     else:
-        path = None if data in (None, "default") else Path(data)
+        if data is not None and not isinstance(data, (str, os.PathLike)):
+            raise InputError("data", "must be a DataSource, a path, 'default' or None", type(data).__name__)
+        path = None if data is None or data == "default" else Path(data)
         source = DataSource(path) if columns is None else replace(columns, path=path, frequency_from=None)
     if source.path is not None and not source.path.exists():
         if source.path.is_symlink():  # exists() follows the link: say what is really wrong

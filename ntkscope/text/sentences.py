@@ -13,8 +13,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ntkscope.core.checks import InputError, check_positive_int, entry, fail
-from ntkscope.text.frequency import sentence_scores, token_frequency
+from ntkscope.core.checks import InputError, check_choice, check_positive_int, check_seed, entry, fail
+from ntkscope.text.corpus.pack import SPLITS
+from ntkscope.text.frequency import _texts, sentence_scores, token_frequency
 from ntkscope.text.inputs import as_source
 from ntkscope.text.tokenization import as_tokenizer
 
@@ -51,10 +52,15 @@ class Sentences:
         return dataclasses.asdict(self)
 
 
+@entry("encode_texts")
 def encode_texts(tokenizer, texts, max_length: int) -> dict:
-    """input_ids and attention_mask (n, T<=max_length), right-padded with the tokenizer's pad id."""
+    """input_ids and attention_mask (n, T<=max_length), right-padded with the tokenizer's pad id
+    (``tokenizer``: what :func:`~ntkscope.text.tokenization.as_tokenizer` takes)."""
+    tokenizer = as_tokenizer(tokenizer)
+    texts = _texts("encode_texts", texts)
+    check_positive_int("max_length", max_length)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    rows = [ids[:max_length] or [pad] for ids in tokenizer.encode(list(texts))]
+    rows = [ids[:max_length] or [pad] for ids in tokenizer.encode(texts)]
     length = max(map(len, rows))
     ids = torch.full((len(rows), length), pad, dtype=torch.long)  # (n, T)
     mask = torch.zeros_like(ids)
@@ -84,8 +90,11 @@ def load_analysis_data(data, tokenizer, *, n: int = 256, seq_len: int = 64, seed
     """
     check_positive_int("n", n)
     check_positive_int("seq_len", seq_len)
+    check_seed(seed)
     tokenizer = as_tokenizer(tokenizer)
     data = as_source(data)
+    if data.kind == "pack":
+        check_choice("split", split, (*SPLITS, "all"))
     rows = data.rows(split)
     source = str(data.pack().path) if data.kind == "pack" else str(data.path)
     if len(rows) < n:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ntkscope.core.checks import InputError, MissingInput, MissingPackage, UserError
+from ntkscope.core.checks import InputError, MissingInput, MissingPackage, UserError, fail
 from ntkscope.core.paths import default_data_dir
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,10 @@ def load_tokenizer(spec: str | Path) -> TextTokenizer:
     """A tokenizer from a ``tokenizer.json``, a directory holding one (an HF checkpoint or a
     corpus pack), a ``*.tiktoken`` ranks file, or ``"gpt2"`` (the ranks file in the sources
     directory, ``$NTKSCOPE_SOURCES/gpt2.tiktoken``)."""
+    if not isinstance(spec, (str, os.PathLike)):
+        raise fail("load_tokenizer", "spec", "must be a tokenizer.json path, a directory holding one, a .tiktoken ranks "
+                   "file or 'gpt2' (a tokenizer object needs no loading: pass it where a tokenizer is asked for)",
+                   type(spec).__name__)
     if str(spec) == "gpt2":
         return gpt2_tokenizer(default_data_dir() / "gpt2.tiktoken")
     path = Path(spec)

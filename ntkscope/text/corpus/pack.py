@@ -34,7 +34,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from ntkscope.core.checks import MissingInput, OutputExists, UserError, check_fraction, check_positive_int, entry, fail
+from ntkscope.core.checks import (MissingInput, OutputExists, UserError, check_fraction, check_path, check_positive_int,
+                                  entry, fail)
 from ntkscope.core.files import atomic_path, read_json_object
 from ntkscope.text.tokenization import load_tokenizer, train_bpe
 from ntkscope.text.corpus.sources import SOURCES, load_source
@@ -326,10 +327,10 @@ class CorpusPack:
 
     def records(self, split: str = "train") -> list[Record]:
         """The records of ``split`` (``train``, ``validation``, ``test`` or ``all``)."""
+        if not isinstance(split, str) or split not in (*SPLITS, "all"):
+            raise fail("CorpusPack.records", "split", f"must be one of {list(SPLITS) + ['all']}", split)
         if split == "all":
             return [r for s in SPLITS for r in self.records(s)]
-        if split not in SPLITS:
-            raise fail("CorpusPack.records", "split", f"must be one of {list(SPLITS) + ['all']}", split)
         return [Record(**{k: row[k] for k in Record._fields}) for row in self._rows(f"{split}.jsonl.gz")]
 
     def frame(self, split: str = "train"):
@@ -353,6 +354,7 @@ class CorpusPack:
 
 def load_pack(path: str | Path | None = None, *, verify: bool = True) -> CorpusPack:
     """Open a pack (default: the small pack shipped with ntkscope), checking every file's sha256."""
+    check_path("path", path, allow_none=True, func="load_pack")
     path = Path(path) if path is not None else DEFAULT_PACK
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
