@@ -415,8 +415,7 @@ def _tracker(cfg: TrainConfig, tokenizer, world: int):
     else:
         data = cfg.data.pack or "default"
     probes = Probes.load(data, tokenizer, n=track.n, seq_len=track.seq_len or cfg.data.seq_len, seed=track.seed,
-                         by=track.by, tail_fraction=track.tail_fraction, bins=track.bins,
-                         homogeneous=track.homogeneous)
+                         by=track.by, gc=track.grouping)
     resampling = Resampling(resamples=track.resamples, null_draws=track.null_draws, seed=track.seed)
     return GCTracker(probes, every=track.every, out=Path(cfg.out_dir) / "track", per_layer=track.per_layer,
                      options=KernelOptions(output=track.output, method=track.method), resampling=resampling,

@@ -158,7 +158,7 @@ class TrackConfig:
         if self.by not in ("tail", "frequency-bins", "label"):
             raise UserError(f"TrainConfig: track.by must be 'tail', 'frequency-bins' or 'label' (got {self.by!r})")
         try:
-            GCOptions(bins=self.bins, tail_fraction=self.tail_fraction)
+            self.grouping
         except UserError as e:
             raise UserError(f"TrainConfig: track.{e}") from None
         for name in ("resamples", "null_draws"):
@@ -168,6 +168,11 @@ class TrackConfig:
 
     def __bool__(self) -> bool:
         return self.every > 0
+
+    @property
+    def grouping(self) -> GCOptions:
+        """The probes' grouping as the one :class:`~ntkscope.GCOptions` (its defaults and checks)."""
+        return GCOptions(bins=self.bins, tail_fraction=self.tail_fraction, homogeneous_label=self.homogeneous)
 
 
 def _text_files(value):

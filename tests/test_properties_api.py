@@ -172,19 +172,21 @@ def test_a_wrong_argument_is_a_result_or_one_line_naming_the_function(world, cal
     # anything else (AttributeError, KeyError, IndexError, RuntimeError, ...) fails the test as it is
 
 
-#: entry points in ntkscope/gc/tracker.py, another session's file when this test was written: they
-#: do not check these arguments yet (an AttributeError or a bare TypeError from inside). Strict:
-#: once tracker.py checks them, this fails until the case is taken off the list.
-PENDING = {
+#: entry points in ntkscope/gc/tracker.py that once let these through (an AttributeError or a bare
+#: TypeError from inside)
+TRACKER_CASES = {
     "Probes.from_data(data=None)": lambda w: ns.Probes.from_data(None),
     "Probes.from_data(data=a path)": lambda w: ns.Probes.from_data(w.missing),
     "Probes.from_data(data=a batch)": lambda w: ns.Probes.from_data(w.batch),
     "GCTracker(out=2.5)": lambda w: ns.GCTracker(w.probes, out=2.5),
+    "GCTracker(per_layer=a tensor)": lambda w: ns.GCTracker(w.probes, per_layer=torch.ones(3)),
+    "GCTracker(controls=an array)": lambda w: ns.GCTracker(w.probes, controls=np.ones(3)),
+    "Probes.from_data(gc=a dict)": lambda w: ns.Probes.from_data(w.data, gc={"bins": 3}),
+    "Probes.from_data(bins= beside gc=)": lambda w: ns.Probes.from_data(w.data, gc=ns.GCOptions(bins=3), bins=4),
 }
 
 
-@pytest.mark.xfail(strict=True, reason="ntkscope/gc/tracker.py does not check these arguments yet")
-@pytest.mark.parametrize("case", sorted(PENDING))
-def test_pending_checks_in_the_tracker(world, case):
-    with pytest.raises(ValueError, match=r"^(Probes\.from_data|GCTracker): "):
-        PENDING[case](world)
+@pytest.mark.parametrize("case", sorted(TRACKER_CASES))
+def test_the_tracker_refuses_a_wrong_argument_in_one_line(world, case):
+    with pytest.raises(ValueError, match=r"^(Probes\.from_data|GCTracker): [^\n]*$"):
+        TRACKER_CASES[case](world)

@@ -51,7 +51,7 @@ from ntkscope.kernel.objectives import batch_size, take
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.params import select_parameters
 from ntkscope.kernel.uncertainty import GCResult, Resampling, check_resampling, kernel_statistics
-from ntkscope.gc.groups import GC_OUTPUT, analysis_controls, group_labels, homogeneous_pools
+from ntkscope.gc.groups import GC_OUTPUT, _same, analysis_controls, group_labels, homogeneous_pools
 from ntkscope.gc.options import GCOptions
 from ntkscope.text.frequency import long_tail_subset
 from ntkscope.text.inputs import DataSource, as_source
@@ -68,6 +68,8 @@ def _check_out(out) -> Path | None:
     (its nearest existing folder a directory this user may write), as is ``kernels/`` in it."""
     if out is None:
         return None
+    if not isinstance(out, (str, os.PathLike)):
+        raise fail("GCTracker", "out", "must be a directory path or None", type(out).__name__)
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise fail("GCTracker", "out", "must be a directory (it is an existing file)", str(path))
@@ -82,6 +84,32 @@ def _check_out(out) -> Path | None:
             raise fail("GCTracker", "out", f"must be a directory this user may write ({place} is not writable)",
                        str(path))
     return path
+
+
+#: the GCOptions fields Probes.from_data also takes as keywords
+PROBE_GROUPING = ("tail_fraction", "bins", "binning", "min_count")
+
+
+def _probe_grouping(gc, grouping: dict, homogeneous) -> GCOptions:
+    """The one :class:`GCOptions` of a :meth:`Probes.from_data` call: ``gc`` or its defaults, with
+    the keywords ``grouping`` (:data:`PROBE_GROUPING`) in it; one that differs from ``gc``'s, or a
+    ``homogeneous`` label that differs from ``gc.homogeneous_label``, is refused."""
+    unknown = sorted(set(grouping) - set(PROBE_GROUPING))
+    if unknown:
+        raise fail("Probes.from_data", unknown[0], f"is not an argument (the grouping's keywords are "
+                   f"{list(PROBE_GROUPING)}, or gc=GCOptions(...))", unknown[0])
+    if gc is None:
+        return GCOptions(**grouping)
+    if not isinstance(gc, GCOptions):
+        raise fail("Probes.from_data", "gc", "must be a GCOptions or None", type(gc).__name__)
+    for key, value in grouping.items():
+        if not _same(value, getattr(gc, key)):
+            raise fail("Probes.from_data", key, f"is also set by gc (gc.{key}={getattr(gc, key)!r}): give the "
+                       "grouping once, in gc=GCOptions(...)", value)
+    if isinstance(homogeneous, str) and gc.homogeneous_label not in (None, homogeneous):
+        raise fail("Probes.from_data", "homogeneous", f"is also set by gc (gc.homogeneous_label="
+                   f"{gc.homogeneous_label!r}): give the homogeneous null once", homogeneous)
+    return gc
 
 
 def _check_model(func: str, model) -> None:
@@ -152,23 +180,28 @@ class Probes:
 
     @classmethod
     @entry("Probes.from_data")
-    def from_data(cls, data: AnalysisData, *, by: str = "tail", tail_fraction: float = GCOptions.tail_fraction,
-                  bins: int = GCOptions.bins, binning: str = GCOptions.binning, min_count: int = GCOptions.min_count,
-                  homogeneous=None) -> "Probes":
+    def from_data(cls, data: AnalysisData, *, by: str = "tail", gc: GCOptions | None = None, homogeneous=None,
+                  **grouping) -> "Probes":
         """Subsets of analysis sentences (:func:`ntkscope.load_analysis_data`): ``by`` "tail" (the
-        lowest ``tail_fraction`` of frequency scores, one subset named "tail": the CSE paper's
-        Figure 3(a)), "frequency-bins" ("bin k", ``bins`` of them by ``binning``) or "label" (the
-        data's labels); groups smaller than ``min_count`` are left out. ``homogeneous``: a label
-        of the data whose sentences make the homogeneous null. The grouping's defaults and checks
-        are :class:`~ntkscope.gc.options.GCOptions`'."""
+        lowest ``gc.tail_fraction`` of frequency scores, one subset named "tail": the CSE paper's
+        Figure 3(a)), "frequency-bins" ("bin k", ``gc.bins`` of them by ``gc.binning``) or "label"
+        (the data's labels); groups smaller than ``gc.min_count`` are left out. ``gc``: a
+        :class:`~ntkscope.GCOptions` (default: its defaults); ``grouping``: its fields
+        ``tail_fraction``, ``bins``, ``binning``, ``min_count`` as keywords instead (one that
+        differs from ``gc``'s is refused). ``homogeneous``: a label of the data whose sentences
+        make the homogeneous null (default ``gc.homogeneous_label``), or pools of indices."""
         check_choice("by", by, PROBE_KINDS)
-        GCOptions(bins=bins, binning=binning, min_count=min_count, tail_fraction=tail_fraction)
+        if not isinstance(data, AnalysisData):
+            raise fail("Probes.from_data", "data", "must be an AnalysisData (ntkscope.load_analysis_data; Probes.load "
+                       "reads a path or a table)", type(data).__name__)
+        gc = _probe_grouping(gc, grouping, homogeneous)
+        homogeneous = gc.homogeneous_label if homogeneous is None else homogeneous
         if by == "tail":
-            groups = {"tail": long_tail_subset(data.labels["score"], tail_fraction)}
+            groups = {"tail": long_tail_subset(data.labels["score"], gc.tail_fraction)}
         else:
-            labels, _ = group_labels(data, by, bins, binning)
+            labels, _ = group_labels(data, by, gc.bins, gc.binning)
             groups = {str(lab): np.flatnonzero(labels == lab) for lab in sorted(set(labels.tolist()), key=str)}
-            groups = {k: v for k, v in groups.items() if len(v) >= max(2, min_count)}
+            groups = {k: v for k, v in groups.items() if len(v) >= max(2, gc.min_count)}
         return cls(data.batch, groups, homogeneous_pools(data, homogeneous), data.source)
 
     @classmethod
@@ -180,10 +213,10 @@ class Probes:
         read with ``text_column`` / ``label_column`` when it is a path, tokenized by ``tokenizer`` (a
         path, a ``tokenizers`` or transformers tokenizer, or ours), and their subsets
         (:meth:`from_data`'s keywords)."""
-        unknown = sorted(set(subsets) - set(inspect.signature(cls.from_data).parameters) - {"data"})
+        known = set(inspect.signature(cls.from_data).parameters) - {"data", "cls", "grouping"} | set(PROBE_GROUPING)
+        unknown = sorted(set(subsets) - known)
         if unknown:
-            raise fail("Probes.load", unknown[0], f"is not an argument (the subsets take "
-                       f"{sorted(set(inspect.signature(cls.from_data).parameters) - {'data', 'cls'})})", unknown)
+            raise fail("Probes.load", unknown[0], f"is not an argument (the subsets take {sorted(known)})", unknown)
         if not isinstance(data, DataSource):
             data = as_source(data, columns=DataSource(None, text_column, label_column))
         return cls.from_data(load_analysis_data(data, tokenizer, n=n, seq_len=seq_len, seed=seed), **subsets)
@@ -270,8 +303,11 @@ class GCTracker:
             raise fail("GCTracker", "options", "must be a KernelOptions", type(self.options).__name__)
         check_choice("method", self.options.method, method_names("kernel"))
         check_resampling(resampling)
-        if controls not in ("auto", None):
+        if not (controls is None or isinstance(controls, str) and controls == "auto"):
             raise fail("GCTracker", "controls", "must be 'auto' or None", controls)
+        for name, flag in (("per_layer", per_layer), ("tensorboard", tensorboard)):
+            if not isinstance(flag, bool):
+                raise fail("GCTracker", name, "must be True or False", type(flag).__name__)
         if tensorboard and out is None:
             raise fail("GCTracker", "tensorboard", "needs out= (the event files go to OUT/tensorboard)", tensorboard)
         self.probes, self.every, self.resampling, self.controls = probes, every, resampling, controls
