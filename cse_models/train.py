@@ -49,7 +49,6 @@ from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
 from ntkscope.core.requests import differences, listed
 from ntkscope.gc.tracker import GCTracker, Probes
 from ntkscope.kernel.options import KernelOptions, checked_device
-from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.inputs import DataSource
 from ntkscope.text.tokenization import load_tokenizer
@@ -416,9 +415,8 @@ def _tracker(cfg: TrainConfig, tokenizer, world: int):
         data = cfg.data.pack or "default"
     probes = Probes.load(data, tokenizer, n=track.n, seq_len=track.seq_len or cfg.data.seq_len, seed=track.seed,
                          by=track.by, gc=track.grouping)
-    resampling = Resampling(resamples=track.resamples, null_draws=track.null_draws, seed=track.seed)
     return GCTracker(probes, every=track.every, out=Path(cfg.out_dir) / "track", per_layer=track.per_layer,
-                     options=KernelOptions(output=track.output, method=track.method), resampling=resampling,
+                     options=KernelOptions(output=track.output, method=track.method), resampling=track.resampling,
                      tensorboard=cfg.tensorboard)
 
 

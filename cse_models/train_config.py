@@ -21,6 +21,7 @@ from cse_models.config import from_fields
 from cse_models.hf import architecture
 from ntkscope.core.checks import MissingInput, UserError, fail
 from ntkscope.gc.options import GCOptions
+from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.representation.plan import Plan
 
 log = logging.getLogger("cse_models.train")
@@ -145,8 +146,8 @@ class TrackConfig:
     homogeneous: str | None = None
     output: str = "centred-true-logit"
     method: str = "auto"
-    resamples: int = 200
-    null_draws: int = 200
+    resamples: int = Resampling.resamples  # the statistics' defaults and checks are Resampling's
+    null_draws: int = Resampling.null_draws
     per_layer: bool = False
 
     def __post_init__(self):
@@ -158,13 +159,9 @@ class TrackConfig:
         if self.by not in ("tail", "frequency-bins", "label"):
             raise UserError(f"TrainConfig: track.by must be 'tail', 'frequency-bins' or 'label' (got {self.by!r})")
         try:
-            self.grouping
-        except UserError as e:
-            raise UserError(f"TrainConfig: track.{e}") from None
-        for name in ("resamples", "null_draws"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UserError(f"TrainConfig: track.{name} must be an integer >= 0 (got {value!r})")
+            self.grouping, self.resampling
+        except UserError as e:  # "Resampling: resamples must ..." -> "TrainConfig: track.resamples must ..."
+            raise UserError(f"TrainConfig: track.{str(e).removeprefix('Resampling: ')}") from None
 
     def __bool__(self) -> bool:
         return self.every > 0
@@ -173,6 +170,11 @@ class TrackConfig:
     def grouping(self) -> GCOptions:
         """The probes' grouping as the one :class:`~ntkscope.GCOptions` (its defaults and checks)."""
         return GCOptions(bins=self.bins, tail_fraction=self.tail_fraction, homogeneous_label=self.homogeneous)
+
+    @property
+    def resampling(self) -> Resampling:
+        """The probes' statistics as the one :class:`~ntkscope.Resampling` (its defaults and checks)."""
+        return Resampling(resamples=self.resamples, null_draws=self.null_draws, seed=self.seed)
 
 
 def _text_files(value):
