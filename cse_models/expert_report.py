@@ -1,17 +1,22 @@
 """What the experts learned (issue 43): for each sparse layer of a model (CSE or Switch; ours
-or a converted HF model), against the user's labels:
+or a converted HF model; or the routers of a transformers mixture of experts, such as Mixtral,
+OLMoE and Qwen-MoE, whose ``*TopKRouter`` returns (logits, scores, indices)), against the user's
+labels:
 
 - the layer: routing purity (the share of units whose expert's majority domain is their own)
   and normalised mutual information (scikit-learn) between domain and expert, with the load
   entropy (the experts' loads, normalised to [0, 1]: 1 = even);
 - each expert: its load and its domain shares (the domain that leads it, and by how much);
 - each expert ablated: its units sent to their next-best expert (CSE: the next-nearest scaled
-  centre; Switch: the router's second choice), and the perplexity change per domain;
+  centre; Switch: the router's second choice; an HF router: its logit for the expert set to -inf
+  before its own softmax and top-k, the top-k weights renormalised where the router renormalises
+  them), and the perplexity change per domain;
 - an interval for every number, a percentile bootstrap over texts (the ablation's paired:
   the same texts with and without the expert), and findings in words first.
 
-A *unit* is a sequence for CSE (one text is routed as one) and a real token for Switch. Layers
-are named by their block index and module (``layer 2 (mlp)``), from the model's module names.
+A *unit* is a sequence for CSE (one text is routed as one) and a real token for Switch and an HF
+router (a token routed to k experts counts for its first choice). Layers are named by their block
+index and module (``layer 2 (mlp)``), from the model's module names.
 """
 
 from __future__ import annotations
@@ -56,10 +61,63 @@ class ExpertReport:
     level: float
 
 
+def is_hf_router(module) -> bool:
+    """A transformers mixture-of-experts router (``MixtralTopKRouter``, ``OlmoeTopKRouter``,
+    ``Qwen2MoeTopKRouter`` ...): (tokens, d) -> (logits (tokens, E), top-k scores, top-k indices)."""
+    return type(module).__name__.endswith("TopKRouter") and hasattr(module, "num_experts") \
+        and hasattr(module, "top_k")
+
+
+def has_experts(model) -> bool:
+    """Whether :func:`expert_report` has a layer to read in ``model`` (CSE, Switch or an HF router)."""
+    return any(isinstance(m, (CSELayer, SwitchFFN)) or is_hf_router(m) for m in model.modules())
+
+
+def _n_experts(module) -> int:
+    return int(module.num_experts) if is_hf_router(module) else len(module.experts)
+
+
+class _Recorder(_RoutingRecorder):
+    """:class:`~cse_models.domains._RoutingRecorder`, and an HF router's first choice per real token
+    (B, T) (padding -1; ``mask``: the batch's, set before each forward)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.mask = None
+        routers = {name: m for name, m in model.named_modules() if is_hf_router(m)}
+        self.layers.update(routers)
+        self.hooks += [m.register_forward_hook(self._router_hook(name)) for name, m in routers.items()]
+
+    def _router_hook(self, name):
+        def hook(_module, _args, out):
+            first = out[-1][:, 0].reshape(self.mask.shape)  # top-k indices come best first
+            self.batch[name] = first.masked_fill(~self.mask.bool().to(first.device), -1).cpu()
+        return hook
+
+
+def _router_without(module, expert: int):
+    """A forward hook making ``module`` (an HF router) route as if ``expert`` did not exist."""
+    def hook(_m, _args, out):
+        logits, scores, _ = out
+        logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) == expert, float("-inf"))
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, indices = torch.topk(probs, module.top_k, dim=-1)
+        if getattr(module, "norm_topk_prob", True):  # Mixtral always renormalises; others by config
+            top = top / top.sum(-1, keepdim=True)
+        return logits, top.to(scores.dtype), indices
+    return hook
+
+
 @contextlib.contextmanager
 def _ablated(module, expert: int):
     """``module``'s units that would go to ``expert`` go to their next-best expert instead."""
-    if isinstance(module, CSELayer):
+    if is_hf_router(module):
+        handle = module.register_forward_hook(_router_without(module, expert))
+        try:
+            yield
+        finally:
+            handle.remove()
+    elif isinstance(module, CSELayer):
         inner = module._route
 
         def route(v, dtype=None):
@@ -89,11 +147,12 @@ def _score(model, texts: list, batch_size: int, layers: dict) -> tuple[np.ndarra
     took (N, E)."""
     device = next(model.parameters()).device
     nll = np.zeros(len(texts))
-    taken = {name: np.zeros((len(texts), len(m.experts)), dtype=np.int64) for name, m in layers.items()}
-    recorder = _RoutingRecorder(model)
+    taken = {name: np.zeros((len(texts), _n_experts(m)), dtype=np.int64) for name, m in layers.items()}
+    recorder = _Recorder(model)
     try:
         for rows, ids, mask in padded_batches(texts, batch_size):
             recorder.batch.clear()
+            recorder.mask = mask
             logp = _token_log_probs(model, ids.to(device), mask.to(device)).cpu()
             nll[rows] = -(logp * mask[:, 1:]).sum(1).numpy()
             for name in taken:
@@ -142,9 +201,10 @@ def expert_report(model, token_ids: Sequence[Sequence[int]], labels: Sequence[st
         raise UserError(f"expert_report: token_ids and labels must be non-empty and of one length "
                         f"(got {len(token_ids)} and {len(labels)})")
     _check_causal(model)
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, (CSELayer, SwitchFFN))}
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, (CSELayer, SwitchFFN)) or is_hf_router(m)}
     if not layers:
-        raise UserError("expert_report: the model has no CSE or Switch layer (a dense model has no experts)")
+        raise UserError("expert_report: the model has no CSE or Switch layer and no transformers mixture-of-experts "
+                        "router (a dense model has no experts)")
     context = context_length(model)
     texts = [list(ids)[:context] for ids in token_ids]
     names = sorted(set(map(str, labels)))
@@ -157,9 +217,9 @@ def expert_report(model, token_ids: Sequence[Sequence[int]], labels: Sequence[st
         ablated = {}
         if ablate:
             for name, module in layers.items():
-                if getattr(module, "shuffled", False) or len(module.experts) < 2:  # no next-best expert
+                if getattr(module, "shuffled", False) or _n_experts(module) < 2:  # no next-best expert
                     continue
-                for e in range(len(module.experts)):
+                for e in range(_n_experts(module)):
                     with _ablated(module, e):
                         ablated[name, e] = _score(model, texts, batch_size, {})[0]
     finally:

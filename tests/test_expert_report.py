@@ -68,3 +68,61 @@ def test_switch_layers_count_tokens_and_a_dense_model_is_refused():
 def test_layer_labels_come_from_module_names():
     assert layer_label("hf.gpt_neox.layers.2.mlp.layer") == "layer 2 (mlp)"
     assert layer_label("transformer.h.3.mlp") == "layer 3 (mlp)"
+
+
+@torch.no_grad()
+def test_a_transformers_mixture_of_experts_router_is_read_and_ablated():
+    """Mixtral's router (a ``*TopKRouter``): on planted routing (domain a's tokens first-choose
+    expert 0, b's expert 1, and b never takes 0 among its top 2) the report reads purity 1 per
+    token, names the layer by block, and ablating expert 0 changes a's perplexity only."""
+    config = transformers.MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).float().eval()  # its grouped GEMM takes no float64
+    u = torch.nn.functional.normalize(torch.randn(16, generator=torch.Generator().manual_seed(0)), dim=0).float()
+    emb = model.get_input_embeddings().weight
+    emb[:25] += 20 * u  # the plant: the two vocabularies sit far apart along u
+    emb[25:] -= 20 * u
+    gate = model.model.layers[0].mlp.gate
+    gate.weight.zero_()
+    gate.weight[0], gate.weight[1] = 50 * u, -50 * u
+    ids, domain = planted_domains(n_per=12)
+    labels = ["a" if d == 0 else "b" for d in domain.tolist()]
+    report = expert_report(model, ids.tolist(), labels, n_boot=50)
+    row = report.layers.iloc[0]
+    assert row["layer"] == "layer 0 (mlp)" and row["unit"] == "tokens" and row["experts"] == 4
+    assert row["purity"] == 1.0 and row["nmi"] == pytest.approx(1.0)
+    experts = report.experts.set_index("expert")
+    assert experts.loc[0, "top_domain"] == "a" and experts.loc[1, "top_domain"] == "b"
+    assert experts.loc[[2, 3], "load"].sum() == 0.0
+    ablation = report.ablation[report.ablation["expert"] == 0].set_index("domain")
+    assert abs(ablation.loc["a", "change"]) > 0 and ablation.loc["b", "change"] == 0.0
+    assert any("expert 0 serves a" in f for f in report.findings)
+
+
+def test_ntkscope_eval_reads_the_experts_of_a_transformers_moe_directory(tmp_path, capsys):
+    """``ntkscope eval`` on a saved Mixtral (safetensors + config.json) writes the expert report."""
+    import json
+
+    import pandas as pd
+
+    from ntkscope.app.cli import main as ntkscope
+    from ntkscope.text.corpus.pack import DEFAULT_PACK
+
+    config = transformers.MixtralConfig(vocab_size=8192, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=3,
+                                        num_experts_per_tok=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).float().save_pretrained(tmp_path / "moe")
+    rows = [{"text": f"The court held that clause {i} of the contract was void.", "domain": "legal"} for i in range(6)]
+    rows += [{"text": f"Patients given dose {i} showed lower blood pressure.", "domain": "biomedical"} for i in range(6)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = ntkscope(["-q", "eval", str(tmp_path / "moe"), "--data", str(tmp_path / "rows.jsonl"), "--label-column",
+                     "domain", "--tokenizer", str(DEFAULT_PACK / "tokenizer.json"), "--n-boot", "10",
+                     "--out", str(tmp_path / "eval")])
+    assert code == 0, capsys.readouterr().err
+    layers = pd.read_csv(tmp_path / "eval" / "expert_layers.csv")
+    assert layers["layer"].tolist() == ["layer 0 (mlp)", "layer 1 (mlp)"] and (layers["experts"] == 3).all()
+    ablation = pd.read_csv(tmp_path / "eval" / "ablation.csv")
+    assert len(ablation) == 2 * 3 * 2  # layers x experts x domains

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from cse_models.domains import context_length, evaluate_domains
-from cse_models.expert_report import expert_report
+from cse_models.expert_report import expert_report, has_experts
 from cse_models.hf import architecture
 from ntkscope import __version__
 from ntkscope.core.checks import InputError, UserError
@@ -300,7 +300,7 @@ def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int 
     encoded = tok.encode(texts)
     result = evaluate_domains(model, encoded, labels, batch_size=batch_size, n_boot=n_boot, seed=seed)
     report = expert_report(model, encoded, labels, batch_size=batch_size, n_boot=min(n_boot, 500), seed=seed,
-                           ablate=ablate) if len(result.routing) else None
+                           ablate=ablate) if has_experts(model) else None
     written = []
     if out is not None:
         with Staging(out) as files:

@@ -55,7 +55,8 @@ def add_parsers(sub) -> None:
     ev = sub.add_parser("eval", help="perplexity per domain of your data, and where each domain is routed",
                         description="Example: ntkscope eval myrun/cse/checkpoints/step-000200 --data eval.jsonl "
                         "--label-column domain --out eval/")
-    ev.add_argument("checkpoint", help="a checkpoint directory: HF causal LM (dense or converted) or cse_models GPT")
+    ev.add_argument("checkpoint", help="a checkpoint directory: HF causal LM (dense, converted, or a mixture of "
+                    "experts such as Mixtral or OLMoE) or cse_models GPT")
     ev.add_argument("--data", default="default", help=DATA_HELP)
     add_column_args(ev)
     ev.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, its run's tokenizer or pack")
