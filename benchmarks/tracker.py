@@ -1,8 +1,10 @@
 """The GC tracker's overhead inside training: the quick model (the reproduction's GPT, 4 layers
 d=128, 48 tokens, batch 32) trained by ``cse_models.train`` for ``--steps`` steps without a
-tracker and with one (:class:`ntkscope.GCTracker`: the long tail of ``n`` validation sentences
+tracker, with one (:class:`ntkscope.GCTracker`: the long tail of ``n`` validation sentences
 against the whole set, every ``every`` steps, with the default statistics: jackknife of 200,
-200 null draws, the homogeneous and matched nulls), one after the other in one process.
+200 null draws, the homogeneous and matched nulls), and with in-run GC every step
+(:class:`ntkscope.InRunTracker`: each domain of the training batch against the batch, point
+values, from the step's own backward), one after the other in one process.
 
 Columns: the arm; n and every; training seconds (the tracker's own count of the time between
 its calls) and probe seconds (all probes), their ratio (the overhead as a share of training
@@ -28,10 +30,13 @@ import pandas as pd
 import torch
 
 from cse_models.train import TrainConfig, load_data, train
+from ntkscope.gc.inrun import InRunTracker
 from ntkscope.gc.tracker import GCTracker, Probes
 
-#: (arm, n, every): the documented setting (n = 128 every 100 steps) and cheaper ones beside it
-ARMS = [("no tracker", 0, 0), ("tracker", 128, 100), ("tracker", 64, 100), ("tracker", 128, 250)]
+#: (arm, n, every): the documented setting (n = 128 every 100 steps), cheaper ones beside it, and
+#: in-run GC every step (n: the batch)
+ARMS = [("no tracker", 0, 0), ("tracker", 128, 100), ("tracker", 64, 100), ("tracker", 128, 250),
+        ("in-run GC", 32, 1)]
 
 
 def _losses(run_dir: Path) -> list:
@@ -51,8 +56,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (arm, n, every) in enumerate(ARMS):
             out = Path(tmp) / f"arm{i}"
-            callbacks, tracker = [], None
-            if n:
+            callbacks, tracker, inrun = [], None, None
+            if arm == "in-run GC":
+                inrun = InRunTracker(every=every)
+                callbacks = [inrun]
+            elif n:
                 probes = Probes.load("default", tokenizer, n=n, seq_len=48, by="tail", tail_fraction=1 / 3,
                                      homogeneous="general")
                 tracker = GCTracker(probes, every=every, out=out / "track")
@@ -64,6 +72,10 @@ def main() -> None:
             plain = (wall, losses) if not n else plain
             row = {"arm": arm, "n": n or None, "every": every or None, "steps": args.steps, "wall_s": wall,
                    "wall_excess": wall / plain[0] - 1, "same_losses": losses == plain[1]}
+            if inrun is not None:
+                measured = len(set(inrun.frame["step"]))
+                row.update(probes=measured, train_s=inrun.train_seconds, probe_s=inrun.seconds,
+                           overhead=inrun.overhead, s_per_probe=inrun.seconds / max(measured, 1), method="in-run")
             if tracker is not None:
                 probe_s = sum(tracker.probe_seconds)
                 row.update(probes=len(tracker.probe_seconds), train_s=tracker.train_seconds, probe_s=probe_s,

@@ -256,8 +256,11 @@ def train(cfg: TrainConfig, *, callbacks=(), force: bool = False) -> Path:
     """Run (or resume) the training that ``cfg`` describes; returns the last checkpoint's directory.
 
     ``callbacks``: functions ``(step, metrics, model)`` called after each step (step = steps done,
-    after that step's checkpoint is written: ``model`` holds the checkpoint's weights), e.g. an
-    :class:`ntkscope.GCTracker`; ``cfg.track`` adds one that writes ``OUT/track/gc.csv``.
+    after that step's checkpoint is written: ``model`` holds the checkpoint's weights; ``metrics``
+    also holds the batch's ``domains``), e.g. an :class:`ntkscope.GCTracker` or an
+    :class:`ntkscope.InRunTracker`; a callback's ``begin(model)``, if it has one, is called before
+    the first step, its ``close()`` after the last. ``cfg.track`` adds a tracker that writes
+    ``OUT/track/gc.csv``.
     One process writes a run: the first rank holds ``out_dir``'s lock, and a second training
     into the same directory is refused with the holder's PID. A run that holds checkpoints resumes
     only under the config it recorded (``train_config.json``), bar where it stops, runs, saves and
@@ -337,6 +340,9 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     last = None
     end = cfg.stop_at or cfg.steps
     bar = progress_bar(end, "train", "step", initial=start, hidden=rank != 0)
+    for callback in callbacks:
+        if hasattr(callback, "begin"):  # e.g. ntkscope.InRunTracker hooks the model before its first step
+            callback.begin(model)
     for step in range(start, end):
         if convert_at is not None and step == convert_at and sparse.experts_at(sparse.layers[0]) == 0:
             opt, sched = convert_mid_run(model, opt, sched, blocks, cfg, device)
@@ -387,6 +393,8 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
                 _check_finite(model, f"train: the weights are not finite after step {done}; training stopped, the "
                               f"last checkpoint is {last or latest_checkpoint(out_dir) or 'none'}")
                 last = save_checkpoint(out_dir / "checkpoints" / f"step-{done:06d}", model, opt, sched, done, cfg)
+        if callbacks:  # a callback may read the batch's domains (ntkscope.InRunTracker)
+            metrics["domains"] = [blocks.domain_names[d] for d in doms.tolist()]
         for callback in callbacks:
             callback(done, metrics, model)
     bar.close()

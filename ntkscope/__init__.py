@@ -110,6 +110,7 @@ _EXPORTS = {
     "GCTracker": "ntkscope.gc.tracker",
     "GCCallback": "ntkscope.gc.callbacks",
     "InRunGC": "ntkscope.gc.inrun",
+    "InRunTracker": "ntkscope.gc.inrun",
     # the reproduction
     "ReproduceSettings": "ntkscope.reproduction",
     "Reproduction": "ntkscope.reproduction",

@@ -93,3 +93,45 @@ def test_in_run_gc_needs_a_step_and_one_label_per_sample():
         model(**batch, labels=batch["input_ids"]).loss.backward()
         with pytest.raises(ValueError, match="labels.*one label per sample"):
             inrun.gc(LABELS[:3])
+
+
+def test_the_in_run_tracker_in_cse_train_reads_each_batch_and_changes_no_loss(tmp_path):
+    """As a cse_models.train callback: hooked before the first step, a row per domain of the batch at
+    every ``every``-th step (the batch's domain counts), the table written atomically, and the
+    losses those of the same run without it."""
+    import json
+
+    import pandas as pd
+
+    from cse_models.train import TrainConfig, global_batch, load_data, train
+    from ntkscope import InRunTracker
+
+    torch.set_default_dtype(torch.float32)
+    spec = {"model": {"n_layer": 2, "n_embd": 32, "n_head": 2}, "data": {"seq_len": 32, "split": "validation"},
+            "steps": 4, "batch_size": 8, "checkpoint_every": 4, "log_every": 2, "warmup_steps": 2,
+            "tensorboard": False}
+    tracker = InRunTracker(every=2, out=tmp_path / "inrun")
+    train(TrainConfig.from_dict({**spec, "out_dir": str(tmp_path / "tracked")}), callbacks=[tracker])
+    train(TrainConfig.from_dict({**spec, "out_dir": str(tmp_path / "plain")}))
+
+    def losses(name):
+        return [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert losses("tracked") == losses("plain")
+    frame = pd.read_csv(tmp_path / "inrun" / "inrun.csv")
+    assert sorted(set(frame["step"])) == [2, 4] and 0 < tracker.overhead < 10
+    cfg = TrainConfig.from_dict({**spec, "out_dir": str(tmp_path / "plain")})
+    blocks, _ = load_data(cfg)
+    for step in (2, 4):
+        names = [blocks.domain_names[d] for d in blocks.domains[global_batch(blocks, step - 1, 8, cfg.seed)].tolist()]
+        counts = {k: names.count(k) for k in set(names) if names.count(k) >= 2}
+        rows = frame[frame["step"] == step].set_index("label")
+        assert dict(rows["n_subset"]) == counts and (rows["n"] == 8).all()
+    with pytest.raises(ValueError, match="InRunTracker: every must be a positive integer"):
+        InRunTracker(every=0)
+    model, batch = _model("gpt2"), _batch()
+    alone = InRunTracker(model)
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    assert alone.step(model, 1, list("abcdefgh")) == [] and alone.frame.empty  # no group of 2: no row, no error
+    with pytest.raises(ValueError, match="InRunTracker.step: model must be the model this tracker hooked"):
+        alone.step(_model("bert"), 2, LABELS)
+    alone.close()

@@ -25,12 +25,18 @@ forward adds a second use), and models that run their linear layers outside ``nn
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import time
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 import torch.nn as nn
 
-from ntkscope.core.checks import InputError, entry
+from ntkscope.core.checks import InputError, check_positive_int, entry
+from ntkscope.core.files import write_table
 from ntkscope.kernel.factors import Linear, is_conv1d, pair_kernel
 from ntkscope.kernel.uncertainty import GCResult, Resampling, kernel_gc
 
@@ -167,3 +173,102 @@ class InRunGC:
             raise InputError("labels", f"has no group of at least {max(2, min_count)} samples", labels.tolist())
         found = kernel_gc(K, [idx for _, idx in groups], resampling=resampling)
         return [dataclasses.replace(r, label=lab) for r, (lab, _) in zip(found, groups)]
+
+
+class InRunTracker:
+    """In-run GC every ``every`` steps of a training run, as rows of a table (``out/inrun.csv``).
+
+    Parameters
+    ----------
+    model : nn.Module or None
+        The model being trained; hooked at once (:class:`InRunGC`), so that the next step's
+        forward and backward are kept. None: hooked by :meth:`begin` (``cse_models.train`` calls
+        it with the model it builds, before the first step).
+    every : int
+        Measure at steps that are multiples of ``every`` (1: every step).
+    out : path or None
+        Directory for ``inrun.csv`` (written at :meth:`close`, atomically); None: :attr:`frame` only.
+    min_count : int
+        A group of the batch with fewer samples is left out at that step.
+    modules : None or list of nn.Module
+        As for :class:`InRunGC`.
+
+    Notes
+    -----
+    A ``cse_models.train`` callback as it is: ``train(cfg, callbacks=[InRunTracker(every=10,
+    out=...)])`` reads each step's batch domains from the step's ``metrics["domains"]`` (the
+    training loop gives them). A layer replaced during the run (a CSE conversion) is no longer
+    hooked: start another tracker after it. In any other loop call :meth:`step` after ``loss.backward()`` with the batch's
+    labels (its domains, its frequency bins, "tail"/"rest"). Each row is one group of one step's
+    batch, at the weights that step started from (module docstring); ``seconds`` counts what the
+    in-run GC took and ``train_seconds`` the time between calls, whose ratio :attr:`overhead` is.
+    """
+
+    @entry("InRunTracker")
+    def __init__(self, model: nn.Module | None = None, *, every: int = 1, out=None, min_count: int = 2,
+                 modules=None):
+        check_positive_int("every", every)
+        check_positive_int("min_count", min_count)
+        if out is not None and not isinstance(out, (str, os.PathLike)):
+            raise InputError("out", "must be a directory path or None", type(out).__name__)
+        self.hooks, self.modules = None, modules
+        if model is not None:
+            self.begin(model)
+        self.every, self.min_count = every, min_count
+        self.out = None if out is None else Path(out)
+        self.rows: list[dict] = []
+        self.seconds = self.train_seconds = 0.0
+        self._last: float | None = None
+
+    def begin(self, model: nn.Module) -> None:
+        """Hook ``model`` (before its first step)."""
+        if self.hooks is None:
+            self.hooks = InRunGC(model, self.modules).attach()
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        """Every row so far: step, then :meth:`~ntkscope.GCResult.row`'s columns."""
+        return pd.DataFrame(self.rows)
+
+    @property
+    def overhead(self) -> float:
+        """The in-run GC's seconds as a share of the training time between calls."""
+        return self.seconds / self.train_seconds if self.train_seconds > 0 else math.nan
+
+    @entry("InRunTracker.step")
+    def step(self, model: nn.Module, step: int, labels, *, loss_terms=None) -> list[GCResult] | None:
+        """After a step's backward: at a multiple of ``every``, the GC of each group of ``labels``
+        (B,) in that step's batch (:meth:`InRunGC.gc`), kept as rows; else None."""
+        now = time.perf_counter()
+        if self._last is not None:
+            self.train_seconds += now - self._last
+        if self.hooks is None or model is not self.hooks.model:
+            raise InputError("model", "must be the model this tracker hooked (InRunTracker(model) or begin(model))",
+                             type(model).__name__)
+        results = None
+        if step % self.every == 0:
+            _, counts = np.unique(np.asarray(labels, dtype=str), return_counts=True)
+            results = []  # a batch with no group of min_count samples has no row (training goes on)
+            if (counts >= max(2, self.min_count)).any():
+                results = self.hooks.gc(labels, loss_terms=loss_terms, min_count=self.min_count)
+            self.rows += [{"step": int(step), **r.row()} for r in results]
+        self._last = time.perf_counter()
+        self.seconds += self._last - now
+        return results
+
+    @entry("InRunTracker")
+    def __call__(self, step: int, metrics=None, model=None) -> None:
+        """A ``cse_models.train`` callback: ``(step, metrics, model)``, the batch's domains in
+        ``metrics["domains"]``."""
+        if not isinstance(metrics, dict) or "domains" not in metrics:
+            raise InputError("metrics", "must carry the batch's domains (metrics['domains'], as cse_models.train "
+                             "gives them); in another loop call InRunTracker.step(model, step, labels)", metrics)
+        self.step(model, step, metrics["domains"])
+
+    def close(self) -> None:
+        """Remove the hooks and write ``out/inrun.csv``."""
+        if self.hooks is not None:
+            self.hooks.detach()
+        if self.out is not None and self.rows:
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_table(self.frame, self.out / "inrun.csv")
