@@ -254,6 +254,12 @@ def _tracker(table: pd.DataFrame) -> dict:
     out = {"bench.tracker.s_per_step": _f(plain["wall_s"] / plain["steps"], 2),
            "bench.tracker.steps": str(int(plain["steps"]))}
     for r in table[table["n"].notna()].itertuples():
+        if r.arm == "in-run GC":  # every step, the training batch's domains: no estimate, no interval for 5 %
+            key = "bench.tracker.inrun"
+            out.update({f"{key}.overhead": f"{100 * r.overhead:.1f} %", f"{key}.probe_s": _f(r.s_per_probe, 3),
+                        f"{key}.same_losses": "identical" if r.same_losses else "different",
+                        f"{key}.wall_excess": f"{100 * r.wall_excess:.1f} %"})
+            continue
         key = f"bench.tracker.n{int(r.n)}.every{int(r.every)}"
         out.update({f"{key}.overhead": f"{100 * r.overhead:.1f} %", f"{key}.probe_s": _f(r.s_per_probe, 1),
                     f"{key}.estimate_s": _f(r.estimate_s, 1), f"{key}.wall_excess": f"{100 * r.wall_excess:.1f} %",
