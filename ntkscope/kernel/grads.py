@@ -265,13 +265,14 @@ class Transient:
         return int(self.MARGIN * chunk * self.per_sample)
 
 
-def measure_transient(run, rows: int, guess: int, device) -> tuple[Transient, object]:
+def measure_transient(run, rows: int, guess: int, device, *, warmed: bool = False) -> tuple[Transient, object]:
     """(:class:`Transient` of ``run()``, one chunk of ``rows`` samples; what the last run returned).
 
     ``run`` is called three times: once to warm up (the first call of a code path in a process
-    pages in library code and allocates caches that stay: not the chunk's), then twice measured,
-    the larger peak taken. ``guess`` bytes a sample where the peak cannot be read (no ``/proc``)."""
-    out = run()
+    pages in library code and allocates caches that stay: not the chunk's; not when the caller
+    ran it already, ``warmed``), then twice measured, the larger peak taken. ``guess`` bytes a
+    sample where the peak cannot be read (no ``/proc``)."""
+    out = None if warmed else run()
     peaks = []
     for _ in range(2):
         out = None  # the last result is freed before the next measurement starts

@@ -200,13 +200,14 @@ def _projected_memory(task: str, w: Workload, chunk: int | None = None) -> int:
 
 
 def _structured_memory(task: str, w: Workload) -> int:
-    pr, kernels = probe(w.fm, w.data1, w.n1), kernel_bytes(w.fm, w.n1, w.n2)
+    pr, kernels = probe(w.fm, w.data1, w.n1, w.budget), kernel_bytes(w.fm, w.n1, w.n2)
     _, _, chunk = layout(pr, w.n1, w.n2, w.budget, w.opts.chunk_size, w.symmetric, kernels)
     return held_bytes(pr, w.n1, w.n2, w.symmetric, kernels, chunk)
 
 
 def _structured_minimum(task: str, w: Workload) -> int:
-    return minimum_budget(probe(w.fm, w.data1, w.n1), w.n1, w.n2, w.symmetric, kernel_bytes(w.fm, w.n1, w.n2))
+    return minimum_budget(probe(w.fm, w.data1, w.n1, w.budget), w.n1, w.n2, w.symmetric,
+                          kernel_bytes(w.fm, w.n1, w.n2))
 
 
 def _matrix_free_memory(task: str, w: Workload) -> int:
@@ -263,7 +264,7 @@ def _exact_cost(task: str, w: Workload) -> float:
 
 
 def _structured_cost(task: str, w: Workload) -> float:
-    pr = probe(w.fm, w.data1, w.n1)
+    pr = probe(w.fm, w.data1, w.n1, w.budget)
     panel, stream, _ = layout(pr, w.n1, w.n2, w.budget, w.opts.chunk_size, w.symmetric,
                               kernel_bytes(w.fm, w.n1, w.n2))
     return layout_cost(pr, w.n1, w.n2, panel, stream, w.symmetric, work_elements(w.budget, w.fm.itemsize))
