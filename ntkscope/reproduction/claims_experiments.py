@@ -113,7 +113,17 @@ def _p1(table: pd.DataFrame) -> dict:
         peak = "" if not r.peak_MiB else f"{r.peak_MiB:.0f}"
         note = "" if not isinstance(r.note, str) else r.note.replace("|", "\\|")
         rows.append(f"| {int(r.n)} | {r.method}{' (MLP)' if r.case == 'mlp' else ''} | {seconds} | {steps} | {peak} | {note} |")
-    return {"bench.p1.table": "\n".join(rows)}
+    out = {"bench.p1.table": "\n".join(rows)}
+    small = table[table["case"] == "small"]
+    for n, rows_n in small.groupby("n"):
+        by = rows_n.set_index("method")
+        step, gram = by.loc["train step", "seconds"], float(by.loc["exact", "note"].split()[2])  # "gram alone X s"
+        target = 1.5 * step + gram
+        out.update({f"bench.p1.n{int(n)}.structured": f"{by.loc['structured', 'x_train_step']:.2f}",
+                    f"bench.p1.n{int(n)}.over": f"{100 * (by.loc['structured', 'seconds'] / target - 1):.0f} %",
+                    f"bench.p1.n{int(n)}.exact": f"{by.loc['exact', 'x_train_step']:.2f}",
+                    f"bench.p1.n{int(n)}.loop": f"{by.loc['anchor: loop+gram', 'x_train_step']:.2f}"})
+    return out
 
 
 def _tail_rule(t: Tables) -> dict:
