@@ -22,6 +22,7 @@ index and module (``layer 2 (mlp)``), from the model's module names.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from sklearn.metrics import normalized_mutual_info_score
 from cse_models.domains import _check_causal, _RoutingRecorder, _token_log_probs, context_length, padded_batches
 from cse_models.experts import CSELayer, SwitchFFN
 from ntkscope.core.checks import UserError
+
+log = logging.getLogger(__name__)
 
 LAYER_COLUMNS = ["layer", "name", "unit", "experts", "purity", "purity_low", "purity_high", "nmi", "nmi_low",
                  "nmi_high", "load_entropy"]
@@ -61,11 +64,21 @@ class ExpertReport:
     level: float
 
 
+#: routers whose top-k is a softmax over the logits, renormalised by ``norm_topk_prob`` (Mixtral:
+#: always): the ones :func:`_router_without` ablates as the router itself would route (read in
+#: transformers 5.24). Other ``*TopKRouter`` kinds (sigmoid scores, expert biases) are read, not ablated.
+SOFTMAX_ROUTERS = ("MixtralTopKRouter", "OlmoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
+
+
 def is_hf_router(module) -> bool:
     """A transformers mixture-of-experts router (``MixtralTopKRouter``, ``OlmoeTopKRouter``,
     ``Qwen2MoeTopKRouter`` ...): (tokens, d) -> (logits (tokens, E), top-k scores, top-k indices)."""
     return type(module).__name__.endswith("TopKRouter") and hasattr(module, "num_experts") \
         and hasattr(module, "top_k")
+
+
+def _ablatable(module) -> bool:
+    return not is_hf_router(module) or type(module).__name__ in SOFTMAX_ROUTERS
 
 
 def has_experts(model) -> bool:
@@ -218,6 +231,10 @@ def expert_report(model, token_ids: Sequence[Sequence[int]], labels: Sequence[st
         if ablate:
             for name, module in layers.items():
                 if getattr(module, "shuffled", False) or _n_experts(module) < 2:  # no next-best expert
+                    continue
+                if not _ablatable(module):
+                    log.warning("expert_report: %s (%s) is read, not ablated: its routing is not a softmax top-k "
+                                "(SOFTMAX_ROUTERS)", name, type(module).__name__)
                     continue
                 for e in range(_n_experts(module)):
                     with _ablated(module, e):

@@ -135,3 +135,22 @@ def test_the_in_run_tracker_in_cse_train_reads_each_batch_and_changes_no_loss(tm
     with pytest.raises(ValueError, match="InRunTracker.step: model must be the model this tracker hooked"):
         alone.step(_model("bert"), 2, LABELS)
     alone.close()
+
+
+def test_an_evaluation_between_steps_leaves_the_steps_factors():
+    """A forward in eval mode (an evaluation, a GCTracker's probe through the kernel engine) is not
+    the training step's: the rows after it equal the rows before it."""
+    from ntkscope import empirical_ntk
+
+    model, batch = _model("gpt2"), _batch()
+    model.train()
+    with InRunGC(model) as inrun:
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+        before = {r.label: r.score for r in inrun.gc(LABELS, dtype=torch.float64)}
+        empirical_ntk(model, {k: v[:4] for k, v in batch.items()}, method="structured")  # a tracker's probe
+        model.eval()  # other samples: were they kept, the kernel would be (4, 4)
+        half = {k: v[:4] for k, v in batch.items()}
+        model(**half, labels=half["input_ids"]).loss.backward()
+        model.train()
+        after = {r.label: r.score for r in inrun.gc(LABELS, dtype=torch.float64)}
+    assert after == before

@@ -69,7 +69,10 @@ class InRunGC:
     Notes
     -----
     Use as a context manager around the training loop (or :meth:`attach` / :meth:`detach`);
-    after each ``loss.backward()``, :meth:`gc` gives the GC of the batch's subsets. Shapes: the
+    after each ``loss.backward()``, :meth:`gc` gives the GC of the batch's subsets. Only forwards
+    of modules in training mode with gradients on are kept: an evaluation, or a
+    :class:`~ntkscope.GCTracker`'s probe (eval mode) between steps, leaves the step's factors as
+    they were. Shapes: the
     batch is (B, T); a layer's inputs (B, T, d_in), its output gradients (B, T, d_out).
     """
 
@@ -83,6 +86,7 @@ class InRunGC:
             raise InputError("modules", "must be linear layers (nn.Linear or HF Conv1D) of the model, at least one",
                              bad or found)
         self.model, self.modules = model, found
+        self.recording = True  #: False: the hooks keep nothing (InRunTracker between measured steps)
         self._hooks: list = []
         self._uses: dict = {}  # layer index -> its uses in the last step: {"a", "io", "delta"}
         self._backward_seen = False
@@ -105,7 +109,8 @@ class InRunGC:
 
     def _keep(self, i: int):
         def hook(module, args, output):
-            if not torch.is_grad_enabled() or not output.requires_grad:
+            # a training step's forward only: not an evaluation's, nor a GCTracker's probe (eval mode)
+            if not self.recording or not module.training or not torch.is_grad_enabled() or not output.requires_grad:
                 return
             if self._backward_seen:  # a new step's forward: drop the last one's factors
                 self._uses, self._backward_seen = {}, False
@@ -212,18 +217,22 @@ class InRunTracker:
         if out is not None and not isinstance(out, (str, os.PathLike)):
             raise InputError("out", "must be a directory path or None", type(out).__name__)
         self.hooks, self.modules = None, modules
+        self.every, self.min_count = every, min_count
         if model is not None:
             self.begin(model)
-        self.every, self.min_count = every, min_count
         self.out = None if out is None else Path(out)
         self.rows: list[dict] = []
         self.seconds = self.train_seconds = 0.0
         self._last: float | None = None
 
     def begin(self, model: nn.Module) -> None:
-        """Hook ``model`` (before its first step)."""
+        """Hook ``model`` (before its first step, which is kept whatever its number)."""
         if self.hooks is None:
             self.hooks = InRunGC(model, self.modules).attach()
+
+    def _arm(self, done: int) -> None:
+        """Keep the factors of the next step only when it is measured (the hooks cost nothing else)."""
+        self.hooks.recording = (done + 1) % self.every == 0
 
     @property
     def frame(self) -> pd.DataFrame:
@@ -252,6 +261,7 @@ class InRunTracker:
             if (counts >= max(2, self.min_count)).any():
                 results = self.hooks.gc(labels, loss_terms=loss_terms, min_count=self.min_count)
             self.rows += [{"step": int(step), **r.row()} for r in results]
+        self._arm(step)
         self._last = time.perf_counter()
         self.seconds += self._last - now
         return results

@@ -106,7 +106,7 @@ def _probe_grouping(gc, grouping: dict, homogeneous) -> GCOptions:
         if not _same(value, getattr(gc, key)):
             raise fail("Probes.from_data", key, f"is also set by gc (gc.{key}={getattr(gc, key)!r}): give the "
                        "grouping once, in gc=GCOptions(...)", value)
-    if isinstance(homogeneous, str) and gc.homogeneous_label not in (None, homogeneous):
+    if homogeneous is not None and gc.homogeneous_label is not None and not _same(homogeneous, gc.homogeneous_label):
         raise fail("Probes.from_data", "homogeneous", f"is also set by gc (gc.homogeneous_label="
                    f"{gc.homogeneous_label!r}): give the homogeneous null once", homogeneous)
     return gc
@@ -188,8 +188,9 @@ class Probes:
         (the data's labels); groups smaller than ``gc.min_count`` are left out. ``gc``: a
         :class:`~ntkscope.GCOptions` (default: its defaults); ``grouping``: its fields
         ``tail_fraction``, ``bins``, ``binning``, ``min_count`` as keywords instead (one that
-        differs from ``gc``'s is refused). ``homogeneous``: a label of the data whose sentences
-        make the homogeneous null (default ``gc.homogeneous_label``), or pools of indices."""
+        differs from ``gc``'s is refused; ``gc.by`` is not read: ``by`` is the probes' own, with
+        "tail"). ``homogeneous``: a label of the data whose sentences make the homogeneous null
+        (default ``gc.homogeneous_label``; not both), or pools of indices."""
         check_choice("by", by, PROBE_KINDS)
         if not isinstance(data, AnalysisData):
             raise fail("Probes.from_data", "data", "must be an AnalysisData (ntkscope.load_analysis_data; Probes.load "

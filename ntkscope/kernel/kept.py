@@ -18,6 +18,8 @@ import torch.nn as nn
 
 #: per model (weakly: the entries go with it), per :func:`signature`, per kind of measurement
 _KEPT: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+#: signatures kept per model, the most recently used (a structured probe holds one sample's factors)
+PER_MODEL = 4
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -47,10 +49,24 @@ def signature(fm, data, rows: int) -> tuple:
     modules = tuple((name, id(m)) for name, m in fm.module.named_modules())
     params = tuple((k, tuple(v.shape)) for k, v in fm.params.items())
     output = (type(fm.objective).__name__, fm.objective.name, fm.n_outputs)
-    return modules, params, output, str(fm.dtype), str(fm.device), rows, content
+    mode = (fm.module.training, str(fm.randomness))  # dropout on or off changes what a pass holds
+    return modules, params, output, mode, str(fm.dtype), str(fm.device), rows, content
 
 
 def kept(fm, data, rows: int, kind: str) -> dict:
-    """The dictionary of ``kind`` measurements kept for ``fm``'s model and :func:`signature`."""
+    """The dictionary of ``kind`` measurements kept for ``fm``'s model and :func:`signature` (the
+    :data:`PER_MODEL` most recently used per model; a value must not refer to the model itself,
+    or the entry would keep it alive: :func:`keep` checks)."""
     per_model = _KEPT.setdefault(fm.module, {})
-    return per_model.setdefault((kind, signature(fm, data, rows)), {})
+    key = (kind, signature(fm, data, rows))
+    entry = per_model.pop(key, {})
+    per_model[key] = entry  # the most recent last
+    while len(per_model) > PER_MODEL:
+        per_model.pop(next(iter(per_model)))
+    return entry
+
+
+def keeps_model(fm, modules) -> bool:
+    """Whether ``modules`` (a plan's) include ``fm``'s model itself: then nothing is kept across
+    calls (a strong reference from the value to its weak key would keep the model alive)."""
+    return any(m is fm.module for m in modules)

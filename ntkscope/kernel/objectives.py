@@ -272,15 +272,16 @@ class CallableOutput(Objective):
     def prepare(self, model, batch):
         n = batch_size(batch)
         probe_rows = min(n, 2)
-        try:  # the first call of the user's function: a model or a tokenizer given as output= fails here
+        if isinstance(self.fn, nn.Module) or hasattr(self.fn, "encode"):  # a model or a tokenizer given as output=
+            raise InputError("output", "must be a callable fn(model, batch) -> tensor of shape (n,) or an output name, "
+                             "not a model or a tokenizer", type(self.fn).__name__)
+        try:  # the first call of the user's function: one that does not take (model, batch) fails here
             with torch.no_grad():
                 y = self.fn(model, take(batch, slice(0, probe_rows)))
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except (TypeError, ValueError, AttributeError, KeyError, IndexError, RuntimeError) as err:
+        except TypeError as err:  # anything else it raises is the user's function's own error, as it is
             said = str(err).splitlines()[0][:120] if str(err) else ""
             raise InputError("output", f"must be a callable fn(model, batch) -> tensor of shape (n,); on {probe_rows} "
-                             f"samples it raised {type(err).__name__}: {said}", type(self.fn).__name__) from err
+                             f"samples it raised TypeError: {said}", type(self.fn).__name__) from err
         if not torch.is_tensor(y) or tuple(y.shape) != (probe_rows,):
             raise InputError("output", f"must be a callable returning a tensor of shape (n,) (for {probe_rows} samples)",
                        tuple(y.shape) if torch.is_tensor(y) else type(y).__name__)

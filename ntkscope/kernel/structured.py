@@ -45,13 +45,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ntkscope.core.checks import InputError
-from ntkscope.core.memory import format_bytes
+from ntkscope.core.memory import PeakMemory, format_bytes
 from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.factors import (Dense, Embed, Linear, empty_rows, is_conv1d, pair_kernel, put_rows, rows_of,
                                      summed)
 from ntkscope.kernel.grads import (VMAP_FACTOR, FunctionalModel, Transient, check_finite, jacobian_rows,
                                    measure_transient, step_cost)
-from ntkscope.kernel.kept import kept
+from ntkscope.kernel.kept import keeps_model, kept
 from ntkscope.kernel.kernels import kernel_bytes
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.params import ParameterSelection
@@ -289,31 +289,33 @@ def _put_chunk(dst: Chunk, src: Chunk, start: int) -> None:
 _TRANSIENT_GUESS = 5
 
 
-#: a workload whose estimate, with the guessed transient, fits the budget this many times over is
-#: not measured: the measurement (three more forwards and backwards of the probe's chunk) is a
-#: fixed cost that small workloads feel (issue 45), and a guess wrong even by this factor still fits
+#: a workload that fits the budget this many times over, with a chunk's transient read from its
+#: first (warm-up) run, is not measured again: the warm-up's peak holds more than the chunk's own
+#: (the library code a first call pages in), so it errs high; the two measured runs are a fixed
+#: cost that small workloads feel (issue 45)
 CLEAR_FIT = 4
 
 
-def _clearly_fits(per_sample: int, n: int, budget: int | None) -> bool:
+def _clearly_fits(per_sample: int, transient: Transient, n: int, budget: int | None) -> bool:
     """Whether ``n`` samples' factors (and as many streamed past them) and a chunk of
-    :data:`~ntkscope.kernel.structured_layout.MAX_CHUNK` at the guessed transient fit ``budget``
+    :data:`~ntkscope.kernel.structured_layout.MAX_CHUNK` at ``transient`` fit ``budget``
     :data:`CLEAR_FIT` times over."""
-    guess = Transient(_TRANSIENT_GUESS * per_sample, False)
-    return budget is not None and CLEAR_FIT * ((2 * n + 1) * per_sample + guess.bytes(MAX_CHUNK)) <= budget
+    return budget is not None and CLEAR_FIT * ((2 * n + 1) * per_sample + transient.bytes(MAX_CHUNK)) <= budget
 
 
 def probe(fm: FunctionalModel, data: dict, n: int, budget: int | None = None) -> Probe:
     """Plan the structured method on the first samples of ``data`` and measure a chunk of them
-    (not when the workload clearly fits ``budget``: :func:`_clearly_fits`); cached on ``fm`` per
-    data, and across calls on the same model and data shapes (:func:`~ntkscope.kernel.kept.kept`):
-    a training run's tracker plans and measures once, not at every probe."""
+    (from its first run alone when the workload clearly fits ``budget``: :func:`_clearly_fits`);
+    cached on ``fm`` per data, and across calls on the same model and data shapes
+    (:func:`~ntkscope.kernel.kept.kept`): a training run's tracker plans and measures once, not at
+    every probe."""
     cache = fm.__dict__.setdefault("_structured_probes", {})
+    if id(data) in cache:
+        return cache[id(data)]
     across = kept(fm, data, min(n, 2), "structured")
-    for known in (cache.get(id(data)), across.get("probe")):
-        if known is not None and (known.transient.measured or _clearly_fits(known.sample_bytes, n, budget)):
-            cache[id(data)] = known
-            return known
+    if "probe" in across:
+        cache[id(data)] = across["probe"]
+        return across["probe"]
     plan = plan_factors(fm, data, n)
     c = min(n, 2)
     sub = _sub(fm, plan)
@@ -321,14 +323,15 @@ def probe(fm: FunctionalModel, data: dict, n: int, budget: int | None = None) ->
     def run():
         return _chunk(fm, plan, sub, data, slice(0, c))
 
-    ch = run()  # also the measurement's warm-up
+    with PeakMemory(fm.device) as first:  # also the measurement's warm-up
+        ch = run()
     total = sum(t.numel() * t.element_size() for parts in ch.uses.values() for f in parts
                 for t in vars(f).values() if torch.is_tensor(t))
     if ch.fallback is not None:
         total += ch.fallback.numel() * ch.fallback.element_size()
     per_sample = max(1, total // c)
-    fits = _clearly_fits(per_sample, n, budget)
-    transient = Transient(0, False)
+    transient = Transient(-(-first.bytes // c), True) if first.bytes is not None else None
+    fits = transient is not None and _clearly_fits(per_sample, transient, n, budget)
     if not fits:
         del ch
         transient, ch = measure_transient(run, c, 0, fm.device, warmed=True)
@@ -345,9 +348,11 @@ def probe(fm: FunctionalModel, data: dict, n: int, budget: int | None = None) ->
     result = Probe(plan, per_sample, uses, n_fallback, transient, load, fm.device.type != "cpu")
     log.info("structured: factors %s a sample; a chunk's forward and backward hold %s a sample (%s)",
              format_bytes(per_sample), format_bytes(transient.per_sample),
-             "measured" if transient.measured else f"a guess: the workload fits max_memory {CLEAR_FIT} times over"
-             if fits else "a guess: no peak memory to read here")
-    cache[id(data)] = across["probe"] = result
+             f"its first run's peak: the workload fits max_memory {CLEAR_FIT} times over" if fits
+             else "measured" if transient.measured else "a guess: no peak memory to read here")
+    cache[id(data)] = result
+    if not keeps_model(fm, plan.modules):
+        across["probe"] = result
     return result
 
 

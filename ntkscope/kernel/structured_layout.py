@@ -105,10 +105,11 @@ def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
     ``kernels`` bytes and the tiles' share, stays within ``budget`` whenever it is at least
     :func:`minimum_budget`.
 
-    On an accelerator (``pr.accelerator``) only the largest chunk that leaves room for a panel is
-    considered: there a forward and backward of a few samples, and the pair products of a short
-    stream, are bound by kernel launches rather than multiply-adds, which the cost model does not
-    count (docs/design.md §1.2.1; benchmarks/README.md, GC on a GPU)."""
+    On an accelerator (``pr.accelerator``) only one chunk is considered, the largest that keeps a
+    panel at least half as large as the smallest chunk would: there a forward and backward of a
+    few samples, and the pair products of a short stream, are bound by kernel launches rather than
+    multiply-adds, which the cost model does not count (docs/design.md §1.2.1; benchmarks/README.md,
+    GC on a GPU)."""
     work = int(WORK_SHARE * budget)
     fixed, s = kernels + pr.sample_bytes, pr.sample_bytes  # the probe's sample, kept for the cost model
     first = int(chunk or max(1, min(MAX_CHUNK, work // max(1, pr.transient.per_sample))))
@@ -123,8 +124,9 @@ def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
             return n1, n1, min(c, n1)
         if not symmetric and panel_room(c, n2) >= n1:
             return n1, n2, c
-    if pr.accelerator and not chunk:
-        chunks = [next((c for c in chunks if panel_room(c, c) >= 1), chunks[-1])]
+    if pr.accelerator and not chunk:  # the largest chunk that keeps at least half the panel the smallest would
+        room = max(1, panel_room(chunks[-1], chunks[-1]) // 2)
+        chunks = [next((c for c in chunks if panel_room(c, c) >= room), chunks[-1])]
     best = None
     other = (n1 - 1) if symmetric else n2
     for c in chunks:
