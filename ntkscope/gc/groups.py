@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 
 from ntkscope.core.checks import InputError, check_choice, entry
-from ntkscope.gc.options import GCOptions
+from ntkscope.gc.options import GCOptions, given_once
 from ntkscope.kernel.consistency import gradient_consistency_groups
 from ntkscope.kernel.nulls import Controls
 from ntkscope.kernel.objectives import SCALAR_OUTPUTS, LMLoss, sample_outputs
@@ -98,42 +98,8 @@ def group_labels(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd
     return groups, hist
 
 
-#: the grouping keywords gc_by_bins still takes beside ``gc``, each the GCOptions field it stands for
-_LOOSE = {"by": "by", "bins": "bins", "binning": "binning", "min_count": "min_count"}
-
-
-def _same(a, b) -> bool:
-    """a == b for values that may be arrays (an array is never a grouping field's value)."""
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):
-        return False
-
-
-def _grouping(gc, loose: dict, homogeneous) -> tuple[GCOptions, object]:
-    """The one GCOptions the call means and its homogeneous null's label or pools: ``gc`` (a
-    GCOptions or None: its defaults), the loose grouping keywords (``loose``: shorthand for its
-    fields) and ``homogeneous`` (pools of indices, or a label: ``gc.homogeneous_label``). A loose
-    value that differs from ``gc``'s is refused: the grouping is given once."""
-    if gc is not None and not isinstance(gc, GCOptions):
-        raise InputError("gc", "must be a GCOptions or None", type(gc).__name__)
-    _check_homogeneous(homogeneous)
-    if gc is None:
-        label = homogeneous if isinstance(homogeneous, str) else None
-        gc = GCOptions(**{_LOOSE[k]: v for k, v in loose.items()}, homogeneous_label=label)
-    else:
-        for key, value in loose.items():
-            if not _same(value, getattr(gc, _LOOSE[key])):
-                raise InputError(key, f"is also set by gc (gc.{_LOOSE[key]}={getattr(gc, _LOOSE[key])!r}): give the "
-                                 "grouping once, in gc=GCOptions(...)", value)
-        if homogeneous is not None and gc.homogeneous_label is not None and not _same(homogeneous,
-                                                                                       gc.homogeneous_label):
-            raise InputError("homogeneous", f"is also set by gc (gc.homogeneous_label={gc.homogeneous_label!r}): give "
-                             "the homogeneous null once", homogeneous)
-    if gc.outputs:
-        raise InputError("gc", "must name no outputs here: gc_by_bins computes one output (output=...); several side "
-                         "by side are gc_sensitivity's", f"outputs={list(gc.outputs)}")
-    return gc, gc.homogeneous_label if homogeneous is None else homogeneous
+#: the grouping keywords (GCOptions fields) gc_by_bins still takes beside ``gc``
+_LOOSE = ("by", "bins", "binning", "min_count")
 
 
 @entry("gc_by_bins")
@@ -160,7 +126,11 @@ def gc_by_bins(model, data, *, gc: GCOptions | None = None, resampling: Resampli
     """
     if not isinstance(data, AnalysisData):
         raise InputError("data", "must be an AnalysisData (ntkscope.load_analysis_data)", type(data).__name__)
-    gc, homogeneous = _grouping(gc, {k: options.pop(k) for k in list(options) if k in _LOOSE}, homogeneous)
+    _check_homogeneous(homogeneous)
+    gc, homogeneous = given_once(gc, {k: options.pop(k) for k in list(options) if k in _LOOSE}, homogeneous)
+    if gc.outputs:
+        raise InputError("gc", "must name no outputs here: gc_by_bins computes one output (output=...); several side "
+                         "by side are gc_sensitivity's", f"outputs={list(gc.outputs)}")
     labels, hist = group_labels(data, gc.by, gc.bins, gc.binning)
     scores = data.labels["score"].to_numpy()
     given = options.get("options")

@@ -47,3 +47,30 @@ class GCOptions:
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "outputs": None if self.outputs is None else list(self.outputs)}
+
+
+def _same(a, b) -> bool:
+    """a == b for values that may be arrays (an array is never a grouping field's value)."""
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def given_once(gc, loose: dict, homogeneous=None) -> tuple[GCOptions, object]:
+    """The one GCOptions a call means, and its homogeneous null's label or pools: ``gc`` (a
+    GCOptions or None: its defaults), ``loose`` (GCOptions fields given as keywords instead) and
+    ``homogeneous`` (pools of indices, or a label: ``gc.homogeneous_label``). A loose value or a
+    homogeneous label that differs from ``gc``'s is refused: the grouping is given once."""
+    if gc is not None and not isinstance(gc, GCOptions):
+        raise InputError("gc", "must be a GCOptions or None", type(gc).__name__)
+    if gc is None:
+        return GCOptions(**loose, homogeneous_label=homogeneous if isinstance(homogeneous, str) else None), homogeneous
+    for key, value in loose.items():
+        if not _same(value, getattr(gc, key)):
+            raise InputError(key, f"is also set by gc (gc.{key}={getattr(gc, key)!r}): give the grouping once, in "
+                             "gc=GCOptions(...)", value)
+    if homogeneous is not None and gc.homogeneous_label is not None and not _same(homogeneous, gc.homogeneous_label):
+        raise InputError("homogeneous", f"is also set by gc (gc.homogeneous_label={gc.homogeneous_label!r}): give "
+                         "the homogeneous null once", homogeneous)
+    return gc, gc.homogeneous_label if homogeneous is None else homogeneous

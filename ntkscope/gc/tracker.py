@@ -51,8 +51,8 @@ from ntkscope.kernel.objectives import batch_size, take
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.params import select_parameters
 from ntkscope.kernel.uncertainty import GCResult, Resampling, check_resampling, kernel_statistics
-from ntkscope.gc.groups import GC_OUTPUT, _same, analysis_controls, group_labels, homogeneous_pools
-from ntkscope.gc.options import GCOptions
+from ntkscope.gc.groups import GC_OUTPUT, analysis_controls, group_labels, homogeneous_pools
+from ntkscope.gc.options import GCOptions, given_once
 from ntkscope.text.frequency import long_tail_subset
 from ntkscope.text.inputs import DataSource, as_source
 from ntkscope.text.sentences import AnalysisData, load_analysis_data
@@ -88,28 +88,6 @@ def _check_out(out) -> Path | None:
 
 #: the GCOptions fields Probes.from_data also takes as keywords
 PROBE_GROUPING = ("tail_fraction", "bins", "binning", "min_count")
-
-
-def _probe_grouping(gc, grouping: dict, homogeneous) -> GCOptions:
-    """The one :class:`GCOptions` of a :meth:`Probes.from_data` call: ``gc`` or its defaults, with
-    the keywords ``grouping`` (:data:`PROBE_GROUPING`) in it; one that differs from ``gc``'s, or a
-    ``homogeneous`` label that differs from ``gc.homogeneous_label``, is refused."""
-    unknown = sorted(set(grouping) - set(PROBE_GROUPING))
-    if unknown:
-        raise fail("Probes.from_data", unknown[0], f"is not an argument (the grouping's keywords are "
-                   f"{list(PROBE_GROUPING)}, or gc=GCOptions(...))", unknown[0])
-    if gc is None:
-        return GCOptions(**grouping)
-    if not isinstance(gc, GCOptions):
-        raise fail("Probes.from_data", "gc", "must be a GCOptions or None", type(gc).__name__)
-    for key, value in grouping.items():
-        if not _same(value, getattr(gc, key)):
-            raise fail("Probes.from_data", key, f"is also set by gc (gc.{key}={getattr(gc, key)!r}): give the "
-                       "grouping once, in gc=GCOptions(...)", value)
-    if homogeneous is not None and gc.homogeneous_label is not None and not _same(homogeneous, gc.homogeneous_label):
-        raise fail("Probes.from_data", "homogeneous", f"is also set by gc (gc.homogeneous_label="
-                   f"{gc.homogeneous_label!r}): give the homogeneous null once", homogeneous)
-    return gc
 
 
 def _check_model(func: str, model) -> None:
@@ -195,8 +173,11 @@ class Probes:
         if not isinstance(data, AnalysisData):
             raise fail("Probes.from_data", "data", "must be an AnalysisData (ntkscope.load_analysis_data; Probes.load "
                        "reads a path or a table)", type(data).__name__)
-        gc = _probe_grouping(gc, grouping, homogeneous)
-        homogeneous = gc.homogeneous_label if homogeneous is None else homogeneous
+        unknown = sorted(set(grouping) - set(PROBE_GROUPING))
+        if unknown:
+            raise fail("Probes.from_data", unknown[0], f"is not an argument (the grouping's keywords are "
+                       f"{list(PROBE_GROUPING)}, or gc=GCOptions(...))", unknown[0])
+        gc, homogeneous = given_once(gc, grouping, homogeneous)
         if by == "tail":
             groups = {"tail": long_tail_subset(data.labels["score"], gc.tail_fraction)}
         else:

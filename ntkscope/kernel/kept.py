@@ -10,20 +10,17 @@ as long as the model does.
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 
 import torch
 import torch.nn as nn
 
+from ntkscope.core.files import digest
+
 #: per model (weakly: the entries go with it), per :func:`signature`, per kind of measurement
 _KEPT: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 #: signatures kept per model, the most recently used (a structured probe holds one sample's factors)
 PER_MODEL = 4
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _leaves(data, path: str = ""):
@@ -44,8 +41,9 @@ def signature(fm, data, rows: int) -> tuple:
     new entry), the selected parameters' names and shapes, the output, dtype and device, and the
     data's shapes with the content of the ``rows`` first samples (those a plan is made on). Not the
     weights' values."""
-    content = tuple((path, tuple(v.shape), str(v.dtype), _digest(v[:rows] if v.dim() else v))
-                    for path, v in _leaves(data))
+    leaves = dict(_leaves(data))
+    content = digest({path: [list(v.shape), str(v.dtype)] for path, v in leaves.items()},
+                     arrays={path: (v[:rows] if v.dim() else v).detach() for path, v in leaves.items()})
     modules = tuple((name, id(m)) for name, m in fm.module.named_modules())
     params = tuple((k, tuple(v.shape)) for k, v in fm.params.items())
     output = (type(fm.objective).__name__, fm.objective.name, fm.n_outputs)
@@ -56,7 +54,7 @@ def signature(fm, data, rows: int) -> tuple:
 def kept(fm, data, rows: int, kind: str) -> dict:
     """The dictionary of ``kind`` measurements kept for ``fm``'s model and :func:`signature` (the
     :data:`PER_MODEL` most recently used per model; a value must not refer to the model itself,
-    or the entry would keep it alive: :func:`keep` checks)."""
+    or the entry would keep it alive: :func:`keeps_model` checks)."""
     per_model = _KEPT.setdefault(fm.module, {})
     key = (kind, signature(fm, data, rows))
     entry = per_model.pop(key, {})

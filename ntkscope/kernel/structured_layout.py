@@ -27,7 +27,7 @@ class Probe:
     what a chunk's forward and backward hold (:class:`~ntkscope.kernel.grads.Transient`,
     measured, the chunk's own factors included), the multiply-adds of loading one sample
     (its forward and backward, and its per-sample gradients of any fallback parameters), and
-    whether the device is an accelerator (:func:`layout` then takes the largest chunk)."""
+    whether the device is an accelerator (:func:`layout` then keeps to one large chunk)."""
 
     plan: object
     sample_bytes: int
