@@ -28,16 +28,18 @@ def param_names(model) -> dict:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-_EXPERT = (re.compile(r"\.layer\.experts\.\d+\.mlp\."), re.compile(r"\.experts\.\d+\."))
+_EXPERT = ((re.compile(r"\.intermediate\.layer\.experts\.\d+\.out\."), ".output.dense."),
+           (re.compile(r"\.layer\.experts\.\d+\.mlp\."), "."), (re.compile(r"\.experts\.\d+\."), "."))
 
 
 def expert_source(name: str) -> str:
     """The dense parameter an expert's parameter was copied from: ``X.mlp.layer.experts.j.mlp.Y``
     (an HF block, :class:`~cse_models.SparseHF`) or ``X.experts.j.Y`` (cse_models) -> ``X.mlp.Y``
-    / ``X.Y``; any other name is its own."""
-    for pattern in _EXPERT:
+    / ``X.Y``; an HF encoder's output projection ``X.intermediate.layer.experts.j.out.Y`` ->
+    ``X.output.dense.Y``; any other name is its own."""
+    for pattern, into in _EXPERT:
         if pattern.search(name):
-            return pattern.sub(".", name, count=1)
+            return pattern.sub(into, name, count=1)
     return name
 
 

@@ -1,7 +1,8 @@
-"""CSE, Switch and DEMix layers inside a Hugging Face causal language model.
+"""CSE, Switch and DEMix layers inside a Hugging Face language model.
 
 :class:`SparseHF` wraps a ``transformers`` causal LM (GPT-2, GPT-NeoX / Pythia, the Llama layout)
-and offers what :class:`~cse_models.TransformerLM` offers a training loop and a conversion:
+or masked LM (BERT, RoBERTa: ``*ForMaskedLM``, trained by ``cse-train`` as our BERT is, on the
+masked tokens) and offers what :class:`~cse_models.TransformerLM` offers a training loop and a conversion:
 ``forward(input_ids, attention_mask, domains, positions=, targets=)``, ``module_inputs`` (the
 sequence embeddings at the FFN's input), ``sparse_module`` / ``replace_sparse_module`` (the FFN of a block: :class:`~cse_models.SparseHost`) and the
 routing counters (:class:`~cse_models.model.SparseRouting`). So :func:`~cse_models.cse.convert_to_cse`,
@@ -53,26 +54,41 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a family keeps its blocks (a dotted path from the ``*ForCausalLM`` model) and the
-    feed-forward module inside a block (an attribute name)."""
+    """Where a family keeps its blocks (a dotted path from the ``*ForCausalLM`` / ``*ForMaskedLM``
+    model) and the feed-forward module inside a block (an attribute name). ``ffn_out``: where the
+    FFN's output projection sits apart from it (a dotted path in the block: an encoder's
+    ``intermediate`` / ``output.dense`` split, whose ``output`` adds the residual and normalises);
+    each expert then holds both, and the block keeps an identity at ``ffn_out``."""
 
     blocks: str
     ffn: str = "mlp"
+    ffn_out: str | None = None
 
 
 LAYOUTS: dict[str, Layout] = {
     "gpt2": Layout("transformer.h"),
     "gpt_neox": Layout("gpt_neox.layers"),
     **{t: Layout("model.layers") for t in ("llama", "mistral", "qwen2", "olmo", "olmo2")},
+    "bert": Layout("bert.encoder.layer", "intermediate", "output.dense"),
+    "roberta": Layout("roberta.encoder.layer", "intermediate", "output.dense"),
 }
+MASK_TOKENS = ("[MASK]", "<mask>")  # a masked LM's mask token, when its config does not name its id
+
+
+def _attribute(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def layout_blocks(model: nn.Module, layout: Layout) -> list:
     """The blocks of an HF model, by ``layout``."""
-    obj = model
-    for part in layout.blocks.split("."):
-        obj = getattr(obj, part)
-    return list(obj)
+    return list(_attribute(model, layout.blocks))
+
+
+def is_masked_lm(hf_model: nn.Module) -> bool:
+    """A ``transformers`` masked LM (``*ForMaskedLM``), not a causal one."""
+    return type(hf_model).__name__.endswith("ForMaskedLM")
 
 
 def _transformers():
@@ -98,14 +114,18 @@ def quiet_loading():
 
 
 class HFExpert(nn.Module):
-    """An HF MLP as an expert: ``forward(x, key_mask)`` ignores the mask (the MLP is per token)."""
+    """An HF MLP as an expert: ``forward(x, key_mask)`` ignores the mask (the MLP is per token).
+    ``out``: the FFN's output projection where the family keeps it apart (:class:`Layout`'s
+    ``ffn_out``), applied after ``mlp``."""
 
-    def __init__(self, mlp: nn.Module):
+    def __init__(self, mlp: nn.Module, out: nn.Module | None = None):
         super().__init__()
         self.mlp = mlp
+        self.out = out
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.mlp(x)
+        y = self.mlp(x)
+        return y if self.out is None else self.out(y)
 
 
 class HFSparseFFN(nn.Module):
@@ -132,7 +152,20 @@ class HFSparseConfig:
     hf: object
     layout: Layout
     sparse: SparseConfig | None = None
-    model_type: str = "hf-causal"
+    masked: bool = False
+
+    @property
+    def model_type(self) -> str:
+        """"bert" for a masked LM (trained and evaluated on masked tokens, as our BERT), else
+        "hf-causal"."""
+        return "bert" if self.masked else "hf-causal"
+
+    @property
+    def mask_token_id(self) -> int | None:
+        """A masked LM's mask token (its config's ``mask_token_id``, set on loading from the
+        tokenizer beside it when the config has none)."""
+        value = getattr(self.hf, "mask_token_id", None)
+        return None if value is None else int(value)
 
     @property
     def n_embd(self) -> int:
@@ -148,20 +181,23 @@ class HFSparseConfig:
 
     @property
     def block_size(self) -> int:
-        return int(getattr(self.hf, "max_position_embeddings", None) or getattr(self.hf, "n_positions"))
+        size = int(getattr(self.hf, "max_position_embeddings", None) or getattr(self.hf, "n_positions"))
+        if self.hf.model_type == "roberta":  # positions start after the padding index
+            size -= int(self.hf.pad_token_id or 0) + 1
+        return size
 
     def section(self) -> dict:
         """The ``cse_sparse`` section of config.json."""
-        return {"layout": dataclasses.asdict(self.layout),
+        return {"layout": dataclasses.asdict(self.layout), "masked": self.masked,
                 "sparse": None if self.sparse is None else dataclasses.asdict(self.sparse)}
 
 
 class SparseHF(SparseRouting, nn.Module):
-    """An HF causal LM whose chosen blocks' FFNs may be CSE, Switch or DEMix layers.
+    """An HF causal or masked LM whose chosen blocks' FFNs may be CSE, Switch or DEMix layers.
 
     ``forward(input_ids (B, T), attention_mask (B, T) | None, domains (B,) | None) -> logits
     (B, T, V)``; with ``positions`` / ``targets`` as :meth:`cse_models.TransformerLM.forward`
-    (the summed next-token cross-entropy, a scalar). ``hf`` is the wrapped model; ``sparse``
+    (the summed next-token cross-entropy, a scalar; causal models only). ``hf`` is the wrapped model; ``sparse``
     (a :class:`~cse_models.SparseConfig` or dict, kind any, module "ffn") says which layers
     become sparse; layers with experts (n_experts > 0) are built empty, ready for a state dict.
     """
@@ -177,7 +213,7 @@ class SparseHF(SparseRouting, nn.Module):
         if isinstance(sparse, dict):  # a copy: conversion fills in n_experts, never the caller's lists
             sparse = SparseConfig(**copy.deepcopy(sparse))
         self.hf = hf_model
-        self.config = HFSparseConfig(hf_model.config, layout, sparse)
+        self.config = HFSparseConfig(hf_model.config, layout, sparse, masked=is_masked_lm(hf_model))
         if sparse is not None:
             if sparse.module != "ffn":
                 raise UserError(f"SparseHF: sparse.module must be 'ffn' in an HF model (got {sparse.module!r})")
@@ -199,11 +235,18 @@ class SparseHF(SparseRouting, nn.Module):
 
     def sparse_module(self, layer: int) -> nn.Module:
         """The FFN of block ``layer``: its sparse layer, or the dense MLP as an expert."""
-        ffn = getattr(self.block(layer), self.config.layout.ffn)
-        return ffn.layer if isinstance(ffn, HFSparseFFN) else HFExpert(ffn)
+        block, layout = self.block(layer), self.config.layout
+        ffn = getattr(block, layout.ffn)
+        if isinstance(ffn, HFSparseFFN):
+            return ffn.layer
+        return HFExpert(ffn, None if layout.ffn_out is None else _attribute(block, layout.ffn_out))
 
     def replace_sparse_module(self, layer: int, module: nn.Module) -> None:
-        setattr(self.block(layer), self.config.layout.ffn, HFSparseFFN(module, self._context))
+        block, layout = self.block(layer), self.config.layout
+        setattr(block, layout.ffn, HFSparseFFN(module, self._context))
+        if layout.ffn_out is not None:  # the experts hold the output projection now
+            owner, _, name = layout.ffn_out.rpartition(".")
+            setattr(_attribute(block, owner) if owner else block, name, nn.Identity())
 
     @torch.no_grad()
     def module_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers,
@@ -238,10 +281,15 @@ class SparseHF(SparseRouting, nn.Module):
         if T > self.config.block_size:
             raise UserError(f"SparseHF.forward: input_ids has {T} positions, more than the model's "
                             f"context of {self.config.block_size}")
+        if targets is not None and self.config.masked:
+            raise UserError("SparseHF.forward: targets are next tokens; a masked LM's loss is over its masked "
+                            "tokens (take the logits)")
         self._context["domains"] = domains
         try:
             extra = {} if position_ids is None else {"position_ids": position_ids}
-            logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
+            if not self.config.masked:
+                extra["use_cache"] = False
+            logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
         finally:
             self._context.clear()
         logits = logits if positions is None else logits[:, positions]
@@ -256,8 +304,8 @@ class SparseHF(SparseRouting, nn.Module):
         (``transformers``' own ``save_pretrained``, safetensors). Else ``config.json`` of model
         type :data:`~cse_models.hf_auto.MODEL_TYPE` (the base config under ``base``, the
         ``cse_sparse`` section) and ``model.safetensors`` (tied weights once), each written
-        atomically: ``transformers.AutoModelForCausalLM.from_pretrained`` reads it after
-        ``import cse_models``, and refuses it without."""
+        atomically: ``transformers.AutoModelForCausalLM.from_pretrained`` (``AutoModelForMaskedLM``
+        for a masked LM) reads it after ``import cse_models``, and refuses it without."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         if self.config.sparse is None:
@@ -265,10 +313,11 @@ class SparseHF(SparseRouting, nn.Module):
             return directory
         with atomic_path(directory / WEIGHTS_NAME) as tmp:
             _save_tensors_of(self, str(tmp), metadata={"format": "pt"})
+        kind = "MaskedLM" if self.config.masked else "CausalLM"
         write_json(directory / CONFIG_NAME, {
-            "model_type": MODEL_TYPE, "architectures": ["SparseForCausalLM"], "base": self.config.hf.to_dict(),
+            "model_type": MODEL_TYPE, "architectures": [f"SparseFor{kind}"], "base": self.config.hf.to_dict(),
             SECTION: self.config.section(),
-            "loading": "import cse_models, then transformers.AutoModelForCausalLM.from_pretrained(this directory)"})
+            "loading": f"import cse_models, then transformers.AutoModelFor{kind}.from_pretrained(this directory)"})
         return directory
 
 
@@ -293,10 +342,29 @@ def _hf_config(directory: Path, func: str):
     return transformers, transformers.AutoConfig.for_model(**data)
 
 
+def _mask_token_id(directory: Path, hf_config) -> None:
+    """A masked LM's mask token id onto ``hf_config`` when it names none: the tokenizer's
+    (``tokenizer.json`` beside the weights, by the mask token ``tokenizer_config.json`` names, else
+    ``[MASK]`` / ``<mask>``). Left unset when there is no tokenizer (training then asks for one)."""
+    if getattr(hf_config, "mask_token_id", None) is not None or not (directory / "tokenizer.json").is_file():
+        return
+    from tokenizers import Tokenizer
+
+    names = list(MASK_TOKENS)
+    if (directory / "tokenizer_config.json").is_file():
+        named = read_json_object(directory / "tokenizer_config.json", "load_hf").get("mask_token")
+        named = named.get("content") if isinstance(named, dict) else named
+        names = [named, *names] if isinstance(named, str) else names
+    vocab = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    found = [vocab.token_to_id(name) for name in names if vocab.token_to_id(name) is not None]
+    if found:
+        hf_config.mask_token_id = int(found[0])
+
+
 def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = None) -> SparseHF:
-    """An HF causal LM directory (``config.json`` + ``model.safetensors``) as a :class:`SparseHF`
-    in eval mode: a converted one with its sparse layers, or a dense one with ``sparse`` (layers
-    listed, 0 experts: dense until converted). Missing or unexpected tensors are refused (tied
+    """An HF causal or masked LM directory (``config.json`` + ``model.safetensors``) as a
+    :class:`SparseHF` in eval mode: a converted one with its sparse layers, or a dense one with
+    ``sparse`` (layers listed, 0 experts: dense until converted). Missing or unexpected tensors are refused (tied
     weights the HF way accepted); a dense checkpoint with only ``pytorch_model.bin`` is read with
     ``torch.load(weights_only=True)``: tensors only, no checkpoint code runs."""
     func = "load_hf"
@@ -317,6 +385,10 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
         raise UserError(f"{func}: {directory} is a converted model already ({section['sparse']['kind']}); "
                         "convert a dense checkpoint")
     transformers, hf_config = _hf_config(directory, func)
+    masked = bool(section.get("masked")) if section is not None else "MaskedLM" in str(saved.get("architectures"))
+    auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
+    if masked:
+        _mask_token_id(directory, hf_config)
     if legacy:  # transformers reads it with torch.load(weights_only=True): tensors only, never pickled code
         log.info("%s: %s holds %s only: read with torch.load(weights_only=True)", func, directory, LEGACY_WEIGHTS)
     else:
@@ -324,7 +396,7 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
     if section is None:  # a dense checkpoint, loaded the HF way (which ties the head to the embedding)
         try:
             with quiet_loading():
-                hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+                hf, info = auto.from_pretrained(
                     directory, config=hf_config, local_files_only=True, use_safetensors=not legacy,
                     trust_remote_code=False, output_loading_info=True)
         except pickle.UnpicklingError as err:
@@ -336,7 +408,7 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
         missing, unexpected = info["missing_keys"], info["unexpected_keys"]
         model = SparseHF(hf, sparse)
     else:
-        model = SparseHF(transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False),
+        model = SparseHF(auto.from_config(hf_config, trust_remote_code=False),
                          section["sparse"], Layout(**section["layout"]))
         try:
             missing, unexpected = _load_tensors_into(model, str(directory / WEIGHTS_NAME), strict=False)
@@ -362,7 +434,7 @@ def architecture(model) -> dict:
 
 
 def load_any_model(directory: str | os.PathLike, sparse: SparseConfig | dict | None = None):
-    """A ``cse_models`` checkpoint (:class:`~cse_models.TransformerLM`), or an HF causal LM of a known
+    """A ``cse_models`` checkpoint (:class:`~cse_models.TransformerLM`), or an HF causal or masked LM of a known
     layout as a :class:`SparseHF` (converted, or dense with ``sparse`` to convert later)."""
     check_path("directory", directory, func="load_any_model")
     directory = Path(directory)

@@ -1,7 +1,9 @@
 """Sparse HF checkpoints as transformers models: after ``import cse_models``,
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` on a directory that
 :meth:`cse_models.SparseHF.save_pretrained` wrote returns the sparse model with its weights,
-and ``generate()`` and ``pipeline("text-generation")`` run on it.
+and ``generate()`` and ``pipeline("text-generation")`` run on it; a sparse encoder (BERT,
+RoBERTa) is read by ``AutoModelForMaskedLM`` the same way (``pipeline("fill-mask")``). Each
+Auto class refuses the other kind's directory in one line.
 
 The directory's ``config.json`` has a model type of its own, :data:`MODEL_TYPE`
 (``"cse_models_sparse"``), with the base model's whole config under ``base`` and the sparse
@@ -36,11 +38,12 @@ _classes: dict = {}
 
 
 def classes() -> tuple:
-    """(SparseCausalLMConfig, SparseForCausalLM), built on first use (they subclass transformers')."""
+    """(SparseCausalLMConfig, SparseForCausalLM, SparseForMaskedLM), built on first use (they
+    subclass transformers')."""
     if _classes:
-        return _classes["config"], _classes["model"]
+        return _classes["config"], _classes["model"], _classes["masked"]
     from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
 
     class SparseCausalLMConfig(PretrainedConfig):
         """A sparse model's config: ``base`` (the base HF model's config, a dict) and
@@ -58,30 +61,27 @@ def classes() -> tuple:
                 if key in self.base and getattr(self, key, None) is None:
                     setattr(self, key, self.base[key])
 
-    class SparseForCausalLM(PreTrainedModel, GenerationMixin):
-        """A :class:`~cse_models.SparseHF` as a transformers causal LM: ``forward(input_ids,
-        attention_mask, labels)`` -> ``CausalLMOutputWithPast`` (logits (B, T, V), the mean
-        next-token loss with ``labels``), ``generate`` without a key-value cache (module docstring),
-        ``save_pretrained`` in :meth:`SparseHF.save_pretrained`'s format. ``sparse`` is the
-        wrapped :class:`~cse_models.SparseHF`; its ``hf`` is this model's ``hf``."""
+    class _SparsePreTrained(PreTrainedModel):
+        """What both kinds share: the wrapped :class:`~cse_models.SparseHF` (``sparse``; its
+        ``hf`` is this model's ``hf``), loading through :func:`cse_models.hf.load_hf` and saving in
+        :meth:`~cse_models.SparseHF.save_pretrained`'s format."""
 
         config_class = SparseCausalLMConfig
         base_model_prefix = "hf"
         main_input_name = "input_ids"
-        _supports_cache_class = False
+        masked = False
 
         def __init__(self, config, sparse=None):
             super().__init__(config)
             if sparse is None:  # from a config alone: the base model at random, its sparse layers empty
                 from cse_models.hf import Layout, SparseHF, _transformers
                 transformers = _transformers()
-                base = transformers.AutoModelForCausalLM.from_config(
-                    transformers.AutoConfig.for_model(**config.base), trust_remote_code=False)
+                auto = transformers.AutoModelForMaskedLM if self.masked else transformers.AutoModelForCausalLM
+                base = auto.from_config(transformers.AutoConfig.for_model(**config.base), trust_remote_code=False)
                 section = config.cse_sparse or {}
                 sparse = SparseHF(base, section.get("sparse"), Layout(**section["layout"]) if section else None)
             self.hf = sparse.hf
             object.__setattr__(self, "sparse", sparse)  # not a second submodule: its parameters are self.hf's
-            self.generation_config.use_cache = False
 
         @classmethod
         def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -92,6 +92,11 @@ def classes() -> tuple:
             dtype = _dtype(kwargs.get("dtype", kwargs.get("torch_dtype")))
             device = _device(kwargs.get("device_map"))
             sparse = load_hf(pretrained_model_name_or_path)
+            if sparse.config.masked != cls.masked:
+                kind, other = ("a masked LM", "AutoModelForMaskedLM") if sparse.config.masked else \
+                    ("a causal LM", "AutoModelForCausalLM")
+                raise ValueError(f"{cls.__name__}.from_pretrained: {pretrained_model_name_or_path} holds {kind}; "
+                                 f"load it with transformers.{other}")
             model = cls(sparse_config(sparse), sparse)
             if dtype is not None:
                 model = model.to(dtype)
@@ -107,6 +112,34 @@ def classes() -> tuple:
 
         def get_output_embeddings(self):
             return self.hf.get_output_embeddings()
+
+    class SparseForMaskedLM(_SparsePreTrained):
+        """A sparse encoder (:class:`~cse_models.SparseHF` around a ``*ForMaskedLM``) as a
+        transformers masked LM: ``forward(input_ids, attention_mask, labels)`` ->
+        ``MaskedLMOutput`` (logits (B, T, V), the mean loss over tokens whose label is not -100)."""
+
+        masked = True
+
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+            logits = self.sparse(input_ids, attention_mask)
+            loss = None
+            if labels is not None:
+                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                         labels.reshape(-1), ignore_index=-100)
+            return MaskedLMOutput(loss=loss, logits=logits)
+
+    class SparseForCausalLM(_SparsePreTrained, GenerationMixin):
+        """A :class:`~cse_models.SparseHF` as a transformers causal LM: ``forward(input_ids,
+        attention_mask, labels)`` -> ``CausalLMOutputWithPast`` (logits (B, T, V), the mean
+        next-token loss with ``labels``), ``generate`` without a key-value cache (module docstring),
+        ``save_pretrained`` in :meth:`SparseHF.save_pretrained`'s format. ``sparse`` is the
+        wrapped :class:`~cse_models.SparseHF`; its ``hf`` is this model's ``hf``."""
+
+        _supports_cache_class = False
+
+        def __init__(self, config, sparse=None):
+            super().__init__(config, sparse)
+            self.generation_config.use_cache = False
 
         def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
             """The whole sequence so far (no cache); with a mask, positions counted over the real
@@ -125,8 +158,8 @@ def classes() -> tuple:
                                                          ignore_index=-100)
             return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    _classes.update(config=SparseCausalLMConfig, model=SparseForCausalLM)
-    return SparseCausalLMConfig, SparseForCausalLM
+    _classes.update(config=SparseCausalLMConfig, model=SparseForCausalLM, masked=SparseForMaskedLM)
+    return SparseCausalLMConfig, SparseForCausalLM, SparseForMaskedLM
 
 
 def _dtype(value):
@@ -166,27 +199,28 @@ def _device(device_map):
 
 def sparse_config(sparse) -> object:
     """The transformers config of a :class:`~cse_models.SparseHF`."""
-    config_cls, _ = classes()
+    config_cls = classes()[0]
     return config_cls(base=sparse.config.hf.to_dict(), cse_sparse=sparse.config.section())
 
 
 def as_transformers(sparse):
-    """A :class:`~cse_models.SparseHF` as a transformers model (:class:`SparseForCausalLM`),
-    sharing its modules (no copy)."""
-    _, model_cls = classes()
-    return model_cls(sparse_config(sparse), sparse)
+    """A :class:`~cse_models.SparseHF` as a transformers model (``SparseForCausalLM``, or
+    ``SparseForMaskedLM`` for an encoder), sharing its modules (no copy)."""
+    _, causal, masked = classes()
+    return (masked if sparse.config.masked else causal)(sparse_config(sparse), sparse)
 
 
 def register() -> None:
     """Register the config and model with transformers' Auto classes (idempotent)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
-    config_cls, model_cls = classes()
-    try:
-        AutoConfig.register(MODEL_TYPE, config_cls)
-        AutoModelForCausalLM.register(config_cls, model_cls)
-    except ValueError:  # already registered (a second import of this module's classes)
-        pass
+    config_cls, causal, masked = classes()
+    for auto, args in ((AutoConfig, (MODEL_TYPE, config_cls)), (AutoModelForCausalLM, (config_cls, causal)),
+                       (AutoModelForMaskedLM, (config_cls, masked))):
+        try:
+            auto.register(*args)
+        except ValueError:  # already registered (a second import of this module's classes)
+            pass
 
 
 class _AfterAuto(importlib.abc.MetaPathFinder):

@@ -171,9 +171,12 @@ def _build_model(cfg: TrainConfig, vocab_size: int):
         if is_hf and SECTION not in json.loads(config.read_text(encoding="utf-8")):
             model = load_any_model(cfg.init_from, cfg.model.get("sparse"))
             log.info("continuing from the HF model %s, sparse layers %s", cfg.init_from, cfg.model.get("sparse"))
-            return model
-        model = load_any_model(cfg.init_from)
-        log.info("continuing from %s (domain finetuning)", cfg.init_from)
+        else:
+            model = load_any_model(cfg.init_from)
+            log.info("continuing from %s (domain finetuning)", cfg.init_from)
+        if model.config.model_type == "bert" and model.config.mask_token_id is None:
+            raise UserError(f"TrainConfig: init_from {cfg.init_from} is a masked LM whose mask token is unknown: put its "
+                            "tokenizer.json (with [MASK] or <mask>) beside the weights, or mask_token_id in config.json")
         return model
     spec = dict(cfg.model)
     spec.setdefault("vocab_size", vocab_size)

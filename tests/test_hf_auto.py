@@ -15,7 +15,7 @@ from cse_models import load_any_model
 from cse_models.hf_auto import MODEL_TYPE
 
 transformers = pytest.importorskip("transformers")
-from test_hf_sparse import CONFIGS, batch, convert, dense  # noqa: E402
+from test_hf_sparse import CONFIGS, MASKED, batch, convert, dense  # noqa: E402
 
 
 def _sparse(kind: str, sparse_kind: str, tmp_path):
@@ -33,8 +33,12 @@ def test_auto_model_reads_a_sparse_checkpoint_with_its_weights(kind, sparse_kind
     data = json.loads((tmp_path / sparse_kind / "config.json").read_text())
     assert data["model_type"] == MODEL_TYPE and data["base"]["model_type"] == kind
     ids, mask = batch()
-    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / sparse_kind)
-    assert type(auto).__name__ == "SparseForCausalLM" and not auto.training
+    reader, other = (transformers.AutoModelForMaskedLM, transformers.AutoModelForCausalLM) if kind in MASKED else \
+        (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM)
+    auto = reader.from_pretrained(tmp_path / sparse_kind)
+    assert type(auto).__name__ == ("SparseForMaskedLM" if kind in MASKED else "SparseForCausalLM") and not auto.training
+    with pytest.raises(ValueError, match=f"load it with transformers.{reader.__name__}"):
+        other.from_pretrained(tmp_path / sparse_kind)  # the other Auto class refuses in one line
     torch.testing.assert_close(auto(input_ids=ids, attention_mask=mask).logits, model(ids, mask), rtol=0, atol=0)
     labels = ids.masked_fill(mask == 0, -100)
     loss = auto(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -73,17 +77,37 @@ def test_pipeline_generates(tmp_path):
     assert text.startswith("w3 w7 w11") and text.count("w") == 7  # the prompt and 4 new words
 
 
-def test_plain_transformers_refuses_a_sparse_checkpoint(tmp_path):
+@pytest.mark.parametrize("kind, auto", [("gpt_neox", "AutoModelForCausalLM"), ("bert", "AutoModelForMaskedLM")])
+def test_plain_transformers_refuses_a_sparse_checkpoint(kind, auto, tmp_path):
     """In a fresh interpreter that never imports cse_models: an error naming the model type, never a
     random model."""
-    _sparse("gpt_neox", "cse", tmp_path)
+    _sparse(kind, "cse", tmp_path)
     code = ("import transformers, sys\n"
-            f"try:\n    transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'cse')!r})\n"
+            f"try:\n    transformers.{auto}.from_pretrained({str(tmp_path / 'cse')!r})\n"
             "except (ValueError, KeyError) as err:\n    print('refused:', err); sys.exit(3)\n"
             "print('loaded'); sys.exit(0)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert MODEL_TYPE in proc.stdout and "cse_models" in proc.stdout
+
+
+@torch.no_grad()
+def test_a_sparse_encoder_fills_masks_in_a_pipeline(tmp_path):
+    """A CSE BERT read by AutoModelForMaskedLM runs in pipeline("fill-mask"); its top token is the
+    argmax of our logits at the masked position."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = _sparse("bert", "cse", tmp_path)
+    vocab = {f"w{i}": i for i in range(49)} | {"[MASK]": 49}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w0", pad_token="w0", mask_token="[MASK]")
+    fill = transformers.pipeline("fill-mask", model=transformers.AutoModelForMaskedLM.from_pretrained(
+        tmp_path / "cse"), tokenizer=tokenizer)
+    best = fill("w3 w7 [MASK] w11", top_k=1)[0]
+    expected = model(torch.tensor([[3, 7, 49, 11]]))[0, 2].argmax()
+    assert best["token"] == int(expected)
 
 
 @torch.no_grad()

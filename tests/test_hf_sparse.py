@@ -1,4 +1,5 @@
-"""CSE, Switch and DEMix layers in Hugging Face models (GPT-2, GPT-NeoX, the Llama layout),
+"""CSE, Switch and DEMix layers in Hugging Face models (GPT-2, GPT-NeoX, the Llama layout; the
+BERT and RoBERTa encoders with their masked-LM heads),
 built tiny from their configs (no hub): a one-expert conversion is the dense model; a planted
 two-domain batch reaches two experts; save, load and resume round-trip exactly; loading runs
 no checkpoint code."""
@@ -22,12 +23,16 @@ CONFIGS = {
                                                    **SIZES),
     "llama": lambda: transformers.LlamaConfig(vocab_size=50, num_key_value_heads=1, tie_word_embeddings=False,
                                               **SIZES),
+    "bert": lambda: transformers.BertConfig(vocab_size=50, **SIZES),
+    "roberta": lambda: transformers.RobertaConfig(vocab_size=50, pad_token_id=1, **SIZES),
 }
+MASKED = ("bert", "roberta")  # encoders: *ForMaskedLM, their FFN split in intermediate / output.dense
 
 
 def dense(kind: str, seed: int = 0):
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]()).eval()
+    auto = transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
+    return auto.from_config(CONFIGS[kind]()).eval()
 
 
 def batch(seed: int = 1, n: int = 6, T: int = 12):
@@ -83,9 +88,8 @@ def test_cse_routes_a_planted_two_domain_batch_to_two_experts(kind):
     model = SparseHF(hf, dict(kind="cse", layers=[1], n_experts=[0])).eval()
     fits = convert_to_cse(model, ids, None, min_cluster_size=10, max_experts=4)
     assert fits[1].n_clusters == 2
-    layer = model.sparse_layers()["hf." + {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers",
-                                           "llama": "model.layers"}[kind] + ".1.mlp.layer"]
-    assert isinstance(layer, CSELayer)
+    (name, layer), = model.sparse_layers().items()
+    assert isinstance(layer, CSELayer) and name.endswith(".1.intermediate.layer" if kind in MASKED else ".1.mlp.layer")
     routed = []
     hook = layer.register_forward_hook(lambda m, args, out: routed.append(m.route(args[0], args[1])[1]))
     test_ids, test_domain = planted_domains(seed=1)
@@ -156,7 +160,9 @@ def test_sparse_spec_is_checked():
         SparseHF(dense("gpt2"), dict(kind="cse", module="attn", layers=[0], n_experts=[0]))
     with pytest.raises(ValueError, match=r"layers must be block indices in \[0, 3\)"):
         SparseHF(dense("gpt2"), dict(kind="cse", layers=[3], n_experts=[0]))
-    bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
-                                                                num_attention_heads=2, intermediate_size=32))
-    with pytest.raises(ValueError, match="no layout for HF model_type 'bert'"):
-        SparseHF(bert)
+    distil = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(vocab_size=50, dim=16, n_layers=1,
+                                                                              n_heads=2, hidden_dim=32))
+    with pytest.raises(ValueError, match="no layout for HF model_type 'distilbert'"):
+        SparseHF(distil)
+    with pytest.raises(ValueError, match="a masked LM's loss is over its masked tokens"):
+        SparseHF(dense("bert"))(*batch(), targets=batch()[0])

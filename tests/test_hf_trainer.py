@@ -1,5 +1,5 @@
 """Conversion inside the researcher's own Trainer (cse_models.hf_trainer): a tiny Llama (CSE and
-Switch) and GPT-2 (CSE), converted by SparseCallback mid-run, stopped after the conversion and
+Switch), GPT-2 and BERT (CSE; BERT's labels every token, as a masked LM takes them), converted by SparseCallback mid-run, stopped after the conversion and
 resumed from the Trainer checkpoint, end with the weights of the uninterrupted run; the
 result loads through transformers' Auto classes; the plain function carries AdamW state to the
 experts in any loop."""
@@ -13,7 +13,7 @@ from cse_models.hf_trainer import SparseCallback, convert_in_training
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from test_hf_sparse import dense, planted_domains  # noqa: E402
+from test_hf_sparse import MASKED, dense, planted_domains  # noqa: E402
 
 ROWS, _ = planted_domains(n_per=48, T=16)
 
@@ -44,7 +44,8 @@ def _run(kind, sparse_kind, out, *, stop=None, resume=None):
     return model, callback
 
 
-@pytest.mark.parametrize("kind, sparse_kind", [("llama", "cse"), ("llama", "switch"), ("gpt2", "cse")])
+@pytest.mark.parametrize("kind, sparse_kind", [("llama", "cse"), ("llama", "switch"), ("gpt2", "cse"),
+                                                     ("bert", "cse")])
 def test_a_trainer_run_converted_mid_run_resumes_to_the_same_weights(kind, sparse_kind, tmp_path):
     """GPT-NeoX is left out: transformers 5.24's Trainer resumes a plain, dense GPT-NeoX to other
     weights too (it saves the head as embed_out and loads it as lm_head, which stays at its
@@ -62,7 +63,8 @@ def test_a_trainer_run_converted_mid_run_resumes_to_the_same_weights(kind, spars
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-6, msg=key)
     # the result, saved in the sparse format, is a transformers model with these weights
     callback.save(tmp_path / "final")
-    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    reader = transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
+    auto = reader.from_pretrained(tmp_path / "final")
     ids = ROWS[:4]
     with torch.no_grad():
         torch.testing.assert_close(auto(input_ids=ids).logits, callback.sparse.eval()(ids), rtol=0, atol=0)

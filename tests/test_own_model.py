@@ -239,7 +239,14 @@ FAMILY_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64,
                                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                               max_position_embeddings=32, tie_word_embeddings=False),
+    # encoders (Table 1's CSE-BERT on the researcher's own model): trained on masked tokens
+    "bert": lambda: transformers.BertConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, max_position_embeddings=32),
+    "roberta": lambda: transformers.RobertaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=2, num_attention_heads=2,
+                                                  max_position_embeddings=36, pad_token_id=1),
 }
+MASKED = ("bert", "roberta")
 
 
 @pytest.mark.parametrize("kind", sorted(FAMILY_CONFIGS))
@@ -249,7 +256,8 @@ def test_every_family_converts_trains_and_resumes_exactly(own, tmp_path, kind, s
     and resumed ends with the uninterrupted run's weights, bit for bit."""
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(FAMILY_CONFIGS[kind]()).save_pretrained(tmp_path / "model")
+    auto = transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
+    auto.from_config(FAMILY_CONFIGS[kind]()).save_pretrained(tmp_path / "model")
     (tmp_path / "model" / "tokenizer.json").write_bytes((own / "model" / "tokenizer.json").read_bytes())
     spec = {"kind": sparse, "layers": [1], "n_experts": [0]}
     extra = {"cse": {"warmup_steps": 0, "n_samples": 100, "min_cluster_size": 10}} if sparse == "cse" else \
@@ -266,7 +274,9 @@ def test_every_family_converts_trains_and_resumes_exactly(own, tmp_path, kind, s
     run(tmp_path / "split", stop_at=2)
     resumed = run(tmp_path / "split")
     model = load_checkpoint(whole)
-    assert family_of(model).name == f"{kind}+sparse" and len(model.sparse_layers()) == 1
+    assert family_of(model).name == f"{'bert' if kind in MASKED else kind}+sparse" and len(model.sparse_layers()) == 1
+    assert model.config.masked == (kind in MASKED)
+    assert model.config.mask_token_id == (2 if kind in MASKED else None)  # the pack tokenizer's <mask>
     a, b = load_safetensors(whole / "model.safetensors", "test"), load_safetensors(resumed / "model.safetensors", "test")
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -8,7 +8,7 @@ embeddings, the vocabulary check and the commands go through :func:`family_of` a
 :func:`family_for_config`.
 
 Supporting a new Hugging Face family is one :class:`Family` in :data:`FAMILIES` and its tests.
-Families here: ``cse_models`` GPT/BERT; HF GPT-2, BERT, GPT-NeoX (Pythia), the Llama layout
+Families here: ``cse_models`` GPT/BERT; HF GPT-2, BERT and RoBERTa, GPT-NeoX (Pythia), the Llama layout
 (Llama, Mistral, Qwen2, OLMo: pre-norm ``input_layernorm`` / ``post_attention_layernorm``
 around ``self_attn`` / ``mlp``) and OLMo-2 (the same modules, normalised after each
 sub-layer); any other ``transformers`` model loads and has a kernel, but no layer layout.
@@ -53,6 +53,7 @@ _DECODER_POINTS = {"block": (None, False), "ffn_input": ("post_attention_layerno
 _POST_NORM_POINTS = {"block": (None, False), "ffn_input": ("mlp", True), "ffn_output": ("mlp", False),
                      "attn_input": (None, True)}
 LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "olmo")
+ENCODERS = ("bert", "roberta")
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def _sparse_hf_family(base: Family, model_types: tuple) -> Family:
     return Family(f"{base.name}+sparse",
                   is_model=lambda m: isinstance(m, cse_models.SparseHF) and _model_type(m.hf) in model_types,
                   is_config=lambda d: SECTION in d and d.get("model_type") in model_types,
-                  load=lambda path, data, weights: cse_models.load_hf(path), causal=lambda m: True,
+                  load=lambda path, data, weights: cse_models.load_hf(path), causal=lambda m: not m.config.masked,
                   blocks=lambda m: base.blocks(m.hf), points=base.points, vocab_size=lambda m: _hf_vocab(m.hf))
 
 
@@ -194,7 +195,9 @@ def _hf_blocks(model_type: str) -> Callable:
 
 
 def _bert_encoder(model):
-    return getattr(model, "encoder", None) or getattr(getattr(model, "bert", None), "encoder", None)
+    """The encoder of an HF BERT / RoBERTa (the bare model or one with a head)."""
+    return getattr(model, "encoder", None) or getattr(getattr(model, "bert", None), "encoder", None) or \
+        getattr(getattr(model, "roberta", None), "encoder", None)
 
 
 FAMILIES: dict[str, Family] = {
@@ -221,7 +224,7 @@ FAMILIES: dict[str, Family] = {
     "bert": Family(
         "bert",
         is_model=lambda m: is_huggingface(m) and hasattr(_bert_encoder(m), "layer"),
-        is_config=lambda d: d.get("model_type") == "bert" and "architectures" in d,
+        is_config=lambda d: d.get("model_type") in ENCODERS and "architectures" in d,
         load=_load_hf,
         causal=lambda m: False,
         blocks=lambda m: list(_bert_encoder(m).layer),
@@ -247,7 +250,8 @@ FAMILIES: dict[str, Family] = {
 # converted HF models first: their config.json names the base family's model_type too
 FAMILIES = {"cse_models": FAMILIES["cse_models"],
             **{f"{name}+sparse": _sparse_hf_family(FAMILIES[name], types) for name, types in
-               (("gpt2", ("gpt2",)), ("gpt_neox", ("gpt_neox",)), ("llama", LLAMA_LAYOUT), ("olmo2", ("olmo2",)))},
+               (("gpt2", ("gpt2",)), ("gpt_neox", ("gpt_neox",)), ("llama", LLAMA_LAYOUT), ("olmo2", ("olmo2",)),
+                ("bert", ENCODERS))},
             **{k: v for k, v in FAMILIES.items() if k != "cse_models"}}
 
 
