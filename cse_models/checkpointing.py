@@ -29,12 +29,12 @@ def param_names(model) -> dict:
 
 
 _EXPERT = ((re.compile(r"\.intermediate\.layer\.experts\.\d+\.out\."), ".output.dense."),
-           (re.compile(r"\.layer\.experts\.\d+\.mlp\."), "."), (re.compile(r"\.experts\.\d+\."), "."))
+           (re.compile(r"\.layer\.experts\.\d+\.(?:mlp|attn)\."), "."), (re.compile(r"\.experts\.\d+\."), "."))
 
 
 def expert_source(name: str) -> str:
     """The dense parameter an expert's parameter was copied from: ``X.mlp.layer.experts.j.mlp.Y``
-    (an HF block, :class:`~cse_models.SparseHF`) or ``X.experts.j.Y`` (cse_models) -> ``X.mlp.Y``
+    (an HF block's FFN, :class:`~cse_models.SparseHF`; ``.attn.`` for its attention) or ``X.experts.j.Y`` (cse_models) -> ``X.mlp.Y``
     / ``X.Y``; an HF encoder's output projection ``X.intermediate.layer.experts.j.out.Y`` ->
     ``X.output.dense.Y``; any other name is its own."""
     for pattern, into in _EXPERT:

@@ -75,7 +75,8 @@ def _dispatch(experts: nn.ModuleList, x: torch.Tensor, key_mask, assign: torch.T
     for j, expert in enumerate(experts):
         idx = (assign == j).nonzero().squeeze(1)
         if idx.numel():
-            y = expert(x[idx], None if key_mask is None else key_mask[idx])
+            rows = {"rows": idx} if getattr(expert, "takes_rows", False) else {}  # an HF attention: its call's rows
+            y = expert(x[idx], None if key_mask is None else key_mask[idx], **rows)
             out = out.index_copy(0, idx, y.to(out.dtype))  # bf16 under autocast: the residual's dtype
     return out
 

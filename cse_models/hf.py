@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,19 +59,21 @@ class Layout:
     model) and the feed-forward module inside a block (an attribute name). ``ffn_out``: where the
     FFN's output projection sits apart from it (a dotted path in the block: an encoder's
     ``intermediate`` / ``output.dense`` split, whose ``output`` adds the residual and normalises);
-    each expert then holds both, and the block keeps an identity at ``ffn_out``."""
+    each expert then holds both, and the block keeps an identity at ``ffn_out``. ``attn``: the
+    attention module inside a block (MoA: ``sparse.module = "attn"``)."""
 
     blocks: str
     ffn: str = "mlp"
     ffn_out: str | None = None
+    attn: str = "self_attn"
 
 
 LAYOUTS: dict[str, Layout] = {
-    "gpt2": Layout("transformer.h"),
-    "gpt_neox": Layout("gpt_neox.layers"),
+    "gpt2": Layout("transformer.h", attn="attn"),
+    "gpt_neox": Layout("gpt_neox.layers", attn="attention"),
     **{t: Layout("model.layers") for t in ("llama", "mistral", "qwen2", "olmo", "olmo2")},
-    "bert": Layout("bert.encoder.layer", "intermediate", "output.dense"),
-    "roberta": Layout("roberta.encoder.layer", "intermediate", "output.dense"),
+    "bert": Layout("bert.encoder.layer", "intermediate", "output.dense", attn="attention"),
+    "roberta": Layout("roberta.encoder.layer", "intermediate", "output.dense", attn="attention"),
 }
 MASK_TOKENS = ("[MASK]", "<mask>")  # a masked LM's mask token, when its config does not name its id
 
@@ -126,6 +129,60 @@ class HFExpert(nn.Module):
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         y = self.mlp(x)
         return y if self.out is None else self.out(y)
+
+
+_attention_call = threading.local()  # the arguments of the HF attention call in progress (MoA)
+
+
+def _rows_of(value, rows: torch.Tensor, batch: int):
+    """``value`` (an argument of an attention call) for the sequences ``rows``: tensors whose first
+    dimension is the batch are indexed, tuples, lists and dicts entry by entry, anything else kept."""
+    if torch.is_tensor(value):
+        return value[rows] if value.dim() and value.shape[0] == batch else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows_of(v, rows, batch) for v in value)
+    if isinstance(value, dict):
+        return {k: _rows_of(v, rows, batch) for k, v in value.items()}
+    return value
+
+
+class HFAttentionExpert(nn.Module):
+    """An HF attention module as an expert (MoA): ``forward(x, key_mask, rows=)`` runs it on the
+    sequences ``rows`` of the call in progress (their attention mask, rotary positions, ...: every
+    argument of the block's call, indexed by ``rows``) and returns its output (B', T, d)."""
+
+    takes_rows = True
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        args, kwargs, batch = getattr(_attention_call, "value", ((), {}, x.shape[0]))
+        if rows is not None:
+            args, kwargs = _rows_of(args, rows, batch), _rows_of(kwargs, rows, batch)
+        out = self.attn(x, *args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class HFSparseAttention(nn.Module):
+    """Stands where a block's attention stood: the call's hidden states (B, T, d) and other
+    arguments in, ``(output, None)`` out (no attention weights), routed by the sparse layer."""
+
+    def __init__(self, layer: nn.Module, context: dict):
+        super().__init__()
+        self.layer = layer
+        self.context = context
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        kwargs.pop("output_attentions", None)
+        _attention_call.value = (args, kwargs, hidden_states.shape[0])
+        try:
+            mask, domains = self.context.get("key_mask"), self.context.get("domains")
+            return self.layer(hidden_states, mask, domains), None
+        finally:
+            del _attention_call.value
 
 
 class HFSparseFFN(nn.Module):
@@ -215,8 +272,6 @@ class SparseHF(SparseRouting, nn.Module):
         self.hf = hf_model
         self.config = HFSparseConfig(hf_model.config, layout, sparse, masked=is_masked_lm(hf_model))
         if sparse is not None:
-            if sparse.module != "ffn":
-                raise UserError(f"SparseHF: sparse.module must be 'ffn' in an HF model (got {sparse.module!r})")
             sparse.check(self.config.n_layer)
         self._context: dict = {}
         self.hf.register_forward_pre_hook(self._capture_mask, with_kwargs=True)
@@ -233,9 +288,16 @@ class SparseHF(SparseRouting, nn.Module):
     def block(self, layer: int) -> nn.Module:
         return layout_blocks(self.hf, self.config.layout)[layer]
 
+    def _attention(self) -> bool:
+        return self.config.sparse is not None and self.config.sparse.module == "attn"
+
     def sparse_module(self, layer: int) -> nn.Module:
-        """The FFN of block ``layer``: its sparse layer, or the dense MLP as an expert."""
+        """The FFN (or, MoA, the attention) of block ``layer``: its sparse layer, or the dense
+        module as an expert."""
         block, layout = self.block(layer), self.config.layout
+        if self._attention():
+            attn = getattr(block, layout.attn)
+            return attn.layer if isinstance(attn, HFSparseAttention) else HFAttentionExpert(attn)
         ffn = getattr(block, layout.ffn)
         if isinstance(ffn, HFSparseFFN):
             return ffn.layer
@@ -243,6 +305,9 @@ class SparseHF(SparseRouting, nn.Module):
 
     def replace_sparse_module(self, layer: int, module: nn.Module) -> None:
         block, layout = self.block(layer), self.config.layout
+        if self._attention():
+            setattr(block, layout.attn, HFSparseAttention(module, self._context))
+            return
         setattr(block, layout.ffn, HFSparseFFN(module, self._context))
         if layout.ffn_out is not None:  # the experts hold the output projection now
             owner, _, name = layout.ffn_out.rpartition(".")
@@ -251,13 +316,19 @@ class SparseHF(SparseRouting, nn.Module):
     @torch.no_grad()
     def module_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers,
                       module: str = "ffn", *, chunk: int = 256) -> dict[int, torch.Tensor]:
-        """Sequence embeddings (B, d): the mean over real tokens of each layer's FFN input."""
-        if module != "ffn":
-            raise UserError(f"SparseHF.module_inputs: module must be 'ffn' (got {module!r})")
+        """Sequence embeddings (B, d): the mean over real tokens of each layer's FFN input (or,
+        ``module="attn"``, its attention's input)."""
+        if module not in ("ffn", "attn"):
+            raise UserError(f"SparseHF.module_inputs: module must be 'ffn' or 'attn' (got {module!r})")
         captured: dict[int, list] = {i: [] for i in layers}
-        hooks = [getattr(self.block(i), self.config.layout.ffn).register_forward_pre_hook(
-            lambda _m, args, i=i: captured[i].append(sequence_embedding(args[0], self._context.get("key_mask"))))
-            for i in layers]
+        where = self.config.layout.ffn if module == "ffn" else self.config.layout.attn
+
+        def capture(i, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            captured[i].append(sequence_embedding(x, self._context.get("key_mask")))
+
+        hooks = [getattr(self.block(i), where).register_forward_pre_hook(
+            lambda _m, args, kwargs, i=i: capture(i, args, kwargs), with_kwargs=True) for i in layers]
         try:
             for start in range(0, input_ids.shape[0], chunk):
                 ids = input_ids[start:start + chunk]

@@ -116,12 +116,12 @@ def _callback_base():
 class SparseCallback(_callback_base()):
     """Convert the model at step ``at`` of ``Trainer.train()`` (``plan``: a plan JSON whose
     ``warmup_steps`` and ``layers`` give ``at`` and the layers when they are not given), with
-    :func:`convert_in_training`'s ``kind``, ``fitting`` ({"input_ids": (N, T)[, "attention_mask"]},
+    :func:`convert_in_training`'s ``kind``, ``module`` ("ffn", or "attn": MoA, CSE only), ``fitting`` ({"input_ids": (N, T)[, "attention_mask"]},
     CSE), ``router``, ``n_experts`` and ``seed``; record the sparse layers in every checkpoint
     saved after it (module docstring)."""
 
     def __init__(self, *, at: int | None = None, plan=None, kind: str = "cse", layers=None, fitting: dict | None = None,
-                 router: dict | None = None, n_experts: int = 2, seed: int = 0):
+                 router: dict | None = None, n_experts: int = 2, seed: int = 0, module: str = "ffn"):
         if plan is not None:
             data = read_json_object(Path(plan), "SparseCallback")
             at = at if at is not None else data.get("warmup_steps")
@@ -134,10 +134,13 @@ class SparseCallback(_callback_base()):
         if kind not in ("cse", "switch"):  # DEMix routes by labels that Trainer's forward never passes
             raise UserError(f"SparseCallback: kind must be 'cse' or 'switch' (got {kind!r}); DEMix needs domain labels "
                             "in every forward, which Trainer does not pass: train it with cse-train")
+        if module not in ("ffn", "attn") or (module == "attn" and kind != "cse"):
+            raise UserError(f"SparseCallback: module must be 'ffn', or 'attn' with kind 'cse' (got {module!r} with "
+                            f"{kind!r}): a Switch layer routes tokens through FFN experts")
         if kind == "cse" and not fitting:
             raise UserError("SparseCallback: fitting must hold the sequences CSE's router clusters "
                             "({'input_ids': (N, T) token ids[, 'attention_mask']})")
-        self.at, self.kind, self.layers = at, kind, [int(i) for i in layers]
+        self.at, self.kind, self.module, self.layers = at, kind, module, [int(i) for i in layers]
         self.fitting, self.router, self.n_experts, self.seed = fitting, router, n_experts, seed
         self.sparse: SparseHF | None = None
 
@@ -162,7 +165,8 @@ class SparseCallback(_callback_base()):
             return
         fitting = self.fitting or {}
         self.sparse = convert_in_training(
-            model, optimizer, {"kind": self.kind, "layers": self.layers}, fitting_ids=fitting.get("input_ids"),
+            model, optimizer, {"kind": self.kind, "module": self.module, "layers": self.layers},
+            fitting_ids=fitting.get("input_ids"),
             fitting_mask=fitting.get("attention_mask"), seed=self.seed, router=self.router,
             n_experts=self.n_experts)
 

@@ -4,12 +4,14 @@ built tiny from their configs (no hub): a one-expert conversion is the dense mod
 two-domain batch reaches two experts; save, load and resume round-trip exactly; loading runs
 no checkpoint code."""
 
+import copy
 import json
 
 import pytest
 import torch
 
 from cse_models import SparseHF, load_any_model, load_hf
+from cse_models.hf import LAYOUTS
 from cse_models.cse import convert_to_cse, upcycle
 from cse_models.experts import CSELayer, SwitchFFN
 
@@ -156,8 +158,8 @@ def test_loading_runs_no_checkpoint_code_and_refuses_wrong_weights(tmp_path):
 
 
 def test_sparse_spec_is_checked():
-    with pytest.raises(ValueError, match="must be 'ffn'"):
-        SparseHF(dense("gpt2"), dict(kind="cse", module="attn", layers=[0], n_experts=[0]))
+    with pytest.raises(ValueError, match="module must be 'ffn'"):  # Switch routes tokens through FFN experts
+        SparseHF(dense("gpt2"), dict(kind="switch", module="attn", layers=[0], n_experts=[0]))
     with pytest.raises(ValueError, match=r"layers must be block indices in \[0, 3\)"):
         SparseHF(dense("gpt2"), dict(kind="cse", layers=[3], n_experts=[0]))
     distil = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(vocab_size=50, dim=16, n_layers=1,
@@ -166,3 +168,47 @@ def test_sparse_spec_is_checked():
         SparseHF(distil)
     with pytest.raises(ValueError, match="a masked LM's loss is over its masked tokens"):
         SparseHF(dense("bert"))(*batch(), targets=batch()[0])
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+@torch.no_grad()
+def test_moa_routes_whole_sequences_through_attention_experts(kind, tmp_path):
+    """MoA (sparse.module "attn") in every family: the attention of a block becomes CSE experts.
+    With two identical experts, a padded batch split between them gives the dense model's logits
+    (each expert sees its own sequences' masks and positions); a one-expert DEMix is the dense
+    model bit for bit; experts that differ round-trip through save and load, and through
+    transformers' Auto class."""
+    ids, domain = planted_domains(n_per=4, T=12, seed=1)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[5, 4:] = 0
+    hf = dense(kind)
+    emb = hf.get_input_embeddings().weight  # the plant, as in the FFN test
+    u = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0))
+    emb[:25] += u
+    emb[25:] -= u
+    reference = copy.deepcopy(hf)(input_ids=ids, attention_mask=mask).logits
+    model = SparseHF(hf, dict(kind="cse", module="attn", layers=[1], n_experts=[0])).eval()
+    fits = convert_to_cse(model, planted_domains()[0], None, min_cluster_size=10, max_experts=4)
+    (name, layer), = model.sparse_layers().items()
+    assert fits[1].n_clusters == 2 and name.endswith(".1." + LAYOUTS[kind].attn + ".layer")
+    routed = []
+    hook = layer.register_forward_hook(lambda m, args, out: routed.append(m.route(args[0], args[1])[1]))
+    real = mask.bool()
+    torch.testing.assert_close(model(ids, mask)[real], reference[real], rtol=1e-5, atol=1e-5)
+    hook.remove()
+    assert sorted(set(routed[0].tolist())) == [0, 1]  # both experts got sequences of this batch
+    for j, expert in enumerate(layer.experts):  # experts that differ
+        for p in expert.parameters():
+            p.add_(0.01 * j)
+    out = model(ids, mask)
+    assert not torch.equal(out[real], reference[real])
+    model.save_pretrained(tmp_path / "moa")
+    torch.testing.assert_close(load_hf(tmp_path / "moa")(ids, mask), out, rtol=0, atol=0)
+    auto = (transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM)
+    torch.testing.assert_close(auto.from_pretrained(tmp_path / "moa")(input_ids=ids, attention_mask=mask).logits, out,
+                               rtol=0, atol=0)
+    one = SparseHF(dense(kind), dict(kind="demix", module="attn", layers=[0, 2], n_experts=[0, 0], domains=["x"]))
+    upcycle(one.eval(), 1)
+    torch.testing.assert_close(one(ids, mask, torch.zeros(len(ids), dtype=torch.long))[real],
+                               dense(kind)(input_ids=ids, attention_mask=mask).logits[real], rtol=0, atol=0)

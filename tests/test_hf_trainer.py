@@ -30,8 +30,9 @@ class StopAt(transformers.TrainerCallback):
 def _run(kind, sparse_kind, out, *, stop=None, resume=None):
     model = dense(kind).train()
     fitting = {"input_ids": ROWS[:64]}
-    callback = SparseCallback(at=4, kind=sparse_kind, layers=[1, 2], fitting=fitting,
-                              router={"min_cluster_size": 10}, n_experts=2)
+    kind_, _, module = sparse_kind.partition("-")
+    callback = SparseCallback(at=4, kind=kind_, layers=[1, 2], fitting=fitting, router={"min_cluster_size": 10},
+                              n_experts=2, module=module or "ffn")
     if resume is not None:
         assert callback.restore(model, resume) is not None
     args = transformers.TrainingArguments(output_dir=str(out), max_steps=8, per_device_train_batch_size=8,
@@ -45,7 +46,7 @@ def _run(kind, sparse_kind, out, *, stop=None, resume=None):
 
 
 @pytest.mark.parametrize("kind, sparse_kind", [("llama", "cse"), ("llama", "switch"), ("gpt2", "cse"),
-                                                     ("bert", "cse")])
+                                                     ("bert", "cse"), ("llama", "cse-attn")])
 def test_a_trainer_run_converted_mid_run_resumes_to_the_same_weights(kind, sparse_kind, tmp_path):
     """GPT-NeoX is left out: transformers 5.24's Trainer resumes a plain, dense GPT-NeoX to other
     weights too (it saves the head as embed_out and loads it as lm_head, which stays at its

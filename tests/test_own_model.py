@@ -249,18 +249,20 @@ FAMILY_CONFIGS = {
 MASKED = ("bert", "roberta")
 
 
-@pytest.mark.parametrize("kind", sorted(FAMILY_CONFIGS))
-@pytest.mark.parametrize("sparse", ["cse", "switch"])
+@pytest.mark.parametrize("kind, sparse", [(k, s) for k in sorted(FAMILY_CONFIGS) for s in ("cse", "switch")]
+                         + [("llama", "cse-attn"), ("bert", "cse-attn")])
 def test_every_family_converts_trains_and_resumes_exactly(own, tmp_path, kind, sparse):
-    """Per family: cse-train from the HF directory converts at step 0, and a run killed after step 2
-    and resumed ends with the uninterrupted run's weights, bit for bit."""
+    """Per family: cse-train from the HF directory converts at step 0 (CSE on the FFN or, "cse-attn",
+    on the attention: MoA), and a run killed after step 2 and resumed ends with the uninterrupted
+    run's weights, bit for bit."""
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(0)
     auto = transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
     auto.from_config(FAMILY_CONFIGS[kind]()).save_pretrained(tmp_path / "model")
     (tmp_path / "model" / "tokenizer.json").write_bytes((own / "model" / "tokenizer.json").read_bytes())
-    spec = {"kind": sparse, "layers": [1], "n_experts": [0]}
-    extra = {"cse": {"warmup_steps": 0, "n_samples": 100, "min_cluster_size": 10}} if sparse == "cse" else \
+    spec = {"kind": sparse.split("-")[0], "module": "attn" if sparse.endswith("attn") else "ffn", "layers": [1],
+            "n_experts": [0]}
+    extra = {"cse": {"warmup_steps": 0, "n_samples": 100, "min_cluster_size": 10}} if sparse != "switch" else \
         {"cse": {}, "upcycle": {"at": 0, "n_experts": 2}}
 
     def run(out, **kw):
