@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from cse_models.config import GPTConfig
-from cse_models.hf import load_any_model
+from cse_models.hf import SECTION, load_any_model
 from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import atomic_path, load_safetensors, read_json_object, strict_json, write_json
 
@@ -111,12 +111,21 @@ def branch_from(checkpoint: str | Path, out_dir: str | Path, *, sparse: dict | N
     if latest_checkpoint(out_dir) is not None:
         return latest_checkpoint(out_dir)
     config = json.loads((src / "config.json").read_text())
+    target = out_dir / "checkpoints" / src.name
+    if "architectures" in config or SECTION in config:  # an HF model trained by cse-train
+        model = load_any_model(src, sparse) if sparse is not None else None  # refuses a converted one
+        with atomic_path(target) as tmp:
+            shutil.copytree(src, tmp)
+            if model is not None:  # the sparse format, its layers listed with 0 experts (the same tensors)
+                (tmp / "config.json").unlink()
+                model.save_pretrained(tmp)
+        log.info("run %s starts from %s (step %s)", out_dir, src, src.name)
+        return target
     if config.get("sparse") is not None:
         raise UserError(f"branch_from: {src} is a sparse model already ({config['sparse']['kind']}); "
                         "branch from a dense checkpoint")
     config["sparse"] = sparse
     GPTConfig.from_dict(config)  # validates the spec against the model
-    target = out_dir / "checkpoints" / src.name
     with atomic_path(target) as tmp:
         shutil.copytree(src, tmp)
         write_json(tmp / "config.json", config)

@@ -61,11 +61,15 @@ log = logging.getLogger("cse_models.train")
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to 1, then cosine decay to ``min_lr_ratio`` at ``steps``."""
+    """Linear warm-up to 1, then ``cfg.lr_schedule``'s decay to ``min_lr_ratio`` at ``steps``
+    (cosine, linear, or none: constant); after ``steps``, ``min_lr_ratio``."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    shape = 1 - progress if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:

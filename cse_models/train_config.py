@@ -213,6 +213,9 @@ def _section(cls, name: str, value):
     return from_fields(cls, value, f"TrainConfig: {name} has")
 
 
+LR_SCHEDULES = ("cosine", "linear", "constant")  # the decay after the linear warm-up (cse_models.train.lr_factor)
+
+
 @dataclass
 class TrainConfig:
     """Everything a run needs. ``model`` holds :class:`GPTConfig` fields (``sparse`` included);
@@ -233,6 +236,7 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
+    lr_schedule: str = "cosine"               # after the warm-up, to min_lr_ratio at `steps`: cosine | linear | constant
     weight_decay: float = 0.1
     betas: tuple = (0.9, 0.95)
     grad_clip: float = 1.0
@@ -306,6 +310,8 @@ class TrainConfig:
         if bad:
             raise UserError(f"TrainConfig: {', '.join(bad)} must be finite numbers (got "
                             f"{', '.join(repr(v) for v in bad.values())})")
+        if cfg.lr_schedule not in LR_SCHEDULES:
+            raise UserError(f"TrainConfig: lr_schedule must be one of {list(LR_SCHEDULES)} (got {cfg.lr_schedule!r})")
         if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1 or cfg.warmup_steps < 0 or cfg.grad_clip < 0:
             raise UserError(f"TrainConfig: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, grad_clip >= 0 "
                             f"(got {cfg.lr}, {cfg.min_lr_ratio}, {cfg.warmup_steps}, {cfg.grad_clip})")

@@ -282,3 +282,38 @@ def test_every_family_converts_trains_and_resumes_exactly(own, tmp_path, kind, s
     a, b = load_safetensors(whole / "model.safetensors", "test"), load_safetensors(resumed / "model.safetensors", "test")
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_compare_continues_the_runs_schedule_and_optimizer_state(own, tmp_path):
+    """From a cse-train checkpoint at step 3 of a 6-step run, compare's dense arm is that run
+    continued (its AdamW state and schedule): on the same data and batches it ends with the
+    uninterrupted run's step-6 weights, bit for bit; the CSE arm starts from the same state; a
+    comparison longer than the run's schedule is refused in one line; --lr starts afresh."""
+    from ntkscope.app.compare import compare_command
+
+    torch.set_default_dtype(torch.float32)
+    parent = tmp_path / "run"
+    train(TrainConfig.from_dict({
+        "out_dir": str(parent), "init_from": str(own / "model"),
+        "data": {"table": str(own / "train.jsonl"), "label_column": "domain", "seq_len": 32},
+        "steps": 6, "batch_size": 8, "checkpoint_every": 3, "warmup_steps": 2, "lr": 2e-3, "tensorboard": False,
+        "device": "cpu"}))
+    start = parent / "checkpoints" / "step-000003"
+    kw = dict(layers=[1], batch_size=8, seq_len=32, label_column="domain", n_samples=200, min_cluster_size=10,
+              n_boot=50)
+    r = compare_command(start, own / "train.jsonl", own / "test.jsonl", steps=3, out=tmp_path / "cmp", **kw)
+    assert "continues the cse-train run from step 3" in r["start"]
+    dense_end = tmp_path / "cmp" / "runs" / "dense-seed0" / "checkpoints" / "step-000006"
+    a = load_safetensors(dense_end / "model.safetensors", "test")
+    b = load_safetensors(parent / "checkpoints" / "step-000006" / "model.safetensors", "test")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    cse_start = load_safetensors(tmp_path / "cmp" / "runs" / "cse-seed0" / "checkpoints" / "step-000003" /
+                                 "optimizer.safetensors", "test")
+    assert cse_start.keys() == load_safetensors(start / "optimizer.safetensors", "test").keys()
+    with pytest.raises(ValueError, match=r"steps must end within the run's schedule.*at most 3"):
+        compare_command(start, own / "train.jsonl", own / "test.jsonl", steps=4, out=tmp_path / "cmp2", **kw)
+    assert not (tmp_path / "cmp2").exists()
+    fresh = compare_command(start, own / "train.jsonl", own / "test.jsonl", steps=2, lr=1e-3, out=tmp_path / "cmp3",
+                            **kw)
+    assert "lr 0.001 given: every arm starts a fresh warm-up" in fresh["start"]
+    assert (tmp_path / "cmp3" / "runs" / "dense-seed0" / "checkpoints" / "step-000002").is_dir()

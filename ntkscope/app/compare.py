@@ -6,8 +6,15 @@ router, d x experts per layer) and, when the training table has two labels or mo
 expert per label, routed by the label in training: the labelled upper bound), each for the same
 steps and batches (so the same tokens), per seed; then evaluate every arm on their held-out
 data, per domain (DEMix by its label-free mixture): the Tables 1-2 analogue for their model and
-data. Every arm starts a fresh warm-up of its learning rate from the checkpoint, the dense arm
-too: the researcher's own schedule and optimizer state are not continued.
+data.
+
+Every arm continues the run where the checkpoint left it when the checkpoint keeps that
+(:mod:`cse_models.continued`: a ``cse-train`` checkpoint, or a transformers ``Trainer``
+``checkpoint-N`` with its optimizer, scheduler and arguments): its AdamW state (an expert takes
+the state of the dense weights it was copied from) and its learning-rate schedule from that step,
+``steps`` more steps, within the run's schedule. Otherwise, or when ``lr`` is given, every arm
+starts a fresh warm-up of ``lr`` (default 1e-3) from the checkpoint, the dense arm too, and the
+command says why in one line.
 
 Each (arm, seed) is one ``cse_models.train`` run under ``OUT/runs/ARM-seedK`` and resumes where it
 stopped; a finished one is not retrained. ``OUT/comparison.csv``: arm, seed, domain, texts, tokens,
@@ -23,11 +30,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from cse_models.continued import RunState, branch, run_state
 from cse_models.domains import evaluate_domains
 from cse_models.hf import load_any_model
 from cse_models.checkpointing import latest_checkpoint
 from cse_models.train import load_data, train
-from cse_models.train_config import TrainConfig, warmup_after
+from cse_models.train_config import TrainConfig, apply_plan, warmup_after
 from ntkscope.app.commands import data_files
 from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import DirectoryLock, Staging, check_output, digest, write_json, write_table
@@ -43,19 +51,21 @@ log = logging.getLogger(__name__)
 
 ARMS = ("dense", "cse", "switch", "demix")  # DEMix only when the training table has two labels or more
 REQUEST = "compare.json"  # what OUT was asked to hold (:func:`ntkscope.core.requests.bind_request`)
+FRESH_LR = 1e-3  # the peak rate of a fresh warm-up, when the run is not continued and no lr is given
 
 
 def _config(arm: str, run: Path, common: dict, cse: dict, sparse_layers, switch_experts: int | None,
-            domains=()) -> TrainConfig:
+            domains=(), at: int = 0) -> TrainConfig:
+    """Arm ``arm``'s training, converting (or upcycling) at step ``at`` (the branch's first)."""
     zeros = [0] * len(sparse_layers) if isinstance(sparse_layers, list) else [0]
     spec = {"dense": {},
             "cse": {"model": {"sparse": {"kind": "cse", "layers": sparse_layers, "n_experts": zeros}},
-                    "cse": {"warmup_steps": 0, **cse}},
+                    "cse": {"warmup_steps": at, **cse}},
             "switch": {"model": {"sparse": {"kind": "switch", "layers": sparse_layers, "n_experts": zeros}},
-                       "upcycle": {"at": 0, "n_experts": switch_experts}},
+                       "upcycle": {"at": at, "n_experts": switch_experts}},
             "demix": {"model": {"sparse": {"kind": "demix", "layers": sparse_layers, "n_experts": zeros,
                                            "domains": list(domains)}},
-                      "upcycle": {"at": 0}}}[arm]
+                      "upcycle": {"at": at}}}[arm]
     return TrainConfig.from_dict({**common, **spec, "out_dir": str(run)})
 
 
@@ -86,12 +96,14 @@ def _check_warmup(init_from, plan) -> None:
 
 
 def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None, steps: int = 200,
-                    batch_size: int = 16, seq_len: int = 64, lr: float = 1e-3, seeds=(0,), text_column: str = "text",
+                    batch_size: int = 16, seq_len: int = 64, lr: float | None = None, seeds=(0,), text_column: str = "text",
                     label_column: str | None = None, data_format: str = "auto", tokenizer=None, n_samples: int = 3000,
                     min_cluster_size: int = 15, n_boot: int = 1000, out="compare", force: bool = False) -> dict:
     """Train dense / CSE / Switch (/ DEMix) from ``init_from`` on ``train_data`` and compare them per domain on
     ``eval_data`` (both read as ``--data`` is). ``plan`` (from ``ntkscope plan``) gives the layers
-    (and is checked against the model), or ``layers`` names them.
+    (and is checked against the model), or ``layers`` names them. ``lr`` None continues the run's
+    own schedule and AdamW state where the checkpoint keeps them (module docstring); a number
+    starts every arm on a fresh warm-up to it.
 
     Everything is checked before the first arm trains, and a refused comparison leaves nothing
     behind. ``out`` is tied to this request (``OUT/compare.json``): a rerun that asks for anything
@@ -107,8 +119,10 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
                         ("min_cluster_size", min_cluster_size), ("n_samples", n_samples)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(name, "must be a positive integer", value, func=func)
-    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise InputError("lr", "must be a positive, finite number", lr, func=func)
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
+                           or lr <= 0):
+        raise InputError("lr", "must be a positive, finite number (or None: continue the run's schedule)", lr,
+                         func=func)
     out = check_output(func, out)
     train_source = as_source(train_data, columns=DataSource(None, text_column, label_column))
     if train_source.kind not in ("table", "datasets"):
@@ -131,6 +145,8 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
             raise InputError("layers", f"must be distinct block indices in [0, {n_layer}) of this {n_layer}-layer "
                              "model", bad or sparse_layers, func=func)
     del model
+    state, start = _continuation(init_from, lr, steps, func)
+    lr = lr if state is None and lr is not None else (FRESH_LR if state is None else None)
     tokenizer = checkpoint_tokenizer(init_from, tokenizer).name  # the one resolution, for every arm
     data = {"table": str(train_source.path), "text_column": text_column, "label_column": label_column,
             "seq_len": seq_len, "tokenizer": tokenizer}
@@ -138,6 +154,7 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
                "train_data_contents": digest({}, paths=train_source.files), "eval_data": eval_source.options(),
                "eval_data_contents": digest({}, paths=eval_source.files), "plan": None if plan is None else str(plan),
                "layers": sparse_layers, "steps": steps, "batch_size": batch_size, "lr": lr, "seeds": seeds,
+               "continued": None if state is None else {"step": state.step, **state.schedule},
                "n_samples": n_samples, "min_cluster_size": min_cluster_size, "n_boot": n_boot}
     made = not out.exists()
     with DirectoryLock(out, "compare"):
@@ -145,23 +162,48 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
             for name in ("runs", "tables", REQUEST):
                 shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
         bind_request(out, request, func, record=REQUEST)
+        log.info(start)
         try:
-            return _train_and_evaluate(init_from, data, eval_source, plan, sparse_layers, seeds, steps, batch_size,
-                                       lr, n_samples, min_cluster_size, tokenizer, n_boot, out)
+            result = _train_and_evaluate(init_from, data, eval_source, plan, sparse_layers, seeds, steps, batch_size,
+                                         lr, state, n_samples, min_cluster_size, tokenizer, n_boot, out, start)
+            return {**result, "start": start}
         except UserError:
             if made and not any((out / "runs").glob("*/checkpoints/step-*")):
                 shutil.rmtree(out)  # refused before any arm saved a step: nothing is left behind
             raise
 
 
-def _train_and_evaluate(init_from, data, eval_source, plan, sparse_layers, seeds, steps, batch_size, lr, n_samples,
-                        min_cluster_size, tokenizer, n_boot, out: Path) -> dict:
+def _continuation(init_from, lr, steps: int, func: str) -> tuple[RunState | None, str]:
+    """(what of the run ``init_from`` the arms continue (None: a fresh warm-up), the one line that
+    says so: logged, printed by the command and kept in ``result.json`` as ``start``)."""
+    state, why = run_state(init_from)
+    if lr is not None:
+        return None, f"compare: lr {lr:g} given: every arm starts a fresh warm-up to it from " \
+            f"{init_from}" + ("" if state is None else " (the run's own schedule and AdamW state are not continued)")
+    if state is None:
+        return None, f"compare: {init_from} cannot be continued ({why}): every arm starts a fresh " \
+            f"warm-up of lr {FRESH_LR:g} from it"
+    last = int(state.schedule["steps"])
+    if state.step + steps > last:
+        raise InputError("steps", f"must end within the run's schedule, which is continued from step {state.step} to "
+                         f"its last step {last} (at most {max(last - state.step, 0)}); or give --lr for a fresh "
+                         "warm-up", steps, func=func)
+    return state, f"compare: every arm continues the {state.writer} run from step {state.step} on its " \
+        f"own schedule ({state.schedule['lr_schedule']}, lr {state.schedule['lr']:g}, to step {last}) and AdamW " \
+        f"state, for {steps} steps"
+
+
+def _train_and_evaluate(init_from, data, eval_source, plan, sparse_layers, seeds, steps, batch_size, lr, state,
+                        n_samples, min_cluster_size, tokenizer, n_boot, out: Path, start_line: str) -> dict:
     """Every (seed, arm) run, each resumed or skipped when done, then the evaluation."""
     results = []
+    start = 0 if state is None else state.step
+    schedule = {"steps": steps, "lr": lr, "warmup_steps": max(1, steps // 20)} if state is None else \
+        {**state.schedule, "stop_at": start + steps}
     for seed in seeds:
-        common = {"init_from": str(init_from), "data": data, "steps": steps, "batch_size": batch_size, "lr": lr,
-                  "warmup_steps": max(1, steps // 20), "seed": seed, "checkpoint_every": max(1, steps // 4),
-                  "tensorboard": False, "plan": None if plan is None else str(plan)}
+        common = {"init_from": str(init_from), "data": data, "batch_size": batch_size, **schedule, "seed": seed,
+                  "checkpoint_every": max(1, steps // 4), "tensorboard": False,
+                  "plan": None if plan is None else str(plan)}
         cse = {"n_samples": n_samples, "min_cluster_size": min_cluster_size}
         last = {}
         domains = load_data(_config("dense", out, common, cse, sparse_layers, None))[0].domain_names
@@ -173,14 +215,19 @@ def _train_and_evaluate(init_from, data, eval_source, plan, sparse_layers, seeds
             experts = None
             if arm == "switch":  # CSE's expert count at each layer, upcycled so the function is unchanged
                 experts = list(load_any_model(last["cse"]).config.sparse.n_experts)
-            cfg = _config(arm, run, common, cse, sparse_layers, experts, domains)
+            cfg = _config(arm, run, common, cse, sparse_layers, experts, domains, at=start)
             done = latest_checkpoint(run)
-            last[arm] = done if done is not None and done.name == f"step-{steps:06d}" else train(cfg)
+            if done is not None and done.name == f"step-{start + steps:06d}":
+                last[arm] = done
+                continue
+            if state is not None:
+                branch(init_from, run, apply_plan(cfg).model.get("sparse"), cfg, state)
+            last[arm] = train(cfg)
         results.append((seed, last))
-    return _evaluate(results, eval_source, tokenizer, n_boot, out)
+    return _evaluate(results, eval_source, tokenizer, n_boot, out, start_line)
 
 
-def _evaluate(results, source: DataSource, tokenizer, n_boot, out: Path) -> dict:
+def _evaluate(results, source: DataSource, tokenizer, n_boot, out: Path, start_line: str) -> dict:
     rows = source.rows("test") if source.kind == "pack" else source.rows()
     texts, labels = [t for t, _ in rows], [label for _, label in rows]
     frames, routing = [], {}
@@ -206,7 +253,7 @@ def _evaluate(results, source: DataSource, tokenizer, n_boot, out: Path) -> dict
                 save_figure(routing_shares(part, title=f"{arm}, seed {seed}"), files.path(f"routing-{arm}-seed{seed}"))
         weights = {f"{arm} seed {seed}": checkpoint for seed, last in results for arm, checkpoint in last.items()}
         write_json(files.path("result.json"), {"arms": list(ARMS), "seeds": [s for s, _ in results],
-                                               "eval_data": str(source), "n_boot": n_boot,
+                                               "eval_data": str(source), "n_boot": n_boot, "start": start_line,
                                                "comparison": table.to_dict("records"),
                                                "provenance": provenance(weights=weights, data_files=data_files(source))})
     return {"table": table, "files": files.written}

@@ -38,7 +38,7 @@ def _compare(args) -> int:
                         force=args.force)
     table = r["table"].pivot_table(index=["domain"], columns=["arm", "seed"], values="ppl")
     print_table("perplexity per domain on the evaluation data (arm x seed):", table.reset_index())
-    print(f"\nwrote {args.out}/tables/comparison.csv")
+    print(f"\n{r['start'].removeprefix('compare: ')}\nwrote {args.out}/tables/comparison.csv")
     return 0
 
 
@@ -83,7 +83,9 @@ def add_parsers(sub) -> None:
     cmp_.add_argument("--steps", type=POSITIVE_INT, default=200, help="training steps of every arm (default 200)")
     cmp_.add_argument("--batch-size", type=POSITIVE_INT, default=16)
     cmp_.add_argument("--seq-len", type=POSITIVE_INT, default=64)
-    cmp_.add_argument("--lr", type=POSITIVE, default=1e-3)
+    cmp_.add_argument("--lr", type=POSITIVE, default=None,
+                      help="a fresh warm-up to this rate for every arm (default: continue the run's own schedule "
+                           "and AdamW state where the checkpoint keeps them, else a fresh warm-up to 1e-3)")
     cmp_.add_argument("--seeds", type=_int_list, default=[0], help="comma-separated seeds (data order; default 0)")
     cmp_.add_argument("--min-cluster-size", type=ranged(int, 2), default=15,
                       help="CSE router: HDBSCAN's smallest cluster")

@@ -1,0 +1,195 @@
+"""A run continued where it stopped, by another arm: the step, the learning-rate schedule and the
+AdamW state a checkpoint holds of its run, and a branch that starts from them (``ntkscope
+compare``: every arm from the warm-up checkpoint, on the run's own schedule).
+
+Two writers keep what is needed:
+
+- ``cse-train`` (:mod:`cse_models.checkpointing`): ``trainer_state.json`` records the run's
+  :class:`~cse_models.TrainConfig` and ``optimizer.safetensors`` the AdamW state by parameter
+  name; :func:`~cse_models.checkpointing.branch_from` copies them.
+- transformers' ``Trainer`` (``checkpoint-N``): ``optimizer.pt`` and ``scheduler.pt`` (tensors
+  and numbers, read with ``torch.load(weights_only=True)``), ``trainer_state.json`` (the step and
+  ``max_steps``) and ``training_args.bin`` (the learning rate, the schedule's kind and warm-up,
+  AdamW's settings). That last file is a pickle of ``TrainingArguments``; it is read by an
+  unpickler that builds inert records of whatever the pickle names and never imports or calls
+  anything of it, so no code runs. The AdamW state is matched to parameter names by Trainer's
+  own grouping (decay parameters first, then the others, each in ``named_parameters`` order),
+  checked shape by shape; the schedule is Trainer's linear, cosine or constant (with warm-up),
+  checked against the learning rate ``scheduler.pt`` recorded at that step. What does not match
+  is not continued, and :func:`run_state` says why.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cse_models.checkpointing import branch_from, latest_checkpoint, save_checkpoint
+from cse_models.hf import SparseHF, load_any_model
+from cse_models.train import lr_factor, make_optimizer
+from cse_models.train_config import TrainConfig
+from ntkscope.core.files import read_json_object
+
+log = logging.getLogger(__name__)
+
+#: the TrainConfig fields that make a run's learning-rate schedule and AdamW settings
+SCHEDULE = ("lr", "lr_schedule", "min_lr_ratio", "warmup_steps", "steps", "weight_decay", "betas", "grad_clip")
+#: Trainer's schedules that lr_factor reproduces (after the warm-up), as TrainConfig.lr_schedule
+TRAINER_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant",
+                     "constant_with_warmup": "constant"}
+TRAINER_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW's state layout
+TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "training_args.bin", "trainer_state.json")
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a checkpoint holds of its run: the ``step`` it was saved at, the ``schedule``
+    (:data:`SCHEDULE`'s TrainConfig fields) and its ``writer`` ("cse-train" or "Trainer")."""
+
+    step: int
+    schedule: dict
+    writer: str
+
+
+class _Inert:
+    """What a pickle names, as an inert record: its arguments and its state, nothing run."""
+
+    def __new__(cls, *args, **kwargs):
+        record = object.__new__(cls)
+        record.args, record.state = args, None
+        return record
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _InertUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):  # never the named object: an inert record type
+        return type(name, (_Inert,), {"qualified": f"{module}.{name}"})
+
+    def persistent_load(self, pid):  # torch.save's tensor storages: not needed here
+        return None
+
+
+def read_training_args(path: Path) -> dict:
+    """The fields of a ``training_args.bin`` (``torch.save(TrainingArguments)``) as a dict, enum
+    fields by their value; read without importing or calling anything the pickle names."""
+    raw = path.read_bytes()
+    if zipfile.is_zipfile(io.BytesIO(raw)):
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            raw = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    record = _InertUnpickler(io.BytesIO(raw)).load()
+    state = record.state if isinstance(record, _Inert) else None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} does not hold TrainingArguments")
+    return {k: (v.args[0] if isinstance(v, _Inert) and len(v.args) == 1 else v) for k, v in state.items()}
+
+
+def _trainer_schedule(checkpoint: Path) -> tuple[RunState | None, str]:
+    args = read_training_args(checkpoint / "training_args.bin")
+    state = read_json_object(checkpoint / "trainer_state.json", "run_state")
+    step, total = int(state.get("global_step") or 0), int(state.get("max_steps") or 0)
+    kind, optim = str(args.get("lr_scheduler_type")), str(args.get("optim"))
+    if kind not in TRAINER_SCHEDULES or args.get("lr_scheduler_kwargs"):
+        return None, f"its schedule {kind!r} ({args.get('lr_scheduler_kwargs') or 'no options'}) is not one of " \
+                     f"{sorted(TRAINER_SCHEDULES)} without options"
+    if optim not in TRAINER_ADAMW:
+        return None, f"its optimizer {optim!r} is not torch's AdamW ({', '.join(TRAINER_ADAMW)})"
+    warmup = float(args.get("warmup_steps") or 0)
+    if warmup < 1 and (warmup or args.get("warmup_ratio")):  # a ratio of the run's steps
+        warmup = math.ceil(total * (warmup or float(args["warmup_ratio"])))
+    schedule = {"lr": float(args["learning_rate"]), "lr_schedule": TRAINER_SCHEDULES[kind], "min_lr_ratio": 0.0,
+                "warmup_steps": 0 if kind == "constant" else int(warmup), "steps": max(total, 1),
+                "weight_decay": float(args.get("weight_decay") or 0.0),
+                "betas": [float(args.get("adam_beta1", 0.9)), float(args.get("adam_beta2", 0.999))],
+                "grad_clip": float(args.get("max_grad_norm") or 0.0)}
+    recorded = torch.load(checkpoint / "scheduler.pt", map_location="cpu", weights_only=True).get("_last_lr") or [None]
+    ours = schedule["lr"] * lr_factor(step, TrainConfig(**schedule))
+    if recorded[0] is None or not math.isclose(float(recorded[0]), ours, rel_tol=1e-5, abs_tol=1e-12):
+        return None, f"its learning rate at step {step} ({recorded[0]}) is not its {kind} schedule's ({ours:.6g})"
+    return RunState(step, schedule, "Trainer"), ""
+
+
+def run_state(checkpoint) -> tuple[RunState | None, str]:
+    """(what ``checkpoint`` holds of its run, "") or (None, why it cannot be continued)."""
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "optimizer.safetensors").is_file() and (checkpoint / "trainer_state.json").is_file():
+        state = read_json_object(checkpoint / "trainer_state.json", "run_state")
+        config = TrainConfig.from_record(state.get("train_config") or {})
+        return RunState(int(state["step"]), {k: getattr(config, k) for k in SCHEDULE}, "cse-train"), ""
+    if not (checkpoint / "optimizer.pt").is_file():
+        return None, "it holds no optimizer state (a model directory, or a checkpoint saved without it)"
+    missing = [name for name in TRAINER_FILES if not (checkpoint / name).is_file()]
+    if missing:
+        return None, f"it lacks {', '.join(missing)} of a Trainer checkpoint"
+    try:
+        return _trainer_schedule(checkpoint)
+    except (ValueError, KeyError, TypeError, pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        return None, f"its training_args.bin or scheduler.pt could not be read ({' '.join(str(err).split())[:120]})"
+
+
+def _trainer_adam(checkpoint: Path, model: SparseHF) -> dict:
+    """{our parameter name: its AdamW state} from a Trainer's ``optimizer.pt``, matched by
+    Trainer's grouping and checked shape by shape (ValueError where they differ)."""
+    from transformers import Trainer
+
+    saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
+    decay = set(Trainer.get_decay_parameter_names(None, model.hf))
+    named = [(n, p) for n, p in model.hf.named_parameters() if p.requires_grad]
+    groups = [[(n, p) for n, p in named if n in decay], [(n, p) for n, p in named if n not in decay]]
+    if [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in groups]:
+        raise ValueError(f"its optimizer groups hold {[len(g['params']) for g in saved['param_groups']]} parameters, "
+                         f"Trainer's grouping of this model {[len(g) for g in groups]}")
+    state = {}
+    for group, ours in zip(saved["param_groups"], groups):
+        for index, (name, param) in zip(group["params"], ours):
+            found = saved["state"].get(index)
+            if found is None:
+                continue
+            if tuple(found["exp_avg"].shape) != tuple(param.shape):
+                raise ValueError(f"its state for {name} has shape {tuple(found['exp_avg'].shape)}, the parameter "
+                                 f"{tuple(param.shape)}")
+            state["hf." + name] = found
+    return state
+
+
+def branch(checkpoint, out_dir, sparse: dict | None, cfg: TrainConfig, state: RunState) -> Path:
+    """Start the run ``cfg`` (``out_dir``) from ``checkpoint`` as its run left it: the model (with
+    ``sparse``'s layers listed, 0 experts, converted by :func:`~cse_models.train.train` at
+    ``state.step``), its AdamW state and its schedule at ``state.step``. ``cfg`` must hold the
+    run's :data:`SCHEDULE` fields. Does nothing when ``out_dir`` has checkpoints already."""
+    if state.writer == "cse-train":
+        return branch_from(checkpoint, out_dir, sparse=sparse)
+    if latest_checkpoint(out_dir) is not None:
+        return latest_checkpoint(out_dir)
+    checkpoint = Path(checkpoint)
+    model = load_any_model(checkpoint, sparse)
+    adam = _trainer_adam(checkpoint, model)
+    opt = make_optimizer(model, cfg)
+    for group in opt.param_groups:
+        group["initial_lr"] = cfg.lr
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if names[id(p)] in adam:
+                opt.state[p] = {k: v.clone() for k, v in adam[names[id(p)]].items()}
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg), last_epoch=state.step - 1)
+    target = Path(out_dir) / "checkpoints" / f"step-{state.step:06d}"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        save_checkpoint(target, model, opt, sched, state.step, cfg)
+    log.info("run %s starts from the Trainer checkpoint %s (step %d; %d parameters' AdamW state)", out_dir,
+             checkpoint, state.step, len(adam))
+    return target
+
+
