@@ -13,16 +13,22 @@ warm-up step inside ``Trainer.train()``.
   :class:`~cse_models.SparseConfig`) into the checkpoint. To resume from such a checkpoint,
   :meth:`SparseCallback.restore` rebuilds the sparse layers on the fresh model before
   ``trainer.train(resume_from_checkpoint=...)``, so Trainer loads the weights and the optimizer
-  as it saved them. :meth:`SparseCallback.save` writes the converted model in
+  as it saved them. Trainer loads a checkpoint's tensors by the names it saved them under, while
+  ``save_pretrained`` renames some for older readers (GPT-NeoX's head, ``lm_head`` saved as
+  ``embed_out``): those are left at their initialisation. At the start of a resumed run the
+  callback loads such tensors by transformers' own renaming rules, so a resumed GPT-NeoX
+  (dense or converted) has its trained head. :meth:`SparseCallback.save` writes the converted model in
   :meth:`~cse_models.SparseHF.save_pretrained`'s format (``AutoModelForCausalLM`` reads it).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from cse_models.cse import convert_to_cse, upcycle
 from cse_models.checkpointing import expert_source
@@ -107,6 +113,40 @@ def restore(model, checkpoint) -> SparseHF | None:
     return SparseHF(model, section["sparse"], Layout(**section["layout"]))
 
 
+def _renamed(key: str, model) -> str:
+    """``key`` as transformers' loading renames it for ``model`` (its ``WeightRenaming`` rules:
+    e.g. GPT-NeoX's ``embed_out.`` -> ``lm_head.``); the key itself where there are none."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return key
+    for rule in get_model_conversion_mapping(model):
+        if type(rule) is WeightRenaming and len(rule.source_patterns) == len(rule.target_patterns) == 1:
+            key = re.sub(rule.source_patterns[0], rule.target_patterns[0], key)
+    return key
+
+
+@torch.no_grad()
+def load_renamed(model, checkpoint) -> int:
+    """Load the tensors of ``checkpoint/model.safetensors`` that Trainer's resume left out, since
+    they were saved under a renamed key (:func:`_renamed`); returns how many."""
+    path = Path(checkpoint) / "model.safetensors"
+    if not path.is_file():
+        return 0
+    saved, own = load_file(str(path)), model.state_dict()
+    loaded = 0
+    for key, value in saved.items():
+        target = _renamed(key, model)
+        if key not in own and target != key and target in own and target not in saved:
+            own[target].copy_(value)
+            loaded += 1
+    if loaded:
+        log.info("SparseCallback: %d tensors of %s loaded by their renamed keys (Trainer's resume leaves them out)",
+                 loaded, checkpoint)
+    return loaded
+
+
 def _callback_base():
     from transformers import TrainerCallback
 
@@ -143,15 +183,21 @@ class SparseCallback(_callback_base()):
         self.at, self.kind, self.module, self.layers = at, kind, module, [int(i) for i in layers]
         self.fitting, self.router, self.n_experts, self.seed = fitting, router, n_experts, seed
         self.sparse: SparseHF | None = None
+        self.resumed: Path | None = None
 
     def restore(self, model, checkpoint) -> SparseHF | None:
         """Before ``trainer.train(resume_from_checkpoint=checkpoint)``: the sparse layers of the
-        checkpoint rebuilt on ``model`` (see :func:`restore`), remembered as converted."""
+        checkpoint rebuilt on ``model`` (see :func:`restore`), remembered as converted; the
+        tensors Trainer's resume leaves out are loaded when training begins (module docstring)."""
         self.sparse = restore(model, checkpoint)
+        self.resumed = Path(checkpoint)
         return self.sparse
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        """Refuse layers the model does not have before training starts, not at the warm-up."""
+        """Refuse layers the model does not have before training starts, not at the warm-up; after
+        :meth:`restore`, load what Trainer's resume left out."""
+        if self.resumed is not None and model is not None:
+            load_renamed(model, self.resumed)
         n_layer = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if n_layer is not None and any(not 0 <= i < n_layer for i in self.layers):
             raise UserError(f"SparseCallback: layers must be block indices in [0, {n_layer}) for this "
