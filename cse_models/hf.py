@@ -20,7 +20,8 @@ nothing is unpickled and no checkpoint code runs.
 The FFN of an HF block is called with the hidden states only; the padding mask (for the mean
 over real tokens that routes a CSE sequence, and Switch's real tokens) and DEMix's domain labels
 reach the sparse layers through a context that :meth:`SparseHF.forward` (or a direct call of
-``model.hf(..., attention_mask=...)``, by a pre-hook) sets for the duration of the call.
+``model.hf(..., attention_mask=..., domains=...)``, by a pre-hook that takes ``domains`` off
+the call: how a ``Trainer`` batch with a ``domains`` column routes DEMix) sets for the call.
 """
 
 from __future__ import annotations
@@ -275,6 +276,7 @@ class SparseHF(SparseRouting, nn.Module):
             sparse.check(self.config.n_layer)
         self._context: dict = {}
         self.hf.register_forward_pre_hook(self._capture_mask, with_kwargs=True)
+        self.hf.register_forward_hook(self._release_domains)
         for i in (sparse.layers if sparse is not None else ()):
             if sparse.experts_at(i) > 0:
                 self.replace_sparse_module(i, _sparse_module(self.config, self.sparse_module(i), sparse.experts_at(i)))
@@ -282,6 +284,15 @@ class SparseHF(SparseRouting, nn.Module):
     def _capture_mask(self, _module, args, kwargs):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         self._context["key_mask"] = None if mask is None else mask.bool()
+        if "domains" in kwargs:  # a direct call (a Trainer batch): the labels DEMix routes by, not the model's
+            kwargs = dict(kwargs)
+            self._context["domains"], self._context["direct_domains"] = kwargs.pop("domains"), True
+            return args, kwargs
+        return None
+
+    def _release_domains(self, _module, _args, _output):
+        if self._context.pop("direct_domains", False):
+            self._context.pop("domains", None)
 
     # ---- the FFN of a block ---------------------------------------------------------------
 

@@ -115,13 +115,13 @@ def classes() -> tuple:
 
     class SparseForMaskedLM(_SparsePreTrained):
         """A sparse encoder (:class:`~cse_models.SparseHF` around a ``*ForMaskedLM``) as a
-        transformers masked LM: ``forward(input_ids, attention_mask, labels)`` ->
+        transformers masked LM: ``forward(input_ids, attention_mask, labels, domains)`` ->
         ``MaskedLMOutput`` (logits (B, T, V), the mean loss over tokens whose label is not -100)."""
 
         masked = True
 
-        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
-            logits = self.sparse(input_ids, attention_mask)
+        def forward(self, input_ids=None, attention_mask=None, labels=None, domains=None, **kwargs):
+            logits = self.sparse(input_ids, attention_mask, domains)
             loss = None
             if labels is not None:
                 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
@@ -130,7 +130,7 @@ def classes() -> tuple:
 
     class SparseForCausalLM(_SparsePreTrained, GenerationMixin):
         """A :class:`~cse_models.SparseHF` as a transformers causal LM: ``forward(input_ids,
-        attention_mask, labels)`` -> ``CausalLMOutputWithPast`` (logits (B, T, V), the mean
+        attention_mask, labels, domains)`` (``domains`` (B,): a DEMix model's labels) -> ``CausalLMOutputWithPast`` (logits (B, T, V), the mean
         next-token loss with ``labels``), ``generate`` without a key-value cache (module docstring),
         ``save_pretrained`` in :meth:`SparseHF.save_pretrained`'s format. ``sparse`` is the
         wrapped :class:`~cse_models.SparseHF`; its ``hf`` is this model's ``hf``."""
@@ -149,8 +149,8 @@ def classes() -> tuple:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
-        def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, **kwargs):
-            logits = self.sparse(input_ids, attention_mask, position_ids=position_ids)
+        def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, domains=None, **kwargs):
+            logits = self.sparse(input_ids, attention_mask, domains, position_ids=position_ids)
             loss = None
             if labels is not None:
                 shift, target = logits[:, :-1].float(), labels[:, 1:]

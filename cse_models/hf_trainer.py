@@ -1,4 +1,4 @@
-"""CSE, Switch or DEMix conversion inside the researcher's own training (issue 43): a plain
+"""CSE, Switch or DEMix conversion inside the researcher's own training: a plain
 function for any loop, and a ``transformers.TrainerCallback`` that converts at the plan's
 warm-up step inside ``Trainer.train()``.
 
@@ -156,12 +156,17 @@ def _callback_base():
 class SparseCallback(_callback_base()):
     """Convert the model at step ``at`` of ``Trainer.train()`` (``plan``: a plan JSON whose
     ``warmup_steps`` and ``layers`` give ``at`` and the layers when they are not given), with
-    :func:`convert_in_training`'s ``kind``, ``module`` ("ffn", or "attn": MoA, CSE only), ``fitting`` ({"input_ids": (N, T)[, "attention_mask"]},
-    CSE), ``router``, ``n_experts`` and ``seed``; record the sparse layers in every checkpoint
-    saved after it (module docstring)."""
+    :func:`convert_in_training`'s ``kind``, ``module`` ("ffn", or "attn": MoA, CSE or DEMix),
+    ``fitting`` ({"input_ids": (N, T)[, "attention_mask"]}, CSE), ``router``, ``n_experts`` and
+    ``seed``; record the sparse layers in every checkpoint saved after it (module docstring).
+    DEMix (``kind="demix"``, ``domains``: the label names, one expert each) routes each sequence
+    by its label: the batches must carry a ``domains`` column of label indices (and
+    ``TrainingArguments(remove_unused_columns=False)``, so Trainer passes it), which the model
+    takes off the call before the HF forward."""
 
     def __init__(self, *, at: int | None = None, plan=None, kind: str = "cse", layers=None, fitting: dict | None = None,
-                 router: dict | None = None, n_experts: int = 2, seed: int = 0, module: str = "ffn"):
+                 router: dict | None = None, n_experts: int = 2, seed: int = 0, module: str = "ffn",
+                 domains=None):
         if plan is not None:
             data = read_json_object(Path(plan), "SparseCallback")
             at = at if at is not None else data.get("warmup_steps")
@@ -171,16 +176,20 @@ class SparseCallback(_callback_base()):
                             f"plan's warmup_steps (got {at!r})")
         if not layers:
             raise UserError("SparseCallback: layers must name the blocks to make sparse (or come from plan)")
-        if kind not in ("cse", "switch"):  # DEMix routes by labels that Trainer's forward never passes
-            raise UserError(f"SparseCallback: kind must be 'cse' or 'switch' (got {kind!r}); DEMix needs domain labels "
-                            "in every forward, which Trainer does not pass: train it with cse-train")
-        if module not in ("ffn", "attn") or (module == "attn" and kind != "cse"):
-            raise UserError(f"SparseCallback: module must be 'ffn', or 'attn' with kind 'cse' (got {module!r} with "
-                            f"{kind!r}): a Switch layer routes tokens through FFN experts")
+        if kind not in ("cse", "switch", "demix"):
+            raise UserError(f"SparseCallback: kind must be 'cse', 'switch' or 'demix' (got {kind!r})")
+        if kind == "demix" and (not isinstance(domains, (list, tuple)) or len(domains) < 2
+                                or not all(isinstance(d, str) for d in domains)):
+            raise UserError(f"SparseCallback: DEMix needs domains, the names of its labels (two or more; batch "
+                            f"label j goes to expert j) (got {domains!r})")
+        if module not in ("ffn", "attn") or (module == "attn" and kind == "switch"):
+            raise UserError(f"SparseCallback: module must be 'ffn', or 'attn' with kind 'cse' or 'demix' (got "
+                            f"{module!r} with {kind!r}): a Switch layer routes tokens through FFN experts")
         if kind == "cse" and not fitting:
             raise UserError("SparseCallback: fitting must hold the sequences CSE's router clusters "
                             "({'input_ids': (N, T) token ids[, 'attention_mask']})")
         self.at, self.kind, self.module, self.layers = at, kind, module, [int(i) for i in layers]
+        self.domains = None if domains is None else list(domains)
         self.fitting, self.router, self.n_experts, self.seed = fitting, router, n_experts, seed
         self.sparse: SparseHF | None = None
         self.resumed: Path | None = None
@@ -211,7 +220,8 @@ class SparseCallback(_callback_base()):
             return
         fitting = self.fitting or {}
         self.sparse = convert_in_training(
-            model, optimizer, {"kind": self.kind, "module": self.module, "layers": self.layers},
+            model, optimizer, {"kind": self.kind, "module": self.module, "layers": self.layers,
+                               **({"domains": self.domains} if self.kind == "demix" else {})},
             fitting_ids=fitting.get("input_ids"),
             fitting_mask=fitting.get("attention_mask"), seed=self.seed, router=self.router,
             n_experts=self.n_experts)

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from test_hf_sparse import MASKED, dense, planted_domains  # noqa: E402
 
-ROWS, _ = planted_domains(n_per=48, T=16)
+ROWS, DOMAINS = planted_domains(n_per=48, T=16)
 
 
 class StopAt(transformers.TrainerCallback):
@@ -32,13 +32,15 @@ def _run(kind, sparse_kind, out, *, stop=None, resume=None):
     fitting = {"input_ids": ROWS[:64]}
     kind_, _, module = sparse_kind.partition("-")
     callback = SparseCallback(at=4, kind=kind_, layers=[1, 2], fitting=fitting, router={"min_cluster_size": 10},
-                              n_experts=2, module=module or "ffn")
+                              n_experts=2, module=module or "ffn", domains=["a", "b"] if kind_ == "demix" else None)
     if resume is not None:
         assert callback.restore(model, resume) is not None
     args = transformers.TrainingArguments(output_dir=str(out), max_steps=8, per_device_train_batch_size=8,
                                           learning_rate=3e-3, save_steps=2, logging_steps=1, report_to=[],
-                                          use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
-    data = [{"input_ids": r, "labels": r} for r in ROWS]
+                                          use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                                          remove_unused_columns=kind_ != "demix")
+    # DEMix routes by the batch's labels: a domains column that Trainer passes (remove_unused_columns=False)
+    data = [{"input_ids": r, "labels": r, **({"domains": d} if kind_ == "demix" else {})} for r, d in zip(ROWS, DOMAINS)]
     callbacks = [callback] + ([StopAt(stop)] if stop else [])
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
@@ -46,7 +48,8 @@ def _run(kind, sparse_kind, out, *, stop=None, resume=None):
 
 
 @pytest.mark.parametrize("kind, sparse_kind", [("llama", "cse"), ("llama", "switch"), ("gpt2", "cse"),
-                                                     ("gpt_neox", "cse"), ("bert", "cse"), ("llama", "cse-attn")])
+                                                     ("gpt_neox", "cse"), ("bert", "cse"), ("llama", "cse-attn"),
+                                                     ("llama", "demix")])
 def test_a_trainer_run_converted_mid_run_resumes_to_the_same_weights(kind, sparse_kind, tmp_path):
     """GPT-NeoX included: transformers 5.24 saves its head as embed_out and Trainer's resume does
     not load it back as lm_head; SparseCallback.restore loads it by transformers' renaming rule."""
@@ -65,9 +68,13 @@ def test_a_trainer_run_converted_mid_run_resumes_to_the_same_weights(kind, spars
     callback.save(tmp_path / "final")
     reader = transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
     auto = reader.from_pretrained(tmp_path / "final")
-    ids = ROWS[:4]
+    ids, labels = ROWS[::24], DOMAINS[::24]  # both domains
     with torch.no_grad():
-        torch.testing.assert_close(auto(input_ids=ids).logits, callback.sparse.eval()(ids), rtol=0, atol=0)
+        torch.testing.assert_close(auto(input_ids=ids, domains=labels).logits,
+                                   callback.sparse.eval()(ids, None, labels), rtol=0, atol=0)
+    if sparse_kind == "demix":  # each label's sequences went to its expert
+        for layer in callback.sparse.sparse_layers().values():
+            assert (layer.load > 0).all()
 
 
 def test_a_neox_trainer_run_converts_and_its_result_loads(tmp_path):
