@@ -10,7 +10,8 @@ warm-up step inside ``Trainer.train()``.
   (accelerate's) stay the same, so the loop and the schedule go on.
 - :class:`SparseCallback` (``Trainer(callbacks=[SparseCallback(...)])``): at the step it
   converts, and at every save after that it writes ``cse_sparse.json`` (the layout and the
-  :class:`~cse_models.SparseConfig`) into the checkpoint. To resume from such a checkpoint,
+  :class:`~cse_models.SparseConfig`, the step it converted at and the plan it followed) into the
+  checkpoint. To resume from such a checkpoint,
   :meth:`SparseCallback.restore` rebuilds the sparse layers on the fresh model before
   ``trainer.train(resume_from_checkpoint=...)``, so Trainer loads the weights and the optimizer
   as it saved them. Trainer loads a checkpoint's tensors by the names it saved them under, while
@@ -190,6 +191,7 @@ class SparseCallback(_callback_base()):
                             "({'input_ids': (N, T) token ids[, 'attention_mask']})")
         self.at, self.kind, self.module, self.layers = at, kind, module, [int(i) for i in layers]
         self.domains = None if domains is None else list(domains)
+        self.plan = None if plan is None else str(plan)
         self.fitting, self.router, self.n_experts, self.seed = fitting, router, n_experts, seed
         self.sparse: SparseHF | None = None
         self.resumed: Path | None = None
@@ -229,7 +231,7 @@ class SparseCallback(_callback_base()):
     def on_save(self, args, state, control, **kwargs):
         if self.sparse is not None:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            write_json(folder / SIDECAR, self.sparse.config.section())
+            write_json(folder / SIDECAR, {**self.sparse.config.section(), "converted_at": self.at, "plan": self.plan})
 
     def save(self, directory) -> Path:
         """The converted model in :meth:`~cse_models.SparseHF.save_pretrained`'s format."""

@@ -4,6 +4,8 @@ resumed from the Trainer checkpoint, end with the weights of the uninterrupted r
 result loads through transformers' Auto classes; the plain function carries AdamW state to the
 experts in any loop."""
 
+import json
+
 import pytest
 import torch
 
@@ -56,7 +58,8 @@ def test_a_trainer_run_converted_mid_run_resumes_to_the_same_weights(kind, spars
     torch.set_default_dtype(torch.float32)
     whole, callback = _run(kind, sparse_kind, tmp_path / "whole")
     assert isinstance(callback.sparse, SparseHF) and len(callback.sparse.sparse_layers()) == 2
-    assert (tmp_path / "whole" / "checkpoint-4" / "cse_sparse.json").is_file()
+    sidecar = json.loads((tmp_path / "whole" / "checkpoint-4" / "cse_sparse.json").read_text())
+    assert sidecar["converted_at"] == 4 and sidecar["sparse"]["layers"] == [1, 2]
     assert not (tmp_path / "whole" / "checkpoint-2" / "cse_sparse.json").exists()  # saved before the conversion
     _run(kind, sparse_kind, tmp_path / "split", stop=6)
     resumed, _ = _run(kind, sparse_kind, tmp_path / "split", resume=tmp_path / "split" / "checkpoint-6")

@@ -317,3 +317,40 @@ def test_compare_continues_the_runs_schedule_and_optimizer_state(own, tmp_path):
                             **kw)
     assert "lr 0.001 given: every arm starts a fresh warm-up" in fresh["start"]
     assert (tmp_path / "cmp3" / "runs" / "dense-seed0" / "checkpoints" / "step-000002").is_dir()
+
+
+def test_the_plain_conversion_in_a_hand_loop_equals_cse_trains(own, tmp_path):
+    """convert_in_training in a hand-written loop, on cse-train's data, batch order, loss, optimizer
+    and schedule, converting at the same step: the same weights as cse-train's run, to float
+    tolerance (the one difference: cse-train builds a new optimizer at the conversion, the plain
+    function moves the same one onto the experts)."""
+    from cse_models.data import global_batch
+    from cse_models.hf_trainer import convert_in_training
+    from cse_models.train import fitting_sample, load_data, lr_factor, make_optimizer
+
+    torch.set_default_dtype(torch.float32)
+    cfg = config(own, tmp_path / "cse-train", steps=4, checkpoint_every=4, warmup_steps=1,
+                 model={"sparse": {"kind": "cse", "layers": [1], "n_experts": [0]}},
+                 cse={"warmup_steps": 2, "n_samples": 200, "min_cluster_size": 10})
+    reference = load_safetensors(train(cfg) / "model.safetensors", "test")
+    blocks, _ = load_data(cfg)
+    model = load_any_model(own / "model").train()
+    opt = make_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    for step in range(cfg.steps):
+        if step == cfg.cse.warmup_steps:
+            fitting = blocks.input_ids[fitting_sample(len(blocks), cfg.cse.n_samples, cfg.seed)]
+            model = convert_in_training(model.hf, opt, {"kind": "cse", "layers": [1]}, fitting_ids=fitting,
+                                        seed=cfg.seed, router=cfg.cse.router_options())
+        ids = blocks.input_ids[global_batch(blocks, step, cfg.batch_size, cfg.seed)]
+        loss = model(ids, None, None, positions=slice(None, -1), targets=ids[:, 1:]) / ids[:, 1:].numel()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        model.update_routers()
+    ours = model.state_dict()
+    assert reference.keys() == ours.keys() and any(".experts.1." in k for k in ours)
+    for key, value in reference.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=1e-5, msg=key)
