@@ -521,6 +521,7 @@ def load_any_model(directory: str | os.PathLike, sparse: SparseConfig | dict | N
     check_path("directory", directory, func="load_any_model")
     directory = Path(directory)
     data = read_json_object(directory / CONFIG_NAME, "load_model") if (directory / CONFIG_NAME).is_file() else {}
-    if SECTION in data or "architectures" in data or data.get("model_type") in LAYOUTS:
+    own = data.get("model_type") in ("gpt", "bert") and "architectures" not in data  # cse_models' GPT / BERT
+    if SECTION in data or "architectures" in data or (data.get("model_type") in LAYOUTS and not own):
         return load_hf(directory, sparse)
     return load_model(directory)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from commandline import in_process
 from ntkscope.experiments import load_spec, parse_spec, run_experiment, status, units
 from ntkscope.experiments.spec import SpecError
 
@@ -203,8 +204,7 @@ def test_a_spec_with_a_bad_field_is_refused_in_one_line(tmp_path, change, messag
     with pytest.raises(SpecError) as err:
         load_spec(path)
     assert str(err.value).startswith(f"{path.parent}/{message}") and "\n" not in str(err.value)
-    proc = subprocess.run([sys.executable, "-m", "ntkscope", "experiment", "run", str(path), "--out",
-                           str(tmp_path / "run")], capture_output=True, text=True)
+    proc = in_process("experiment", "run", path, "--out", tmp_path / "run")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message.split(" (got")[0] in proc.stderr
     assert not (tmp_path / "run").exists()
 
