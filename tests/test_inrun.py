@@ -154,3 +154,80 @@ def test_an_evaluation_between_steps_leaves_the_steps_factors():
         model.train()
         after = {r.label: r.score for r in inrun.gc(LABELS, dtype=torch.float64)}
     assert after == before
+
+
+def test_in_run_gc_inside_a_trainer_equals_the_steps_own_batch_at_its_weights(tmp_path):
+    """GCCallback(InRunTracker): each measured step's rows come from the batch's domains column
+    (taken off the model's call) and its labels' loss terms; they equal InRunGC on that step's
+    batch at the weights the step started from, recomputed apart (no dropout, so the step is
+    reproducible); the losses are those of the same training without the callback, to float
+    rounding."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import copy
+
+    from ntkscope import GCCallback, InRunTracker
+
+    torch.set_default_dtype(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.randint(0, 25, (8, 16), generator=g), torch.randint(25, 50, (8, 16), generator=g)])
+    rows = [{"input_ids": r, "labels": r, "domains": d} for r, d in zip(ids, [0] * 8 + [1] * 8)]
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+
+    class Snapshots(transformers.TrainerCallback):  # the weights each step starts from, and its batch
+        def __init__(self, model):
+            self.weights, self.batches = {}, []
+            model.register_forward_pre_hook(
+                lambda m, a, kw: self.batches.append((kw["input_ids"].clone(), kw["domains"].tolist()))
+                if m.training else None, with_kwargs=True)
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            self.weights[state.global_step + 1] = copy.deepcopy(model.state_dict())
+
+    def run(name, with_gc):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        snapshots = Snapshots(model)
+        tracker = InRunTracker(every=2, out=tmp_path / name / "inrun")
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / name), max_steps=4, per_device_train_batch_size=8,
+                                              learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                                              save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+                                              remove_unused_columns=False)
+        callbacks = [snapshots] + ([GCCallback(tracker, names=["a", "b"])] if with_gc else [])
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
+        if not with_gc:  # the plain run's model must not see the domains column either
+            model.register_forward_pre_hook(lambda m, a, kw: (a, {k: v for k, v in kw.items() if k != "domains"}),
+                                            with_kwargs=True)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], tracker, snapshots
+
+    losses, tracker, snapshots = run("gc", True)
+    assert losses == pytest.approx(run("plain", False)[0], rel=1e-6)  # float rounding (kept factors move buffers)
+    frame = tracker.frame
+    assert sorted(set(frame["step"])) == [2, 4] and (tmp_path / "gc" / "inrun" / "inrun.csv").is_file()
+    for step in (2, 4):
+        batch, domains = snapshots.batches[step - 1]
+        model = transformers.GPT2LMHeadModel(config)
+        model.load_state_dict(snapshots.weights[step])
+        with InRunGC(model.train()) as inrun:
+            model(input_ids=batch, labels=batch).loss.backward()
+            expected = {r.label: r.score for r in inrun.gc([["a", "b"][d] for d in domains],
+                                                           loss_terms=torch.full((len(batch),), 15))}
+        got = frame[frame["step"] == step].set_index("label")["gc"]
+        assert set(got.index) == set(expected)
+        for label, score in expected.items():
+            assert got[label] == pytest.approx(score, abs=1e-5)
+
+
+def test_in_run_gc_in_a_trainer_needs_the_label_column():
+    transformers = pytest.importorskip("transformers")
+    from ntkscope import GCCallback, InRunTracker
+
+    args = transformers.TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)  # remove_unused_columns
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1,
+                                                                 n_head=2))
+    with pytest.raises(ValueError, match="remove_unused_columns must be False for in-run GC"):
+        GCCallback(InRunTracker()).on_train_begin(args, None, None, model=model)
+    with pytest.raises(ValueError, match="GCCallback: names must be a list of label names"):
+        GCCallback(InRunTracker(), names="ab")

@@ -1,9 +1,13 @@
-"""A :class:`~ntkscope.GCTracker` inside a Hugging Face ``Trainer`` (``transformers`` stays an
-optional dependency: this module is imported only when :class:`GCCallback` is asked for)."""
+"""A GC tracker inside a Hugging Face ``Trainer``: a fixed probe set (:class:`~ntkscope.GCTracker`)
+or the training batch's own subsets (:class:`~ntkscope.InRunTracker`, in-run GC). ``transformers``
+stays an optional dependency: this module is imported only when :class:`GCCallback` is asked for."""
 
 from __future__ import annotations
 
+import torch
+
 from ntkscope.core.checks import MissingPackage, fail
+from ntkscope.gc.inrun import InRunTracker
 from ntkscope.gc.tracker import GCTracker, _check_model, _check_step
 
 try:
@@ -12,21 +16,70 @@ except ImportError as err:  # pragma: no cover - the hf extra is part of dev
     raise MissingPackage("GCCallback needs transformers: pip install 'ntkscope[hf]'") from err
 
 
+class _BatchLabels:
+    """A forward pre-hook on the trained model: takes ``column`` (B,) off a training-mode call (so
+    the model never sees it) and keeps it, with each sample's number of loss terms when the call
+    has ``labels`` (causal: the shifted labels that are not -100; masked: the labels that are not)."""
+
+    def __init__(self, model, column: str, causal: bool):
+        self.column, self.causal = column, causal
+        self.labels = self.terms = None
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        if self.column not in kwargs:
+            return None
+        kwargs = dict(kwargs)
+        labels = kwargs.pop(self.column)
+        if module.training and torch.is_grad_enabled():
+            self.labels = labels.tolist() if torch.is_tensor(labels) else list(labels)
+            targets = kwargs.get("labels")
+            self.terms = None
+            if torch.is_tensor(targets):
+                kept = (targets[:, 1:] if self.causal else targets) != -100
+                self.terms = kept.sum(1).clamp(min=1).cpu()
+        return args, kwargs
+
+
 class GCCallback(TrainerCallback):
-    """Calls ``tracker`` after every optimizer step of a ``transformers.Trainer``, on the main
-    process, with the model as it is at ``state.global_step`` (the weights a checkpoint saved at
-    that step holds)::
+    """A GC tracker in a ``transformers.Trainer``, on the main process.
+
+    With a :class:`~ntkscope.GCTracker`, it probes after every optimizer step whose
+    ``state.global_step`` is a multiple of the tracker's ``every``, with the model as it is then
+    (the weights a checkpoint saved at that step holds)::
 
         tracker = GCTracker(Probes.load(data, tokenizer, n=128), every=100, out="run/track")
         Trainer(model, args, train_dataset=..., callbacks=[GCCallback(tracker)]).train()
+
+    With an :class:`~ntkscope.InRunTracker` (in-run GC: the batch's own subsets, from the step's
+    own forward and backward), it reads each batch's group labels from the column
+    ``label_column`` of the training data (integer labels, ``names`` to name them), which the
+    model's call gives up before its forward; Trainer passes it with
+    ``TrainingArguments(remove_unused_columns=False)``. Each sample's loss terms come from the
+    batch's ``labels``, so the rows are those of the mean token loss (``output="loss"``). With
+    gradient accumulation, the last micro-batch of each step is measured::
+
+        tracker = InRunTracker(every=10, out="run/inrun")
+        Trainer(model, args, train_dataset=rows_with_a_domains_column,
+                callbacks=[GCCallback(tracker, label_column="domains")]).train()
     """
 
-    def __init__(self, tracker: GCTracker):
-        if not isinstance(tracker, GCTracker):
-            raise fail("GCCallback", "tracker", "must be a GCTracker", type(tracker).__name__)
-        self.tracker = tracker
+    def __init__(self, tracker: GCTracker | InRunTracker, *, label_column: str = "domains", names=None):
+        if not isinstance(tracker, (GCTracker, InRunTracker)):
+            raise fail("GCCallback", "tracker", "must be a GCTracker or an InRunTracker", type(tracker).__name__)
+        if not isinstance(label_column, str) or not label_column:
+            raise fail("GCCallback", "label_column", "must name the training data's column of group labels",
+                       label_column)
+        if names is not None and (not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names)):
+            raise fail("GCCallback", "names", "must be a list of label names (label j is names[j])", names)
+        self.tracker, self.label_column, self.names = tracker, label_column, None if names is None else list(names)
+        self._batch: _BatchLabels | None = None
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    @property
+    def in_run(self) -> bool:
+        return isinstance(self.tracker, InRunTracker)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
         world_size = getattr(args, "world_size", None)
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise fail("GCCallback.on_train_begin", "args", "must be the Trainer's TrainingArguments (with an integer "
@@ -35,17 +88,36 @@ class GCCallback(TrainerCallback):
             raise fail("GCCallback", "world_size", "must be 1: the tracker runs in single-process training "
                        "(measure a data-parallel run's checkpoints afterwards with ntkscope gc RUN_DIR)",
                        args.world_size)
+        if self.in_run:
+            _check_model("GCCallback.on_train_begin", model)
+            if getattr(args, "remove_unused_columns", False):
+                raise fail("GCCallback", "args.remove_unused_columns", "must be False for in-run GC: Trainer would "
+                           f"drop the {self.label_column!r} column the batch's groups come from", True)
+            self.tracker.begin(model)
+            causal = "MaskedLM" not in type(model).__name__
+            self._batch = _BatchLabels(model, self.label_column, causal)
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        """Probe (on the main process) when the Trainer's ``state.global_step`` is a multiple of the
-        tracker's ``every``; the Trainer passes ``model=``, the module it trains."""
+        """Probe, or read the step's in-run GC, on the main process at ``state.global_step``; the
+        Trainer passes ``model=``, the module it trains."""
         _check_model("GCCallback.on_step_end", model)
         _check_step("GCCallback.on_step_end", getattr(state, "global_step", None), "state.global_step")
-        if state.is_world_process_zero:
+        if not state.is_world_process_zero:
+            return control
+        if not self.in_run:
             self.tracker.step(model, state.global_step)
+        elif self._batch.labels is None:
+            raise fail("GCCallback.on_step_end", self.label_column, "must be a column of the training batches for "
+                       "in-run GC (TrainingArguments(remove_unused_columns=False) keeps it)", None)
+        else:
+            labels = self._batch.labels if self.names is None else [self.names[int(i)] for i in self._batch.labels]
+            self.tracker.step(model, state.global_step, labels, loss_terms=self._batch.terms)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._batch is not None:
+            self._batch.handle.remove()
+            self._batch = None
         self.tracker.close()
         return control
