@@ -35,6 +35,7 @@ from cse_models.checkpointing import branch_from, latest_checkpoint, save_checkp
 from cse_models.hf import SparseHF, load_any_model
 from cse_models.train import lr_factor, make_optimizer
 from cse_models.train_config import TrainConfig
+from ntkscope.core.checks import UserError
 from ntkscope.core.files import read_json_object
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,10 @@ def read_training_args(path: Path) -> dict:
     raw = path.read_bytes()
     if zipfile.is_zipfile(io.BytesIO(raw)):
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
-            raw = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+            if name is None:
+                raise ValueError(f"{path} is a torch archive without data.pkl")
+            raw = archive.read(name)
     record = _InertUnpickler(io.BytesIO(raw)).load()
     state = record.state if isinstance(record, _Inert) else None
     if not isinstance(state, dict):
@@ -105,6 +109,8 @@ def _trainer_schedule(checkpoint: Path) -> tuple[RunState | None, str]:
                      f"{sorted(TRAINER_SCHEDULES)} without options"
     if optim not in TRAINER_ADAMW:
         return None, f"its optimizer {optim!r} is not torch's AdamW ({', '.join(TRAINER_ADAMW)})"
+    if float(args.get("adam_epsilon", 1e-8)) != 1e-8:
+        return None, f"its AdamW epsilon {args['adam_epsilon']} is not torch's default 1e-8, which cse_models uses"
     warmup = float(args.get("warmup_steps") or 0)
     if warmup < 1 and (warmup or args.get("warmup_ratio")):  # a ratio of the run's steps
         warmup = math.ceil(total * (warmup or float(args["warmup_ratio"])))
@@ -113,10 +119,17 @@ def _trainer_schedule(checkpoint: Path) -> tuple[RunState | None, str]:
                 "weight_decay": float(args.get("weight_decay") or 0.0),
                 "betas": [float(args.get("adam_beta1", 0.9)), float(args.get("adam_beta2", 0.999))],
                 "grad_clip": float(args.get("max_grad_norm") or 0.0)}
+    if step < schedule["warmup_steps"]:
+        return None, f"step {step} is inside its warm-up of {schedule['warmup_steps']} steps, which cse_models' " \
+                     "warm-up does not reproduce step for step"
     recorded = torch.load(checkpoint / "scheduler.pt", map_location="cpu", weights_only=True).get("_last_lr") or [None]
     ours = schedule["lr"] * lr_factor(step, TrainConfig(**schedule))
     if recorded[0] is None or not math.isclose(float(recorded[0]), ours, rel_tol=1e-5, abs_tol=1e-12):
         return None, f"its learning rate at step {step} ({recorded[0]}) is not its {kind} schedule's ({ours:.6g})"
+    try:  # the AdamW state must map onto this model's parameters, before any arm starts
+        _trainer_adam(checkpoint, load_any_model(checkpoint))
+    except ValueError as err:
+        return None, " ".join(str(err).split())[:200]
     return RunState(step, schedule, "Trainer"), ""
 
 
@@ -125,7 +138,9 @@ def run_state(checkpoint) -> tuple[RunState | None, str]:
     checkpoint = Path(checkpoint)
     if (checkpoint / "optimizer.safetensors").is_file() and (checkpoint / "trainer_state.json").is_file():
         state = read_json_object(checkpoint / "trainer_state.json", "run_state")
-        config = TrainConfig.from_record(state.get("train_config") or {})
+        if not isinstance(state.get("train_config"), dict) or not isinstance(state.get("step"), int):
+            return None, "its trainer_state.json records no train_config or step"
+        config = TrainConfig.from_record(state["train_config"])
         return RunState(int(state["step"]), {k: getattr(config, k) for k in SCHEDULE}, "cse-train"), ""
     if not (checkpoint / "optimizer.pt").is_file():
         return None, "it holds no optimizer state (a model directory, or a checkpoint saved without it)"
@@ -134,7 +149,7 @@ def run_state(checkpoint) -> tuple[RunState | None, str]:
         return None, f"it lacks {', '.join(missing)} of a Trainer checkpoint"
     try:
         return _trainer_schedule(checkpoint)
-    except (ValueError, KeyError, TypeError, pickle.UnpicklingError, RuntimeError, EOFError) as err:
+    except (ValueError, KeyError, TypeError, pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile) as err:
         return None, f"its training_args.bin or scheduler.pt could not be read ({' '.join(str(err).split())[:120]})"
 
 
@@ -146,6 +161,9 @@ def _trainer_adam(checkpoint: Path, model: SparseHF) -> dict:
     saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
     decay = set(Trainer.get_decay_parameter_names(None, model.hf))
     named = [(n, p) for n, p in model.hf.named_parameters() if p.requires_grad]
+    differ = [n for n, p in named if (n in decay) != (p.dim() >= 2)]
+    if differ:  # cse_models decays the matrices only
+        raise ValueError(f"Trainer's weight-decay grouping differs from cse_models' (matrices) at {differ[:3]}")
     groups = [[(n, p) for n, p in named if n in decay], [(n, p) for n, p in named if n not in decay]]
     if [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in groups]:
         raise ValueError(f"its optimizer groups hold {[len(g['params']) for g in saved['param_groups']]} parameters, "
@@ -174,7 +192,10 @@ def branch(checkpoint, out_dir, sparse: dict | None, cfg: TrainConfig, state: Ru
         return latest_checkpoint(out_dir)
     checkpoint = Path(checkpoint)
     model = load_any_model(checkpoint, sparse)
-    adam = _trainer_adam(checkpoint, model)
+    try:
+        adam = _trainer_adam(checkpoint, model)
+    except ValueError as err:  # run_state checked it: the checkpoint changed since
+        raise UserError(f"branch: {checkpoint}: {' '.join(str(err).split())[:200]}") from None
     opt = make_optimizer(model, cfg)
     for group in opt.param_groups:
         group["initial_lr"] = cfg.lr

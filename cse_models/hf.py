@@ -46,6 +46,7 @@ from cse_models.experts import CSELayer, DEMixLayer, sequence_embedding
 from cse_models.hf_auto import MODEL_TYPE
 from cse_models.model import CONFIG_NAME, WEIGHTS_NAME, SparseRouting, TransformerLM, _sparse_module, load_model
 from ntkscope.core.checks import MissingInput, UserError, check_path
+from ntkscope.core.columns import batch_columns
 from ntkscope.core.files import atomic_path, check_safetensors, read_json_object, write_json
 from ntkscope.core.lm import lm_loss
 
@@ -133,13 +134,19 @@ class HFExpert(nn.Module):
 
 
 _attention_call = threading.local()  # the arguments of the HF attention call in progress (MoA)
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")  # an HF attention's cache, by name
+
+
+def _is_cache(value) -> bool:
+    return type(value).__name__.endswith("Cache")
 
 
 def _rows_of(value, rows: torch.Tensor, batch: int):
-    """``value`` (an argument of an attention call) for the sequences ``rows``: tensors whose first
-    dimension is the batch are indexed, tuples, lists and dicts entry by entry, anything else kept."""
+    """``value`` (an argument of an attention call) for the sequences ``rows``: tensors of two
+    dimensions or more whose first is the batch (masks, positions, rotary tables) are indexed,
+    tuples, lists and dicts entry by entry, anything else kept (a 1-D tensor is per position)."""
     if torch.is_tensor(value):
-        return value[rows] if value.dim() and value.shape[0] == batch else value
+        return value[rows] if value.dim() >= 2 and value.shape[0] == batch else value
     if isinstance(value, (tuple, list)):
         return type(value)(_rows_of(v, rows, batch) for v in value)
     if isinstance(value, dict):
@@ -160,7 +167,10 @@ class HFAttentionExpert(nn.Module):
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        args, kwargs, batch = getattr(_attention_call, "value", ((), {}, x.shape[0]))
+        if not hasattr(_attention_call, "value"):
+            raise UserError("HFAttentionExpert: runs inside its block's attention call (HFSparseAttention), which "
+                            "gives it the call's mask and positions")
+        args, kwargs, batch = _attention_call.value
         if rows is not None:
             args, kwargs = _rows_of(args, rows, batch), _rows_of(kwargs, rows, batch)
         out = self.attn(x, *args, **kwargs)
@@ -178,6 +188,10 @@ class HFSparseAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         kwargs.pop("output_attentions", None)
+        cached = [k for k, v in kwargs.items() if v is not None and (k in CACHE_ARGUMENTS or _is_cache(v))]
+        if cached or any(_is_cache(a) for a in args):
+            raise UserError(f"SparseHF: attention experts (MoA) run without a key-value cache (each expert sees its own "
+                            f"sequences); call the model with use_cache=False (got {cached or 'a cache'})")
         _attention_call.value = (args, kwargs, hidden_states.shape[0])
         try:
             mask, domains = self.context.get("key_mask"), self.context.get("domains")
@@ -275,8 +289,9 @@ class SparseHF(SparseRouting, nn.Module):
         if sparse is not None:
             sparse.check(self.config.n_layer)
         self._context: dict = {}
+        self._columns = batch_columns(self.hf, "domains")  # a direct call's labels (a Trainer batch column)
         self.hf.register_forward_pre_hook(self._capture_mask, with_kwargs=True)
-        self.hf.register_forward_hook(self._release_domains)
+        self.hf.register_forward_hook(self._release_domains, always_call=True)
         for i in (sparse.layers if sparse is not None else ()):
             if sparse.experts_at(i) > 0:
                 self.replace_sparse_module(i, _sparse_module(self.config, self.sparse_module(i), sparse.experts_at(i)))
@@ -284,11 +299,8 @@ class SparseHF(SparseRouting, nn.Module):
     def _capture_mask(self, _module, args, kwargs):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         self._context["key_mask"] = None if mask is None else mask.bool()
-        if "domains" in kwargs:  # a direct call (a Trainer batch): the labels DEMix routes by, not the model's
-            kwargs = dict(kwargs)
-            self._context["domains"], self._context["direct_domains"] = kwargs.pop("domains"), True
-            return args, kwargs
-        return None
+        if "domains" in self._columns.current:  # a direct call (a Trainer batch): the labels DEMix routes by
+            self._context["domains"], self._context["direct_domains"] = self._columns.current["domains"], True
 
     def _release_domains(self, _module, _args, _output):
         if self._context.pop("direct_domains", False):
@@ -316,8 +328,11 @@ class SparseHF(SparseRouting, nn.Module):
 
     def replace_sparse_module(self, layer: int, module: nn.Module) -> None:
         block, layout = self.block(layer), self.config.layout
-        if self._attention():
+        if self._attention():  # experts that see part of the batch cannot share one key-value cache
             setattr(block, layout.attn, HFSparseAttention(module, self._context))
+            self.hf.config.use_cache = False
+            if getattr(self.hf, "generation_config", None) is not None:
+                self.hf.generation_config.use_cache = False
             return
         setattr(block, layout.ffn, HFSparseFFN(module, self._context))
         if layout.ffn_out is not None:  # the experts hold the output projection now

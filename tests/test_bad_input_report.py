@@ -191,7 +191,7 @@ def test_gc_callback_checks_what_it_is_given(gpt, probes):
     pytest.importorskip("transformers")
     from ntkscope.gc.callbacks import GCCallback
 
-    with pytest.raises(InputError, match=r"^GCCallback: tracker must be a GCTracker \(got 'type'\)$"):
+    with pytest.raises(InputError, match=r"^GCCallback: tracker must be a GCTracker or an InRunTracker \(got 'type'\)$"):
         GCCallback(GCTracker)
     callback = GCCallback(GCTracker(probes, every=1))
     args, control = SimpleNamespace(world_size=1), SimpleNamespace()

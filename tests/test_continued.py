@@ -60,6 +60,8 @@ def test_what_cannot_be_continued_says_why(tmp_path):
     _trainer_run(tmp_path / "hf", "cosine_with_restarts")
     state, why = run_state(tmp_path / "hf" / "checkpoint-4")
     assert state is None and "cosine_with_restarts" in why
+    _trainer_run(tmp_path / "lin", "linear")
+    assert "step 1 is inside its warm-up of 2 steps" in run_state(tmp_path / "lin" / "checkpoint-1")[1]
     assert read_training_args(tmp_path / "hf" / "checkpoint-4" / "training_args.bin")["learning_rate"] == 3e-3
     dense("llama").save_pretrained(tmp_path / "bare")
     assert run_state(tmp_path / "bare") == (None, "it holds no optimizer state (a model directory, or a checkpoint "

@@ -198,6 +198,11 @@ def test_moa_routes_whole_sequences_through_attention_experts(kind, tmp_path):
     torch.testing.assert_close(model(ids, mask)[real], reference[real], rtol=1e-5, atol=1e-5)
     hook.remove()
     assert sorted(set(routed[0].tolist())) == [0, 1]  # both experts got sequences of this batch
+    # called as Trainer and generate call it (the config's cache setting: off since the conversion)
+    torch.testing.assert_close(model.hf(input_ids=ids, attention_mask=mask).logits, model(ids, mask), rtol=0, atol=0)
+    if kind not in MASKED:  # experts that see part of the batch cannot share one key-value cache
+        with pytest.raises(ValueError, match="run without a key-value cache"):
+            model.hf(input_ids=ids, attention_mask=mask, use_cache=True)
     for j, expert in enumerate(layer.experts):  # experts that differ
         for p in expert.parameters():
             p.add_(0.01 * j)

@@ -29,7 +29,7 @@ class StopAt(transformers.TrainerCallback):
             control.should_training_stop = True
 
 
-def _run(kind, sparse_kind, out, *, stop=None, resume=None):
+def _run(kind, sparse_kind, out, *, stop=None, resume=None, extra=()):
     model = dense(kind).train()
     fitting = {"input_ids": ROWS[:64]}
     kind_, _, module = sparse_kind.partition("-")
@@ -43,7 +43,7 @@ def _run(kind, sparse_kind, out, *, stop=None, resume=None):
                                           remove_unused_columns=kind_ != "demix")
     # DEMix routes by the batch's labels: a domains column that Trainer passes (remove_unused_columns=False)
     data = [{"input_ids": r, "labels": r, **({"domains": d} if kind_ == "demix" else {})} for r, d in zip(ROWS, DOMAINS)]
-    callbacks = [callback] + ([StopAt(stop)] if stop else [])
+    callbacks = [callback, *extra] + ([StopAt(stop)] if stop else [])
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return model, callback
@@ -111,3 +111,17 @@ def test_the_plain_function_carries_adam_state_to_the_experts():
     model(input_ids=ROWS[:8], labels=ROWS[:8]).loss.backward()
     opt.step()  # the loop goes on
     assert len(sparse.sparse_layers()) == 1
+
+
+def test_demix_and_in_run_gc_read_the_same_domains_column(tmp_path):
+    """A DEMix conversion and in-run GC in one Trainer run, both reading the batch's domains
+    column (taken off the model's call once): DEMix routes every step after the conversion, and
+    in-run GC has a row per domain at each measured step, before and after it."""
+    from ntkscope import GCCallback, InRunTracker
+
+    torch.set_default_dtype(torch.float32)
+    tracker = InRunTracker(every=2)
+    _, callback = _run("llama", "demix", tmp_path / "run", extra=[GCCallback(tracker, names=["a", "b"])])
+    assert all((layer.load > 0).all() for layer in callback.sparse.sparse_layers().values())
+    frame = tracker.frame
+    assert sorted(set(frame["step"])) == [2, 4, 6, 8] and set(frame["label"]) == {"a", "b"}

@@ -176,11 +176,13 @@ def test_in_run_gc_inside_a_trainer_equals_the_steps_own_batch_at_its_weights(tm
                                      embd_pdrop=0.0, attn_pdrop=0.0)
 
     class Snapshots(transformers.TrainerCallback):  # the weights each step starts from, and its batch
-        def __init__(self, model):
+        def __init__(self):
             self.weights, self.batches = {}, []
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):  # before the column is taken
             model.register_forward_pre_hook(
                 lambda m, a, kw: self.batches.append((kw["input_ids"].clone(), kw["domains"].tolist()))
-                if m.training else None, with_kwargs=True)
+                if m.training else None, with_kwargs=True, prepend=True)
 
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             self.weights[state.global_step + 1] = copy.deepcopy(model.state_dict())
@@ -188,13 +190,13 @@ def test_in_run_gc_inside_a_trainer_equals_the_steps_own_batch_at_its_weights(tm
     def run(name, with_gc):
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(config)
-        snapshots = Snapshots(model)
+        snapshots = Snapshots()
         tracker = InRunTracker(every=2, out=tmp_path / name / "inrun")
         args = transformers.TrainingArguments(output_dir=str(tmp_path / name), max_steps=4, per_device_train_batch_size=8,
                                               learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
                                               save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
                                               remove_unused_columns=False)
-        callbacks = [snapshots] + ([GCCallback(tracker, names=["a", "b"])] if with_gc else [])
+        callbacks = ([GCCallback(tracker, names=["a", "b"])] if with_gc else []) + [snapshots]
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
         if not with_gc:  # the plain run's model must not see the domains column either
             model.register_forward_pre_hook(lambda m, a, kw: (a, {k: v for k, v in kw.items() if k != "domains"}),

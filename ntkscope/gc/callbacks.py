@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ntkscope.core.checks import MissingPackage, fail
+from ntkscope.core.columns import batch_columns
 from ntkscope.gc.inrun import InRunTracker
 from ntkscope.gc.tracker import GCTracker, _check_model, _check_step
 
@@ -14,31 +15,6 @@ try:
     from transformers import TrainerCallback
 except ImportError as err:  # pragma: no cover - the hf extra is part of dev
     raise MissingPackage("GCCallback needs transformers: pip install 'ntkscope[hf]'") from err
-
-
-class _BatchLabels:
-    """A forward pre-hook on the trained model: takes ``column`` (B,) off a training-mode call (so
-    the model never sees it) and keeps it, with each sample's number of loss terms when the call
-    has ``labels`` (causal: the shifted labels that are not -100; masked: the labels that are not)."""
-
-    def __init__(self, model, column: str, causal: bool):
-        self.column, self.causal = column, causal
-        self.labels = self.terms = None
-        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
-
-    def __call__(self, module, args, kwargs):
-        if self.column not in kwargs:
-            return None
-        kwargs = dict(kwargs)
-        labels = kwargs.pop(self.column)
-        if module.training and torch.is_grad_enabled():
-            self.labels = labels.tolist() if torch.is_tensor(labels) else list(labels)
-            targets = kwargs.get("labels")
-            self.terms = None
-            if torch.is_tensor(targets):
-                kept = (targets[:, 1:] if self.causal else targets) != -100
-                self.terms = kept.sum(1).clamp(min=1).cpu()
-        return args, kwargs
 
 
 class GCCallback(TrainerCallback):
@@ -73,7 +49,8 @@ class GCCallback(TrainerCallback):
         if names is not None and (not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names)):
             raise fail("GCCallback", "names", "must be a list of label names (label j is names[j])", names)
         self.tracker, self.label_column, self.names = tracker, label_column, None if names is None else list(names)
-        self._batch: _BatchLabels | None = None
+        self._columns = None  # the model's BatchColumns (in-run GC)
+        self._causal = True
 
     @property
     def in_run(self) -> bool:
@@ -94,8 +71,8 @@ class GCCallback(TrainerCallback):
                 raise fail("GCCallback", "args.remove_unused_columns", "must be False for in-run GC: Trainer would "
                            f"drop the {self.label_column!r} column the batch's groups come from", True)
             self.tracker.begin(model)
-            causal = "MaskedLM" not in type(model).__name__
-            self._batch = _BatchLabels(model, self.label_column, causal)
+            self._causal = "MaskedLM" not in type(model).__name__
+            self._columns = batch_columns(model, self.label_column)
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -107,17 +84,24 @@ class GCCallback(TrainerCallback):
             return control
         if not self.in_run:
             self.tracker.step(model, state.global_step)
-        elif self._batch.labels is None:
+        elif self._columns.training.get(self.label_column) is None:
             raise fail("GCCallback.on_step_end", self.label_column, "must be a column of the training batches for "
                        "in-run GC (TrainingArguments(remove_unused_columns=False) keeps it)", None)
         else:
-            labels = self._batch.labels if self.names is None else [self.names[int(i)] for i in self._batch.labels]
-            self.tracker.step(model, state.global_step, labels, loss_terms=self._batch.terms)
+            batch = self._columns.training
+            labels = batch[self.label_column]
+            labels = labels.tolist() if torch.is_tensor(labels) else list(labels)
+            labels = labels if self.names is None else [self.names[int(i)] for i in labels]
+            terms = None
+            if torch.is_tensor(batch.get("labels")):  # each sample's loss terms (causal: the shifted targets)
+                targets = batch["labels"][:, 1:] if self._causal else batch["labels"]
+                terms = (targets != -100).sum(1).clamp(min=1).cpu()
+            self.tracker.step(model, state.global_step, labels, loss_terms=terms)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._batch is not None:
-            self._batch.handle.remove()
-            self._batch = None
+        if self._columns is not None:
+            self._columns.release(self.label_column)
+            self._columns = None
         self.tracker.close()
         return control

@@ -112,6 +112,8 @@ class InRunGC:
             # a training step's forward only: not an evaluation's, nor a GCTracker's probe (eval mode)
             if not self.recording or not module.training or not torch.is_grad_enabled() or not output.requires_grad:
                 return
+            if module is not self.modules[i]:  # a copy made with the hook (an expert of a conversion): not hooked
+                return
             if self._backward_seen:  # a new step's forward: drop the last one's factors
                 self._uses, self._backward_seen = {}, False
             use = {"a": args[0].detach(), "io": not isinstance(module, nn.Linear)}
