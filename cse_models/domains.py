@@ -4,20 +4,24 @@ over texts, and where each domain is routed, per sparse layer, in eval mode.
 Perplexity of a domain is ``exp`` of the mean next-token negative log-likelihood over all real
 next-token pairs of the domain's texts; each text is encoded as its tokenizer encodes it, with no
 tokens added, and truncated to the model's context (a text of one token has no pair and adds
-nothing). The interval is a percentile bootstrap over the domain's texts (the ratio of summed
+nothing). A masked LM (our BERT, an HF BERT / RoBERTa, converted or not) is scored on the masked
+tokens instead: BERT's masking (:func:`cse_models.data.mask_tokens`, 15 % of the tokens) of each
+text alone, seeded by the text's tokens, so a text is masked the same way in every batch, every
+model and every ablation. The interval is a percentile bootstrap over the domain's texts (the ratio of summed
 NLL to summed pairs in each resample). A DEMix model is scored by its label-free posterior
 mixture (uniform prior, :func:`cse_models.demix.mixture_log_probs`).
 
 Routing (CSE and Switch layers): a CSE layer sends a *sequence* to one expert; a Switch layer
 sends each real *token* to its router's top-1 expert (before capacity drops it). The table has one
 row per (layer, expert, domain): the count, its share of the domain's units at that layer and its
-share of the expert's. Works on :class:`~cse_models.TransformerLM` (GPT), :class:`~cse_models.SparseHF`
-and any ``transformers`` causal LM (dense: no routing rows).
+share of the expert's. Works on :class:`~cse_models.TransformerLM`, :class:`~cse_models.SparseHF`
+and any ``transformers`` causal or masked LM (dense: no routing rows).
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +30,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from cse_models.data import mask_tokens
 from cse_models.demix import mixture_log_probs
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
 from cse_models.hf import SparseHF
@@ -40,8 +45,8 @@ ROUTING_COLUMNS = ["layer", "expert", "domain", "unit", "count", "share_of_domai
 
 @dataclass(frozen=True)
 class DomainEvaluation:
-    """``perplexity``: one row per domain (:data:`PERPLEXITY_COLUMNS`; ``tokens`` = next-token
-    pairs scored); ``routing``: one row per (sparse layer, expert, domain) (:data:`ROUTING_COLUMNS`),
+    """``perplexity``: one row per domain (:data:`PERPLEXITY_COLUMNS`; ``tokens`` = the tokens
+    scored: next-token pairs, or a masked LM's masked tokens); ``routing``: one row per (sparse layer, expert, domain) (:data:`ROUTING_COLUMNS`),
     empty for a dense model; ``context``: the length texts were truncated to; ``level``: the
     intervals' coverage."""
 
@@ -62,22 +67,63 @@ def context_length(model) -> int:
     raise UserError(f"evaluate_domains: cannot tell the context length of a {type(model).__name__}")
 
 
-def _check_causal(model) -> None:
-    if isinstance(model, TransformerLM) and model.config.model_type != "gpt":
-        raise UserError("evaluate_domains: model must be a causal LM (a GPT); a BERT has no next-token perplexity")
-    if not isinstance(model, (TransformerLM, SparseHF)) and "CausalLM" not in type(model).__name__ \
-            and "LMHead" not in type(model).__name__:
-        raise UserError(f"evaluate_domains: model must be a causal LM (got {type(model).__name__})")
+def is_masked(model) -> bool:
+    """A masked LM: our BERT, a :class:`~cse_models.SparseHF` around a ``*ForMaskedLM``, or a
+    ``transformers`` ``*ForMaskedLM``."""
+    if isinstance(model, (TransformerLM, SparseHF)):
+        return model.config.model_type == "bert"
+    return "MaskedLM" in type(model).__name__
 
 
-def _token_log_probs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log p(x_t | x_<t) (B, T-1) in float64."""
-    if any(isinstance(m, DEMixLayer) for m in model.modules()):
-        return mixture_log_probs(model, ids, mask)[0].double()
-    logits = model(ids, mask) if isinstance(model, (TransformerLM, SparseHF)) else \
+def _check_lm(model, func: str = "evaluate_domains") -> None:
+    """Refuse what is not a causal or masked LM this module scores."""
+    name = type(model).__name__
+    if not isinstance(model, (TransformerLM, SparseHF)) and not any(k in name for k in ("CausalLM", "LMHead",
+                                                                                         "MaskedLM")):
+        raise UserError(f"{func}: model must be a causal or masked LM (got {name})")
+    if is_masked(model):
+        if getattr(model.config, "mask_token_id", None) is None:
+            raise UserError(f"{func}: the masked LM's mask token is unknown (its config has no mask_token_id; put its "
+                            "tokenizer.json beside the weights)")
+        if any(isinstance(m, DEMixLayer) for m in model.modules()):
+            raise UserError(f"{func}: a masked DEMix model is scored by its label-free mixture in cse-eval (the "
+                            "masked tokens' marginal likelihood), not here")
+
+
+def _logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return model(ids, mask) if isinstance(model, (TransformerLM, SparseHF)) else \
         model(input_ids=ids, attention_mask=mask).logits
-    logp = F.log_softmax(logits[:, :-1].double(), dim=-1)
-    return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def _masked_inputs(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) (B, T): each text's real tokens masked alone, seeded by its tokens
+    (module docstring); labels -100 where nothing is predicted."""
+    inputs, labels = ids.clone(), torch.full_like(ids, -100)
+    for r in range(ids.shape[0]):
+        n = int(mask[r].sum())
+        text = ids[r, :n].cpu()
+        seed = zlib.crc32(text.numpy().astype("<i8").tobytes())
+        masked, target = mask_tokens(text, mask_token_id=int(model.config.mask_token_id),
+                                     vocab_size=int(model.config.vocab_size),
+                                     generator=torch.Generator().manual_seed(seed))
+        inputs[r, :n], labels[r, :n] = masked.to(ids.device), target.to(ids.device)
+    return inputs, labels
+
+
+def scored_log_probs(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p of each scored token, which tokens are scored), both (B, T') in float64, zero where
+    not scored: a causal model's next tokens (T' = T - 1, log p(x_t | x_<t) at real pairs; a
+    DEMix model by its mixture), or a masked model's masked tokens (T' = T, module docstring)."""
+    if is_masked(model):
+        inputs, labels = _masked_inputs(model, ids, mask)
+        logp = F.log_softmax(_logits(model, inputs, mask).double(), dim=-1)
+        scored = (labels != -100).double()
+        return logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * scored, scored
+    scored = mask[:, 1:].double()
+    if any(isinstance(m, DEMixLayer) for m in model.modules()):
+        return mixture_log_probs(model, ids, mask)[0].double() * scored, scored
+    logp = F.log_softmax(_logits(model, ids, mask)[:, :-1].double(), dim=-1)
+    return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) * scored, scored
 
 
 class _RoutingRecorder:
@@ -146,13 +192,13 @@ def evaluate_domains(model, token_ids: Sequence[Sequence[int]], labels: Sequence
         raise UserError(f"evaluate_domains: batch_size must be a positive integer (got {batch_size!r})")
     if not 0 < level < 1 or n_boot < 1:
         raise UserError(f"evaluate_domains: need 0 < level < 1 and n_boot >= 1 (got {level}, {n_boot})")
-    _check_causal(model)
+    _check_lm(model)
     context = context_length(model)
     texts = [list(ids)[:context] for ids in token_ids]
     names = sorted(set(labels))
     domain = np.array([names.index(label) for label in labels])
     device = next(model.parameters()).device
-    nll, pairs = np.zeros(len(texts)), np.array([max(len(t) - 1, 0) for t in texts])
+    nll, pairs = np.zeros(len(texts)), np.zeros(len(texts), dtype=np.int64)
     recorder = _RoutingRecorder(model)
     counts = {name: {} for name in recorder.layers}
     was_training = model.training
@@ -160,8 +206,8 @@ def evaluate_domains(model, token_ids: Sequence[Sequence[int]], labels: Sequence
     try:
         for rows, ids, mask in padded_batches(texts, batch_size):
             recorder.batch.clear()
-            logp = _token_log_probs(model, ids.to(device), mask.to(device)).cpu()
-            nll[rows] = -(logp * mask[:, 1:]).sum(1).numpy()
+            logp, scored = (t.cpu() for t in scored_log_probs(model, ids.to(device), mask.to(device)))
+            nll[rows], pairs[rows] = -logp.sum(1).numpy(), scored.sum(1).numpy().astype(np.int64)
             for name, assign in recorder.batch.items():
                 doms = torch.as_tensor(domain[rows])
                 if assign.dim() == 2:  # Switch: tokens
@@ -174,7 +220,8 @@ def evaluate_domains(model, token_ids: Sequence[Sequence[int]], labels: Sequence
         model.train(was_training)
     skipped = int((pairs == 0).sum())
     if skipped:
-        log.info("evaluate_domains: %d texts of fewer than 2 tokens have no next-token pair", skipped)
+        log.info("evaluate_domains: %d texts have no scored token (one token: no next-token pair; a masked LM: "
+                 "none masked)", skipped)
     rng = np.random.default_rng(seed)
     rows = []
     for d, name in enumerate(names):

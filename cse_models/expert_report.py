@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 from sklearn.metrics import normalized_mutual_info_score
 
-from cse_models.domains import _check_causal, _RoutingRecorder, _token_log_probs, context_length, padded_batches
+from cse_models.domains import _check_lm, _RoutingRecorder, context_length, padded_batches, scored_log_probs
 from cse_models.experts import CSELayer, SwitchFFN
 from ntkscope.core.checks import UserError
 
@@ -155,19 +155,20 @@ def _ablated(module, expert: int):
             handle.remove()
 
 
-def _score(model, texts: list, batch_size: int, layers: dict) -> tuple[np.ndarray, dict]:
-    """Per text: summed next-token NLL (N,), and per layer of ``layers`` the units each expert
-    took (N, E)."""
+def _score(model, texts: list, batch_size: int, layers: dict) -> tuple[np.ndarray, dict, np.ndarray]:
+    """Per text: summed NLL of its scored tokens (N,) (next tokens, or a masked LM's masked ones:
+    :func:`~cse_models.domains.scored_log_probs`), per layer of ``layers`` the units each expert
+    took (N, E), and the scored tokens (N,)."""
     device = next(model.parameters()).device
-    nll = np.zeros(len(texts))
+    nll, pairs = np.zeros(len(texts)), np.zeros(len(texts))
     taken = {name: np.zeros((len(texts), _n_experts(m)), dtype=np.int64) for name, m in layers.items()}
     recorder = _Recorder(model)
     try:
         for rows, ids, mask in padded_batches(texts, batch_size):
             recorder.batch.clear()
             recorder.mask = mask
-            logp = _token_log_probs(model, ids.to(device), mask.to(device)).cpu()
-            nll[rows] = -(logp * mask[:, 1:]).sum(1).numpy()
+            logp, scored = (t.cpu() for t in scored_log_probs(model, ids.to(device), mask.to(device)))
+            nll[rows], pairs[rows] = -logp.sum(1).numpy(), scored.sum(1).numpy()
             for name in taken:
                 assign, E = recorder.batch[name], taken[name].shape[1]
                 if assign.dim() == 1:  # CSE: one expert per text
@@ -177,7 +178,7 @@ def _score(model, texts: list, batch_size: int, layers: dict) -> tuple[np.ndarra
                         taken[name][i] += np.bincount(assign[r][assign[r] >= 0].numpy(), minlength=E)
     finally:
         recorder.remove()
-    return nll, taken
+    return nll, taken, pairs
 
 
 def _purity_nmi(counts: np.ndarray, domain: np.ndarray, names: list) -> tuple[float, float]:
@@ -213,7 +214,7 @@ def expert_report(model, token_ids: Sequence[Sequence[int]], labels: Sequence[st
     if len(token_ids) != len(labels) or not len(labels):
         raise UserError(f"expert_report: token_ids and labels must be non-empty and of one length "
                         f"(got {len(token_ids)} and {len(labels)})")
-    _check_causal(model)
+    _check_lm(model, "expert_report")
     layers = {name: m for name, m in model.named_modules() if isinstance(m, (CSELayer, SwitchFFN)) or is_hf_router(m)}
     if not layers:
         raise UserError("expert_report: the model has no CSE or Switch layer and no transformers mixture-of-experts "
@@ -222,11 +223,10 @@ def expert_report(model, token_ids: Sequence[Sequence[int]], labels: Sequence[st
     texts = [list(ids)[:context] for ids in token_ids]
     names = sorted(set(map(str, labels)))
     domain = np.array([names.index(str(label)) for label in labels])
-    pairs = np.array([max(len(t) - 1, 0) for t in texts], dtype=float)
     was_training = model.training
     model.eval()
     try:
-        nll, taken = _score(model, texts, batch_size, layers)
+        nll, taken, pairs = _score(model, texts, batch_size, layers)
         ablated = {}
         if ablate:
             for name, module in layers.items():

@@ -1,6 +1,7 @@
 """What the experts learned (cse_models.expert_report): on planted routing, an expert that serves
-one domain gives purity 1 and NMI 1, and ablating it changes that domain's perplexity most; the
-findings say so in words; layers are named by block."""
+one domain gives purity 1 and NMI 1, and ablating it changes that domain's perplexity most (a
+causal LM's next tokens, a masked LM's masked tokens); the findings say so in words; layers are
+named by block."""
 
 import numpy as np
 import pytest
@@ -14,8 +15,10 @@ transformers = pytest.importorskip("transformers")
 from test_hf_sparse import dense, planted_domains  # noqa: E402
 
 
-def _planted_model():
-    hf = dense("gpt_neox")
+def _planted_model(kind: str = "gpt_neox"):
+    hf = dense(kind)
+    if kind == "bert":
+        hf.config.mask_token_id = 49  # a masked LM is scored on its masked tokens
     emb = hf.get_input_embeddings().weight
     u = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0)).to(emb.dtype)
     with torch.no_grad():
@@ -27,9 +30,10 @@ def _planted_model():
     return model
 
 
+@pytest.mark.parametrize("kind, ffn", [("gpt_neox", "mlp"), ("bert", "intermediate")])
 @torch.no_grad()
-def test_an_expert_that_serves_one_domain():
-    model = _planted_model()
+def test_an_expert_that_serves_one_domain(kind, ffn):
+    model = _planted_model(kind)
     layer = next(iter(model.sparse_layers().values()))
     assert len(layer.experts) == 2
     ids, domain = planted_domains(seed=1)
@@ -41,16 +45,19 @@ def test_an_expert_that_serves_one_domain():
         p.zero_()
     report = expert_report(model, ids.tolist(), labels, n_boot=100)
     row = report.layers.iloc[0]
-    assert row["layer"] == "layer 1 (mlp)" and row["unit"] == "sequences" and row["experts"] == 2
+    assert row["layer"] == f"layer 1 ({ffn})" and row["unit"] == "sequences" and row["experts"] == 2
     assert row["purity"] == 1.0 and row["nmi"] == pytest.approx(1.0)
     assert row["purity_low"] <= row["purity"] <= row["purity_high"] and row["load_entropy"] == pytest.approx(1.0)
     experts = report.experts.set_index("expert")
     assert experts.loc[b_expert, "top_domain"] == "b" and experts.loc[b_expert, "top_share"] == 1.0
     ablation = report.ablation[report.ablation["expert"] == b_expert].set_index("domain")
-    assert ablation.loc["b", "change"] > 0 and ablation.loc["a", "change"] == 0.0
-    assert ablation.loc["b", "change_low"] > 0  # the whole interval: not noise
-    assert any(f.startswith("layer 1 (mlp): expert") and "serves b" in f for f in report.findings)
-    assert any("without expert" in f and "b perplexity" in f for f in report.findings)
+    assert ablation.loc["a", "change"] == 0.0  # a's texts never reach the ablated expert
+    if kind == "bert":  # a random encoder's masked-token loss barely reads its FFN: changed, sign not planted
+        assert abs(ablation.loc["b", "change"]) > 1e-5
+    else:
+        assert ablation.loc["b", "change"] > 0 and ablation.loc["b", "change_low"] > 0  # the whole interval
+    assert any(f.startswith(f"layer 1 ({ffn}): expert") and "serves b" in f for f in report.findings)
+    assert any("without expert" in f and ("b perplexity" in f or kind == "bert") for f in report.findings)
 
 
 @torch.no_grad()
@@ -126,3 +133,38 @@ def test_ntkscope_eval_reads_the_experts_of_a_transformers_moe_directory(tmp_pat
     assert layers["layer"].tolist() == ["layer 0 (mlp)", "layer 1 (mlp)"] and (layers["experts"] == 3).all()
     ablation = pd.read_csv(tmp_path / "eval" / "ablation.csv")
     assert len(ablation) == 2 * 3 * 2  # layers x experts x domains
+
+
+@torch.no_grad()
+def test_a_masked_lm_is_scored_on_its_seeded_masked_tokens():
+    """evaluate_domains on a BERT equals a direct computation with transformers on the same seeded
+    masking of each text alone; a text is masked the same way in any batch."""
+    import zlib
+
+    import torch.nn.functional as F
+
+    from cse_models.data import mask_tokens
+    from cse_models.domains import evaluate_domains
+
+    hf = dense("bert")
+    hf.config.mask_token_id = 49
+    ids, domain = planted_domains(n_per=6, T=12)
+    texts = [row[: 6 + i % 6].tolist() for i, row in enumerate(ids)]  # lengths 6..11: padded batches
+    labels = ["a" if d == 0 else "b" for d in domain.tolist()]
+    table = evaluate_domains(hf, texts, labels, batch_size=5, n_boot=10).perplexity.set_index("domain")
+    again = evaluate_domains(hf, texts, labels, batch_size=3, n_boot=10).perplexity.set_index("domain")
+    for name in ("a", "b"):
+        nll = tokens = 0.0
+        for text, label in zip(texts, labels):
+            if label != name:
+                continue
+            t = torch.tensor(text)
+            inputs, target = mask_tokens(t, mask_token_id=49, vocab_size=50, generator=torch.Generator().manual_seed(
+                zlib.crc32(t.numpy().astype("<i8").tobytes())))
+            logp = F.log_softmax(hf(input_ids=inputs[None]).logits[0].double(), -1)
+            keep = target != -100
+            nll -= float(logp[keep].gather(-1, target[keep][:, None]).sum())
+            tokens += int(keep.sum())
+        assert table.loc[name, "tokens"] == tokens > 0
+        assert table.loc[name, "ppl"] == pytest.approx(np.exp(nll / tokens), rel=1e-6)
+        assert again.loc[name, "ppl"] == pytest.approx(table.loc[name, "ppl"], rel=1e-6)

@@ -56,7 +56,8 @@ def add_parsers(sub) -> None:
                         description="Example: ntkscope eval myrun/cse/checkpoints/step-000200 --data eval.jsonl "
                         "--label-column domain --out eval/")
     ev.add_argument("checkpoint", help="a checkpoint directory: HF causal LM (dense, converted, or a mixture of "
-                    "experts such as Mixtral or OLMoE) or cse_models GPT")
+                    "experts such as Mixtral or OLMoE), HF BERT / RoBERTa (scored on seeded masked tokens), or "
+                    "cse_models GPT / BERT")
     ev.add_argument("--data", default="default", help=DATA_HELP)
     add_column_args(ev)
     ev.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, its run's tokenizer or pack")
@@ -71,7 +72,8 @@ def add_parsers(sub) -> None:
     cmp_ = sub.add_parser("compare", help="train dense, CSE and Switch from your warm-up checkpoint and compare "
                           "them per domain", description="Example: ntkscope compare myrun/step200 --plan plan.json "
                           "--train-data train.jsonl --data test.jsonl --label-column domain --steps 300 --out cmp/")
-    cmp_.add_argument("init_from", help="the warm-up checkpoint (an HF causal LM directory, or a cse_models one), or "
+    cmp_.add_argument("init_from", help="the warm-up checkpoint (an HF causal or masked LM directory, or a cse_models "
+                      "one), or "
                       "a run directory of checkpoints: its checkpoint at the plan's warm-up")
     cmp_.add_argument("--train-data", required=True, help="training rows: a .jsonl/.csv/.tsv/.parquet table or a "
                       "datasets directory")
