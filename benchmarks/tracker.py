@@ -2,7 +2,8 @@
 d=128, 48 tokens, batch 32) trained by ``cse_models.train`` for ``--steps`` steps without a
 tracker, with one (:class:`ntkscope.GCTracker`: the long tail of ``n`` validation sentences
 against the whole set, every ``every`` steps, with the default statistics: jackknife of 200,
-200 null draws, the homogeneous and matched nulls), and with in-run GC every step
+200 null draws, the homogeneous and matched nulls; and once with ``per_layer=True``, GC per
+block as well), and with in-run GC every step
 (:class:`ntkscope.InRunTracker`: each domain of the training batch against the batch, point
 values, from the step's own backward), one after the other in one process.
 
@@ -35,8 +36,8 @@ from ntkscope.gc.tracker import GCTracker, Probes
 
 #: (arm, n, every): the documented setting (n = 128 every 100 steps), cheaper ones beside it, and
 #: in-run GC every step (n: the batch)
-ARMS = [("no tracker", 0, 0), ("tracker", 128, 100), ("tracker", 64, 100), ("tracker", 128, 250),
-        ("in-run GC", 32, 1)]
+ARMS = [("no tracker", 0, 0), ("tracker", 128, 100), ("tracker, per layer", 128, 100), ("tracker", 64, 100),
+        ("tracker", 128, 250), ("in-run GC", 32, 1)]
 
 
 def _losses(run_dir: Path) -> list:
@@ -63,7 +64,7 @@ def main() -> None:
             elif n:
                 probes = Probes.load("default", tokenizer, n=n, seq_len=48, by="tail", tail_fraction=1 / 3,
                                      homogeneous="general")
-                tracker = GCTracker(probes, every=every, out=out / "track")
+                tracker = GCTracker(probes, every=every, out=out / "track", per_layer=arm.endswith("per layer"))
                 callbacks = [tracker]
             start = time.perf_counter()
             train(TrainConfig.from_dict({**spec, "out_dir": str(out)}), callbacks=callbacks)

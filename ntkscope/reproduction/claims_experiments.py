@@ -270,7 +270,7 @@ def _tracker(table: pd.DataFrame) -> dict:
                         f"{key}.same_losses": "identical" if r.same_losses else "different",
                         f"{key}.wall_excess": f"{100 * r.wall_excess:.1f} %"})
             continue
-        key = f"bench.tracker.n{int(r.n)}.every{int(r.every)}"
+        key = f"bench.tracker.n{int(r.n)}.every{int(r.every)}" + (".per_layer" if r.arm.endswith("per layer") else "")
         out.update({f"{key}.overhead": f"{100 * r.overhead:.1f} %", f"{key}.probe_s": _f(r.s_per_probe, 1),
                     f"{key}.estimate_s": _f(r.estimate_s, 1), f"{key}.wall_excess": f"{100 * r.wall_excess:.1f} %",
                     f"{key}.same_losses": "identical" if r.same_losses else "different", f"{key}.method": r.method,
