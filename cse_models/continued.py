@@ -25,6 +25,7 @@ import io
 import logging
 import math
 import pickle
+import pickletools
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,8 @@ def read_training_args(path: Path) -> dict:
             if name is None:
                 raise ValueError(f"{path} is a torch archive without data.pkl")
             raw = archive.read(name)
+    if any(op.name.startswith("EXT") for op, _, _ in pickletools.genops(raw)):  # copyreg's registry, not find_class
+        raise ValueError(f"{path} uses pickle extension codes, which are not read")
     record = _InertUnpickler(io.BytesIO(raw)).load()
     state = record.state if isinstance(record, _Inert) else None
     if not isinstance(state, dict):

@@ -84,3 +84,23 @@ def test_training_args_are_read_without_running_the_pickle(tmp_path):
     torch.save(args, tmp_path / "training_args.bin")
     fields = read_training_args(tmp_path / "training_args.bin")
     assert not marker.exists() and fields["lr_scheduler_type"] == "linear"
+
+
+def test_pickle_extension_codes_are_refused_not_looked_up(tmp_path):
+    """An EXT opcode is resolved through copyreg's registry (and its cache), not find_class: a
+    training_args.bin that uses one is refused before anything is unpickled."""
+    import copyreg
+    import os
+    import pickle
+
+    function = os.getcwd
+    key = (function.__module__, function.__name__)
+    copyreg.add_extension(*key, 240)
+    try:
+        data = pickle.dumps(function, protocol=2)
+    finally:
+        copyreg.remove_extension(*key, 240)
+    assert data[2:3] == b"\x82"  # EXT1
+    (tmp_path / "training_args.bin").write_bytes(data)
+    with pytest.raises(ValueError, match="uses pickle extension codes"):
+        read_training_args(tmp_path / "training_args.bin")
