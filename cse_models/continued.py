@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from cse_models.checkpointing import branch_from, latest_checkpoint, save_checkpoint
+from cse_models.checkpointing import branch_from, carry_optimizer_state, latest_checkpoint, save_checkpoint
 from cse_models.hf import SparseHF, load_any_model
 from cse_models.train import lr_factor, make_optimizer
 from cse_models.train_config import TrainConfig
@@ -202,11 +202,7 @@ def branch(checkpoint, out_dir, sparse: dict | None, cfg: TrainConfig, state: Ru
     opt = make_optimizer(model, cfg)
     for group in opt.param_groups:
         group["initial_lr"] = cfg.lr
-    names = {id(p): n for n, p in model.named_parameters()}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if names[id(p)] in adam:
-                opt.state[p] = {k: v.clone() for k, v in adam[names[id(p)]].items()}
+    carry_optimizer_state(adam, model, opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg), last_epoch=state.step - 1)
     target = Path(out_dir) / "checkpoints" / f"step-{state.step:06d}"
     with torch.random.fork_rng(devices=[]):
