@@ -146,7 +146,8 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
                              "model", bad or sparse_layers, func=func)
     del model
     state, start = _continuation(init_from, lr, steps, func)
-    lr = lr if state is None and lr is not None else (FRESH_LR if state is None else None)
+    if state is None and lr is None:  # nothing to continue: a fresh warm-up (a continued run keeps its own lr)
+        lr = FRESH_LR
     tokenizer = checkpoint_tokenizer(init_from, tokenizer).name  # the one resolution, for every arm
     data = {"table": str(train_source.path), "text_column": text_column, "label_column": label_column,
             "seq_len": seq_len, "tokenizer": tokenizer}
