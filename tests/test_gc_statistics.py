@@ -334,18 +334,21 @@ def test_a_matched_null_keeps_the_subsets_counts_per_covariate_bin():
     tail = np.flatnonzero(labels == 0)
     whole, _ = R.statistics(K, np.ones(120, dtype=np.int64), [tail])
     seen = []
-    real_statistics = R.statistics
+    real_gc = R.subset_gc
 
-    def spy(K_, counts, members, whole_=None):
-        seen.append(members[0])
-        return real_statistics(K_, counts, members, whole_)
+    def spy(K_, along, norm, rows):
+        seen.append(rows)
+        gc = real_gc(K_, along, norm, rows)
+        _, ((direct, _, _),) = R.statistics(K_, np.ones(len(K_), dtype=np.int64), [rows])  # the band's shortcut
+        assert gc == pytest.approx(direct, abs=1e-12)
+        return gc
 
     import ntkscope.kernel.nulls as N
-    N.statistics, before = spy, N.statistics
+    N.subset_gc, before = spy, N.subset_gc
     try:
         band = matched_band(K, whole, tail, length.astype(float), 5, draws=20, confidence=0.9, seed=0)
     finally:
-        N.statistics = before
+        N.subset_gc = before
     bins = np.searchsorted(np.unique(np.quantile(length, np.linspace(0, 1, 6)[1:-1])), length, side="right")
     assert band.draws == 20 and len(seen) == 20
     for drawn in seen:

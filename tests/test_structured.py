@@ -12,6 +12,7 @@ import ntkscope as ns
 import ntkscope.kernel.factors as st
 from cse_models import GPT, GPTConfig, SparseConfig
 from ntkscope.kernel.objectives import resolve_output
+from ntkscope.core.lm import token_values
 from reference import causal_jacobian, jacobian_loop, masked_jacobian
 
 RTOL = 1e-10
@@ -174,6 +175,58 @@ def test_switch_masked_dispatch_equals_gather_for_one_sequence(lm_batch):
     gathered = layer(x, mask)
     layer.per_sample_dispatch = True
     torch.testing.assert_close(layer(x, mask), gathered)
+
+
+@pytest.mark.parametrize("value", ["centred-true-logit", "true-logit"])
+def test_a_wide_head_merges_its_background_columns_and_stays_exact(lm_batch, value, monkeypatch):
+    # a vocabulary of 1,048 of which the batch uses under 50: the head's cotangent (e_y - 1/V, or
+    # e_y) is one value per row outside the targets' columns, which are merged into one
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=st.WIDE + 24, block_size=16, n_layer=1, n_head=2, n_embd=8)).eval()
+    widths, real = [], st.merge_constant_columns
+
+    def spy(fa, fb):
+        out = real(fa, fb)
+        widths.append((fa.delta.shape[-1], out[0].delta.shape[-1]))
+        return out
+
+    monkeypatch.setattr(st, "merge_constant_columns", spy)
+    ids, mask = lm_batch["input_ids"], lm_batch["attention_mask"]
+
+    def f(i):
+        x = ids[i : i + 1, : int(mask[i].sum())]
+        return token_values(model(input_ids=x)[:, :-1], x[:, 1:], value=value)[0]
+
+    J = jacobian_loop(model, 8, f)
+    res = ns.empirical_ntk(model, lm_batch, method="structured", output=value)
+    assert close(res.matrix, J @ J.T) < RTOL
+    assert widths and all(before == st.WIDE + 24 and after <= 51 for before, after in widths)
+
+
+@pytest.mark.parametrize("io", [False, True])
+def test_merged_columns_give_the_materialised_products(io):
+    # a background value per row outside 5 columns, in two uses of different lengths; and a dense
+    # cotangent (a softmax's), which is left as it is
+    g = torch.Generator().manual_seed(0)
+    V = st.WIDE + 8
+
+    def use(c, T):
+        delta = torch.randn(c, T, 1, generator=g).expand(c, T, V).clone()
+        cols = torch.tensor([3, 17, 40, 41, V - 1])
+        delta[..., cols] += torch.randn(c, T, 5, generator=g)
+        return st.Linear(torch.randn(c, T, 6, generator=g), delta, io)
+
+    fa, fb = use(4, 7), use(3, 5)
+    for a, b in ((fa, fb), (fa, fa)):
+        ma, mb = st.merge_constant_columns(a, b)
+        assert ma.delta.shape[-1] == 6 and (mb is ma) == (b is a)
+        want = a.materialise() @ b.materialise().T
+        torch.testing.assert_close(ma.materialise() @ mb.materialise().T, want, rtol=1e-12, atol=1e-12)
+        got, form = st.pair_kernel(a, b, 1 << 20, symmetric=b is a)
+        assert form == "materialised"
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dense = st.Linear(fa.a, torch.randn(fa.delta.shape, generator=g).softmax(-1), io)
+    assert st.merge_constant_columns(dense, dense) == (dense, dense)
 
 
 def test_float32_structured_agrees_with_float64(gpt, lm_batch):

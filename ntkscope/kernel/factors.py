@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 SYMMETRIC_TILES = 4  # a factor against itself: at least this many tiles a side, lower ones mirrored
+WIDE = 1024  # a linear layer with this many outputs (a vocabulary) is checked for columns to merge
 
 
 # ---- factors: what one use of a parameter contributes to the per-sample gradients of a chunk ----
@@ -158,6 +159,40 @@ def _compact(fa, fb) -> tuple:
     return fa, fb
 
 
+def merge_constant_columns(fa: Linear, fb: Linear) -> tuple:
+    """Two uses of a wide linear layer (an output head) whose output cotangents are, in every row,
+    one value outside a few columns: those columns kept, the others merged into one, scaled by
+    the square root of their number; the pair's products are the same. Else ``(fa, fb)`` unchanged.
+
+    A column ``v`` of ``delta`` is row ``v`` of every per-sample gradient (column with ``io``), so
+    columns equal to one reference column in every row give equal gradient rows, and their
+    inner products sum to (their number) x (the reference's). The centred true-token logit has
+    ``delta = e_y - 1/V`` per token: only the targets' columns differ from -1/V (the loss's
+    softmax differs everywhere, and is left as it is). ``fa is fb`` stays one object."""
+    da = fa.delta.reshape(-1, fa.delta.shape[-1])
+    db = da if fb is fa else fb.delta.reshape(-1, fb.delta.shape[-1])
+    width = da.shape[-1]
+    # a column the uses barely touch (the background's, if there is one), read off at most 256 rows;
+    # any reference gives the same products, a poor one merges nothing
+    some = da[:: max(1, da.shape[0] // 256)]
+    ref = int(some.abs().sum(0).argmin())
+    if 2 * (int((some != some[:, ref : ref + 1]).any(0).sum()) + 1) > width:  # dense (a softmax's): a cheap no
+        return fa, fb
+    differs = (da != da[:, ref : ref + 1]).any(0)
+    if fb is not fa:
+        differs |= (db != db[:, ref : ref + 1]).any(0)
+    keep = torch.nonzero(differs).squeeze(1)
+    if 2 * (keep.numel() + 1) > width:  # not worth a copy
+        return fa, fb
+    scale = math.sqrt(width - keep.numel())  # the columns equal to the reference, itself included
+
+    def merged(f):
+        return Linear(f.a, torch.cat([f.delta[..., keep], f.delta[..., ref : ref + 1] * scale], -1), f.io)
+
+    out = merged(fa)
+    return out, (out if fb is fa else merged(fb))
+
+
 def pair_choice(fa, fb, ca: int, cb: int, work: int) -> tuple[str, float]:
     """("ghost" or "materialised", multiply-adds) for the ``ca x cb`` product of two uses: the cost model.
 
@@ -215,6 +250,8 @@ def pair_kernel(fa, fb, work_elements: int, *, symmetric: bool = False) -> tuple
     form, _ = pair_choice(fa, fb, ca, cb, work_elements)
     if form == "materialised":
         fa, fb = (_compact(fa, fb) if fa is not fb else (_compact(fa, fa)[0],) * 2)
+        if isinstance(fa, Linear) and isinstance(fb, Linear) and fa.delta.shape[-1] >= WIDE:
+            fa, fb = merge_constant_columns(fa, fb)
     if form == "ghost":
         per_pair, per_row = 3 * _tokens(fa) * _tokens(fb), 0
     else:

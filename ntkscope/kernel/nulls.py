@@ -27,7 +27,7 @@ import numpy as np
 
 from ntkscope.core.checks import InputError, entry
 from ntkscope.core.progress import progress_bar
-from ntkscope.kernel.replicates import Direction, statistics
+from ntkscope.kernel.replicates import Direction, subset_gc
 
 
 class NullBand(NamedTuple):
@@ -131,14 +131,13 @@ def check_controls(controls, n: int) -> Controls | None:
 
 def _band(K: np.ndarray, whole: Direction, draw, draws: int, confidence: float, what: str) -> NullBand:
     """|GC| of ``draws`` subsets ``draw(i) -> index array`` (None: cannot be drawn) against ``whole``."""
-    ones = np.ones(K.shape[0], dtype=np.int64)
+    along, norm = whole.weights @ K, math.sqrt(max(whole.eigenvalue, 0))  # the whole set's side, once
     out = []
     for i in progress_bar(draws, f"GC null ({what})", "draw", iterable=range(draws)):
         idx = draw(i)
         if idx is None:
             return NO_BAND
-        _, ((gc, _, _),) = statistics(K, ones, [np.sort(idx)], whole)
-        out.append(abs(gc))
+        out.append(abs(subset_gc(K, along, norm, np.sort(idx))))
     if not out:
         return NO_BAND
     tail = (1 - confidence) / 2

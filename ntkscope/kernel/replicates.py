@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 import scipy.linalg
+import scipy.linalg.lapack
 import scipy.stats
 
 from ntkscope.core.progress import progress_bar
@@ -40,10 +41,21 @@ class Direction(NamedTuple):
 
 def direction(K: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> Direction:
     """Top eigenvector of the kernel of ``rows`` repeated ``counts`` times (the module's docstring)."""
+    return _top(K[np.ix_(rows, rows)], counts)
+
+
+def _top(block: np.ndarray, counts: np.ndarray) -> Direction:
+    """:func:`direction` of the kernel ``block`` (k, k) of the samples present, ``counts`` (k,)."""
     root = np.sqrt(counts)
-    M = root[:, None] * K[np.ix_(rows, rows)] * root[None, :]
-    k = len(rows)
-    vals, vecs = scipy.linalg.eigh(M, subset_by_index=[max(0, k - 2), k - 1])
+    M = root[:, None] * block * root[None, :]
+    k = len(counts)
+    # the top two eigenpairs by LAPACK's dsyevr, as scipy.linalg.eigh(subset_by_index=...) runs it,
+    # without its checks (K was checked at the entry point): thousands of small solves per kernel
+    vals, vecs, found, _, info = scipy.linalg.lapack.dsyevr(M, compute_v=1, range="I", il=max(1, k - 1), iu=k,
+                                                             lower=1)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"dsyevr did not converge on a {k} x {k} kernel (info {info})")
+    vals, vecs = vals[:found], vecs[:, :found]
     w = root * vecs[:, -1]
     total = w.sum()
     if total < 0 or (total == 0 and w[np.flatnonzero(w)[:1]].sum() < 0):
@@ -53,34 +65,40 @@ def direction(K: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> Direction:
     return Direction(w, lam1, gap, float(w.sum() / math.sqrt(counts.sum())))
 
 
-def cosine(K: np.ndarray, rows_a, a: np.ndarray, norm_a: float, rows_b, b: np.ndarray, norm_b: float) -> float:
-    """``(a^T J[rows_a]) . (b^T J[rows_b]) / (norm_a norm_b)``, clipped to [-1, 1]."""
+def _cosine(product: float, norm_a: float, norm_b: float) -> float:
+    """``product / (norm_a norm_b)`` clipped to [-1, 1]; NaN where a norm is 0."""
     if norm_a <= 0 or norm_b <= 0:
         return math.nan
-    value = a @ K[np.ix_(rows_a, rows_b)] @ b / (norm_a * norm_b)
-    return float(min(1.0, max(-1.0, value)))
+    return float(min(1.0, max(-1.0, product / (norm_a * norm_b))))
 
 
-def _mean_norm(K: np.ndarray, rows, counts) -> float:
-    return math.sqrt(max(float(counts @ K[np.ix_(rows, rows)] @ counts), 0.0))
+def subset_gc(K: np.ndarray, along: np.ndarray, norm: float, rows: np.ndarray) -> float:
+    """GC of the subset ``rows`` (sorted, every sample once) against a whole set fixed across
+    calls (a null band's draws): ``along`` (n,) is ``w^T K`` and ``norm`` ``sqrt(lambda)`` of the
+    whole set's :func:`direction`, so a call costs the subset's eigendecomposition alone. Equal
+    to :func:`statistics`' GC of that subset to float rounding."""
+    sub = direction(K, rows, np.ones(rows.size))
+    return _cosine(along[rows] @ sub.weights, norm, math.sqrt(max(sub.eigenvalue, 0)))
 
 
-def statistics(K: np.ndarray, counts: np.ndarray, members: list, whole: Direction | None = None) -> tuple:
+def statistics(K: np.ndarray, counts: np.ndarray, members: list) -> tuple:
     """(whole direction, [(gc, subset direction, mean-gradient consistency)] per subset) for
-    sample ``counts`` (n,) and subsets given as member index arrays."""
+    sample ``counts`` (n,) and subsets given as sorted member index arrays."""
     rows = np.flatnonzero(counts)
     c = counts[rows].astype(np.float64)
-    if whole is None:
-        whole = direction(K, rows, c)
-    whole_mean = _mean_norm(K, rows, c)
+    block = K[np.ix_(rows, rows)]  # the samples present, indexed once
+    whole = _top(block, c)
+    along, mean_along = whole.weights @ block, c @ block  # the whole set's side of both cosines
+    norm, whole_mean = math.sqrt(max(whole.eigenvalue, 0)), math.sqrt(max(float(mean_along @ c), 0.0))
     out = []
     for idx in members:
-        sub_rows = idx[counts[idx] > 0]
-        sc = counts[sub_rows].astype(np.float64)
-        sub = direction(K, sub_rows, sc)
-        gc = cosine(K, rows, whole.weights, math.sqrt(max(whole.eigenvalue, 0)), sub_rows, sub.weights,
-                    math.sqrt(max(sub.eigenvalue, 0)))
-        mean = cosine(K, rows, c, whole_mean, sub_rows, sc, _mean_norm(K, sub_rows, sc))
+        at = np.searchsorted(rows, idx[counts[idx] > 0])  # the subset's samples present, as positions in rows
+        sc = c[at]
+        sub_block = block[np.ix_(at, at)]
+        sub = _top(sub_block, sc)
+        norm_sub, mean_sub = math.sqrt(max(sub.eigenvalue, 0)), math.sqrt(max(float(sc @ sub_block @ sc), 0.0))
+        gc = _cosine(along[at] @ sub.weights, norm, norm_sub)
+        mean = _cosine(mean_along[at] @ sc, whole_mean, mean_sub)
         out.append((gc, sub, mean))
     return whole, out
 
