@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import ntkscope as ns
 from ntkscope.core.checks import InputError, entry
 from ntkscope.core.files import JsonCache, atomic_path, digest
-from ntkscope.core.lm import causal_pairs, lm_loss, masked_mean
+from ntkscope.core.lm import causal_pairs, causal_targets, lm_loss, masked_mean, token_values
 from ntkscope.runs.families import FAMILIES, family_for_config, family_of, layer_points
 from cse_models import GPT, GPTConfig
 
@@ -31,6 +31,23 @@ def test_causal_lm_loss_equals_a_token_loop():
     torch.testing.assert_close(total, tokens.sum())
     torch.testing.assert_close(lm_loss(*causal_pairs(logits, ids, mask), reduction="mean"),
                                total / (mask[:, 1:] & mask[:, :-1]).sum())
+
+
+@pytest.mark.parametrize("value", ["loss", "true-logit", "centred-true-logit"])
+def test_causal_targets_read_the_pairs_without_slicing_the_logits(value):
+    # every value and reduction, and the gradient the kernel differentiates, as over causal_pairs
+    torch.manual_seed(2)
+    logits, ids = torch.randn(3, 6, 11, requires_grad=True), torch.randint(0, 11, (3, 6))
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    for reduction in ("sequence", "sequence-sum", "none"):
+        pairs = token_values(*causal_pairs(logits, ids, mask), value=value, reduction=reduction)
+        whole = token_values(logits, *causal_targets(ids, mask), value=value, reduction=reduction)
+        torch.testing.assert_close(whole if reduction != "none" else whole[:, :-1], pairs, rtol=1e-12, atol=0)
+    for m in (mask, None):
+        a = torch.autograd.grad(token_values(*causal_pairs(logits, ids, m), value=value).sum(), logits)[0]
+        b = torch.autograd.grad(token_values(logits, *causal_targets(ids, m), value=value).sum(), logits)[0]
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
 
 
 def test_masked_lm_loss_ignores_unmasked_targets():

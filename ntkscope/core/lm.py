@@ -4,7 +4,8 @@ Used by training and evaluation (``cse_models``), by the kernel's ``output="loss
 the demo. Shapes: ``logits`` (B, T, V), ``targets`` (B, T) token ids, ``keep`` (B, T) bool.
 
 - Causal LM: position t predicts token t + 1; a pair counts when both tokens are real
-  (:func:`causal_pairs` shifts the three tensors).
+  (:func:`causal_pairs` shifts the three tensors;
+  :func:`causal_targets` the targets alone, for the kernel's outputs, whose gradient is the logits').
 - Masked LM: the masked positions count; targets elsewhere may be ``-100``
   (``F.cross_entropy``'s ignore index), as :func:`cse_models.data.mask_tokens` writes them.
 
@@ -31,6 +32,16 @@ def causal_pairs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
     """
     keep = None if mask is None else (mask[:, 1:] & mask[:, :-1])
     return logits[:, :-1], targets[:, 1:], keep
+
+
+def causal_targets(targets: torch.Tensor, mask: torch.Tensor | None = None):
+    """:func:`causal_pairs`' targets and keep, (B, T) each, without slicing the logits: position
+    t's target is token t + 1, the last position's is -100 (ignored) and it is not kept. The
+    values and reductions of :func:`token_values` over the whole logits are those over the
+    pairs; the backward of a slice of the (B, T, V) logits would write them whole twice."""
+    last = targets.new_full((targets.shape[0], 1), -100)
+    keep = None if mask is None else torch.cat([mask[:, 1:] & mask[:, :-1], torch.zeros_like(mask[:, :1])], 1)
+    return torch.cat([targets[:, 1:], last], 1), keep
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor | None = None, *,

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from ntkscope.core.checks import InputError, check_choice, check_fraction, check_positive_int, entry
-from ntkscope.core.lm import TOKEN_VALUES, causal_pairs, masked_mean, token_values
+from ntkscope.core.lm import TOKEN_VALUES, causal_targets, masked_mean, token_values
 
 _NON_MODEL_KEYS = ("labels", "label")
 SCALAR_OUTPUTS = TOKEN_VALUES
@@ -205,7 +205,7 @@ class CausalLMLoss(Objective):
 
     def evaluate(self, run, data):
         logits = primary_output(run(data["inputs"]))  # (m, T, V)
-        logits, targets, keep = causal_pairs(logits, data["aux"]["targets"], data["aux"]["mask"])
+        targets, keep = causal_targets(data["aux"]["targets"], data["aux"]["mask"])
         return token_values(logits, targets, keep, value=self.name)  # (m,)
 
 
