@@ -45,6 +45,7 @@ from cse_models.train_config import DataConfig, TrainConfig, apply_plan, check_p
 from ntkscope.core.checks import InputError, MissingInput, UserError
 from ntkscope.core.files import DirectoryLock, write_json
 from ntkscope.core.lm import lm_loss as token_loss
+from ntkscope.core.memory import training_thresholds
 from ntkscope.core.progress import logging_redirect_tqdm, progress_bar
 from ntkscope.core.requests import differences, listed
 from ntkscope.gc.tracker import GCTracker, Probes
@@ -350,6 +351,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     for callback in callbacks:
         if hasattr(callback, "begin"):  # e.g. ntkscope.InRunTracker hooks the model before its first step
             callback.begin(model)
+    training_thresholds()  # after an analysis earlier in this process (ntkscope reproduce): a training loop's malloc
     for step in range(start, end):
         if convert_at is not None and step == convert_at and sparse.experts_at(sparse.layers[0]) == 0:
             opt, sched = convert_mid_run(model, opt, sched, blocks, cfg, device)

@@ -178,3 +178,29 @@ def test_memory_freed_before_the_first_computation_is_named(tmp_path):
     assert proc.returncode == 0 and "WARNING" not in proc.stderr, proc.stderr
     assert "handed back to the system" in proc.stderr, proc.stderr
     assert int(proc.stdout.split("MiB handed back")[1]) > 200, proc.stdout  # the resident set fell
+
+
+def test_training_after_a_kernel_computation_gets_a_training_loops_malloc_back(tmp_path):
+    """A kernel computation fixes glibc's mmap threshold at 1 MiB (a freed 8 MiB block leaves the
+    resident set at once); before training steps that follow it (a tracker's probe, a run after
+    an analysis) the thresholds go where a training loop's settle (the block stays in the heap,
+    reused by the next step), and the next kernel computation fixes them again. After
+    hand_back_freed_memory() they stay fixed for the whole process."""
+    import subprocess
+
+    script = tmp_path / "thresholds.py"
+    script.write_text(
+        "import torch, ntkscope as ns\n"
+        "from ntkscope.core import memory\n"
+        "def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+        "def kept():  # MiB of a freed 8 MiB block still resident\n"
+        "    before = rss(); x = torch.ones(2**21); del x; return round((rss() - before) / 2**20)\n"
+        "model = torch.nn.Linear(3, 1)\n"
+        "def kernel(): ns.empirical_ntk(model, torch.randn(4, 3), output=lambda m, x: m(x)[:, 0])\n"
+        "kernel(); print('kernel', kept())\n"
+        "memory.training_thresholds(); print('training', kept())\n"
+        "kernel(); print('kernel', kept())\n"
+        "ns.hand_back_freed_memory(); memory.training_thresholds(); print('pinned', kept())\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["kernel", "0", "training", "8", "kernel", "0", "pinned", "0"], proc.stdout

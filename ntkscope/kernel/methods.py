@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ntkscope.core.checks import InputError
-from ntkscope.core.memory import format_bytes, hand_back_freed_memory
+from ntkscope.core.memory import format_bytes, kernel_thresholds
 from ntkscope.kernel import distributed
 from ntkscope.kernel.eigen import EigenResult, NTKOperator, dense_top_eigenpair, lanczos_top_eigenpair
 from ntkscope.kernel.grads import (ALLOCATOR_RESERVE, VMAP_FACTOR, FunctionalModel, Transient, asked_memory,
@@ -134,7 +134,7 @@ def workload(fm: FunctionalModel, batch, batch2=None, *, opts: KernelOptions) ->
     data2 = None if batch2 is None else fm.prepare(batch2, "batch2")
     asked = asked_memory(opts.max_memory, fm.device)
     if fm.device.type == "cpu":
-        hand_back_freed_memory()  # so that what is freed stops counting against the budget
+        kernel_thresholds()  # so that what is freed stops counting against the budget
     budget = memory_budget(asked)
     chunk = opts.chunk_size or default_chunk_size(max(n1, n2), fm, budget)
     return Workload(fm, data1, data2, n1, n2, chunk, budget, opts, distributed.active(), asked)
