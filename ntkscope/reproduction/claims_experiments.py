@@ -275,6 +275,10 @@ def _tracker(table: pd.DataFrame) -> dict:
                     f"{key}.estimate_s": _f(r.estimate_s, 1), f"{key}.wall_excess": f"{100 * r.wall_excess:.1f} %",
                     f"{key}.same_losses": "identical" if r.same_losses else "different", f"{key}.method": r.method,
                     f"{key}.every_for_5pct": str(int(np.ceil(r.every_for_5pct)))})
+    layered, flat = (table[(table["n"] == 128) & (table["every"] == 100) & table["arm"].str.endswith(end)]
+                     for end in ("per layer", "tracker"))
+    if len(layered) and len(flat):  # the "per_layer at most twice" the plain tracker's share
+        out["bench.tracker.per_layer_ratio"] = _f(layered["overhead"].iloc[0] / flat["overhead"].iloc[0], 2)
     return out
 
 
