@@ -14,6 +14,8 @@ Cases (real sentences: Python standard-library docstrings, a byte-level BPE of 8
   on an MLP (128 -> 1024 -> 1024 -> 1) of the same sentences' mean embeddings.
 - ``long``: the same model at T = 256, n = 64: the cost model's choice against every pair
   forced to ghost or to materialised: where the ghost form stops paying.
+- ``hf``: the ``small`` shape as transformers' ``GPT2LMHeadModel`` (no dropout), n = 128 and 256:
+  a training step, exact, structured and the per-sample loop (P1 on an HF model).
 - ``gpt2``: the GPT-2-small shape (HF ``GPT2LMHeadModel``, 124M parameters, tied head), T = 64,
   n = 64 and 256: a training step and the structured method (the others need J: 32-127 GB).
 - ``lanczos``: on the exact kernel of ``small`` at n = 256 (and a planted spectrum with
@@ -22,10 +24,10 @@ Cases (real sentences: Python standard-library docstrings, a byte-level BPE of 8
   (a block method) for both.
 
 Targets: P7 exact NTK of the 124M model at n = 256, T = 64 in <= 3 training steps with
-<= 2 GB above the model; P1 structured <= 1.5 steps plus the Gram on the small model;
+<= 2 GB above the model; P1 structured <= 1.5 steps plus the Gram on the small model and its HF twin;
 P2 <= 8 matvecs at lambda_1 / lambda_2 >= 2.
 
-Run: python benchmarks/structured.py [--cases small,long,gpt2,lanczos] [--out benchmarks/structured.csv]
+Run: python benchmarks/structured.py [--cases small,hf,long,gpt2,lanczos] [--out benchmarks/structured.csv]
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import ntkscope.kernel.factors as st  # noqa: E402
 from cse_models import GPT, GPTConfig  # noqa: E402
 from ntk_methods import (PeakRSS, gram_seconds, jacrev_tutorial, loop_and_gram, loss_fn, matmul_rate,  # noqa: E402
                          tokenizer_and_batches, train_step_seconds)
+from ntkscope.core.memory import training_thresholds  # noqa: E402
 from ntkscope.kernel.eigen import krylov_top_two  # noqa: E402
 from ntkscope.kernel.eigen import top_eigenpair
 
@@ -248,8 +251,37 @@ def gpt2(n_list, batches):
                f"{res.gradient_passes} passes; P7 (<= 3 steps, <= 2 GiB): {verdict}; {res.reason[:120]}")
 
 
+def hf_small(n_list, batches):
+    """P1 on a transformers model: the small shape as HF's ``GPT2LMHeadModel`` (2 layers x 128, tied
+    8192-token head, no dropout), a training step, exact, structured and the per-sample loop."""
+    import transformers
+
+    vocab, all_batch = batches[64]
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_layer=2, n_head=4, n_embd=128,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    for n in n_list:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).float()
+        batch = {k: v[:n] for k, v in all_batch.items()}
+        step = train_step_seconds(Logits(transformers.GPT2LMHeadModel(config).float()), batch)
+        model.eval()
+        P = sum(p.numel() for p in model.parameters())
+        label = "HF 2L d128"
+        record("hf", label, n, 64, "train step", step, 0, step)
+        exact, t, m = measure(lambda: ns.empirical_ntk(model, batch, method="exact"))
+        t_gram = gram_seconds(n, P)
+        record("hf", label, n, 64, "exact", t, m, step, f"gram alone {t_gram:.2f} s")
+        res, t, m = measure(lambda: ns.empirical_ntk(model, batch, method="structured"))
+        target = 1.5 * step + t_gram
+        record("hf", label, n, 64, "structured", t, m, step, f"rel diff {rel(res.matrix, exact.matrix):.1e}; "
+               f"P1 target {target:.2f} s: {'met' if t <= target else 'MISSED'}")
+        K, t, m = measure(lambda: loop_and_gram(Logits(model), batch))
+        record("hf", label, n, 64, "anchor: loop+gram", t, m, step, f"rel diff {rel(K, exact.matrix):.1e}")
+
+
 def one_step(model, batch):
     """One training step, timed once (at 124M parameters and n = 256 a warm-up step would take minutes)."""
+    training_thresholds()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     t = time.perf_counter()
     loss_fn(model(**batch), batch).mean().backward()
@@ -308,7 +340,7 @@ def lanczos(batches):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="small,long,gpt2,lanczos")
+    parser.add_argument("--cases", default="small,hf,long,gpt2,lanczos")
     parser.add_argument("--n", default="128,256", help="sample counts of the small case")
     parser.add_argument("--gpt2-n", default="64,256", help="sample counts of the GPT-2-small case")
     parser.add_argument("--out", default=None, help="write the table as CSV")
@@ -324,6 +356,8 @@ def main(argv=None):
         batches[256] = tokenizer_and_batches(64, 256, 8192)
     if "small" in cases:
         small([int(x) for x in args.n.split(",")], batches)
+    if "hf" in cases:
+        hf_small([int(x) for x in args.n.split(",")], batches)
     if "long" in cases:
         long(batches)
     if "lanczos" in cases:

@@ -177,12 +177,42 @@ def test_switch_masked_dispatch_equals_gather_for_one_sequence(lm_batch):
     torch.testing.assert_close(layer(x, mask), gathered)
 
 
+@pytest.mark.parametrize("how", ["pairs", "summed"])
+def test_a_tied_weights_uses_summed_or_paired_give_the_same_kernel(gpt, lm_batch, how, monkeypatch):
+    # the embedding and the tied head: one product of their summed per-sample gradients, or one per
+    # pair of uses; both against the per-sample loop, in panels and streams too
+    import ntkscope.kernel.structured as structured
+
+    seen = []
+
+    def forced(parts_a, parts_b, ca, cb, work, same):
+        seen.append(len(parts_a))
+        return (how if len(parts_a) > 1 else "pairs"), 0.0
+
+    monkeypatch.setattr(structured, "use_products", forced)
+    J = causal_jacobian(gpt, lm_batch)
+    res = ns.empirical_ntk(gpt, lm_batch, method="structured")
+    assert close(res.matrix, J @ J.T) < RTOL and 2 in seen
+    cross = ns.empirical_ntk(gpt, {k: v[:5] for k, v in lm_batch.items()}, {k: v[5:] for k, v in lm_batch.items()},
+                             method="structured")
+    assert close(cross.matrix, J[:5] @ J[5:].T) < RTOL
+    panels = ns.empirical_ntk(gpt, lm_batch, method="structured", chunk_size=2)
+    assert close(panels.matrix, J @ J.T) < RTOL
+
+
+def test_the_cost_model_sums_a_tied_heads_uses_where_that_is_cheaper(gpt, lm_batch, caplog):
+    with caplog.at_level(logging.INFO, logger="ntkscope.kernel.structured"):
+        ns.empirical_ntk(gpt, lm_batch, method="structured")
+    assert "'summed': 1" in caplog.text
+
+
 @pytest.mark.parametrize("value", ["centred-true-logit", "true-logit"])
 def test_a_wide_head_merges_its_background_columns_and_stays_exact(lm_batch, value, monkeypatch):
-    # a vocabulary of 1,048 of which the batch uses under 50: the head's cotangent (e_y - 1/V, or
-    # e_y) is one value per row outside the targets' columns, which are merged into one
+    # a vocabulary of 1,048 of which the batch uses under 50: the (untied) head's cotangent (e_y - 1/V,
+    # or e_y) is one value per row outside the targets' columns, which are merged into one
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=st.WIDE + 24, block_size=16, n_layer=1, n_head=2, n_embd=8)).eval()
+    model = GPT(GPTConfig(vocab_size=st.WIDE + 24, block_size=16, n_layer=1, n_head=2, n_embd=8,
+                          tie_weights=False)).eval()
     widths, real = [], st.merge_constant_columns
 
     def spy(fa, fb):

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from ntkscope.core.checks import InputError
 from ntkscope.core.memory import PeakMemory, format_bytes
 from ntkscope.core.progress import progress_bar
-from ntkscope.kernel.factors import (Dense, Embed, Linear, empty_rows, is_conv1d, pair_kernel, put_rows, rows_of,
-                                     summed)
+from ntkscope.kernel.factors import (Dense, Embed, Linear, Summed, empty_rows, is_conv1d, pair_kernel, put_rows,
+                                     rows_of, summed, use_products)
 from ntkscope.kernel.grads import (VMAP_FACTOR, FunctionalModel, Transient, check_finite, jacobian_rows,
                                    measure_transient, step_cost)
 from ntkscope.kernel.kept import keeps_model, kept
@@ -427,7 +427,12 @@ def accumulate(out: dict, st: Setup, A: Chunk, B: Chunk, rows: slice, cols: slic
             raise RuntimeError(f"structured NTK: {key} was used {len(parts_a)} and {len(parts_b)} times by "
                                "two runs of samples (data-dependent control flow); use method='exact'")
         total = None
-        for u, fa in enumerate(parts_a):
+        how, _ = use_products(parts_a, parts_b, rows.stop - rows.start, cols.stop - cols.start, st.work, same)
+        if how == "summed":  # a parameter used more than once (a tied head): one product of the summed uses
+            sa = Summed(parts_a)
+            total, _ = pair_kernel(sa, sa if same else Summed(parts_b), st.work, symmetric=same)
+            st.forms["summed"] = st.forms.get("summed", 0) + 1
+        for u, fa in enumerate(parts_a if how == "pairs" else []):
             for v, fb in enumerate(parts_b):
                 if same and v < u:
                     continue

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ntkscope.kernel.factors import pair_choice
+from ntkscope.kernel.factors import use_products
 from ntkscope.kernel.grads import Transient
 from ntkscope.kernel.kernels import sample_passes
 
@@ -73,11 +73,7 @@ def minimum_budget(pr: Probe, n1: int, n2: int, symmetric: bool, kernels: int = 
 def pair_cost(pr: Probe, n1: int, n2: int, work: int) -> float:
     """Multiply-adds of all the pair products of an (n1, n2) kernel, by the cost model
     (``work``: :func:`work_elements`)."""
-    total = 0.0
-    for parts in pr.uses.values():
-        for fa in parts:
-            for fb in parts:
-                total += pair_choice(fa, fb, n1, n2, work)[1]
+    total = sum(use_products(parts, parts, n1, n2, work, same=False)[1] for parts in pr.uses.values())
     return total + n1 * n2 * pr.fallback_params
 
 

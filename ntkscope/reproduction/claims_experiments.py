@@ -104,25 +104,28 @@ def _p7(table: pd.DataFrame) -> dict:
 
 
 def _p1(table: pd.DataFrame) -> dict:
-    """benchmarks/README.md: P1 again (benchmarks/structured_p1.csv), the small GPT at n = 128 and 256,
-    every row of the run side by side (training step, ntkscope's methods, the anchors)."""
-    rows = ["| n | method | seconds | × step | peak MiB | note |", "|--:|:--|--:|--:|--:|:--|"]
-    for r in table[table["case"].isin(["small", "mlp"])].itertuples():
+    """benchmarks/README.md: P1 again (benchmarks/structured_p1.csv), the small GPT (and its HF twin,
+    case "hf") at n = 128 and 256, every row of the run side by side (training step, ntkscope's
+    methods, the anchors)."""
+    rows = ["| n | model | method | seconds | × step | peak MiB | note |", "|--:|:--|:--|--:|--:|--:|:--|"]
+    models = {"small": "GPT (ours)", "hf": "GPT2LMHeadModel", "mlp": "MLP"}
+    for r in table[table["case"].isin(list(models))].itertuples():
         seconds = "—" if not np.isfinite(r.seconds) else f"{r.seconds:.2f}"
         steps = "—" if not np.isfinite(r.x_train_step) else f"{r.x_train_step:.2f}"
         peak = "" if not r.peak_MiB else f"{r.peak_MiB:.0f}"
         note = "" if not isinstance(r.note, str) else r.note.replace("|", "\\|")
-        rows.append(f"| {int(r.n)} | {r.method}{' (MLP)' if r.case == 'mlp' else ''} | {seconds} | {steps} | {peak} | {note} |")
+        rows.append(f"| {int(r.n)} | {models[r.case]} | {r.method} | {seconds} | {steps} | {peak} | {note} |")
     out = {"bench.p1.table": "\n".join(rows)}
-    small = table[table["case"] == "small"]
-    for n, rows_n in small.groupby("n"):
-        by = rows_n.set_index("method")
-        step, gram = by.loc["train step", "seconds"], float(by.loc["exact", "note"].split()[2])  # "gram alone X s"
-        target = 1.5 * step + gram
-        out.update({f"bench.p1.n{int(n)}.structured": f"{by.loc['structured', 'x_train_step']:.2f}",
-                    f"bench.p1.n{int(n)}.over": f"{100 * (by.loc['structured', 'seconds'] / target - 1):.0f} %",
-                    f"bench.p1.n{int(n)}.exact": f"{by.loc['exact', 'x_train_step']:.2f}",
-                    f"bench.p1.n{int(n)}.loop": f"{by.loc['anchor: loop+gram', 'x_train_step']:.2f}"})
+    for case, key in (("small", "bench.p1"), ("hf", "bench.p1.hf")):
+        for n, rows_n in table[table["case"] == case].groupby("n"):
+            by = rows_n.set_index("method")
+            step, gram = by.loc["train step", "seconds"], float(by.loc["exact", "note"].split()[2])  # "gram alone X s"
+            target = 1.5 * step + gram
+            margin = by.loc["structured", "seconds"] / target - 1
+            out.update({f"{key}.n{int(n)}.structured": f"{by.loc['structured', 'x_train_step']:.2f}",
+                        f"{key}.n{int(n)}.margin": f"{100 * abs(margin):.0f} % {'over' if margin > 0 else 'under'}",
+                        f"{key}.n{int(n)}.exact": f"{by.loc['exact', 'x_train_step']:.2f}",
+                        f"{key}.n{int(n)}.loop": f"{by.loc['anchor: loop+gram', 'x_train_step']:.2f}"})
     return out
 
 
