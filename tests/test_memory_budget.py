@@ -13,9 +13,9 @@ test module) leave in glibc's heap counts in a peak, by about a MiB, which is th
 budgets have."""
 
 import os
-import subprocess
-
+import platform
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -180,6 +180,8 @@ def test_memory_freed_before_the_first_computation_is_named(tmp_path):
     assert int(proc.stdout.split("MiB handed back")[1]) > 200, proc.stdout  # the resident set fell
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="glibc's malloc thresholds")
 def test_training_after_a_kernel_computation_gets_a_training_loops_malloc_back(tmp_path):
     """A kernel computation fixes glibc's mmap threshold at 1 MiB (a freed 8 MiB block leaves the
     resident set at once); before training steps that follow it (a tracker's probe, a run after
@@ -203,4 +205,7 @@ def test_training_after_a_kernel_computation_gets_a_training_loops_malloc_back(t
         "ns.hand_back_freed_memory(); memory.training_thresholds(); print('pinned', kept())\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["kernel", "0", "training", "8", "kernel", "0", "pinned", "0"], proc.stdout
+    words = proc.stdout.split()
+    assert words[::2] == ["kernel", "training", "kernel", "pinned"], proc.stdout
+    kept = [int(w) for w in words[1::2]]
+    assert kept[0] <= 1 and kept[1] >= 6 and kept[2] <= 1 and kept[3] <= 1, proc.stdout

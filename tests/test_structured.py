@@ -200,6 +200,23 @@ def test_a_tied_weights_uses_summed_or_paired_give_the_same_kernel(gpt, lm_batch
     assert close(panels.matrix, J @ J.T) < RTOL
 
 
+def test_a_sum_of_uses_of_every_kind_is_the_sum_of_their_gradients():
+    # a Linear head, two Embeddings and a Dense (a transposed, non-contiguous one) in every order
+    g = torch.Generator().manual_seed(0)
+    V, d, c, T = 7, 3, 4, 5
+    head = st.Linear(torch.randn(c, T, d, generator=g), torch.randn(c, T, V, generator=g))
+    embeds = [st.Embed(torch.randint(0, V, (c, T), generator=g), torch.randn(c, T, d, generator=g), V)
+              for _ in range(2)]
+    dense = st.Dense(torch.randn(V * d, c, generator=g).T)
+    for parts in ([head, *embeds], embeds, [dense, embeds[0]], [embeds[1], dense, head]):
+        want = sum(f.materialise() for f in parts)
+        torch.testing.assert_close(st.Summed(parts).materialise(), want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(st.rows_of(st.Summed(parts), slice(1, 3)).materialise(), want[1:3])
+    before = dense.grads.clone()
+    st.Summed([dense, embeds[0]]).materialise()
+    torch.testing.assert_close(dense.grads, before, rtol=0, atol=0)
+
+
 def test_the_cost_model_sums_a_tied_heads_uses_where_that_is_cheaper(gpt, lm_batch, caplog):
     with caplog.at_level(logging.INFO, logger="ntkscope.kernel.structured"):
         ns.empirical_ntk(gpt, lm_batch, method="structured")

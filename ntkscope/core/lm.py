@@ -30,7 +30,7 @@ def causal_pairs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
     ``mask`` (B, T) marks real tokens; a pair is kept when the predicting and the predicted
     token are both real. ``None`` keeps every pair.
     """
-    keep = None if mask is None else (mask[:, 1:] & mask[:, :-1])
+    keep = None if mask is None else (mask[:, 1:].bool() & mask[:, :-1].bool())
     return logits[:, :-1], targets[:, 1:], keep
 
 
@@ -40,7 +40,8 @@ def causal_targets(targets: torch.Tensor, mask: torch.Tensor | None = None):
     values and reductions of :func:`token_values` over the whole logits are those over the
     pairs; the backward of a slice of the (B, T, V) logits would write them whole twice."""
     last = targets.new_full((targets.shape[0], 1), -100)
-    keep = None if mask is None else torch.cat([mask[:, 1:] & mask[:, :-1], torch.zeros_like(mask[:, :1])], 1)
+    keep = None if mask is None else torch.cat([mask[:, 1:].bool() & mask[:, :-1].bool(),
+                                                 mask.new_zeros((mask.shape[0], 1), dtype=torch.bool)], 1)
     return torch.cat([targets[:, 1:], last], 1), keep
 
 

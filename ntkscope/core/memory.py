@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -110,17 +111,26 @@ _pinned = False  # hand_back_freed_memory() was called: for the whole process
 _heap_checked = False
 
 
-def _mallopt(mmap_threshold: int, trim_threshold: int):
-    """glibc's ``mallopt`` of both thresholds: the C library, or None where there is none."""
+@functools.lru_cache(maxsize=1)
+def _glibc():
+    """The C library when it has glibc's ``mallopt``, else None (looked up once)."""
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
-        ok = libc.mallopt(-1, trim_threshold) and ok  # M_TRIM_THRESHOLD
+        libc.mallopt  # noqa: B018 (glibc's)
     except (OSError, AttributeError):
         return None
-    return libc if ok else None
+    return libc
+
+
+def _mallopt(mmap_threshold: int, trim_threshold: int):
+    """glibc's ``mallopt`` of both thresholds (the trim threshold only once the mmap threshold
+    took): the C library, or None where there is none or it refused."""
+    libc = _glibc()
+    if libc is None or not libc.mallopt(-3, mmap_threshold):  # M_MMAP_THRESHOLD
+        return None
+    return libc if libc.mallopt(-1, trim_threshold) else None  # M_TRIM_THRESHOLD
 
 
 def hand_back_freed_memory() -> None:
@@ -173,19 +183,21 @@ def kernel_thresholds() -> None:
                     "training took 18 %% longer).", format_bytes(free))
 
 
-def training_thresholds() -> None:
+def training_thresholds(*, force: bool = False) -> None:
     """Before training steps that follow a kernel computation (a tracker's probe between steps,
     a training run after an analysis in one process): malloc's thresholds where a training
     loop's dynamic ones settle (mmap 32 MiB, trim 64 MiB), not the kernel's fixed 1 MiB, under
     which every large block of a step is mapped and zeroed anew: 150 steps of the quick model took
     23.1-24.1 s after a kernel computation, 20.4-20.7 s before one and 19.8-20.5 s with these
     thresholds (2 cores, 2026-11-27). Nothing happens after :func:`hand_back_freed_memory` (the
-    caller asked for the budget's threshold for the whole process) or before any kernel computation."""
+    caller asked for the budget's threshold for the whole process) or, unless ``force`` (a
+    benchmark's training steps, all under one setting), before any kernel computation. Not
+    thread-safe: a kernel computation in another thread keeps its budget only between such calls."""
     global _threshold_fixed
-    if not _threshold_fixed or _pinned:
+    if _pinned or not (_threshold_fixed or force):
         return
+    _threshold_fixed = False  # also where the C library has no mallopt: nothing to put back then
     if _mallopt(*_TRAINING_THRESHOLDS) is not None:
-        _threshold_fixed = False
         log.debug("malloc: a training loop's thresholds again (mmap %s)", format_bytes(_TRAINING_THRESHOLDS[0]))
 
 

@@ -26,6 +26,7 @@ import torch
 
 SYMMETRIC_TILES = 4  # a factor against itself: at least this many tiles a side, lower ones mirrored
 WIDE = 1024  # a linear layer with this many outputs (a vocabulary) is checked for columns to merge
+MERGE_ROWS = 1024  # rows of a cotangent compared at once when looking for columns to merge
 
 
 # ---- factors: what one use of a parameter contributes to the per-sample gradients of a chunk ----
@@ -91,7 +92,7 @@ class Summed:
         first, *rest = sorted(self.parts, key=lambda f: isinstance(f, Embed))  # embeddings scatter into the others
         total = first.materialise()
         if isinstance(first, Dense):
-            total = total.clone()  # not the factor's own tensor
+            total = total.clone(memory_format=torch.contiguous_format)  # not the factor's own; rows viewable
         for f in rest:
             if isinstance(f, Embed):
                 f.add_to(total)
@@ -207,20 +208,21 @@ def merge_constant_columns(fa: Linear, fb: Linear) -> tuple:
     ``delta = e_y - 1/V`` per token: only the targets' columns differ from -1/V (the loss's
     softmax differs everywhere, and is left as it is). ``fa is fb`` stays one object."""
     da = fa.delta.reshape(-1, fa.delta.shape[-1])
-    db = da if fb is fa else fb.delta.reshape(-1, fb.delta.shape[-1])
+    sides = [da] if fb is fa else [da, fb.delta.reshape(-1, fb.delta.shape[-1])]
     width = da.shape[-1]
-    # a column the uses barely touch (the background's, if there is one), read off at most 256 rows;
-    # any reference gives the same products, a poor one merges nothing
-    some = da[:: max(1, da.shape[0] // 256)]
-    ref = int(some.abs().sum(0).argmin())
-    if 2 * (int((some != some[:, ref : ref + 1]).any(0).sum()) + 1) > width:  # dense (a softmax's): a cheap no
+    some = da[:: max(1, da.shape[0] // 256)]  # a dense cotangent (a softmax's) is turned down on a sample of rows
+    if 2 * (int((some != some[:, int(some.abs().sum(0).argmin())].unsqueeze(1)).any(0).sum()) + 1) > width:
         return fa, fb
-    differs = (da != da[:, ref : ref + 1]).any(0)
-    if fb is not fa:
-        differs |= (db != db[:, ref : ref + 1]).any(0)
+    blocks = [blk for d in sides for blk in d.split(MERGE_ROWS)]  # (rows, width) work tensors, not (c T, width)
+    # the column both uses touch least (the background's, if there is one); any reference gives the
+    # same products, a poor one merges nothing
+    ref = int(sum(blk.abs().sum(0) for blk in blocks).argmin())
+    differs = torch.zeros(width, dtype=torch.bool, device=da.device)
+    for blk in blocks:
+        differs |= (blk != blk[:, ref : ref + 1]).any(0)
+        if 2 * (int(differs.sum()) + 1) > width:  # dense (a softmax's), or not worth a copy
+            return fa, fb
     keep = torch.nonzero(differs).squeeze(1)
-    if 2 * (keep.numel() + 1) > width:  # not worth a copy
-        return fa, fb
     scale = math.sqrt(width - keep.numel())  # the columns equal to the reference, itself included
 
     def merged(f):

@@ -49,6 +49,8 @@ def _top(block: np.ndarray, counts: np.ndarray) -> Direction:
     root = np.sqrt(counts)
     M = root[:, None] * block * root[None, :]
     k = len(counts)
+    if k == 0:
+        raise np.linalg.LinAlgError("a kernel with no samples has no top eigenvector")
     # the top two eigenpairs by LAPACK's dsyevr, as scipy.linalg.eigh(subset_by_index=...) runs it,
     # without its checks (K was checked at the entry point): thousands of small solves per kernel
     vals, vecs, found, _, info = scipy.linalg.lapack.dsyevr(M, compute_v=1, range="I", il=max(1, k - 1), iu=k,

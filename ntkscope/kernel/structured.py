@@ -427,7 +427,8 @@ def accumulate(out: dict, st: Setup, A: Chunk, B: Chunk, rows: slice, cols: slic
             raise RuntimeError(f"structured NTK: {key} was used {len(parts_a)} and {len(parts_b)} times by "
                                "two runs of samples (data-dependent control flow); use method='exact'")
         total = None
-        how, _ = use_products(parts_a, parts_b, rows.stop - rows.start, cols.stop - cols.start, st.work, same)
+        how = "pairs" if len(parts_a) < 2 else use_products(parts_a, parts_b, rows.stop - rows.start,
+                                                            cols.stop - cols.start, st.work, same)[0]
         if how == "summed":  # a parameter used more than once (a tied head): one product of the summed uses
             sa = Summed(parts_a)
             total, _ = pair_kernel(sa, sa if same else Summed(parts_b), st.work, symmetric=same)
