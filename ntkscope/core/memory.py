@@ -94,12 +94,9 @@ def _status_bytes(field: str) -> int | None:
 
 def _trim() -> None:
     """Give freed heap memory back to the system (glibc), so that a peak above now counts new memory."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 _MMAP_THRESHOLD = 1 << 20
@@ -113,12 +110,12 @@ _heap_checked = False
 
 @functools.lru_cache(maxsize=1)
 def _glibc():
-    """The C library when it has glibc's ``mallopt``, else None (looked up once)."""
+    """The C library when it has glibc's ``mallopt`` and ``malloc_trim``, else None (looked up once)."""
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt  # noqa: B018 (glibc's)
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (glibc's)
     except (OSError, AttributeError):
         return None
     return libc
