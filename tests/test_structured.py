@@ -217,6 +217,38 @@ def test_a_sum_of_uses_of_every_kind_is_the_sum_of_their_gradients():
     torch.testing.assert_close(dense.grads, before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("elements", [1, 40, 10**9])  # a unit a block, uneven blocks, one block
+def test_gradients_formed_a_block_of_units_at_a_time_give_the_materialised_products(elements, monkeypatch):
+    # every blockable kind (Linear in both layouts, Embed, sums of a head and embeddings), against
+    # itself and against another run of samples, in float64
+    monkeypatch.setattr(st, "BLOCK_ELEMENTS", elements)
+    g = torch.Generator().manual_seed(0)
+    V, d = 11, 3
+
+    def kinds(c, T):
+        head = st.Linear(torch.randn(c, T, d, generator=g, dtype=torch.float64),
+                         torch.randn(c, T, V, generator=g, dtype=torch.float64))
+        conv = st.Linear(head.a, head.delta, io=True)
+        embeds = [st.Embed(torch.randint(0, V, (c, T), generator=g), torch.randn(c, T, d, generator=g,
+                           dtype=torch.float64), V) for _ in range(2)]
+        return [head, conv, embeds[0], st.Summed([embeds[0], head, embeds[1]]), st.Summed(embeds),
+                st.Summed([head, st.Linear(head.a.flip(1), head.delta)])]
+
+    for fa, fb in zip(kinds(5, 4), kinds(3, 6)):
+        assert st.blockable(fa)
+        for other, same in ((fa, True), (fb, False)):
+            want = fa.materialise() @ other.materialise().T
+            torch.testing.assert_close(st.blocked_product(fa, other, same), want, rtol=1e-12, atol=1e-12)
+            got, form = st.pair_kernel(fa, other, 10**6, symmetric=same)
+            assert form == "materialised"
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    head, conv, embed = kinds(2, 2)[:3]
+    dense = st.Dense(torch.randn(2, V * d, generator=g, dtype=torch.float64))
+    assert not any(st.blockable(st.Summed(p)) for p in ([head, dense], [conv, embed], [conv, head]))
+    torch.testing.assert_close(st.pair_kernel(st.Summed([head, dense]), st.Summed([head, dense]), 10**6)[0],
+                               (head.materialise() + dense.grads) @ (head.materialise() + dense.grads).T)
+
+
 def test_the_cost_model_sums_a_tied_heads_uses_where_that_is_cheaper(gpt, lm_batch, caplog):
     with caplog.at_level(logging.INFO, logger="ntkscope.kernel.structured"):
         ns.empirical_ntk(gpt, lm_batch, method="structured")

@@ -27,6 +27,12 @@ import torch
 SYMMETRIC_TILES = 4  # a factor against itself: at least this many tiles a side, lower ones mirrored
 WIDE = 1024  # a linear layer with this many outputs (a vocabulary) is checked for columns to merge
 MERGE_ROWS = 1024  # rows of a cotangent compared at once when looking for columns to merge
+#: a product's per-sample gradients are formed this many elements at a time (a block of output
+#: units for every sample of its tile) and multiplied as soon as each block is formed: the whole
+#: (c, numel) is never held, and each block is still in cache when it is multiplied. For the
+#: small GPT's tied 8192-token head at n = 128, 0.38 s whole against 0.24 s in blocks of 2**21;
+#: 1.3-1.8x on the other shapes measured (benchmarks/README.md, P1)
+BLOCK_ELEMENTS = 1 << 21
 
 
 # ---- factors: what one use of a parameter contributes to the per-sample gradients of a chunk ----
@@ -101,6 +107,76 @@ class Summed:
         return total
 
 
+def blockable(f) -> bool:
+    """Whether ``f``'s per-sample gradients can be formed a block of output units at a time: a
+    :class:`Linear` or :class:`Embed`, or a sum of them that agree on which weight entry is output
+    unit o's input i (Linear uses all in one layout; Embeddings only beside (V, d) Linear uses)."""
+    parts = f.parts if isinstance(f, Summed) else [f]
+    if any(isinstance(p, Dense) for p in parts):
+        return False
+    layouts = {p.io for p in parts if isinstance(p, Linear)}
+    return len(layouts) < 2 and not (True in layouts and any(isinstance(p, Embed) for p in parts))
+
+
+def _units(f) -> tuple[int, int]:
+    """(output units, elements per unit) of a blockable factor: (d_out, d_in) or (V, d)."""
+    p = f.parts[0] if isinstance(f, Summed) else f
+    return (p.delta.shape[-1], p.a.shape[-1]) if isinstance(p, Linear) else (p.vocab, p.delta.shape[-1])
+
+
+class _Blocks:
+    """The per-sample gradients of a blockable factor, output units ``o0:o1`` at a time: (c, (o1 - o0) w).
+
+    The entries come in (unit, input) order whatever the weight's layout, so a block's products
+    are those of the same entries of the materialised gradients (a Gram does not see the order)."""
+
+    def __init__(self, f, step: int):
+        parts = f.parts if isinstance(f, Summed) else [f]
+        self.c, self.step = _leading(f), step
+        self.units, self.width = _units(f)
+        self.linear = [p for p in parts if isinstance(p, Linear)]
+        self.embeds = []
+        for e in (p for p in parts if isinstance(p, Embed)):  # token-sorted, so a block's tokens are a slice
+            flat = e.tokens.reshape(-1)
+            tokens, order = torch.sort(flat)
+            edges = torch.searchsorted(tokens, torch.arange(0, self.units + step, step, device=flat.device))
+            self.embeds.append((tokens, order // e.tokens.shape[1], e.delta.reshape(-1, self.width)[order],
+                                edges.tolist()))
+        like = (self.linear[0].delta if self.linear else self.embeds[0][2])
+        self.room = like.new_empty(self.c * step * self.width)  # one block's, reused: a fresh one per block
+        # is mapped and zeroed anew under the kernel's malloc thresholds (core.memory), 1.6x slower
+
+    def block(self, o0: int) -> torch.Tensor:
+        o1 = min(self.units, o0 + self.step)
+        g = self.room[: self.c * (o1 - o0) * self.width].view(self.c, o1 - o0, self.width)
+        if self.linear:
+            first, *rest = self.linear
+            torch.bmm(first.delta[..., o0:o1].transpose(1, 2), first.a, out=g)
+            for f in rest:
+                g.baddbmm_(f.delta[..., o0:o1].transpose(1, 2), f.a)
+        else:
+            g.zero_()
+        for tokens, sample, delta, edges in self.embeds:
+            lo, hi = edges[o0 // self.step], edges[o0 // self.step + 1]
+            g.view(-1, self.width).index_add_(0, sample[lo:hi] * (o1 - o0) + tokens[lo:hi] - o0, delta[lo:hi])
+        return g.reshape(self.c, -1)
+
+
+def blocked_product(fa, fb, same: bool) -> torch.Tensor:
+    """``G_a G_b^T`` (ca, cb) of two blockable uses of one weight, their per-sample gradients formed
+    :data:`BLOCK_ELEMENTS` at a time (``same``: ``fa`` is ``fb``, each block formed once)."""
+    units, width = _units(fa)
+    step = max(1, min(units, BLOCK_ELEMENTS // (max(_leading(fa), _leading(fb)) * width)))
+    A = _Blocks(fa, step)
+    B = A if same else _Blocks(fb, step)
+    out = None
+    for o0 in range(0, units, step):
+        ga = A.block(o0)
+        gb = ga if same else B.block(o0)
+        out = ga @ gb.T if out is None else out.addmm_(ga, gb.T)
+    return out
+
+
 def _tensors(f) -> dict:
     return {k: v for k, v in vars(f).items() if torch.is_tensor(v)}
 
@@ -164,7 +240,10 @@ def ghost_cost(fa, fb) -> float | None:
 
 def _row_elements(f) -> int:
     """Elements a materialised sample's gradient holds while its tile is formed (a sum holds one
-    use's beside the total)."""
+    use's beside the total); a blockable factor's sample holds one output unit's at least
+    (a tile's blocks hold :data:`BLOCK_ELEMENTS`)."""
+    if blockable(f):
+        return _units(f)[1]
     return _numel(f) * (2 if isinstance(f, Summed) else 1)
 
 
@@ -298,18 +377,22 @@ def pair_kernel(fa, fb, work_elements: int, *, symmetric: bool = False) -> tuple
     ta, tb = _tile(per_pair, per_row, ca, cb, work_elements)
     if symmetric:  # ghost: at least 4 tiles a side, so that the mirrored lower tiles save ~40 %
         ta = tb = min(ta, tb) if form == "materialised" else max(1, min(ta, tb, math.ceil(ca / SYMMETRIC_TILES)))
+    blocks = form == "materialised" and blockable(fa) and blockable(fb)
     out = None
     for a0 in range(0, ca, ta):
         A = rows_of(fa, slice(a0, a0 + ta))
-        GA = A.materialise() if form == "materialised" else None
+        GA = A.materialise() if form == "materialised" and not blocks else None
         for b0 in range(a0 if symmetric else 0, cb, tb):
             if symmetric and b0 == a0:
                 B, GB = A, GA
             else:
                 GB = None  # the last tile's gradients go before the next are formed
                 B = rows_of(fb, slice(b0, b0 + tb))
-                GB = B.materialise() if form == "materialised" else None
-            block = _ghost(A, B) if form == "ghost" else GA @ GB.T
+                GB = B.materialise() if form == "materialised" and not blocks else None
+            if form == "ghost":
+                block = _ghost(A, B)
+            else:
+                block = blocked_product(A, B, same=B is A) if blocks else GA @ GB.T
             if out is None:
                 out = block.new_zeros(ca, cb)
             out[a0 : a0 + ta, b0 : b0 + tb] = block

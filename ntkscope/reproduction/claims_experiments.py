@@ -116,16 +116,26 @@ def _p1(table: pd.DataFrame) -> dict:
         note = "" if not isinstance(r.note, str) else r.note.replace("|", "\\|")
         rows.append(f"| {int(r.n)} | {models[r.case]} | {r.method} | {seconds} | {steps} | {peak} | {note} |")
     out = {"bench.p1.table": "\n".join(rows)}
+    met = fastest = runs = 0
     for case, key in (("small", "bench.p1"), ("hf", "bench.p1.hf")):
         for n, rows_n in table[table["case"] == case].groupby("n"):
             by = rows_n.set_index("method")
             step, gram = by.loc["train step", "seconds"], float(by.loc["exact", "note"].split()[2])  # "gram alone X s"
             target = 1.5 * step + gram
             margin = by.loc["structured", "seconds"] / target - 1
+            exact = by.loc[[m for m in by.index if m == "exact" or m.startswith("anchor")], "seconds"]
+            runs, met = runs + 1, met + (margin <= 0)
+            fastest += by.loc["structured", "seconds"] < exact.min()
             out.update({f"{key}.n{int(n)}.structured": f"{by.loc['structured', 'x_train_step']:.2f}",
                         f"{key}.n{int(n)}.margin": f"{100 * abs(margin):.0f} % {'over' if margin > 0 else 'under'}",
                         f"{key}.n{int(n)}.exact": f"{by.loc['exact', 'x_train_step']:.2f}",
                         f"{key}.n{int(n)}.loop": f"{by.loc['anchor: loop+gram', 'x_train_step']:.2f}"})
+
+    def share(k):
+        return "all four rows" if k == runs == 4 else f"{k} of {runs} rows"
+
+    out.update({"bench.p1.verdict": f"met in {share(met)}" if met else "missed in every row",
+                "bench.p1.fastest": f"in {share(fastest)}"})
     return out
 
 
