@@ -255,18 +255,20 @@ def test_the_cost_model_sums_a_tied_heads_uses_where_that_is_cheaper(gpt, lm_bat
     assert "'summed': 1" in caplog.text
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("value", ["centred-true-logit", "true-logit"])
-def test_a_wide_head_merges_its_background_columns_and_stays_exact(lm_batch, value, monkeypatch):
-    # a vocabulary of 1,048 of which the batch uses under 50: the (untied) head's cotangent (e_y - 1/V,
-    # or e_y) is one value per row outside the targets' columns, which are merged into one
+def test_a_wide_head_merges_its_background_columns_and_stays_exact(lm_batch, value, tied, monkeypatch):
+    # a vocabulary of 1,048 of which the batch uses under 50: the head's cotangent (e_y - 1/V, or
+    # e_y) is one value per row outside the targets' columns, which are merged into one (tied: the
+    # head's and the embedding's summed uses, the embedded tokens' rows kept)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=st.WIDE + 24, block_size=16, n_layer=1, n_head=2, n_embd=8,
-                          tie_weights=False)).eval()
+                          tie_weights=tied)).eval()
     widths, real = [], st.merge_constant_columns
 
     def spy(fa, fb):
         out = real(fa, fb)
-        widths.append((fa.delta.shape[-1], out[0].delta.shape[-1]))
+        widths.append((type(fa).__name__, st._units(fa)[0], st._units(out[0])[0]))
         return out
 
     monkeypatch.setattr(st, "merge_constant_columns", spy)
@@ -279,7 +281,8 @@ def test_a_wide_head_merges_its_background_columns_and_stays_exact(lm_batch, val
     J = jacobian_loop(model, 8, f)
     res = ns.empirical_ntk(model, lm_batch, method="structured", output=value)
     assert close(res.matrix, J @ J.T) < RTOL
-    assert widths and all(before == st.WIDE + 24 and after <= 51 for before, after in widths)
+    assert widths and all(before == st.WIDE + 24 and after <= 51 for _, before, after in widths)
+    assert {kind for kind, _, _ in widths} == ({"Summed"} if tied else {"Linear"})
 
 
 @pytest.mark.parametrize("io", [False, True])
@@ -306,6 +309,37 @@ def test_merged_columns_give_the_materialised_products(io):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     dense = st.Linear(fa.a, torch.randn(fa.delta.shape, generator=g).softmax(-1), io)
     assert st.merge_constant_columns(dense, dense) == (dense, dense)
+
+
+def test_a_tied_heads_summed_uses_merge_columns_outside_the_embeddings_rows():
+    # the head's cotangent is a background value per row outside 3 target columns; the embedding
+    # touches other rows of the same weight, which must be kept. In the second case the sampled
+    # rows' reference (column 0) differs from the background in a row the sample skips.
+    g = torch.Generator().manual_seed(0)
+    V, d = st.WIDE + 8, 3
+
+    def summed(c, T, odd_row):
+        delta = torch.randn(c, T, 1, generator=g, dtype=torch.float64).expand(c, T, V).clone()
+        delta[..., [5, 17, V - 1]] += torch.randn(c, T, 3, generator=g, dtype=torch.float64)
+        if odd_row:
+            delta.view(-1, V)[1, 0] += 1.0
+        tokens = torch.randint(20, 60, (c, T), generator=g)
+        embed = st.Embed(tokens, torch.randn(c, T, d, generator=g, dtype=torch.float64), V)
+        return st.Summed([embed, st.Linear(torch.randn(c, T, d, generator=g, dtype=torch.float64), delta)])
+
+    for fa, fb in ((summed(4, 7, False), summed(3, 5, False)), (summed(8, 64, True), summed(2, 3, False))):
+        for a, b in ((fa, fb), (fa, fa)):
+            ma, mb = st.merge_constant_columns(a, b)
+            width = ma.parts[1].delta.shape[-1]
+            assert width < 70 and ma.parts[0].vocab == width and (mb is ma) == (b is a)
+            want = a.materialise() @ b.materialise().T
+            torch.testing.assert_close(ma.materialise() @ mb.materialise().T, want, rtol=1e-12, atol=1e-12)
+            got, form = st.pair_kernel(a, b, 1 << 20, symmetric=b is a)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    every = summed(2, 3, False)
+    every.parts[0].tokens = torch.arange(V).repeat(2, 1)[:, : V // 2 + 1]  # more than half the rows embedded
+    every.parts[0].delta = torch.randn(2, V // 2 + 1, d, generator=g, dtype=torch.float64)
+    assert st.merge_constant_columns(every, every) == (every, every)
 
 
 def test_float32_structured_agrees_with_float64(gpt, lm_batch):

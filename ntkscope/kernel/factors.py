@@ -111,7 +111,7 @@ def blockable(f) -> bool:
     """Whether ``f``'s per-sample gradients can be formed a block of output units at a time: a
     :class:`Linear` or :class:`Embed`, or a sum of them that agree on which weight entry is output
     unit o's input i (Linear uses all in one layout; Embeddings only beside (V, d) Linear uses)."""
-    parts = f.parts if isinstance(f, Summed) else [f]
+    parts = _parts(f)
     if any(isinstance(p, Dense) for p in parts):
         return False
     layouts = {p.io for p in parts if isinstance(p, Linear)}
@@ -131,7 +131,7 @@ class _Blocks:
     are those of the same entries of the materialised gradients (a Gram does not see the order)."""
 
     def __init__(self, f, step: int):
-        parts = f.parts if isinstance(f, Summed) else [f]
+        parts = _parts(f)
         self.c, self.step = _leading(f), step
         self.units, self.width = _units(f)
         self.linear = [p for p in parts if isinstance(p, Linear)]
@@ -276,39 +276,101 @@ def _compact(fa, fb) -> tuple:
     return fa, fb
 
 
-def merge_constant_columns(fa: Linear, fb: Linear) -> tuple:
-    """Two uses of a wide linear layer (an output head) whose output cotangents are, in every row,
-    one value outside a few columns: those columns kept, the others merged into one, scaled by
-    the square root of their number; the pair's products are the same. Else ``(fa, fb)`` unchanged.
+def _merge_plan(deltas: list, touched: torch.Tensor | None) -> tuple | None:
+    """(kept columns, reference column, scale) for output cotangents ``deltas`` (each (..., width))
+    that are, in every row, one value outside a few columns; ``touched``: columns that must be
+    kept (an embedding's rows). None where that would keep more than half of them.
+
+    The reference is a background column: of a few candidates (the column the sampled rows touch
+    least, and columns spread over the others), the one the fewest columns of the sampled rows
+    differ from; a dense cotangent (a softmax's) is turned down on the sample. Where a candidate
+    differs in a row the sample skipped, the next is tried."""
+    width = deltas[0].shape[-1]
+    rows = [d.reshape(-1, width) for d in deltas]
+    some = rows[0][:: max(1, rows[0].shape[0] // 256)]
+    forced = torch.zeros(width, dtype=torch.bool, device=some.device)
+    if touched is not None:
+        forced[touched] = True
+    free = torch.nonzero(~forced).squeeze(1)
+    if free.numel() == 0:
+        return None
+    least = int(some.abs().sum(0).masked_fill(forced, math.inf).argmin())
+    candidates = dict.fromkeys([least, *free[:: max(1, free.numel() // 4)][:4].tolist()])
+    differ = {ref: int((forced | (some != some[:, ref : ref + 1]).any(0)).sum()) for ref in candidates}
+    for ref in sorted(differ, key=differ.get)[:3]:
+        if 2 * (differ[ref] + 1) > width:
+            return None  # dense: turned down on the sample
+        keep = _differing(rows, ref, forced)
+        if keep is not None:
+            return keep, ref, math.sqrt(width - keep.numel())  # the columns equal to the reference, itself included
+    return None
+
+
+def _differing(rows: list, ref: int, forced: torch.Tensor) -> torch.Tensor | None:
+    """Columns of ``rows`` (each (r, width)) that differ from column ``ref`` in some row, with the
+    ``forced`` ones: (k,) indices, or None once they are more than half. Blocks of
+    :data:`MERGE_ROWS` compared into one reused buffer (a fresh one per block is mapped anew
+    under the kernel's malloc thresholds)."""
+    width = forced.numel()
+    differs = forced.clone()
+    buf = torch.empty(min(MERGE_ROWS, max(r.shape[0] for r in rows)), width, dtype=torch.bool, device=forced.device)
+    for r in rows:
+        for blk in r.split(MERGE_ROWS):
+            out = buf[: blk.shape[0]]
+            torch.ne(blk, blk[:, ref : ref + 1], out=out)
+            differs |= out.any(0)
+            if 2 * (int(differs.sum()) + 1) > width:  # dense, or not worth a copy
+                return None
+    return torch.nonzero(differs).squeeze(1)
+
+
+def merge_constant_columns(fa, fb) -> tuple:
+    """Two uses of a wide linear layer (an output head; or the sums of a tied head's and its
+    embedding's uses, :class:`Summed`) whose output cotangents are, in every row, one value
+    outside a few columns: those columns kept, the others merged into one, scaled by the square
+    root of their number; the pair's products are the same. Else ``(fa, fb)`` unchanged.
 
     A column ``v`` of ``delta`` is row ``v`` of every per-sample gradient (column with ``io``), so
     columns equal to one reference column in every row give equal gradient rows, and their
     inner products sum to (their number) x (the reference's). The centred true-token logit has
     ``delta = e_y - 1/V`` per token: only the targets' columns differ from -1/V (the loss's
-    softmax differs everywhere, and is left as it is). ``fa is fb`` stays one object."""
-    da = fa.delta.reshape(-1, fa.delta.shape[-1])
-    sides = [da] if fb is fa else [da, fb.delta.reshape(-1, fb.delta.shape[-1])]
-    width = da.shape[-1]
-    some = da[:: max(1, da.shape[0] // 256)]  # a dense cotangent (a softmax's) is turned down on a sample of rows
-    if 2 * (int((some != some[:, int(some.abs().sum(0).argmin())].unsqueeze(1)).any(0).sum()) + 1) > width:
+    softmax differs everywhere, and is left as it is). An embedding's tokens are rows of the same
+    weight: they are kept, and renumbered. ``fa is fb`` stays one object."""
+    parts = [*_parts(fa), *([] if fb is fa else _parts(fb))]
+    if isinstance(fa, Summed) and not blockable(fa):
         return fa, fb
-    blocks = [blk for d in sides for blk in d.split(MERGE_ROWS)]  # (rows, width) work tensors, not (c T, width)
-    # the column both uses touch least (the background's, if there is one); any reference gives the
-    # same products, a poor one merges nothing
-    ref = int(sum(blk.abs().sum(0) for blk in blocks).argmin())
-    differs = torch.zeros(width, dtype=torch.bool, device=da.device)
-    for blk in blocks:
-        differs |= (blk != blk[:, ref : ref + 1]).any(0)
-        if 2 * (int(differs.sum()) + 1) > width:  # dense (a softmax's), or not worth a copy
-            return fa, fb
-    keep = torch.nonzero(differs).squeeze(1)
-    scale = math.sqrt(width - keep.numel())  # the columns equal to the reference, itself included
+    embeds = [p.tokens.reshape(-1) for p in parts if isinstance(p, Embed)]
+    plan = _merge_plan([p.delta for p in parts if isinstance(p, Linear)],
+                       torch.unique(torch.cat(embeds)) if embeds else None)
+    if plan is None:
+        return fa, fb
+    keep, ref, scale = plan
+    position = torch.full((parts[0].delta.shape[-1] if isinstance(parts[0], Linear) else parts[0].vocab,), -1,
+                          dtype=torch.long, device=keep.device)
+    position[keep] = torch.arange(keep.numel(), device=keep.device)
+    columns = torch.cat([keep, keep.new_tensor([ref])])
+
+    def merged_part(f):
+        if isinstance(f, Embed):
+            return Embed(position[f.tokens], f.delta, keep.numel() + 1)
+        delta = f.delta.reshape(-1, f.delta.shape[-1])[:, columns]  # one gather (index_select on the last dim: 4x slower)
+        delta[:, -1] *= scale
+        return Linear(f.a, delta.view(*f.delta.shape[:-1], columns.numel()), f.io)
 
     def merged(f):
-        return Linear(f.a, torch.cat([f.delta[..., keep], f.delta[..., ref : ref + 1] * scale], -1), f.io)
+        return Summed([merged_part(p) for p in f.parts]) if isinstance(f, Summed) else merged_part(f)
 
     out = merged(fa)
     return out, (out if fb is fa else merged(fb))
+
+
+def _parts(f) -> list:
+    return f.parts if isinstance(f, Summed) else [f]
+
+
+def _wide(f) -> bool:
+    """A use (or sum of uses) with a linear output of :data:`WIDE` or more: its columns may merge."""
+    return any(isinstance(p, Linear) and p.delta.shape[-1] >= WIDE for p in _parts(f))
 
 
 def pair_choice(fa, fb, ca: int, cb: int, work: int) -> tuple[str, float]:
@@ -368,7 +430,7 @@ def pair_kernel(fa, fb, work_elements: int, *, symmetric: bool = False) -> tuple
     form, _ = pair_choice(fa, fb, ca, cb, work_elements)
     if form == "materialised":
         fa, fb = (_compact(fa, fb) if fa is not fb else (_compact(fa, fa)[0],) * 2)
-        if isinstance(fa, Linear) and isinstance(fb, Linear) and fa.delta.shape[-1] >= WIDE:
+        if isinstance(fa, (Linear, Summed)) and type(fb) is type(fa) and _wide(fa):
             fa, fb = merge_constant_columns(fa, fb)
     if form == "ghost":
         per_pair, per_row = 3 * _tokens(fa) * _tokens(fb), 0
