@@ -5,7 +5,9 @@ against the whole set, every ``every`` steps, with the default statistics: jackk
 200 null draws, the homogeneous and matched nulls; and once with ``per_layer=True``, GC per
 block as well), and with in-run GC every step
 (:class:`ntkscope.InRunTracker`: each domain of the training batch against the batch, point
-values, from the step's own backward), one after the other in one process.
+values, from the step's own backward), one after the other in one process; and the untracked
+run once more at the end, which measures how much the process's training drifts over the arms
+whatever the tracker (its wall-time excess over the first).
 
 Columns: the arm; n and every; training seconds (the tracker's own count of the time between
 its calls) and probe seconds (all probes), their ratio (the overhead as a share of training
@@ -35,9 +37,10 @@ from ntkscope.gc.inrun import InRunTracker
 from ntkscope.gc.tracker import GCTracker, Probes
 
 #: (arm, n, every): the documented setting (n = 128 every 100 steps), cheaper ones beside it, and
-#: in-run GC every step (n: the batch)
+#: in-run GC every step (n: the batch), and the untracked run again last: how much the process's
+#: training drifts over the arms, whatever the tracker
 ARMS = [("no tracker", 0, 0), ("tracker", 128, 100), ("tracker, per layer", 128, 100), ("tracker", 64, 100),
-        ("tracker", 128, 250), ("in-run GC", 32, 1)]
+        ("tracker", 128, 250), ("in-run GC", 32, 1), ("no tracker, again", 0, 0)]
 
 
 def _losses(run_dir: Path) -> list:
@@ -70,7 +73,7 @@ def main() -> None:
             train(TrainConfig.from_dict({**spec, "out_dir": str(out)}), callbacks=callbacks)
             wall = time.perf_counter() - start
             losses = _losses(out)
-            plain = (wall, losses) if not n else plain
+            plain = (wall, losses) if plain is None else plain
             row = {"arm": arm, "n": n or None, "every": every or None, "steps": args.steps, "wall_s": wall,
                    "wall_excess": wall / plain[0] - 1, "same_losses": losses == plain[1]}
             if inrun is not None:

@@ -26,7 +26,8 @@ import torch
 
 SYMMETRIC_TILES = 4  # a factor against itself: at least this many tiles a side, lower ones mirrored
 WIDE = 1024  # a linear layer with this many outputs (a vocabulary) is checked for columns to merge
-MERGE_ROWS = 1024  # rows of a cotangent compared at once when looking for columns to merge
+MERGE_BYTES = 1 << 20  # a cotangent's rows are compared with their reference column this many at a time
+MERGE_SAMPLE = 64  # rows that turn a dense cotangent down before every row is compared
 #: a product's per-sample gradients are formed this many elements at a time (a block of output
 #: units for every sample of its tile) and multiplied as soon as each block is formed: the whole
 #: (c, numel) is never held, and each block is still in cache when it is multiplied. For the
@@ -140,8 +141,7 @@ class _Blocks:
             flat = e.tokens.reshape(-1)
             tokens, order = torch.sort(flat)
             edges = torch.searchsorted(tokens, torch.arange(0, self.units + step, step, device=flat.device))
-            self.embeds.append((tokens, order // e.tokens.shape[1], e.delta.reshape(-1, self.width)[order],
-                                edges.tolist()))
+            self.embeds.append((tokens, order, e.delta.reshape(-1, self.width), e.tokens.shape[1], edges.tolist()))
         like = (self.linear[0].delta if self.linear else self.embeds[0][2])
         self.room = like.new_empty(self.c * step * self.width)  # one block's, reused: a fresh one per block
         # is mapped and zeroed anew under the kernel's malloc thresholds (core.memory), 1.6x slower
@@ -156,17 +156,20 @@ class _Blocks:
                 g.baddbmm_(f.delta[..., o0:o1].transpose(1, 2), f.a)
         else:
             g.zero_()
-        for tokens, sample, delta, edges in self.embeds:
+        for tokens, order, delta, T, edges in self.embeds:  # the block's tokens, a slice of the sorted ones
             lo, hi = edges[o0 // self.step], edges[o0 // self.step + 1]
-            g.view(-1, self.width).index_add_(0, sample[lo:hi] * (o1 - o0) + tokens[lo:hi] - o0, delta[lo:hi])
+            at = order[lo:hi]
+            g.view(-1, self.width).index_add_(0, at // T * (o1 - o0) + tokens[lo:hi] - o0, delta[at])
         return g.reshape(self.c, -1)
 
 
-def blocked_product(fa, fb, same: bool) -> torch.Tensor:
+def blocked_product(fa, fb, same: bool, work: int | None = None) -> torch.Tensor:
     """``G_a G_b^T`` (ca, cb) of two blockable uses of one weight, their per-sample gradients formed
-    :data:`BLOCK_ELEMENTS` at a time (``same``: ``fa`` is ``fb``, each block formed once)."""
+    :data:`BLOCK_ELEMENTS` at a time, or half of ``work`` elements where that is less (the two
+    blocks' room; ``same``: ``fa`` is ``fb``, each block formed once)."""
     units, width = _units(fa)
-    step = max(1, min(units, BLOCK_ELEMENTS // (max(_leading(fa), _leading(fb)) * width)))
+    room = BLOCK_ELEMENTS if work is None else min(BLOCK_ELEMENTS, work // 2)
+    step = max(1, min(units, room // (max(_leading(fa), _leading(fb)) * width)))
     A = _Blocks(fa, step)
     B = A if same else _Blocks(fb, step)
     out = None
@@ -287,14 +290,14 @@ def _merge_plan(deltas: list, touched: torch.Tensor | None) -> tuple | None:
     differs in a row the sample skipped, the next is tried."""
     width = deltas[0].shape[-1]
     rows = [d.reshape(-1, width) for d in deltas]
-    some = rows[0][:: max(1, rows[0].shape[0] // 256)]
+    some = rows[0][:: max(1, rows[0].shape[0] // MERGE_SAMPLE)]
     forced = torch.zeros(width, dtype=torch.bool, device=some.device)
     if touched is not None:
         forced[touched] = True
     free = torch.nonzero(~forced).squeeze(1)
     if free.numel() == 0:
         return None
-    least = int(some.abs().sum(0).masked_fill(forced, math.inf).argmin())
+    least = int(torch.linalg.vector_norm(some, 1, dim=0).masked_fill(forced, math.inf).argmin())
     candidates = dict.fromkeys([least, *free[:: max(1, free.numel() // 4)][:4].tolist()])
     differ = {ref: int((forced | (some != some[:, ref : ref + 1]).any(0)).sum()) for ref in candidates}
     for ref in sorted(differ, key=differ.get)[:3]:
@@ -308,14 +311,15 @@ def _merge_plan(deltas: list, touched: torch.Tensor | None) -> tuple | None:
 
 def _differing(rows: list, ref: int, forced: torch.Tensor) -> torch.Tensor | None:
     """Columns of ``rows`` (each (r, width)) that differ from column ``ref`` in some row, with the
-    ``forced`` ones: (k,) indices, or None once they are more than half. Blocks of
-    :data:`MERGE_ROWS` compared into one reused buffer (a fresh one per block is mapped anew
-    under the kernel's malloc thresholds)."""
+    ``forced`` ones: (k,) indices, or None once they are more than half. Rows compared
+    :data:`MERGE_BYTES` of flags at a time, into one reused buffer (a fresh one per block is
+    mapped anew under the kernel's malloc thresholds)."""
     width = forced.numel()
     differs = forced.clone()
-    buf = torch.empty(min(MERGE_ROWS, max(r.shape[0] for r in rows)), width, dtype=torch.bool, device=forced.device)
+    step = max(1, min(max(r.shape[0] for r in rows), MERGE_BYTES // width))
+    buf = torch.empty(step, width, dtype=torch.bool, device=forced.device)
     for r in rows:
-        for blk in r.split(MERGE_ROWS):
+        for blk in r.split(step):
             out = buf[: blk.shape[0]]
             torch.ne(blk, blk[:, ref : ref + 1], out=out)
             differs |= out.any(0)
@@ -454,7 +458,7 @@ def pair_kernel(fa, fb, work_elements: int, *, symmetric: bool = False) -> tuple
             if form == "ghost":
                 block = _ghost(A, B)
             else:
-                block = blocked_product(A, B, same=B is A) if blocks else GA @ GB.T
+                block = blocked_product(A, B, same=B is A, work=work_elements) if blocks else GA @ GB.T
             if out is None:
                 out = block.new_zeros(ca, cb)
             out[a0 : a0 + ta, b0 : b0 + tb] = block
