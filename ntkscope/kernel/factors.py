@@ -121,7 +121,7 @@ def blockable(f) -> bool:
 
 def _units(f) -> tuple[int, int]:
     """(output units, elements per unit) of a blockable factor: (d_out, d_in) or (V, d)."""
-    p = f.parts[0] if isinstance(f, Summed) else f
+    p = _parts(f)[0]
     return (p.delta.shape[-1], p.a.shape[-1]) if isinstance(p, Linear) else (p.vocab, p.delta.shape[-1])
 
 
@@ -165,11 +165,13 @@ class _Blocks:
 
 def blocked_product(fa, fb, same: bool, work: int | None = None) -> torch.Tensor:
     """``G_a G_b^T`` (ca, cb) of two blockable uses of one weight, their per-sample gradients formed
-    :data:`BLOCK_ELEMENTS` at a time, or half of ``work`` elements where that is less (the two
-    blocks' room; ``same``: ``fa`` is ``fb``, each block formed once)."""
+    :data:`BLOCK_ELEMENTS` at a time on a CPU, or half of ``work`` elements where that is less (the
+    two blocks' room; ``same``: ``fa`` is ``fb``, each block formed once). On an accelerator, where
+    there is no cache to keep a block in and each block costs kernel launches, half of ``work``."""
     units, width = _units(fa)
-    room = BLOCK_ELEMENTS if work is None else min(BLOCK_ELEMENTS, work // 2)
-    step = max(1, min(units, room // (max(_leading(fa), _leading(fb)) * width)))
+    limit = BLOCK_ELEMENTS if _parts(fa)[0].delta.device.type == "cpu" else math.inf
+    room = limit if work is None else min(limit, work // 2)
+    step = int(max(1, min(units, room // (max(_leading(fa), _leading(fb)) * width))))
     A = _Blocks(fa, step)
     B = A if same else _Blocks(fb, step)
     out = None
@@ -341,16 +343,15 @@ def merge_constant_columns(fa, fb) -> tuple:
     softmax differs everywhere, and is left as it is). An embedding's tokens are rows of the same
     weight: they are kept, and renumbered. ``fa is fb`` stays one object."""
     parts = [*_parts(fa), *([] if fb is fa else _parts(fb))]
-    if isinstance(fa, Summed) and not blockable(fa):
-        return fa, fb
+    if any(isinstance(f, Summed) and not blockable(f) for f in (fa, fb)):
+        return fa, fb  # an embedding's rows would not be the head's columns
     embeds = [p.tokens.reshape(-1) for p in parts if isinstance(p, Embed)]
     plan = _merge_plan([p.delta for p in parts if isinstance(p, Linear)],
                        torch.unique(torch.cat(embeds)) if embeds else None)
     if plan is None:
         return fa, fb
     keep, ref, scale = plan
-    position = torch.full((parts[0].delta.shape[-1] if isinstance(parts[0], Linear) else parts[0].vocab,), -1,
-                          dtype=torch.long, device=keep.device)
+    position = torch.full((_units(parts[0])[0],), -1, dtype=torch.long, device=keep.device)
     position[keep] = torch.arange(keep.numel(), device=keep.device)
     columns = torch.cat([keep, keep.new_tensor([ref])])
 
