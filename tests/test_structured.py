@@ -219,34 +219,47 @@ def test_a_sum_of_uses_of_every_kind_is_the_sum_of_their_gradients():
 
 @pytest.mark.parametrize("elements", [1, 40, 10**9])  # a unit a block, uneven blocks, one block
 def test_gradients_formed_a_block_of_units_at_a_time_give_the_materialised_products(elements, monkeypatch):
-    # every blockable kind (Linear in both layouts, Embed, sums of a head and embeddings), against
-    # itself and against another run of samples, in float64
+    # every blockable kind (Linear in both layouts and with a non-contiguous cotangent, Embed, sums
+    # of a head and embeddings, of embeddings, of two Linear uses in either layout), against itself
+    # and against another run of samples, in float64; and with a work share that binds
     monkeypatch.setattr(st, "BLOCK_ELEMENTS", elements)
     g = torch.Generator().manual_seed(0)
     V, d = 11, 3
 
     def kinds(c, T):
-        head = st.Linear(torch.randn(c, T, d, generator=g, dtype=torch.float64),
-                         torch.randn(c, T, V, generator=g, dtype=torch.float64))
+        def rand(*shape):
+            return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+        head = st.Linear(rand(c, T, d), rand(c, T, V))
         conv = st.Linear(head.a, head.delta, io=True)
-        embeds = [st.Embed(torch.randint(0, V, (c, T), generator=g), torch.randn(c, T, d, generator=g,
-                           dtype=torch.float64), V) for _ in range(2)]
-        return [head, conv, embeds[0], st.Summed([embeds[0], head, embeds[1]]), st.Summed(embeds),
-                st.Summed([head, st.Linear(head.a.flip(1), head.delta)])]
+        strided = st.Linear(rand(T, c, d).transpose(0, 1), rand(c, V, T).transpose(1, 2))
+        embeds = [st.Embed(torch.randint(0, V, (c, T), generator=g), rand(c, T, d), V) for _ in range(2)]
+        twin = st.Linear(head.a.flip(1), rand(c, T, V))
+        return [head, conv, strided, embeds[0], st.Summed([embeds[0], head, embeds[1]]), st.Summed(embeds),
+                st.Summed([head, twin]), st.Summed([conv, st.Linear(twin.a, twin.delta, io=True)])]
 
     for fa, fb in zip(kinds(5, 4), kinds(3, 6)):
         assert st.blockable(fa)
         for other, same in ((fa, True), (fb, False)):
             want = fa.materialise() @ other.materialise().T
-            torch.testing.assert_close(st.blocked_product(fa, other, same), want, rtol=1e-12, atol=1e-12)
+            for work in (None, 2 * 5 * d):  # a work share of one unit a block
+                torch.testing.assert_close(st.blocked_product(fa, other, same, work), want, rtol=1e-12, atol=1e-12)
             got, form = st.pair_kernel(fa, other, 10**6, symmetric=same)
             assert form == "materialised"
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    head, conv, embed = kinds(2, 2)[:3]
+    head, conv, _, embed = kinds(2, 2)[:4]
     dense = st.Dense(torch.randn(2, V * d, generator=g, dtype=torch.float64))
     assert not any(st.blockable(st.Summed(p)) for p in ([head, dense], [conv, embed], [conv, head]))
     torch.testing.assert_close(st.pair_kernel(st.Summed([head, dense]), st.Summed([head, dense]), 10**6)[0],
                                (head.materialise() + dense.grads) @ (head.materialise() + dense.grads).T)
+
+
+def test_half_precision_blocks_are_added_up_in_float32(monkeypatch):
+    # a thousand one-unit blocks of ones in bfloat16: added in bfloat16 the sum stalls at 256
+    monkeypatch.setattr(st, "BLOCK_ELEMENTS", 1)
+    ones = st.Linear(torch.ones(1, 1, 1, dtype=torch.bfloat16), torch.ones(1, 1, 1000, dtype=torch.bfloat16))
+    got = st.blocked_product(ones, ones, True)
+    assert got.dtype == torch.bfloat16 and float(got) == 1000.0
 
 
 def test_the_cost_model_sums_a_tied_heads_uses_where_that_is_cheaper(gpt, lm_batch, caplog):
@@ -266,8 +279,8 @@ def test_a_wide_head_merges_its_background_columns_and_stays_exact(lm_batch, val
                           tie_weights=tied)).eval()
     widths, real = [], st.merge_constant_columns
 
-    def spy(fa, fb):
-        out = real(fa, fb)
+    def spy(fa, fb, work=None):
+        out = real(fa, fb, work)
         widths.append((type(fa).__name__, st._units(fa)[0], st._units(out[0])[0]))
         return out
 
@@ -336,10 +349,14 @@ def test_a_tied_heads_summed_uses_merge_columns_outside_the_embeddings_rows():
             torch.testing.assert_close(ma.materialise() @ mb.materialise().T, want, rtol=1e-12, atol=1e-12)
             got, form = st.pair_kernel(a, b, 1 << 20, symmetric=b is a)
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    small = summed(4, 7, False)
+    copies = 4 * 7 * st.merge_constant_columns(small, small)[0].parts[1].delta.shape[-1]
+    assert st.merge_constant_columns(small, small, copies)[0] is not small  # the merged copies fit the work share
+    assert all(f is small for f in st.merge_constant_columns(small, small, copies - 1))  # they would not
     every = summed(2, 3, False)
     every.parts[0].tokens = torch.arange(V).repeat(2, 1)[:, : V // 2 + 1]  # more than half the rows embedded
     every.parts[0].delta = torch.randn(2, V // 2 + 1, d, generator=g, dtype=torch.float64)
-    assert st.merge_constant_columns(every, every) == (every, every)
+    assert all(f is every for f in st.merge_constant_columns(every, every))
 
 
 def test_float32_structured_agrees_with_float64(gpt, lm_batch):

@@ -21,18 +21,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 SYMMETRIC_TILES = 4  # a factor against itself: at least this many tiles a side, lower ones mirrored
 WIDE = 1024  # a linear layer with this many outputs (a vocabulary) is checked for columns to merge
-MERGE_BYTES = 1 << 20  # a cotangent's rows are compared with their reference column this many at a time
+MERGE_BYTES = 1 << 20  # bytes of flags for comparing a cotangent's rows with their reference column at once
+MERGE_CHECK_ROWS = 1024  # rows compared between two checks that a merge still keeps under half the columns
 MERGE_SAMPLE = 64  # rows that turn a dense cotangent down before every row is compared
-#: a product's per-sample gradients are formed this many elements at a time (a block of output
-#: units for every sample of its tile) and multiplied as soon as each block is formed: the whole
-#: (c, numel) is never held, and each block is still in cache when it is multiplied. For the
-#: small GPT's tied 8192-token head at n = 128, 0.38 s whole against 0.24 s in blocks of 2**21;
-#: 1.3-1.8x on the other shapes measured (benchmarks/README.md, P1)
+#: on a CPU, a product's per-sample gradients are formed this many elements at a time (a block of
+#: output units for all the samples of its tile together) and multiplied as soon as each block is
+#: formed: the whole (c, numel) is never held, and each block is still in cache when it is
+#: multiplied. Profiled on the small GPT's tied 8192-token head at n = 128: 0.38 s whole, 0.24 s
+#: in blocks of 2**21 elements; 1.3-1.8x on three other head shapes, and blocks of 2**23 were slower
 BLOCK_ELEMENTS = 1 << 21
 
 
@@ -108,6 +110,11 @@ class Summed:
         return total
 
 
+
+def _parts(f) -> list:
+    return f.parts if isinstance(f, Summed) else [f]
+
+
 def blockable(f) -> bool:
     """Whether ``f``'s per-sample gradients can be formed a block of output units at a time: a
     :class:`Linear` or :class:`Embed`, or a sum of them that agree on which weight entry is output
@@ -125,6 +132,16 @@ def _units(f) -> tuple[int, int]:
     return (p.delta.shape[-1], p.a.shape[-1]) if isinstance(p, Linear) else (p.vocab, p.delta.shape[-1])
 
 
+class _Sorted(NamedTuple):
+    """An Embedding use's tokens in order, so that the tokens of a block of units are a slice."""
+
+    tokens: torch.Tensor  # (c T,) sorted
+    order: torch.Tensor  # (c T,) their positions in the flat (c T) tokens
+    delta: torch.Tensor  # (c T, d) the cotangents, in the flat order
+    T: int
+    edges: list  # the slice of each block: edges[b]:edges[b + 1]
+
+
 class _Blocks:
     """The per-sample gradients of a blockable factor, output units ``o0:o1`` at a time: (c, (o1 - o0) w).
 
@@ -137,14 +154,15 @@ class _Blocks:
         self.units, self.width = _units(f)
         self.linear = [p for p in parts if isinstance(p, Linear)]
         self.embeds = []
-        for e in (p for p in parts if isinstance(p, Embed)):  # token-sorted, so a block's tokens are a slice
-            flat = e.tokens.reshape(-1)
-            tokens, order = torch.sort(flat)
-            edges = torch.searchsorted(tokens, torch.arange(0, self.units + step, step, device=flat.device))
-            self.embeds.append((tokens, order, e.delta.reshape(-1, self.width), e.tokens.shape[1], edges.tolist()))
-        like = (self.linear[0].delta if self.linear else self.embeds[0][2])
-        self.room = like.new_empty(self.c * step * self.width)  # one block's, reused: a fresh one per block
-        # is mapped and zeroed anew under the kernel's malloc thresholds (core.memory), 1.6x slower
+        for e in (p for p in parts if isinstance(p, Embed)):
+            tokens, order = torch.sort(e.tokens.reshape(-1))
+            edges = torch.searchsorted(tokens, torch.arange(0, self.units + step, step, device=tokens.device))
+            self.embeds.append(_Sorted(tokens, order, e.delta.reshape(-1, self.width), e.tokens.shape[1],
+                                       edges.tolist()))
+        like = self.linear[0].delta if self.linear else self.embeds[0].delta
+        # one block's room, reused: under the kernel's malloc thresholds (core.memory) a fresh one
+        # per block is mapped and zeroed anew, 1.6x slower
+        self.room = like.new_empty(self.c * step * self.width)
 
     def block(self, o0: int) -> torch.Tensor:
         o1 = min(self.units, o0 + self.step)
@@ -156,30 +174,38 @@ class _Blocks:
                 g.baddbmm_(f.delta[..., o0:o1].transpose(1, 2), f.a)
         else:
             g.zero_()
-        for tokens, order, delta, T, edges in self.embeds:  # the block's tokens, a slice of the sorted ones
-            lo, hi = edges[o0 // self.step], edges[o0 // self.step + 1]
-            at = order[lo:hi]
-            g.view(-1, self.width).index_add_(0, at // T * (o1 - o0) + tokens[lo:hi] - o0, delta[at])
+        for e in self.embeds:
+            lo, hi = e.edges[o0 // self.step], e.edges[o0 // self.step + 1]
+            at = e.order[lo:hi]
+            g.view(-1, self.width).index_add_(0, at // e.T * (o1 - o0) + e.tokens[lo:hi] - o0, e.delta[at])
         return g.reshape(self.c, -1)
 
 
 def blocked_product(fa, fb, same: bool, work: int | None = None) -> torch.Tensor:
-    """``G_a G_b^T`` (ca, cb) of two blockable uses of one weight, their per-sample gradients formed
-    :data:`BLOCK_ELEMENTS` at a time on a CPU, or half of ``work`` elements where that is less (the
-    two blocks' room; ``same``: ``fa`` is ``fb``, each block formed once). On an accelerator, where
-    there is no cache to keep a block in and each block costs kernel launches, half of ``work``."""
+    """``G_a G_b^T`` (ca, cb) of two blockable uses of one weight (``same``: ``fa`` is ``fb``, each
+    block formed once), their per-sample gradients formed a block of output units at a time. A
+    block of all the samples holds :data:`BLOCK_ELEMENTS` on a CPU, at most half of ``work``
+    (the two blocks' room; one unit a block at least); on an accelerator, where each block costs
+    kernel launches, half of ``work`` (all units when None). The products of half-precision
+    blocks are added up in float32 and rounded once, as one matmul of the whole would."""
     units, width = _units(fa)
-    limit = BLOCK_ELEMENTS if _parts(fa)[0].delta.device.type == "cpu" else math.inf
-    room = limit if work is None else min(limit, work // 2)
-    step = int(max(1, min(units, room // (max(_leading(fa), _leading(fb)) * width))))
+    room = work // 2 if work is not None else None
+    if _parts(fa)[0].delta.device.type == "cpu":
+        room = BLOCK_ELEMENTS if room is None else min(BLOCK_ELEMENTS, room)
+    step = units if room is None else max(1, min(units, room // (max(_leading(fa), _leading(fb)) * width)))
     A = _Blocks(fa, step)
     B = A if same else _Blocks(fb, step)
     out = None
     for o0 in range(0, units, step):
         ga = A.block(o0)
         gb = ga if same else B.block(o0)
-        out = ga @ gb.T if out is None else out.addmm_(ga, gb.T)
-    return out
+        if out is None:
+            out = (ga @ gb.T).to(torch.promote_types(ga.dtype, torch.float32))
+        elif out.dtype == ga.dtype:
+            out.addmm_(ga, gb.T)
+        else:
+            out += ga @ gb.T
+    return out.to(ga.dtype)
 
 
 def _tensors(f) -> dict:
@@ -246,7 +272,7 @@ def ghost_cost(fa, fb) -> float | None:
 def _row_elements(f) -> int:
     """Elements a materialised sample's gradient holds while its tile is formed (a sum holds one
     use's beside the total); a blockable factor's sample holds one output unit's at least
-    (a tile's blocks hold :data:`BLOCK_ELEMENTS`)."""
+    (:func:`blocked_product` keeps its blocks within the tiles' work share)."""
     if blockable(f):
         return _units(f)[1]
     return _numel(f) * (2 if isinstance(f, Summed) else 1)
@@ -288,8 +314,9 @@ def _merge_plan(deltas: list, touched: torch.Tensor | None) -> tuple | None:
 
     The reference is a background column: of a few candidates (the column the sampled rows touch
     least, and columns spread over the others), the one the fewest columns of the sampled rows
-    differ from; a dense cotangent (a softmax's) is turned down on the sample. Where a candidate
-    differs in a row the sample skipped, the next is tried."""
+    differ from; a dense cotangent (a softmax's) is turned down on the sample. Where every row
+    makes a candidate keep more than half the columns (it differs in a row the sample skipped),
+    the next is tried, three at most."""
     width = deltas[0].shape[-1]
     rows = [d.reshape(-1, width) for d in deltas]
     some = rows[0][:: max(1, rows[0].shape[0] // MERGE_SAMPLE)]
@@ -313,24 +340,29 @@ def _merge_plan(deltas: list, touched: torch.Tensor | None) -> tuple | None:
 
 def _differing(rows: list, ref: int, forced: torch.Tensor) -> torch.Tensor | None:
     """Columns of ``rows`` (each (r, width)) that differ from column ``ref`` in some row, with the
-    ``forced`` ones: (k,) indices, or None once they are more than half. Rows compared
-    :data:`MERGE_BYTES` of flags at a time, into one reused buffer (a fresh one per block is
-    mapped anew under the kernel's malloc thresholds)."""
+    ``forced`` ones: (k,) indices, or None once they are more than half (checked every
+    :data:`MERGE_CHECK_ROWS` rows: on an accelerator each check waits for the device). Rows are
+    compared :data:`MERGE_BYTES` of flags at a time, into one reused buffer (a fresh one per
+    block is mapped anew under the kernel's malloc thresholds)."""
     width = forced.numel()
     differs = forced.clone()
     step = max(1, min(max(r.shape[0] for r in rows), MERGE_BYTES // width))
     buf = torch.empty(step, width, dtype=torch.bool, device=forced.device)
+    unchecked = 0
     for r in rows:
         for blk in r.split(step):
             out = buf[: blk.shape[0]]
             torch.ne(blk, blk[:, ref : ref + 1], out=out)
             differs |= out.any(0)
-            if 2 * (int(differs.sum()) + 1) > width:  # dense, or not worth a copy
-                return None
-    return torch.nonzero(differs).squeeze(1)
+            unchecked += blk.shape[0]
+            if unchecked >= MERGE_CHECK_ROWS:
+                unchecked = 0
+                if 2 * (int(differs.sum()) + 1) > width:  # dense, or not worth a copy
+                    return None
+    return None if 2 * (int(differs.sum()) + 1) > width else torch.nonzero(differs).squeeze(1)
 
 
-def merge_constant_columns(fa, fb) -> tuple:
+def merge_constant_columns(fa, fb, work: int | None = None) -> tuple:
     """Two uses of a wide linear layer (an output head; or the sums of a tied head's and its
     embedding's uses, :class:`Summed`) whose output cotangents are, in every row, one value
     outside a few columns: those columns kept, the others merged into one, scaled by the square
@@ -341,7 +373,8 @@ def merge_constant_columns(fa, fb) -> tuple:
     inner products sum to (their number) x (the reference's). The centred true-token logit has
     ``delta = e_y - 1/V`` per token: only the targets' columns differ from -1/V (the loss's
     softmax differs everywhere, and is left as it is). An embedding's tokens are rows of the same
-    weight: they are kept, and renumbered. ``fa is fb`` stays one object."""
+    weight: they are kept, and renumbered. The merged cotangents are copies: they are made only
+    where they fit ``work`` elements (None: no limit). ``fa is fb`` stays one object."""
     parts = [*_parts(fa), *([] if fb is fa else _parts(fb))]
     if any(isinstance(f, Summed) and not blockable(f) for f in (fa, fb)):
         return fa, fb  # an embedding's rows would not be the head's columns
@@ -351,14 +384,19 @@ def merge_constant_columns(fa, fb) -> tuple:
     if plan is None:
         return fa, fb
     keep, ref, scale = plan
-    position = torch.full((_units(parts[0])[0],), -1, dtype=torch.long, device=keep.device)
-    position[keep] = torch.arange(keep.numel(), device=keep.device)
     columns = torch.cat([keep, keep.new_tensor([ref])])
+    copies = sum(p.delta[..., 0].numel() for p in parts if isinstance(p, Linear)) * columns.numel()
+    if work is not None and copies > work:
+        return fa, fb
+    if embeds:
+        position = torch.full((_units(parts[0])[0],), -1, dtype=torch.long, device=keep.device)
+        position[keep] = torch.arange(keep.numel(), device=keep.device)
 
     def merged_part(f):
         if isinstance(f, Embed):
             return Embed(position[f.tokens], f.delta, keep.numel() + 1)
-        delta = f.delta.reshape(-1, f.delta.shape[-1])[:, columns]  # one gather (index_select on the last dim: 4x slower)
+        # one gather of rows' columns (index_select on the last dimension was 4x slower)
+        delta = f.delta.reshape(-1, f.delta.shape[-1])[:, columns]
         delta[:, -1] *= scale
         return Linear(f.a, delta.view(*f.delta.shape[:-1], columns.numel()), f.io)
 
@@ -367,10 +405,6 @@ def merge_constant_columns(fa, fb) -> tuple:
 
     out = merged(fa)
     return out, (out if fb is fa else merged(fb))
-
-
-def _parts(f) -> list:
-    return f.parts if isinstance(f, Summed) else [f]
 
 
 def _wide(f) -> bool:
@@ -436,7 +470,7 @@ def pair_kernel(fa, fb, work_elements: int, *, symmetric: bool = False) -> tuple
     if form == "materialised":
         fa, fb = (_compact(fa, fb) if fa is not fb else (_compact(fa, fa)[0],) * 2)
         if isinstance(fa, (Linear, Summed)) and type(fb) is type(fa) and _wide(fa):
-            fa, fb = merge_constant_columns(fa, fb)
+            fa, fb = merge_constant_columns(fa, fb, work_elements)
     if form == "ghost":
         per_pair, per_row = 3 * _tokens(fa) * _tokens(fb), 0
     else:

@@ -276,11 +276,14 @@ def _tracker(table: pd.DataFrame) -> dict:
     plain = table[table["n"].isna()].iloc[0]
     out = {"bench.tracker.s_per_step": _f(plain["wall_s"] / plain["steps"], 2),
            "bench.tracker.steps": str(int(plain["steps"]))}
-    again = table[table["arm"] == "no tracker, again"]
-    if len(again):  # the same untracked run, last in the process: the drift of training over the arms
-        out["bench.tracker.drift"] = f"{100 * again['wall_excess'].iloc[0]:+.1f} %"
     trained = table["train_s"].dropna()
     out["bench.tracker.train_range"] = f"{trained.min():.1f}–{trained.max():.1f}"
+    again = table[table["arm"] == "no tracker, again"]
+    if len(again):  # the same untracked run, last in the process: the drift of training over the arms
+        r = again.iloc[0]
+        out.update({"bench.tracker.drift": f"{100 * r.wall_excess:+.1f} %", "bench.tracker.again_s": f"{r.wall_s:.1f}",
+                    "bench.tracker.train_over_again": f"{100 * (trained.min() / r.wall_s - 1):.0f}–"
+                                                      f"{100 * (trained.max() / r.wall_s - 1):.0f} %"})
     for r in table[table["n"].notna()].itertuples():
         if r.arm == "in-run GC":  # every step, the training batch's domains: no estimate, no interval for 5 %
             key = "bench.tracker.inrun"
