@@ -149,11 +149,14 @@ def test_two_ranks_each_stay_within_max_memory(tmp_path):
                                        f"budget {budget / MiB:.0f} MiB"
 
 
+def _python(script: Path) -> subprocess.CompletedProcess:
+    """``script`` run by this Python in a fresh process (malloc's state is per process)."""
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+
+
 def test_memory_freed_before_the_first_computation_is_named(tmp_path):
     """Blocks freed before ntkscope's first kernel computation stay in glibc's heap, where later
     small allocations creep over them: the first call says how much, and what to do."""
-    import subprocess
-
     script = tmp_path / "freed.py"
     script.write_text(
         "import logging, torch\n"
@@ -163,7 +166,7 @@ def test_memory_freed_before_the_first_computation_is_named(tmp_path):
         "del blocks[::2]  # 300 MiB freed between live blocks\n"
         "import ntkscope\n"
         "ntkscope.hand_back_freed_memory()\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    proc = _python(script)
     assert proc.returncode == 0, proc.stderr
     found = re.search(r"malloc's heap holds ([\d.]+) MiB freed before ntkscope's first kernel computation.*"
                       r"Call ntkscope.hand_back_freed_memory\(\) at the start of the program", proc.stderr)
@@ -174,7 +177,7 @@ def test_memory_freed_before_the_first_computation_is_named(tmp_path):
         "import ntkscope\n", f"import ntkscope\nbefore = {rss}\n"
         "from ntkscope.core.memory import trains_before_analysing\ntrains_before_analysing()\n")
         + f"print('MiB handed back', before - {rss})\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    proc = _python(script)
     assert proc.returncode == 0 and "WARNING" not in proc.stderr, proc.stderr
     assert "handed back to the system" in proc.stderr, proc.stderr
     assert int(proc.stdout.split("MiB handed back")[1]) > 200, proc.stdout  # the resident set fell
@@ -188,8 +191,6 @@ def test_training_after_a_kernel_computation_gets_a_training_loops_malloc_back(t
     an analysis) the thresholds go where a training loop's settle (the block stays in the heap,
     reused by the next step), and the next kernel computation fixes them again. After
     hand_back_freed_memory() they stay fixed for the whole process."""
-    import subprocess
-
     script = tmp_path / "thresholds.py"
     script.write_text(
         "import torch, ntkscope as ns\n"
@@ -203,7 +204,7 @@ def test_training_after_a_kernel_computation_gets_a_training_loops_malloc_back(t
         "memory.training_thresholds(); print('training', kept())\n"
         "kernel(); print('kernel', kept())\n"
         "ns.hand_back_freed_memory(); memory.training_thresholds(); print('pinned', kept())\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    proc = _python(script)
     assert proc.returncode == 0, proc.stderr
     words = proc.stdout.split()
     assert words[::2] == ["kernel", "training", "kernel", "pinned"], proc.stdout

@@ -110,7 +110,6 @@ class Summed:
         return total
 
 
-
 def _parts(f) -> list:
     return f.parts if isinstance(f, Summed) else [f]
 
