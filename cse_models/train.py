@@ -41,6 +41,7 @@ from cse_models.hf import SECTION, load_any_model
 from cse_models.metrics import MetricsLog
 from cse_models.model import build_model
 from cse_models.routes import load_routes_for
+from cse_models.validation import ValidationLog
 from cse_models.train_config import DataConfig, TrainConfig, apply_plan, check_plan, warmup_after  # noqa: F401 (re-exported)
 from ntkscope.core.checks import InputError, MissingInput, UserError
 from ntkscope.core.files import DirectoryLock, write_json
@@ -227,9 +228,10 @@ def convert_mid_run(model, opt, sched, blocks: Blocks, cfg: TrainConfig, device)
 #: TrainConfig fields a resumed run may change: where it stops and runs, how it saves and logs
 #: (every other field decides the weights, and a change to one is refused: :func:`_check_rerun`)
 RESUMABLE_CHANGES = ("out_dir", "stop_at", "device", "bf16", "checkpoint_every", "checkpoint_steps", "log_every",
-                     "tensorboard", "track")
+                     "eval_every", "tensorboard", "track")
 #: what a training writes into its out_dir (``force`` removes these, and nothing else there)
-RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.csv", "tensorboard", "track", "train_config.json")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.csv", "validation.csv", "tensorboard", "track",
+             "train_config.json")
 
 
 def _check_rerun(cfg: TrainConfig, out_dir: Path, force: bool) -> None:
@@ -333,6 +335,13 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_json(out_dir / "train_config.json", asdict(cfg))
     metrics_log = MetricsLog(out_dir, start, write=rank == 0, tensorboard=cfg.tensorboard)
+    validation = None
+    if cfg.eval_every and rank == 0:
+        if cfg.data.table or cfg.data.text_files:
+            raise UserError(f"train: eval_every={cfg.eval_every} needs a corpus pack's validation split (data.pack, or "
+                            "the shipped pack); data.table and data.text_files have none")
+        validation = ValidationLog(out_dir, load_data(cfg, "validation")[0], start,
+                                   special_ids=tuple(tokenizer.special_ids))
 
     def wrap(m):
         if not distributed:
@@ -402,6 +411,8 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
                 _check_finite(model, f"train: the weights are not finite after step {done}; training stopped, the "
                               f"last checkpoint is {last or latest_checkpoint(out_dir) or 'none'}")
                 last = save_checkpoint(out_dir / "checkpoints" / f"step-{done:06d}", model, opt, sched, done, cfg)
+        if validation is not None and (done % cfg.eval_every == 0 or done == end):
+            validation.score(model, done, lr)
         if callbacks:  # a callback may read the batch's domains (ntkscope.InRunTracker)
             metrics["domains"] = [blocks.domain_names[d] for d in doms.tolist()]
         for callback in callbacks:

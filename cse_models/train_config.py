@@ -244,6 +244,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     checkpoint_steps: tuple = ()              # extra checkpoints (e.g. dense early ones for GC over training)
     log_every: int = 10
+    eval_every: int = 0                       # validation loss per domain every K steps (OUT/validation.csv; 0: off)
     tensorboard: bool = True                  # event files in out_dir/tensorboard when tensorboard is installed
     device: str = "auto"
     bf16: bool = True
@@ -293,6 +294,9 @@ class TrainConfig:
             value = getattr(cfg, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"TrainConfig: {key} must be a positive integer (got {value!r})")
+        if isinstance(cfg.eval_every, bool) or not isinstance(cfg.eval_every, int) or cfg.eval_every < 0:
+            raise UserError(f"TrainConfig: eval_every must be an integer >= 0 (0: no validation log; got "
+                            f"{cfg.eval_every!r})")
         if isinstance(cfg.warmup_steps, bool) or not isinstance(cfg.warmup_steps, int) or cfg.warmup_steps < 0:
             raise UserError(f"TrainConfig: warmup_steps must be an integer >= 0 (got {cfg.warmup_steps!r})")
         extra = cfg.checkpoint_steps

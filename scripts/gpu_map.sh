@@ -6,7 +6,8 @@
 # for the arms that branch from them, and the script says whether they came out bit for bit the
 # committed ones (another GPU kind's trunks do not: its units are not adopted). What finished comes back as one archive: units, results,
 # plans, tables, logs and each model's metrics and analysis caches (models.tgz); checkpoints stay
-# behind (too large to bring back).
+# behind (too large to bring back); each model's validation.csv (per-domain validation loss every 50
+# steps, the sweep preset's eval_every) comes back in models.tgz.
 #   scripts/gpu_map.sh SECONDS [MAP_WORKERS] [MIX_WORKERS]   (from the repository root, $OUT set)
 # Many small units share one GPU: with CUDA MPS (started here when the driver has it, stopped at
 # the end) their kernels run side by side instead of in turns.
@@ -17,12 +18,13 @@ MIX_WORKERS=${3:-3}
 . "$(dirname "$0")/gpu_common.sh"
 gpu_python
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-stage() {  # the committed results of this GPU kind's builds under $1, less the trunks, as an --adopt directory
-  mkdir -p "$2/results" "$2/trunks"
+stage() {  # the committed results and plans of this GPU kind's builds under $1, less the trunks, as an --adopt directory
+  mkdir -p "$2/results" "$2/trunks" "$2/plans"
   for build in "$1" "$1"/h100; do
     kind=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['gpu'])" "$build/device.json" 2>/dev/null)
     case "$GPU" in "$kind"*) ;; *) continue ;; esac
     echo "adopting the units of $build ($kind)"
+    cp "$build"/plans/*.json "$2/plans/" 2>/dev/null  # a plan walks every trunk checkpoint: minutes a unit
     for f in "$build"/results/*.json; do
       case "$(basename "$f")" in dense-seed*) cp "$f" "$2/trunks/" ;; *) cp "$f" "$2/results/" ;; esac
     done

@@ -67,6 +67,9 @@ class ReproduceSettings:
     :class:`ntkscope.GCTracker` on Figure 3(a)'s sentences every ``track_every`` steps, and
     ``fig3a-tracked`` is drawn from its table (``gc_tracked.csv``); an addition to the run, not a
     change of it, so it too is left out of what the run is bound to.
+    ``eval_every``: when above 0, every model the run trains scores the pack's validation blocks
+    per domain every ``eval_every`` steps (``RUN/models/NAME/validation.csv``,
+    :mod:`cse_models.validation`); a log beside the training, not a change of it, so also left out.
     """
 
     mode: str
@@ -122,6 +125,7 @@ class ReproduceSettings:
     device: str = "auto"
     adopt_from: str = ""
     track_every: int = 0
+    eval_every: int = 0
 
     def __post_init__(self):
         try:
@@ -162,7 +166,7 @@ PRESETS = {
         early_every=25, early_until=300, seeds=3, compare_until=600, gc_draws=3),
     "sweep": ReproduceSettings(
         mode="sweep", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=2400, checkpoint_every=100,
-        early_every=25, early_until=300, seeds=3, figures=False),
+        early_every=25, early_until=300, seeds=3, figures=False, eval_every=50),
     "tables": ReproduceSettings(
         mode="tables", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=400, checkpoint_every=400,
         finetune_steps=40, seeds=3, table_archs=("gpt", "bert"), table_layers=(2, 3), table_warmup=75,
@@ -191,8 +195,9 @@ def settings_for(mode: str, **changes) -> ReproduceSettings:
     return PRESETS[mode].replace(**changes)
 
 
-#: settings that say where a run may take results from, not what it is: not bound to the run
-RUN_LOCAL = ("adopt_from", "track_every")
+#: settings that say where a run may take results from, or what it logs besides, not what it is: not
+#: bound to the run, not in a unit's key
+RUN_LOCAL = ("adopt_from", "track_every", "eval_every")
 
 
 def bind_settings(run_dir, settings: ReproduceSettings, pack, func: str, what: str = "reproduction") -> None:

@@ -31,14 +31,15 @@ def arch_model(settings: ReproduceSettings, arch: str, mask_token_id: int | None
 
 
 #: TrainConfig fields that say where and how often a run saves and logs, not what it trains
-BOOKKEEPING = ("out_dir", "checkpoint_every", "checkpoint_steps", "log_every", "tensorboard", "track")
+BOOKKEEPING = ("out_dir", "checkpoint_every", "checkpoint_steps", "log_every", "eval_every", "tensorboard", "track")
 
 
 def _config(settings: ReproduceSettings, out_dir: Path, pack: str | None, **changes):
     spec = dict(out_dir=str(out_dir), model=dict(settings.model),
                 data={"pack": pack, "seq_len": settings.seq_len}, steps=settings.steps,
                 batch_size=settings.batch_size, lr=settings.lr, warmup_steps=settings.warmup_steps,
-                checkpoint_every=settings.checkpoint_every, log_every=50, seed=settings.seed, device=settings.device)
+                checkpoint_every=settings.checkpoint_every, log_every=50, eval_every=settings.eval_every,
+                seed=settings.seed, device=settings.device)
     spec.update(changes)
     return TrainConfig.from_dict(spec)
 
