@@ -4,6 +4,7 @@ rebuilt from its committed results; the second corpus mix (ntkscope corpus thin)
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,26 @@ def test_the_pre_registered_verdicts():
     assert partial["cse_vs_fair"]["verdict"] == "not decided"
 
 
+def test_a_difference_of_two_arms_is_also_read_against_its_own_spread():
+    """The registered test reads a difference against one arm's null spread; the stricter reading
+    beside it uses sqrt(2) x that spread, and says how much of the difference is the control's harm."""
+    seeds = [0, 1, 2, 3, 4]
+    null = [("dense-null", s, g) for s, g in zip(seeds, [-0.02, 0.01, 0.02, -0.01, 0.0])]  # spread 0.02
+    cse = [("cse", s, -0.015) for s in seeds]
+    shuffled = [("cse-shuffled", s, 0.01) for s in seeds]  # difference -0.025: beyond 0.02, within 0.0283
+    fair = [("switch-fair", s, 0.02) for s in seeds]  # difference -0.035: beyond both
+    found = verdicts(_table(null + cse + shuffled + fair), seeds)
+    v = found["clusters_vs_shuffled"]
+    assert v["verdict"] == "shown" and v["strict"]["verdict"] == "not shown"
+    assert v["strict"]["difference_spread"] == pytest.approx(math.sqrt(2) * 0.02)
+    assert v["strict"]["other_mean_gain"] == pytest.approx(0.01)
+    assert v["strict"]["other_harm_share"] == pytest.approx(0.01 / 0.025)  # 40 % of the contrast is the harm
+    w = found["cse_vs_fair"]
+    assert w["verdict"] == "shown" and w["strict"]["verdict"] == "shown"
+    helped = verdicts(_table(null + cse + [("cse-shuffled", s, -0.005) for s in seeds]), seeds)
+    assert helped["clusters_vs_shuffled"]["strict"]["other_harm_share"] == 0.0  # a control that helps harms nothing
+
+
 def test_the_rule_is_judged_against_each_trunks_map():
     steps = [300, 600, 900, 1200, 1800]
     curve = [-0.01, -0.05, -0.09, -0.10, -0.08]
@@ -95,24 +116,42 @@ def test_the_layer_pair_ranked_by_structure_is_judged_against_the_map():
 
 
 def test_the_committed_map_is_its_committed_results(tmp_path):
-    """gains.csv and verdicts.json are rebuilt, equal, from figures/warmup-map's two builds, each
-    unit paired with its own build's trunk."""
+    """gains.csv and verdicts.json are rebuilt, equal, from figures/warmup-map's H200 build alone;
+    every verdict pairs arms on that one build; the H100's record is another model."""
     from ntkscope.experiments import load_spec
     from ntkscope.experiments.map import summarise_map
 
     folder = ROOT / "figures" / "warmup-map"
-    summarise_map([folder, folder / "h100"], tmp_path, load_spec("warmup-map"))
+    shutil.copytree(folder / "tables", tmp_path / "tables")  # curves.csv is the GPU run's, not rebuilt here
+    summarise_map([folder], tmp_path, load_spec("warmup-map"))
     table = pd.read_csv(tmp_path / "tables" / "gains.csv")
     pd.testing.assert_frame_equal(table, pd.read_csv(folder / "tables" / "gains.csv"))
-    # two builds of the same seed's trunk (another GPU kind): each unit's gain is against its own
-    row = table[(table["arm"] == "cse") & (table["step"] == 1200) & (table["seed"] == 0)
-                & (table["domain"] == "legal")].iloc[0]
-    own = json.loads((folder / "h100" / "results" / "dense-seed0.json").read_text())
-    other = json.loads((folder / "results" / "dense-seed0.json").read_text())
-    assert row["trunks"] == "NVIDIA H100" and row["ppl_dense"] == pytest.approx(own["ppl legal"])
-    assert own["ppl legal"] != other["ppl legal"]  # the builds differ: pairing across them would be wrong
-    assert json.loads((tmp_path / "tables" / "verdicts.json").read_text()) == \
-        json.loads((folder / "tables" / "verdicts.json").read_text())
+    assert set(table["trunks"]) == {"NVIDIA H200"}
+    found = json.loads((tmp_path / "tables" / "verdicts.json").read_text())
+    assert found == json.loads((folder / "tables" / "verdicts.json").read_text())
+    assert found["units"] == {"spec": "warmup-map", "planned": 84, "done": 84}
+    for name in ("clusters_vs_shuffled", "cse_vs_fair"):
+        assert found[name]["same_trunks"] == found[name]["seeds_ran"] == [0, 1, 2, 3, 4], name
+    for arm, entry in found["against_null"].items():
+        assert entry["same_trunks"] == entry["seeds_ran"], arm
+    assert all(e["same_trunks"] for e in found["layers"]["trunks"].values())
+    assert (tmp_path / "curves.png").is_file()
+    # the H100's trunk is another model (a pair across the two would be wrong) ...
+    h100 = json.loads((folder / "h100" / "results" / "dense-seed0.json").read_text())
+    h200 = json.loads((folder / "results" / "dense-seed0.json").read_text())
+    assert abs(np.log(h100["ppl legal"] / h200["ppl legal"])) > 1e-3
+    # ... while the H200's re-made trunks (the fifth call's units branched from them) are float rounding away
+    for path in sorted((folder / "remade" / "results").glob("dense-seed*.json")):
+        remade = np.asarray(json.loads(path.read_text())["blocks"]["loss"])
+        committed = np.asarray(json.loads((folder / "results" / path.name).read_text())["blocks"]["loss"])
+        np.testing.assert_allclose(remade, committed, rtol=2e-6)
+    # the trunk curves: every trunk, each domain every 50 steps to the end
+    curves = pd.read_csv(folder / "tables" / "curves.csv")
+    trunks = curves[curves["arm"] == "dense"]
+    assert sorted(trunks["seed"].unique()) == [0, 1, 2, 3, 4]
+    for _, part in trunks.groupby("seed"):
+        assert sorted(part["step"].unique()) == list(range(50, 2401, 50))
+        assert set(part["domain"]) == {"general", "legal", "biomedical", "all"}
     # the medium-scale hint (8 layers x 512, its own spec and trunks) is rebuilt the same way
     scale = folder / "scale"
     summarise_map([scale], tmp_path / "scale", load_spec("warmup-map-scale"))

@@ -14,7 +14,7 @@ from ntkscope.core.files import write_json, write_table
 from ntkscope.experiments.spec import Spec
 from ntkscope.experiments.units import make_sweep, units
 from ntkscope.plotting import save_figure
-from ntkscope.reproduction.map_figures import map_controls, map_curve
+from ntkscope.reproduction.map_figures import map_controls, map_curve, trunk_curves
 from ntkscope.reproduction.map_tables import gains, read_results, verdicts
 
 
@@ -30,8 +30,9 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     experiment and of its companions; a unit name found in several is taken from the first): each
     unit is paired with the trunks of its own run directory (``trunks`` in the table: its build,
     :func:`trunks_label`), the verdicts say which pairs crossed builds. Writes
-    OUT/tables/gains.csv, OUT/tables/verdicts.json, OUT/controls.png and, when an arm converted at
-    several steps, OUT/map.png; returns the verdicts."""
+    OUT/tables/gains.csv, OUT/tables/verdicts.json, OUT/controls.png, when an arm converted at
+    several steps OUT/map.png, and when OUT/tables/curves.csv holds the trunks' validation curves
+    OUT/curves.png; returns the verdicts."""
     runs = [Path(r) for r in runs]
     blocks = make_sweep(spec, runs[0], pack).test_blocks()
     domains = [blocks.domain_names[int(d)] for d in blocks.domains]
@@ -60,6 +61,12 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
         save_figure(map_curve(table, plan_structure(plans), rule), out / "map.png")
     else:
         (out / "map.png").unlink(missing_ok=True)  # an earlier summary's curve is not this one's
+    curves = out / "tables" / "curves.csv"  # the trunks' validation curves, when a run logged them
+    trunk = pd.read_csv(curves) if curves.is_file() else None
+    if trunk is not None and (trunk["arm"] == "dense").any():
+        cse = table[(table["domain"] == "tail") & (table["arm"] == "cse")]
+        best = cse.loc[cse.groupby("seed")["gain"].idxmin(), "step"].tolist() if len(cse) else []
+        save_figure(trunk_curves(trunk, best_steps=best), out / "curves.png")
     return found
 
 

@@ -62,6 +62,9 @@ def _verdict_lines(verdicts: dict, prefix: str = "map") -> dict:
     for name in ("clusters_vs_shuffled", "cse_vs_fair"):
         v = verdicts[name]
         text = v["verdict"]
+        few = len(v["seeds_ran"]) < 5 and text in ("shown", "not shown")  # the criteria were written for 5 seeds
+        if few:
+            text += f" on {len(v['seeds_ran'])} seeds only (a hint: the criteria were written for 5)"
         if "why" in v:
             text += f": {v['why']}"
         hint = v.get("on_seeds_ran")
@@ -76,6 +79,14 @@ def _verdict_lines(verdicts: dict, prefix: str = "map") -> dict:
         text += (f"; both arms branched from the same build of the trunk at seeds {_seeds(same)} only" if
                  len(same) < len(v["seeds_ran"]) else "; every pair on one build of the trunk")
         out[f"{prefix}.{name}"] = text
+        strict = v.get("strict")
+        if strict:
+            line = (f"{strict['verdict']}{' (a hint)' if few else ''} against the spread of a difference of two arms "
+                    f"(√2 × the null spread, ±{_pct(strict['difference_spread'])[1:]})")
+            if strict["other_harm_share"]:
+                line += (f"; the control's own harm ({_pct(strict['other_mean_gain'])} over dense) is "
+                         f"{100 * strict['other_harm_share']:.0f} % of the difference")
+            out[f"{prefix}.{name}.strict"] = line
     return out
 
 
@@ -151,7 +162,14 @@ def _layers(verdicts: dict) -> dict:
         rows.append(f"| {seed} | {e['structure']['0-1']:.3f} | {e['structure']['2-3']:.3f} | "
                     f"{_pct(e['tail_gain']['0-1'])} | {_pct(e['tail_gain']['2-3'])} | "
                     f"{'yes' if e['same_trunks'] else 'no'} | {e['verdict']} |")
-    return {"map.layers.table": "\n".join(rows), "map.layers.agree": f"{v['agree']} of {v['judged']}"}
+    trunks = v["trunks"].values()
+    bare = [s for s, e in sorted(v["trunks"].items(), key=lambda kv: int(kv[0])) if min(e["structure"].values()) == 0]
+    both = [e for e in trunks if min(e["structure"].values()) > 0 and e["verdict"] in ("agrees", "disagrees")]
+    return {"map.layers.table": "\n".join(rows), "map.layers.agree": f"{v['agree']} of {v['judged']}",
+            "map.layers.bare": " and ".join(bare) or "none",
+            "map.layers.both_agree": f"{sum(e['verdict'] == 'agrees' for e in both)} of {len(both)}",
+            "map.layers.late_better": f"{sum(e['tail_gain']['2-3'] < e['tail_gain']['0-1'] for e in trunks)} of "
+                                      f"{len(v['trunks'])}"}
 
 
 def _builds(folder) -> dict:
@@ -170,7 +188,27 @@ def _builds(folder) -> dict:
             worst = max(worst, (top[0], d, top[1]))
     if worst[1]:
         out["map.builds.max"] = f"{100 * np.expm1(worst[0]):.1f} % ({worst[1]}, seed {worst[2]})"
+    remade = []  # the H200's trunks re-made on another H200 (remade/): float rounding, not another build
+    for path in sorted((folder / "remade" / "results").glob("dense-seed*.json")):
+        a, b = json.loads((folder / "results" / path.name).read_text()), json.loads(path.read_text())
+        la, lb = np.asarray(a["blocks"]["loss"]), np.asarray(b["blocks"]["loss"])
+        remade.append(float(np.max(np.abs(lb - la) / np.abs(la))))
+    if remade:
+        out["map.remade.max"] = f"{max(remade):.1e}".replace("e-0", " × 10^-")
+        out["map.remade.trunks"] = str(len(remade))
     return out
+
+
+def _curves(folder) -> dict:
+    """The trunk curves (tables/curves.csv): how many trunks, how often, and the arms that logged."""
+    path = folder / "tables" / "curves.csv"
+    if not path.is_file():
+        return {}
+    curves = pd.read_csv(path)
+    trunks = curves[curves["arm"] == "dense"]
+    steps = np.diff(sorted(trunks["step"].unique()))
+    return {"map.curves.trunks": str(trunks["seed"].nunique()), "map.curves.every": f"{int(np.median(steps))}",
+            "map.curves.arms": str(curves[curves["arm"] != "dense"].groupby(["arm", "seed"]).ngroups)}
 
 
 def _flicker(folder) -> dict:
@@ -224,6 +262,7 @@ def _warmup_map(t: Tables) -> dict:
     out.update(_builds(t.folder))
     out.update(_seconds(t.folder))
     out.update(_flicker(t.folder))
+    out.update(_curves(t.folder))
     out.update(_scale(t.folder / "scale"))
     return out
 

@@ -85,3 +85,34 @@ def map_curve(gains: pd.DataFrame, structure: pd.DataFrame | None = None, rule_s
                  fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def trunk_curves(curves: pd.DataFrame, *, arm: str = "dense", best_steps=(), title: str = ""):
+    """Each domain's validation loss over a trunk's training (``curves``: a
+    :func:`ntkscope.reproduction.sweep_tables.curves` table; the rows of ``arm``), as the drop
+    from the first logged step so that the domains share one axis: the mean over seeds as a
+    line, their range shaded, with the learning rate on a second axis and ``best_steps`` (the
+    map's best conversion steps) marked."""
+    plt = _pyplot()
+    part = curves[curves["arm"] == arm]
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for domain in [d for d in ("general", "legal", "biomedical") if d in set(part["domain"])]:
+        rows = part[part["domain"] == domain].pivot_table(index="step", columns="seed", values="loss")
+        drop = rows - rows.iloc[0]
+        line, = ax.plot(drop.index, drop.mean(axis=1), lw=1.5, label=f"{domain} ({rows.shape[1]} trunks)")
+        ax.fill_between(drop.index, drop.min(axis=1), drop.max(axis=1), color=line.get_color(), alpha=0.15)
+    for step in sorted(set(best_steps)):
+        ax.axvline(step, color="0.3", lw=0.6, ls=":")
+    if len(best_steps):
+        ax.plot([], [], color="0.3", lw=0.6, ls=":", label="a trunk's best conversion step (the map)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("validation loss minus its value at the first logged step")
+    lr = part.groupby("step")["lr"].first()
+    right = ax.twinx()
+    right.plot(lr.index, lr.to_numpy(), color="0.5", lw=0.8, ls="--")
+    right.set_ylabel("learning rate (dashed)", color="0.4")
+    right.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title(title or "the trunks' validation loss by domain, every 50 steps", fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -119,7 +119,15 @@ def verdicts(table: pd.DataFrame, seeds, *, step: int = 1200, plans: dict | None
                                                      and base["mean_difference"] < -spread)}
             return {**base, **ran}
         shown = base["wins"] >= need and base["mean_difference"] < -base["null_spread"]
-        return {**base, "verdict": "shown" if shown else "not shown"}
+        # after registration (issue 57): a difference of two arms varies about sqrt(2) times one arm's
+        # spread, and part of it can be the other arm's own harm (its gain over dense, when positive)
+        spread = math.sqrt(2) * base["null_spread"]
+        harm = float(tail[(tail["arm"] == other) & (tail["step"] == step)]["gain"].mean())
+        strict = {"difference_spread": spread,
+                  "verdict": "shown" if base["wins"] >= need and base["mean_difference"] < -spread else "not shown",
+                  "other_mean_gain": harm,
+                  "other_harm_share": max(harm, 0.0) / -base["mean_difference"] if base["mean_difference"] < 0 else None}
+        return {**base, "verdict": "shown" if shown else "not shown", "strict": strict}
 
     out["clusters_vs_shuffled"] = against("cse", "cse-shuffled", "CSE below cse-shuffled on the tail")
     out["cse_vs_fair"] = against("cse", "switch-fair", "CSE below the fair capacity control on the tail")

@@ -9,6 +9,10 @@
 - ``load.csv``: per CSE arm, seed, 50-step window after conversion, layer and expert: the
   training sequences the expert received, in all and per domain (``metrics.jsonl``).
 - ``routing.csv``: per CSE arm, seed, layer and expert, the test blocks it receives by domain.
+- ``curves.csv``: per arm (the trunk ``dense`` included), seed, step and domain, the validation
+  loss and perplexity its training logged (``validation.csv``, every ``eval_every`` steps:
+  :mod:`cse_models.validation`) and the step's learning rate; units trained without the log
+  have no rows.
 - ``RUN/loads.png``: per CSE arm and layer, the smallest expert's share per window and each tail
   domain's share at its most-used expert (:func:`ntkscope.plotting.expert_loads`).
 - ``verdict.json``: each pre-registered criterion (figures/sweep/README.md), its numbers, and
@@ -144,6 +148,22 @@ def routing(sweep) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+CURVE_COLUMNS = ["arm", "seed", "step", "lr", "domain", "blocks", "tokens", "loss", "ppl"]
+
+
+def curves(run_dir: Path) -> pd.DataFrame:
+    """``curves.csv`` (above): every ``RUN/models/ARM-seedK/validation.csv``, one frame."""
+    frames = []
+    for path in sorted(Path(run_dir).glob("models/*-seed*/validation.csv")):
+        arm, _, seed = path.parent.name.rpartition("-seed")
+        if seed.isdigit() and path.stat().st_size:
+            frames.append(pd.read_csv(path).assign(arm=arm, seed=int(seed)))
+    if not frames:
+        return pd.DataFrame(columns=CURVE_COLUMNS)
+    return pd.concat(frames, ignore_index=True)[CURVE_COLUMNS].sort_values(
+        ["arm", "seed", "step", "domain"], kind="stable", ignore_index=True)
+
+
 def verdict(pairs: pd.DataFrame, load: pd.DataFrame, n_seeds: int, criteria: Criteria = Criteria()) -> dict:
     """The pre-registered ``criteria`` (figures/sweep/README.md), evaluated on what finished."""
     out, c = {}, criteria
@@ -190,7 +210,7 @@ def _block_index(layer) -> int:
 
 
 def summarise(sweep, *, earlier_load: Path | None = None, criteria: Criteria = Criteria()) -> dict:
-    """Write RUN/tables (arms, paired, load, routing CSVs; verdict.json) and return the verdict.
+    """Write RUN/tables (arms, paired, load, routing, curves CSVs; verdict.json) and return the verdict.
     ``earlier_load``: a load.csv of units whose training logs are no longer in RUN (a run directory
     lost and resumed elsewhere): its rows are kept for the units RUN does not log."""
     tables = sweep.run_dir / "tables"
@@ -205,7 +225,8 @@ def summarise(sweep, *, earlier_load: Path | None = None, criteria: Criteria = C
                                                                       kind="stable", ignore_index=True)
     if len(load):  # one name per layer: its block index (training logs name the module, transformer.h.2.mlp)
         load["layer"] = [_block_index(v) for v in load["layer"]]
-    for name, frame in (("arms", arms), ("paired", pairs), ("load", load), ("routing", routing(sweep))):
+    for name, frame in (("arms", arms), ("paired", pairs), ("load", load), ("routing", routing(sweep)),
+                        ("curves", curves(sweep.run_dir))):
         write_text(tables / f"{name}.csv", frame.to_csv(index=False))
     result = verdict(pairs, load, len(sweep.seeds), criteria)
     write_json(tables / "verdict.json", result)
