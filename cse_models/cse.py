@@ -17,7 +17,7 @@ import logging
 import torch
 
 from cse_models.experts import CSELayer, DEMixLayer, SwitchFFN
-from cse_models.model import check_sparse_host
+from cse_models.model import check_expert_copies, check_sparse_host
 from ntkscope.core.checks import UserError
 from ntkscope.representation.router import NoClusterError, RouterFit, fit_router
 
@@ -132,6 +132,8 @@ def upcycle(model, n_experts: int | list | None = None, *, preserving: bool = Tr
                         f"{list(sparse.layers)} (got {n_experts!r})")
     if sparse.kind == "switch":
         sparse.preserving = bool(preserving)
+    check_expert_copies([(model.sparse_module(i), k) for i, k in zip(sparse.layers, counts)],
+                        f"upcycle: n_experts {counts}")
     weight = next(model.parameters())  # a new router in the model's device and dtype, whatever torch's default
     for n, (i, k) in enumerate(zip(sparse.layers, counts)):
         experts = [copy.deepcopy(model.sparse_module(i)) for _ in range(k)]

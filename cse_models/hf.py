@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,15 +45,20 @@ from cse_models.config import SparseConfig
 from cse_models.experts import sequence_embedding
 from cse_models.hf_auto import MODEL_TYPE
 from cse_models.hf_modules import HFAttentionExpert, HFExpert, HFSparseAttention, HFSparseFFN
-from cse_models.model import CONFIG_NAME, WEIGHTS_NAME, SparseRouting, TransformerLM, _sparse_module, load_model
+from cse_models.model import (CONFIG_NAME, WEIGHTS_NAME, SparseRouting, TransformerLM, _sparse_module,
+                              check_expert_copies, load_model)
 from ntkscope.core.checks import MissingInput, UserError, check_path
 from ntkscope.core.columns import batch_columns
 from ntkscope.core.files import atomic_path, check_safetensors, read_json_object, write_json
 from ntkscope.core.lm import lm_loss
+from ntkscope.core.pretrained import from_config, from_pretrained
 
 SECTION = "cse_sparse"  # the config.json key of a converted model
 LEGACY_WEIGHTS = "pytorch_model.bin"  # a dense checkpoint's older weights file (read with weights_only=True)
 log = logging.getLogger(__name__)
+
+
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # a layout's child-module names: never a dunder or a private
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,31 @@ class Layout:
     ffn_out: str | None = None
     attn: str = "self_attn"
 
+    def __post_init__(self):  # data, not code: names of child modules, never a dunder, a class or a tensor
+        for field, dotted in (("blocks", True), ("ffn", False), ("ffn_out", True), ("attn", False)):
+            value = getattr(self, field)
+            if value is None and field == "ffn_out":
+                continue
+            parts = value.split(".") if isinstance(value, str) else [None]
+            if not all(isinstance(p, str) and _NAME.fullmatch(p) for p in parts) or (len(parts) > 1 and not dotted):
+                raise UserError(f"Layout: {field} must be {'a dotted path of' if dotted else 'one'} child-module "
+                                f"name{'s' if dotted else ''} (letters, digits and _, not beginning with _; got "
+                                f"{value!r})")
+
+    @classmethod
+    def from_dict(cls, data, where: str) -> "Layout":
+        """A saved layout (a sparse config's ``layout``), its keys and values checked; ``where``
+        (the file, as the user knows it) begins any message."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or "blocks" not in data or set(data) - fields:
+            extra = sorted(set(data) - fields) if isinstance(data, dict) else None
+            raise UserError(f"{where}: layout must be a mapping with blocks and any of {sorted(fields - {'blocks'})} "
+                            f"(got {'unknown keys ' + repr(extra) if extra else repr(data)[:120]})")
+        try:
+            return cls(**data)
+        except UserError as err:
+            raise UserError(f"{where}: {err}") from None
+
 
 LAYOUTS: dict[str, Layout] = {
     "gpt2": Layout("transformer.h", attn="attn"),
@@ -80,15 +111,47 @@ LAYOUTS: dict[str, Layout] = {
 MASK_TOKENS = ("[MASK]", "<mask>")  # a masked LM's mask token, when its config does not name its id
 
 
-def _attribute(obj, dotted: str):
+def child_module(obj: nn.Module, dotted: str) -> nn.Module:
+    """The child module at ``dotted`` (each step a child of the last: never a class, a method,
+    a tensor or any other attribute)."""
     for part in dotted.split("."):
-        obj = getattr(obj, part)
+        child = obj._modules.get(part) if isinstance(obj, nn.Module) else None
+        if child is None:
+            children = sorted(obj._modules)[:12] if isinstance(obj, nn.Module) else []
+            raise UserError(f"Layout: {dotted!r} is not a path of child modules of this {type(obj).__name__} "
+                            f"(at {part!r}; its children: {children})")
+        obj = child
     return obj
+
+
+def check_layout(model: nn.Module, layout: Layout) -> None:
+    """Refuse ``layout`` unless every path it names is a child module of ``model`` (blocks) or of
+    each block (ffn, attn, ffn_out), before anything is replaced."""
+    blocks = child_module(model, layout.blocks)
+    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or not len(blocks):
+        raise UserError(f"Layout: blocks {layout.blocks!r} must name a list of blocks (got a {type(blocks).__name__})")
+    for block in blocks:
+        for path in (layout.ffn, layout.attn, layout.ffn_out):
+            if path is not None:
+                child_module(block, path)
+
+
+def saved_layout(section: dict, model_type, where: str) -> Layout:
+    """The layout of a saved sparse config (``cse_sparse``): checked as data, and for a family of
+    :data:`LAYOUTS` equal to the family's own."""
+    if not isinstance(section, dict):
+        raise UserError(f"{where}: the sparse section must be a mapping (got {type(section).__name__})")
+    layout = Layout.from_dict(section.get("layout"), where)
+    known = LAYOUTS.get(model_type)
+    if known is not None and layout != known:
+        raise UserError(f"{where}: layout must be the {model_type} family's {dataclasses.asdict(known)} "
+                        f"(got {dataclasses.asdict(layout)})")
+    return layout
 
 
 def layout_blocks(model: nn.Module, layout: Layout) -> list:
     """The blocks of an HF model, by ``layout``."""
-    return list(_attribute(model, layout.blocks))
+    return list(child_module(model, layout.blocks))
 
 
 def is_masked_lm(hf_model: nn.Module) -> bool:
@@ -186,6 +249,7 @@ class SparseHF(SparseRouting, nn.Module):
                             "add one Layout to cse_models.hf.LAYOUTS")
         if isinstance(sparse, dict):  # a copy: conversion fills in n_experts, never the caller's lists
             sparse = SparseConfig(**copy.deepcopy(sparse))
+        check_layout(hf_model, layout)
         self.hf = hf_model
         self.config = HFSparseConfig(hf_model.config, layout, sparse, masked=is_masked_lm(hf_model))
         if sparse is not None:
@@ -194,7 +258,10 @@ class SparseHF(SparseRouting, nn.Module):
         self._columns = batch_columns(self.hf, "domains")  # a direct call's labels (a Trainer batch column)
         self.hf.register_forward_pre_hook(self._capture_mask, with_kwargs=True)
         self.hf.register_forward_hook(self._release_domains, always_call=True)
-        for i in (sparse.layers if sparse is not None else ()):
+        layers = [i for i in (sparse.layers if sparse is not None else ()) if sparse.experts_at(i) > 0]
+        check_expert_copies([(self.sparse_module(i), sparse.experts_at(i)) for i in layers],
+                            f"SparseHF: sparse.n_experts {sparse.n_experts if sparse is not None else None}")
+        for i in layers:
             if sparse.experts_at(i) > 0:
                 self.replace_sparse_module(i, _sparse_module(self.config, self.sparse_module(i), sparse.experts_at(i)))
 
@@ -221,12 +288,12 @@ class SparseHF(SparseRouting, nn.Module):
         module as an expert."""
         block, layout = self.block(layer), self.config.layout
         if self._attention():
-            attn = getattr(block, layout.attn)
+            attn = child_module(block, layout.attn)
             return attn.layer if isinstance(attn, HFSparseAttention) else HFAttentionExpert(attn)
-        ffn = getattr(block, layout.ffn)
+        ffn = child_module(block, layout.ffn)
         if isinstance(ffn, HFSparseFFN):
             return ffn.layer
-        return HFExpert(ffn, None if layout.ffn_out is None else _attribute(block, layout.ffn_out))
+        return HFExpert(ffn, None if layout.ffn_out is None else child_module(block, layout.ffn_out))
 
     def replace_sparse_module(self, layer: int, module: nn.Module) -> None:
         block, layout = self.block(layer), self.config.layout
@@ -239,7 +306,7 @@ class SparseHF(SparseRouting, nn.Module):
         setattr(block, layout.ffn, HFSparseFFN(module, self._context))
         if layout.ffn_out is not None:  # the experts hold the output projection now
             owner, _, name = layout.ffn_out.rpartition(".")
-            setattr(_attribute(block, owner) if owner else block, name, nn.Identity())
+            setattr(child_module(block, owner) if owner else block, name, nn.Identity())
 
     @torch.no_grad()
     def module_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers,
@@ -255,7 +322,7 @@ class SparseHF(SparseRouting, nn.Module):
             x = args[0] if args else kwargs["hidden_states"]
             captured[i].append(sequence_embedding(x, self._context.get("key_mask")))
 
-        hooks = [getattr(self.block(i), where).register_forward_pre_hook(
+        hooks = [child_module(self.block(i), where).register_forward_pre_hook(
             lambda _m, args, kwargs, i=i: capture(i, args, kwargs), with_kwargs=True) for i in layers]
         try:
             for start in range(0, input_ids.shape[0], chunk):
@@ -395,9 +462,8 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
     if section is None:  # a dense checkpoint, loaded the HF way (which ties the head to the embedding)
         try:
             with quiet_loading():
-                hf, info = auto.from_pretrained(
-                    directory, config=hf_config, local_files_only=True, use_safetensors=not legacy,
-                    trust_remote_code=False, output_loading_info=True)
+                hf, info = from_pretrained(auto, directory, func, config=hf_config, use_safetensors=not legacy,
+                                           output_loading_info=True)
         except pickle.UnpicklingError as err:
             raise UserError(f"{func}: {directory / LEGACY_WEIGHTS} holds more than tensors; it is not loaded, since "
                             f"that would run pickled code ({str(err).splitlines()[0][:160]})") from None
@@ -407,8 +473,8 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
         missing, unexpected = info["missing_keys"], info["unexpected_keys"]
         model = SparseHF(hf, sparse)
     else:
-        model = SparseHF(auto.from_config(hf_config, trust_remote_code=False),
-                         section["sparse"], Layout(**section["layout"]))
+        layout = saved_layout(section, hf_config.model_type, f"{func}: {directory / CONFIG_NAME}")
+        model = SparseHF(from_config(auto, hf_config, func), section["sparse"], layout)
         try:
             missing, unexpected = _load_tensors_into(model, str(directory / WEIGHTS_NAME), strict=False)
         except RuntimeError as err:

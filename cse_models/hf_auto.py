@@ -30,6 +30,8 @@ import sys
 
 import torch
 
+from ntkscope.core.pretrained import from_config
+
 log = logging.getLogger(__name__)
 
 MODEL_TYPE = "cse_models_sparse"
@@ -74,12 +76,14 @@ def classes() -> tuple:
         def __init__(self, config, sparse=None):
             super().__init__(config)
             if sparse is None:  # from a config alone: the base model at random, its sparse layers empty
-                from cse_models.hf import Layout, SparseHF, _transformers
+                from cse_models.hf import SparseHF, _transformers, saved_layout
                 transformers = _transformers()
                 auto = transformers.AutoModelForMaskedLM if self.masked else transformers.AutoModelForCausalLM
-                base = auto.from_config(transformers.AutoConfig.for_model(**config.base), trust_remote_code=False)
+                base = from_config(auto, transformers.AutoConfig.for_model(**config.base), "from_config")
                 section = config.cse_sparse or {}
-                sparse = SparseHF(base, section.get("sparse"), Layout(**section["layout"]) if section else None)
+                layout = saved_layout(section, config.base.get("model_type"), "from_config: cse_sparse") if section \
+                    else None
+                sparse = SparseHF(base, section.get("sparse"), layout)
             self.hf = sparse.hf
             object.__setattr__(self, "sparse", sparse)  # not a second submodule: its parameters are self.hf's
 

@@ -33,7 +33,8 @@ from safetensors.torch import load_file
 
 from cse_models.cse import convert_to_cse, upcycle
 from cse_models.checkpointing import expert_source
-from cse_models.hf import Layout, SparseHF
+from cse_models.hf import LAYOUTS, SparseHF, child_module, layout_blocks, saved_layout
+from cse_models.model import check_expert_copies
 from ntkscope.core.checks import UserError
 from ntkscope.core.files import read_json_object, write_json
 
@@ -111,7 +112,11 @@ def restore(model, checkpoint) -> SparseHF | None:
     if not path.is_file():
         return None
     section = read_json_object(path, "SparseCallback.restore")
-    return SparseHF(model, section["sparse"], Layout(**section["layout"]))
+    where = f"SparseCallback.restore: {path}"
+    layout = saved_layout(section, getattr(getattr(model, "config", None), "model_type", None), where)
+    if "sparse" not in section:
+        raise UserError(f"{where} has no sparse section (a SparseConfig's fields)")
+    return SparseHF(model, section["sparse"], layout)
 
 
 def _renamed(key: str, model) -> str:
@@ -186,6 +191,9 @@ class SparseCallback(_callback_base()):
         if module not in ("ffn", "attn") or (module == "attn" and kind == "switch"):
             raise UserError(f"SparseCallback: module must be 'ffn', or 'attn' with kind 'cse' or 'demix' (got "
                             f"{module!r} with {kind!r}): a Switch layer routes tokens through FFN experts")
+        if kind == "switch" and (isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 1):
+            raise UserError(f"SparseCallback: n_experts must be a positive integer, the experts of each Switch layer "
+                            f"(got {n_experts!r})")
         if kind == "cse" and not fitting:
             raise UserError("SparseCallback: fitting must hold the sequences CSE's router clusters "
                             "({'input_ids': (N, T) token ids[, 'attention_mask']})")
@@ -213,6 +221,11 @@ class SparseCallback(_callback_base()):
         if n_layer is not None and any(not 0 <= i < n_layer for i in self.layers):
             raise UserError(f"SparseCallback: layers must be block indices in [0, {n_layer}) for this "
                             f"{n_layer}-layer model (got {self.layers})")
+        layout = LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))
+        if self.kind == "switch" and self.sparse is None and layout is not None:  # copies sized now, not at step `at`
+            blocks = layout_blocks(model, layout)
+            check_expert_copies([(child_module(blocks[i], layout.ffn), self.n_experts) for i in self.layers],
+                                f"SparseCallback: n_experts {self.n_experts} at layers {self.layers}")
         if self.at > args.max_steps > 0:
             log.warning("SparseCallback: the run stops at step %d, before the conversion at step %d", args.max_steps,
                         self.at)

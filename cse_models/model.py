@@ -47,6 +47,18 @@ def _sparse_module(config, dense: nn.Module, n_experts: int) -> nn.Module:
                     shares=torch.ones(n_experts) if sparse.shuffled else None)
 
 
+def check_expert_copies(modules_and_counts, what: str) -> None:
+    """Refuse to make ``count`` copies of each ``module`` ((module, count) pairs: a layer's dense
+    module and its experts) when their parameters would not fit in free memory, before one is
+    made; ``what`` begins the message (e.g. "SparseHF: sparse.n_experts")."""
+    pairs = [(m, int(k)) for m, k in modules_and_counts if k]
+    params = [next(m.parameters(), None) for m, _ in pairs]
+    if not pairs or any(p is None or p.is_meta for p in params):  # a model built on the meta device allocates nothing
+        return
+    size = sum(sum(p.numel() for p in m.parameters()) * k for m, k in pairs)
+    check_fits(size, params[0].element_size(), what, device=params[0].device)
+
+
 def _init_weights(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)

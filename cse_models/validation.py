@@ -33,7 +33,8 @@ class ValidationLog:
     """The rows of ``out_dir/validation.csv`` (those after step ``start`` dropped), and scoring."""
 
     def __init__(self, out_dir: str | Path, blocks: Blocks, start: int, *, special_ids=(), write: bool = True):
-        self.path, self.blocks, self.special_ids, self.write = Path(out_dir) / "validation.csv", blocks, special_ids, write
+        self.path, self.blocks = Path(out_dir) / "validation.csv", blocks
+        self.special_ids, self.write = special_ids, write
         self.rows: list[dict] = []
         if self.path.is_file() and self.path.stat().st_size:
             self.rows = [r for r in pd.read_csv(self.path).to_dict("records") if r["step"] <= start]

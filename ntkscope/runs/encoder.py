@@ -26,6 +26,7 @@ import torch
 
 from ntkscope.core.checks import InputError, MissingInput, check_positive_int, entry
 from ntkscope.core.lm import masked_mean
+from ntkscope.core.pretrained import from_pretrained
 from ntkscope.core.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class SentenceEncoder:
         self.model = load_checkpoint(self.path).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        self.tokenizer = from_pretrained(AutoTokenizer, self.path, "SentenceEncoder")
         limit = int(getattr(self.model.config, "max_position_embeddings", max_length))
         self.batch_size, self.max_length = int(batch_size), min(int(max_length), limit)
 

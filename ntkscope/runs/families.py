@@ -35,6 +35,7 @@ from cse_models.model import build_model, load_weights
 from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import check_safetensors
 from ntkscope.core.memory import check_fits, parameter_count
+from ntkscope.core.pretrained import from_config, from_pretrained
 from ntkscope.kernel.objectives import is_huggingface
 from ntkscope.runs.weights import load_state_dict
 
@@ -113,8 +114,8 @@ def _load_hf(path: Path, data: dict, weights: Path):
         log.warning("load_checkpoint: %s/config.json names custom code (auto_map); it is never run: the model is "
                     "built from transformers' own %r classes", path, data.get("model_type"))
     try:  # never the checkpoint's own code, and never a prompt asking whether to run it
-        hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        size = parameter_count(lambda: auto.from_config(hf_config))
+        hf_config = from_pretrained(transformers.AutoConfig, path, "load_checkpoint")
+        size = parameter_count(lambda: from_config(auto, hf_config, "load_checkpoint"))
     except Exception as err:  # sizes that are negative, text, ... (huggingface_hub's own validation error too)
         if not isinstance(err, (ValueError, KeyError, OSError, TypeError, RuntimeError)) \
                 and "Validation" not in type(err).__name__:
@@ -126,15 +127,14 @@ def _load_hf(path: Path, data: dict, weights: Path):
         check_safetensors(weights, "load_checkpoint")
         try:
             with quiet_loading():
-                model, info = auto.from_pretrained(path, config=hf_config, local_files_only=True,
-                                                   use_safetensors=True, trust_remote_code=False,
-                                                   output_loading_info=True)
+                model, info = from_pretrained(auto, path, "load_checkpoint", config=hf_config, use_safetensors=True,
+                                              output_loading_info=True)
         except (RuntimeError, ValueError, OSError) as err:
             raise UserError(f"load_checkpoint: the weights in {path} do not match its config.json "
                             f"({str(err).splitlines()[0][:200]})") from None
         _check_loaded(path, info["missing_keys"], info["unexpected_keys"], info.get("mismatched_keys", []))
         return model.eval()
-    model = auto.from_config(hf_config)
+    model = from_config(auto, hf_config, "load_checkpoint")
     state = load_state_dict(weights)
     result = model.load_state_dict(state, strict=False)
     tied = {k for k in result.missing_keys if _is_tied(model, k)}  # a tied head saved the HF way: once
