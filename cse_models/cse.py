@@ -30,7 +30,8 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                    rule: str = "hdbscan", representation: str = "centred-cosine", min_cluster_size: int = 15,
                    eps: float | dict | None = None, min_samples: int = 5, percentile: float = 10.0,
                    selection: str = "eom", max_experts: int | None = 8, seed: int = 0,
-                   on_no_cluster: str = "single", shuffled: bool = False) -> dict[int, RouterFit]:
+                   on_no_cluster: str = "single", shuffled: bool = False,
+                   n_clusters: list | dict | None = None) -> dict[int, RouterFit]:
     """Turn each chosen dense module of a warmed-up model into a CSE layer (router format 2), in place.
 
     ``input_ids``/``attention_mask`` (N, T): the fitting sample. The model's ``config.sparse``
@@ -44,6 +45,10 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     route the fitting sample (:class:`~cse_models.experts.CSELayer`'s ``shares``): CSE without
     its clusters. The model's function is unchanged at conversion either way (every expert is a
     copy of the dense module).
+
+    ``n_clusters``: the experts of each layer fixed (one count per layer in ``sparse.layers``'
+    order, or ``{layer: count}``; :func:`~ntkscope.representation.router.fit_router`'s
+    ``n_clusters``), e.g. another step's counts, to separate the count from the representation.
     """
     check_sparse_host(model, "convert_to_cse")
     sparse = model.config.sparse
@@ -52,6 +57,13 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if shuffled and not hasattr(model, "transformer"):
         raise UserError("convert_to_cse: shuffled CSE layers are built for cse_models GPT and BERT models (the model "
                         f"sets each batch's sequence keys); got {type(model).__name__}")
+    if n_clusters is not None:
+        counts = n_clusters if isinstance(n_clusters, dict) else dict(zip(sparse.layers, n_clusters)) \
+            if isinstance(n_clusters, (list, tuple)) and len(n_clusters) == len(sparse.layers) else None
+        if counts is None or set(counts) != set(sparse.layers):
+            raise UserError(f"convert_to_cse: n_clusters must give one count per sparse layer {list(sparse.layers)} "
+                            f"(got {n_clusters!r})")
+        n_clusters = counts
     done = [i for i in sparse.layers if sparse.experts_at(i) > 0]
     if done:
         raise UserError(f"convert_to_cse: layers {done} are CSE layers already")
@@ -65,7 +77,8 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         fit = fit_router(embeddings[i].float().cpu().numpy(), rule=rule, representation=representation,
                          proj_dim=sparse.proj_dim, min_cluster_size=min_cluster_size, min_samples=min_samples,
                          eps=eps_i, percentile=percentile, selection=selection, max_experts=max_experts,
-                         seed=seed + i, on_no_cluster=on_no_cluster)
+                         seed=seed + i, on_no_cluster=on_no_cluster,
+                         n_clusters=None if n_clusters is None else n_clusters[i])
         dense = model.sparse_module(i)
         weight = next(dense.parameters())
         as_t = lambda a: torch.as_tensor(a, device=weight.device, dtype=weight.dtype)  # noqa: E731

@@ -75,6 +75,7 @@ class CSEConfig:
     selection: str = "eom"
     on_no_cluster: str = "single"
     shuffled: bool = False  # the cse-shuffled control: CSE's fit and counts, routed by a hash of the tokens
+    n_clusters: list | None = None  # each sparse layer's experts fixed (fit_router's n_clusters); None: the rule's
 
     def __post_init__(self):
         if not (self.warmup_steps is None or self.warmup_steps == "auto" or (
@@ -85,6 +86,10 @@ class CSEConfig:
         _positive("cse.n_samples", self.n_samples)
         if not isinstance(self.shuffled, bool):
             raise UserError(f"TrainConfig: cse.shuffled must be true or false (got {self.shuffled!r})")
+        if self.n_clusters is not None and (not isinstance(self.n_clusters, (list, tuple)) or not self.n_clusters or any(
+                isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.n_clusters)):
+            raise UserError(f"TrainConfig: cse.n_clusters must be null or one positive count per sparse layer (got "
+                            f"{self.n_clusters!r})")
 
     def router_options(self) -> dict:
         """The fields :func:`~cse_models.cse.convert_to_cse` takes."""

@@ -81,7 +81,8 @@ class ArmSpec:
     "gc-peak", "late" or steps; none for the trunk), ``layers`` (default the trunk's),
     ``mean_rate`` (CSE drift handling), ``shuffled`` (cse-shuffled), ``fair`` (the
     function-preserving Switch with a CSE arm's counts), ``what`` (a line for the tables),
-    ``seeds`` (default: every trunk's)."""
+    ``seeds`` (default: every trunk's), ``counts_from`` (CSE: each layer's expert count fixed to
+    what CSE's fit makes at that trunk step, apart from the representation at ``at``)."""
 
     name: str
     kind: str
@@ -92,6 +93,7 @@ class ArmSpec:
     fair: bool = False
     what: str = ""
     seeds: tuple = ()
+    counts_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -286,7 +288,12 @@ def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSetti
                   mean_rate=c.number(data, "mean_rate", low=0.0, high=1.0, default=0.0, where=where),
                   shuffled=c.flag(data, "shuffled", where=where), fair=c.flag(data, "fair", where=where),
                   what=c.text(data, "what", default="", where=where),
-                  seeds=tuple(c.ints(data, "seeds", minimum=0, default=[], where=where)))
+                  seeds=tuple(c.ints(data, "seeds", minimum=0, default=[], where=where)),
+                  counts_from=c.int(data, "counts_from", minimum=1, maximum=settings.steps - 1, default=None,
+                                    where=where))
+    if arm.counts_from is not None and (kind != "cse" or arm.counts_from % settings.checkpoint_every):
+        raise SpecError(c.source, f"{where}counts_from", f"applies to kind 'cse' only, and must be a step the trunk "
+                        f"keeps (a multiple of checkpoint_every, {settings.checkpoint_every})", arm.counts_from)
     if arm.shuffled and kind != "cse":
         raise SpecError(c.source, f"{where}shuffled", "applies to kind 'cse' only", kind)
     if arm.fair and kind != "switch":

@@ -44,7 +44,7 @@ def _expanded(spec: Spec) -> list[tuple[Arm, tuple]]:
     each of the spec's arms (an arm of several steps becomes ``NAME-atSTEP``; an arm of one
     step keeps its name)."""
     return [(Arm(a.name if len(a.at) <= 1 else f"{a.name}-at{at}", a.kind, at, a.mean_rate, a.what, a.shuffled,
-                 a.fair, tuple(a.layers)), a.seeds or spec.seeds)
+                 a.fair, tuple(a.layers), a.counts_from), a.seeds or spec.seeds)
             for a in spec.arms for at in a.at or (None,)]
 
 
@@ -105,6 +105,8 @@ def _sweep_units(spec: Spec) -> list:
         for seed in seeds_of[arm.name]:
             what = {"kind": "arm", **dataclasses.asdict(arm), "layers": list(arm.layers or t.layers)}
             del what["what"]  # the tables' line: not what the unit computes
+            if arm.counts_from is None:  # the key of every arm before counts_from existed
+                del what["counts_from"]
             what["at"] = {"gc-peak": t.gc_peak_step, "late": spec.settings.steps // 2}.get(arm.at, arm.at)
             if arm.kind == "null":
                 what["null_order"] = t.null_order

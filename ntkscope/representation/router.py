@@ -118,12 +118,16 @@ def cluster_labels(Z, *, rule: str = "hdbscan", min_cluster_size: int = 15, min_
 def fit_router(embeddings, *, rule: str = "hdbscan", representation: str = "centred-cosine", proj_dim: int = 128,
                min_cluster_size: int = 15, min_samples: int = 5, eps: float | None = None, percentile: float = 10.0,
                selection: str = "eom", max_experts: int | None = 8, seed: int = 0,
-               on_no_cluster: str = "single") -> RouterFit:
+               on_no_cluster: str = "single", n_clusters: int | None = None) -> RouterFit:
     """Cluster sequence embeddings (N, d) in the routing space -> a :class:`RouterFit`.
 
     ``eps`` (DBSCAN rules) overrides the automatic one. ``selection``: HDBSCAN's cluster
     selection, "eom" or "leaf". ``max_experts`` keeps the largest clusters (their other
-    members become noise).
+    members become noise). ``n_clusters`` (HDBSCAN; an expert count fixed apart from the
+    representation, e.g. another step's): exactly that many, the largest of HDBSCAN's clusters
+    when it finds more; when it finds fewer, it is refitted with leaf selection and
+    ``min_cluster_size`` halved (to 2 at least) until it finds enough, and refused when even
+    that does not (``max_experts`` does not apply).
     """
     x = check_embeddings(embeddings)
     check_choice("rule", rule, RULES)
@@ -138,6 +142,12 @@ def fit_router(embeddings, *, rule: str = "hdbscan", representation: str = "cent
         raise InputError("eps", "must be positive or None", eps)
     if eps is not None and rule == "hdbscan":
         raise InputError("eps", "applies to the DBSCAN rules only; rule is 'hdbscan'", eps)
+    if n_clusters is not None:
+        check_positive_int("n_clusters", n_clusters)
+        if rule != "hdbscan":
+            raise InputError("n_clusters", f"applies to rule 'hdbscan' only; rule is {rule!r}", n_clusters)
+        if n_clusters > len(x):
+            raise InputError("n_clusters", f"must be at most the {len(x)} embeddings", n_clusters)
     d = x.shape[1]
     mean = x.mean(axis=0) if representation != "raw" else np.zeros(d)
     M = projection_matrix(d, proj_dim, seed=seed) if proj_dim < d else np.eye(d)  # (d', d)
@@ -147,6 +157,19 @@ def fit_router(embeddings, *, rule: str = "hdbscan", representation: str = "cent
                                       min_samples=min(min_samples, len(z) - 1), eps=eps, percentile=percentile,
                                       selection=selection)
     clusters = sorted((c for c in set(labels.tolist()) if c >= 0), key=lambda c: (-(labels == c).sum(), c))
+    size = min(min_cluster_size, len(z))
+    while n_clusters is not None and len(clusters) < n_clusters:  # finer clusters until there are enough
+        if size <= 2 and selection == "leaf":
+            raise InputError("n_clusters", f"is more clusters than HDBSCAN finds among {len(z)} embeddings even at "
+                             f"leaf selection and min_cluster_size 2 (it finds {len(clusters)})", n_clusters)
+        size, selection = max(2, size // 2) if selection == "leaf" else size, "leaf"
+        labels, _ = cluster_labels(z, rule=rule, min_cluster_size=size, min_samples=min(min_samples, size, len(z) - 1),
+                                   selection=selection)
+        clusters = sorted((c for c in set(labels.tolist()) if c >= 0), key=lambda c: (-(labels == c).sum(), c))
+    if n_clusters is not None:
+        log.info("fit_router: %d experts fixed: the largest %d of %d clusters (min_cluster_size %d, %s selection)",
+                 n_clusters, n_clusters, len(clusters), size, selection)
+        clusters, max_experts = clusters[:n_clusters], None
     fallback = False
     if not clusters:
         message = (f"fit_router: {rule} found no cluster among {len(z)} embeddings ({representation}, "

@@ -97,7 +97,9 @@ class Arm:
     routed by a hash of each sequence in its clusters' proportions (``cse-shuffled``); fair:
     Switch upcycled with the count at each layer of the CSE arm converted at the same step, so
     that the function is unchanged at conversion (else the classic control: softmax gate, the
-    largest CSE count at every layer); what: a line for the tables."""
+    largest CSE count at every layer); what: a line for the tables; counts_from: CSE with each
+    layer's expert count fixed to what CSE's fit makes at that trunk step (the count apart from
+    the representation at ``at``)."""
 
     name: str
     kind: str
@@ -107,6 +109,7 @@ class Arm:
     shuffled: bool = False
     fair: bool = False
     layers: tuple = ()
+    counts_from: int | None = None
 
 
 class Sweep:
@@ -300,8 +303,12 @@ class Sweep:
             return training.train_dense(s, out, pack, seed=seed, checkpoints=(self.gc_peak_step,)), None
         at, every = self.warmup(arm, seed), 4 * s.checkpoint_every  # a killed unit resumes from its last 400 steps
         if arm.kind == "cse":
+            counts = None if arm.counts_from is None else self._cse_counts(seed, arm, arm.counts_from)
+            if counts is not None:
+                log.info("sweep: %s seed %d converts at %d with the experts of step %d: %s", arm.name, seed, at,
+                         arm.counts_from, counts)
             return training.train_cse(s, out, pack, trunk, layers, at, seed, mean_rate=arm.mean_rate,
-                                      checkpoint_every=every, shuffled=arm.shuffled), at
+                                      checkpoint_every=every, shuffled=arm.shuffled, n_clusters=counts), at
         if arm.kind == "null":
             return training.train_continued(s, out, pack, trunk, at, seed + self.null_order, checkpoint_every=every), at
         if arm.kind == "switch" and arm.fair:  # the same step's CSE count at each layer, the function unchanged
@@ -365,12 +372,14 @@ class Sweep:
         return path
 
     def _cse_counts(self, seed: int, arm: Arm, at: int) -> list:
-        """The experts at each of ``arm``'s layers of this seed's CSE arm converted at the same step
-        (the first plain one: no drift handling, not shuffled; its conversion's counts), or those
-        its router would fit at step ``at`` when it has not converted yet."""
+        """The experts at each of ``arm``'s layers of this seed's CSE arm converted at step ``at``
+        (``arm``'s own step, or its ``counts_from``; the first plain one: no drift handling, not
+        shuffled, its count not fixed; its conversion's counts), or those its router would fit at
+        step ``at`` when it has not converted yet."""
         layers = self.arm_layers(arm)
-        source = next((o for o in self.arms if o.kind == "cse" and o.at == arm.at and not o.shuffled
-                       and not o.mean_rate and self.arm_layers(o) == layers), None)
+        step = arm.at if arm.counts_from is None else arm.counts_from
+        source = next((o for o in self.arms if o.kind == "cse" and o.at == step and not o.shuffled
+                       and not o.mean_rate and o.counts_from is None and self.arm_layers(o) == layers), None)
         folder = self.model_dir(source.name, seed) if source is not None else None
         for _, path in list_checkpoints(folder) if folder is not None and (folder / "checkpoints").is_dir() else []:
             sparse = json.loads((path / "config.json").read_text()).get("sparse") or {}
@@ -390,7 +399,8 @@ class Sweep:
             return None
         for other in self.arms:
             if (other.name != arm.name and other.kind == arm.kind and other.mean_rate == arm.mean_rate
-                    and other.shuffled == arm.shuffled and self.arm_layers(other) == self.arm_layers(arm)
+                    and other.shuffled == arm.shuffled and other.counts_from == arm.counts_from
+                    and self.arm_layers(other) == self.arm_layers(arm)
                     and self.done(other.name, seed) and (other.at == arm.at or (
                         self.ready(other, seed) and self.ready(arm, seed)
                         and self.warmup(other, seed) == self.warmup(arm, seed)))):

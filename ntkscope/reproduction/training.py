@@ -180,19 +180,20 @@ def train_demix(settings: ReproduceSettings, out_dir: Path, pack: str | None, de
 def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
               warmup: int, seed: int | None = None, stop_at: int | None = None, base: dict | None = None,
               module: str = "ffn", mean_rate: float = 0.0, checkpoint_every: int | None = None,
-              shuffled: bool = False) -> Path:
+              shuffled: bool = False, n_clusters: list | None = None) -> Path:
     """CSE on ``module`` ("ffn": MoF, "attn": MoA) at ``layers``: from the dense run at
     ``warmup``; the router is fitted there on ``cse_samples`` training blocks
     (:func:`ntkscope.fit_router` with the settings' rule and representation) and training goes on.
     ``mean_rate``: the router's drift handling (:class:`cse_models.config.SparseConfig`; 0:
     Algorithm 1 as written). ``shuffled``: the cse-shuffled control (routed by a hash of each
-    sequence in the clusters' proportions, :func:`cse_models.cse.convert_to_cse`)."""
+    sequence in the clusters' proportions, :func:`cse_models.cse.convert_to_cse`). ``n_clusters``:
+    each layer's expert count fixed (e.g. another step's), the rest of the fit as usual."""
     sparse = {"kind": "cse", "module": module, "layers": list(layers), "n_experts": [0] * len(layers),
               "proj_dim": settings.proj_dim, "router_format": 2, "mean_rate": float(mean_rate)}
     cse = {"warmup_steps": int(warmup), "n_samples": settings.cse_samples, "rule": settings.router_rule,
            "representation": settings.router_representation, "min_cluster_size": settings.min_cluster_size,
            "min_samples": settings.min_samples, "max_experts": settings.max_experts, "on_no_cluster": "single",
-           **({"shuffled": True} if shuffled else {})}
+           **({"shuffled": True} if shuffled else {}), **({"n_clusters": list(n_clusters)} if n_clusters else {})}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
                    stop_at, base, checkpoint_every, cse=cse)
 
