@@ -124,14 +124,14 @@ def child_module(obj: nn.Module, dotted: str) -> nn.Module:
     return obj
 
 
-def check_layout(model: nn.Module, layout: Layout) -> None:
-    """Refuse ``layout`` unless every path it names is a child module of ``model`` (blocks) or of
-    each block (ffn, attn, ffn_out), before anything is replaced."""
+def check_layout(model: nn.Module, layout: Layout, *, attention: bool = False) -> None:
+    """Refuse ``layout`` unless every path it uses is a child module of ``model`` (blocks) or of
+    each block (ffn and ffn_out; attn with ``attention``, MoA), before anything is replaced."""
     blocks = child_module(model, layout.blocks)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or not len(blocks):
         raise UserError(f"Layout: blocks {layout.blocks!r} must name a list of blocks (got a {type(blocks).__name__})")
     for block in blocks:
-        for path in (layout.ffn, layout.attn, layout.ffn_out):
+        for path in (layout.ffn, layout.attn if attention else None, layout.ffn_out):
             if path is not None:
                 child_module(block, path)
 
@@ -249,7 +249,7 @@ class SparseHF(SparseRouting, nn.Module):
                             "add one Layout to cse_models.hf.LAYOUTS")
         if isinstance(sparse, dict):  # a copy: conversion fills in n_experts, never the caller's lists
             sparse = SparseConfig(**copy.deepcopy(sparse))
-        check_layout(hf_model, layout)
+        check_layout(hf_model, layout, attention=sparse is not None and getattr(sparse, "module", None) == "attn")
         self.hf = hf_model
         self.config = HFSparseConfig(hf_model.config, layout, sparse, masked=is_masked_lm(hf_model))
         if sparse is not None:

@@ -285,17 +285,18 @@ def test_every_shipped_spec_reads_and_expands():
     """The shipped specs: the sweep's 28 units (cse-gc-drift at seed 0 only, as it ran), the
     tables' rows, the warm-up map's 84 units (5 trunks, a plan per trunk for the structure rule,
     the arms), its second mix's 14, the controls re-run on re-made trunks (13) and the medium-scale
-    hint's 12 (2 trunks, 5 arms each) and the calibration's one dense model; the device is not part
-    of a unit's key."""
+    hint's 12 (2 trunks, 5 arms each), the count question's 15 (3 trunks, CSE at 300 and 1200 with
+    its own and the other step's counts) and the calibration's one dense model; the device is not
+    part of a unit's key."""
     import dataclasses
 
     from ntkscope.experiments import shipped
 
     counts = {name: len(units(load_spec(name), "v")) for name in shipped()}
     assert counts == {"sweep": 28, "tables": 54, "tables-late": 27, "warmup-map": 84, "warmup-map-mix": 14,
-                      "warmup-map-b": 13, "warmup-map-scale": 12, "tail-dense": 1}
+                      "warmup-map-b": 13, "warmup-map-scale": 12, "warmup-map-count": 15, "tail-dense": 1}
     spec = load_spec("sweep")
     on_gpu = dataclasses.replace(spec, settings=spec.settings.replace(device="cuda"))
     assert [u.key for u in units(spec, "v")] == [u.key for u in units(on_gpu, "v")]
     proc = subprocess.run([sys.executable, "-m", "ntkscope", "experiment", "specs"], capture_output=True, text=True)
-    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 8 and "warmup-map-scale" in proc.stdout
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 9 and "warmup-map-count" in proc.stdout

@@ -178,3 +178,42 @@ def test_thin_pack_halves_the_tail_in_train_only(tmp_path):
     assert 0.03 < out.manifest["share_measured_train"] < 0.04
     with pytest.raises(ValueError, match="thin_pack.*keep.*clinical"):
         thin_pack(tmp_path / "bad", {"clinical": 0.5})
+
+
+def test_the_count_question_is_judged_against_its_registered_margin():
+    from ntkscope.reproduction.map_tables import count_verdicts
+
+    rows = []
+    for seed, (e, l, el, le) in enumerate([(0.0, -0.10, -0.05, -0.02), (0.01, -0.09, -0.06, -0.03),
+                                           (-0.01, -0.08, -0.03, 0.02)]):
+        rows += [("cse", 300, seed, e), ("cse", 1200, seed, l), ("cse-at300-k1200", 300, seed, el),
+                 ("cse-at1200-k300", 1200, seed, le)]
+    table = pd.DataFrame([{"arm": a, "step": st, "seed": s, "trunks": "", "domain": "tail", "gain": g}
+                          for a, st, s, g in rows])
+    found = count_verdicts(table, [0, 1, 2], 0.04)
+    late, early = found["count_matters_late"], found["count_brings_gain_early"]
+    assert late["per_seed"] == pytest.approx({"0": 0.08, "1": 0.06, "2": 0.10})  # fewer experts lose the gain
+    assert late["verdict"] == "shown" and late["share_of_late_gain"] == pytest.approx(0.08 / 0.09)
+    assert early["per_seed"] == pytest.approx({"0": -0.05, "1": -0.07, "2": -0.02})
+    assert early["verdict"] == "shown" and early["share_of_late_gain"] == pytest.approx((-0.14 / 3) / (-0.27 / 3))
+    assert count_verdicts(table, [0, 1, 2], 0.09)["count_matters_late"]["verdict"] == "not shown"
+    assert count_verdicts(table[table["seed"] < 2], [0, 1, 2], 0.04)["count_matters_late"]["verdict"] == "not decided"
+
+
+def test_the_committed_count_question_is_its_committed_results(tmp_path):
+    from ntkscope.experiments import load_spec
+    from ntkscope.experiments.map import COUNT_MARGIN, summarise_map
+
+    folder = ROOT / "figures" / "warmup-map" / "count"
+    found = summarise_map([folder], tmp_path, load_spec("warmup-map-count"))
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "tables" / "gains.csv"),
+                                  pd.read_csv(folder / "tables" / "gains.csv"))
+    assert found == json.loads((folder / "tables" / "verdicts.json").read_text())
+    # the margin is the one CRITERIA.md registered: sqrt(2) x the map's null spread, as committed before
+    assert COUNT_MARGIN == pytest.approx(math.sqrt(2) * 0.029397706446627314, abs=5e-5)
+    assert "0.0416" in (folder / "CRITERIA.md").read_text()
+    experts = pd.read_csv(folder / "tables" / "experts.csv").set_index(["arm", "seed", "layer"])["experts"]
+    for seed in (0, 1, 2):  # each fixed count is the other step's own
+        for layer in (2, 3):
+            assert experts[("cse-at1200-k300", seed, layer)] == experts[("cse-at300", seed, layer)]
+            assert experts[("cse-at300-k1200", seed, layer)] == experts[("cse-at1200", seed, layer)]

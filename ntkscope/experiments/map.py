@@ -15,7 +15,12 @@ from ntkscope.experiments.spec import Spec
 from ntkscope.experiments.units import make_sweep, units
 from ntkscope.plotting import save_figure
 from ntkscope.reproduction.map_figures import map_controls, map_curve, trunk_curves
-from ntkscope.reproduction.map_tables import gains, read_results, verdicts
+from ntkscope.reproduction.map_tables import count_verdicts, gains, read_results, verdicts
+
+
+#: the count question's margin, registered before its units ran (figures/warmup-map/count/CRITERIA.md):
+#: sqrt(2) x the warm-up map's null spread at step 1200, in log perplexity
+COUNT_MARGIN = 0.0416
 
 
 def trunks_label(run: Path) -> str:
@@ -48,6 +53,8 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
         for p in sorted((run / "plans").glob("seed*.json")):
             plans[int(p.stem.removeprefix("seed"))] = {**json.loads(p.read_text()), "trunks": trunks_label(run)}
     found = verdicts(table, spec.seeds, plans=plans)
+    if any(a.counts_from is not None for a in spec.arms):  # the count question (its own registered margin)
+        found["count"] = count_verdicts(table, spec.seeds, COUNT_MARGIN)
     planned = {u.name for u in units(spec, "")}
     done = taken | {f"plan-seed{s}" for s in plans}
     found["units"] = {"spec": spec.name, "planned": len(planned), "done": len(planned & done)}

@@ -264,6 +264,46 @@ def _warmup_map(t: Tables) -> dict:
     out.update(_flicker(t.folder))
     out.update(_curves(t.folder))
     out.update(_scale(t.folder / "scale"))
+    out.update(_count(t.folder / "count"))
+    return out
+
+
+def _count(folder) -> dict:
+    """The count question (figures/warmup-map/count): CSE at 300 and 1200 with its own fit and
+    with the other step's expert counts, 3 seeds; its registered verdicts, and how far its CSE
+    re-runs are from the map's same units."""
+    path = folder / "tables" / "verdicts.json"
+    if not path.is_file():
+        return {}
+    count = json.loads(path.read_text())["count"]
+    gains = pd.read_csv(folder / "tables" / "gains.csv")
+    tail = gains[gains["domain"] == "tail"]
+    rows = ["| seed | experts at 300 (own) | at 1200 (own) | CSE at 300 | at 300, 1200's count | CSE at 1200 | "
+            "at 1200, 300's count |", "|---|---|---|---|---|---|---|"]
+    trained = pd.read_csv(folder / "tables" / "experts.csv")
+
+    def experts(arm, seed):  # the experts the unit trained with, layer by layer
+        part = trained[(trained["arm"] == arm) & (trained["seed"] == seed)].sort_values("layer")
+        return "/".join(str(int(k)) for k in part["experts"]) or "—"
+
+    for seed in count["seeds"]:
+        cell = lambda arm, step: _pct(tail[(tail["arm"] == arm) & (tail["step"] == step)  # noqa: E731
+                                           & (tail["seed"] == seed)]["gain"].iloc[0])
+        rows.append(f"| {seed} | {experts('cse-at300', seed)} | {experts('cse-at1200', seed)} | {cell('cse', 300)} | "
+                    f"{cell('cse-at300-k1200', 300)} | {cell('cse', 1200)} | {cell('cse-at1200-k300', 1200)} |")
+    out = {"map.count.table": "\n".join(rows), "map.count.margin": f"±{_pct(count['margin'])[1:]}"}
+    for name in ("count_matters_late", "count_brings_gain_early"):
+        v = count[name]
+        out[f"map.count.{name}"] = (f"{v['verdict']} (3 seeds, a hint): {_pct(v['mean'])} on average, on the same "
+                                    f"side in {v['same_side']} of {len(v['per_seed'])} seeds, "
+                                    f"{100 * v.get('share_of_late_gain', float('nan')):.0f} % of CSE's step-1200 gain")
+        out[f"map.count.{name}.share"] = f"{100 * v.get('share_of_late_gain', float('nan')):.0f} %"
+    mine = tail[tail["arm"] == "cse"].set_index(["step", "seed"])["gain"]
+    theirs = pd.read_csv(folder.parent / "tables" / "gains.csv")
+    theirs = theirs[(theirs["arm"] == "cse") & (theirs["domain"] == "tail")].set_index(["step", "seed"])["gain"]
+    both = mine.index.intersection(theirs.index)
+    if len(both):
+        out["map.count.rerun_max"] = f"{float((mine[both] - theirs[both]).abs().max()):.1e}".replace("e-0", " × 10^-")
     return out
 
 

@@ -232,3 +232,37 @@ def read_results(run_dir) -> dict:
     folder = Path(run_dir) / "results"
     return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
 
+
+
+def count_verdicts(table: pd.DataFrame, seeds, margin: float, *, early: int = 300, late: int = 1200) -> dict:
+    """The count question's verdicts (figures/warmup-map/count/CRITERIA.md) from a :func:`gains`
+    table holding CSE at ``early`` and ``late`` with its own fit (arm ``cse``) and with the other
+    step's counts (``cse-atLATE-kEARLY``, ``cse-atEARLY-kLATE``): d1 = gain with the early counts
+    at the late step minus CSE's own there, d2 = gain with the late counts at the early step minus
+    CSE's own there, paired by seed; each judged against ``margin`` (the registered delta) with
+    2 of 3 seeds on the same side."""
+    tail = table[(table["domain"] == "tail") & table["seed"].isin(list(seeds))]
+
+    def at(arm, step):
+        return tail[(tail["arm"] == arm) & (tail["step"] == step)].set_index("seed")["gain"]
+
+    own_early, own_late = at("cse", early), at("cse", late)
+    d1 = (at(f"cse-at{late}-k{early}", late) - own_late).dropna()
+    d2 = (at(f"cse-at{early}-k{late}", early) - own_early).dropna()
+    need = math.ceil(2 * len(list(seeds)) / 3)
+    out = {"seeds": list(seeds), "margin": margin, "needs": f"{need} of {len(list(seeds))} seeds"}
+    for name, diff, sign, what in (("count_matters_late", d1, 1, f"fewer experts (step {early}'s) at step {late}"),
+                                   ("count_brings_gain_early", d2, -1, f"more experts (step {late}'s) at step {early}")):
+        entry = {"what": what, "per_seed": {str(int(k)): float(v) for k, v in diff.items()},
+                 "mean": float(diff.mean()) if len(diff) else None, "same_side": int((sign * diff > 0).sum())}
+        if len(diff) < len(list(seeds)):
+            entry["verdict"] = "not decided"
+        else:
+            entry["verdict"] = "shown" if entry["same_side"] >= need and sign * entry["mean"] > margin else "not shown"
+        out[name] = entry
+    gap = (own_late - own_early).dropna()
+    if len(d2) and len(gap) and gap.mean() < 0:
+        out["count_brings_gain_early"]["share_of_late_gain"] = float(d2.mean() / gap.mean())
+    if len(d1) and len(own_late) and own_late.mean() < 0:
+        out["count_matters_late"]["share_of_late_gain"] = float(d1.mean() / -own_late.mean())
+    return out

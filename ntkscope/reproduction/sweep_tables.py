@@ -9,6 +9,7 @@
 - ``load.csv``: per CSE arm, seed, 50-step window after conversion, layer and expert: the
   training sequences the expert received, in all and per domain (``metrics.jsonl``).
 - ``routing.csv``: per CSE arm, seed, layer and expert, the test blocks it receives by domain.
+- ``experts.csv``: per sparse arm, seed and layer, the experts it trained with.
 - ``curves.csv``: per arm (the trunk ``dense`` included), seed, step and domain, the validation
   loss and perplexity its training logged (``validation.csv``, every ``eval_every`` steps:
   :mod:`cse_models.validation`) and the step's learning rate; units trained without the log
@@ -164,6 +165,21 @@ def curves(run_dir: Path) -> pd.DataFrame:
         ["arm", "seed", "step", "domain"], kind="stable", ignore_index=True)
 
 
+def expert_counts(run_dir: Path) -> pd.DataFrame:
+    """``experts.csv``: per sparse arm, seed and layer, the experts it trained with (the routing
+    load of its last logged step, ``metrics.jsonl``; the test blocks may reach fewer)."""
+    rows = []
+    for path in sorted(Path(run_dir).glob("models/*-seed*/metrics.jsonl")):
+        arm, _, seed = path.parent.name.rpartition("-seed")
+        load = None
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            load = record.get("load") or load
+        for layer, counts in (load or {}).items():
+            rows.append({"arm": arm, "seed": int(seed), "layer": _block_index(layer), "experts": len(counts)})
+    return pd.DataFrame(rows, columns=["arm", "seed", "layer", "experts"])
+
+
 def verdict(pairs: pd.DataFrame, load: pd.DataFrame, n_seeds: int, criteria: Criteria = Criteria()) -> dict:
     """The pre-registered ``criteria`` (figures/sweep/README.md), evaluated on what finished."""
     out, c = {}, criteria
@@ -210,7 +226,7 @@ def _block_index(layer) -> int:
 
 
 def summarise(sweep, *, earlier_load: Path | None = None, criteria: Criteria = Criteria()) -> dict:
-    """Write RUN/tables (arms, paired, load, routing, curves CSVs; verdict.json) and return the verdict.
+    """Write RUN/tables (arms, paired, load, routing, curves, experts CSVs; verdict.json) and return the verdict.
     ``earlier_load``: a load.csv of units whose training logs are no longer in RUN (a run directory
     lost and resumed elsewhere): its rows are kept for the units RUN does not log."""
     tables = sweep.run_dir / "tables"
@@ -226,7 +242,7 @@ def summarise(sweep, *, earlier_load: Path | None = None, criteria: Criteria = C
     if len(load):  # one name per layer: its block index (training logs name the module, transformer.h.2.mlp)
         load["layer"] = [_block_index(v) for v in load["layer"]]
     for name, frame in (("arms", arms), ("paired", pairs), ("load", load), ("routing", routing(sweep)),
-                        ("curves", curves(sweep.run_dir))):
+                        ("curves", curves(sweep.run_dir)), ("experts", expert_counts(sweep.run_dir))):
         write_text(tables / f"{name}.csv", frame.to_csv(index=False))
     result = verdict(pairs, load, len(sweep.seeds), criteria)
     write_json(tables / "verdict.json", result)
