@@ -236,3 +236,37 @@ def test_in_run_gc_in_a_trainer_needs_the_label_column():
         GCCallback(InRunTracker()).on_train_begin(args, None, None, model=model)
     with pytest.raises(ValueError, match="GCCallback: names must be a list of label names"):
         GCCallback(InRunTracker(), names="ab")
+
+
+def test_a_batch_of_one_group_has_no_row_and_is_counted(tmp_path, caplog):
+    """W5 (issue 59): one label in a batch is the whole batch, whose GC is 1 by construction."""
+    import logging
+
+    from ntkscope.gc.inrun import InRunTracker
+
+    model = _model("gpt2")
+    batch = _batch()
+    tracker = InRunTracker(model, out=tmp_path / "inrun")
+    for step, labels in enumerate([["general"] * 8, ["general"] * 4 + ["legal"] * 4, ["legal"] * 8], start=1):
+        model.zero_grad()
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+        found = tracker.step(model, step, labels)
+        assert (found == []) == (len(set(labels)) == 1)
+    with caplog.at_level(logging.WARNING):
+        tracker.close()
+    frame = tracker.frame
+    assert set(frame["step"]) == {2} and not (frame["gc"] == 1.0).any()
+    assert (tracker.measured, tracker.one_group) == (3, 2) and "2 of 3 measured steps" in caplog.text
+    inrun = InRunGC(model)
+    with inrun:
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+        with pytest.raises(ValueError, match="labels must hold two or more groups: one group is the whole batch"):
+            inrun.gc(["general"] * 8)
+
+
+def test_an_in_run_tracker_writing_into_a_file_is_refused_when_made(tmp_path):
+    from ntkscope.gc.inrun import InRunTracker
+
+    (tmp_path / "taken").write_text("x")
+    with pytest.raises(ValueError, match=r"InRunTracker: out must be a directory \(it exists and is not one\)"):
+        InRunTracker(out=tmp_path / "taken")

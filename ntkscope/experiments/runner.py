@@ -77,7 +77,7 @@ def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> di
         return {"status": "held"}
     try:
         state = read_state(run_dir, unit.name)
-        if is_done(state, unit):
+        if is_done(state, unit, run_dir):
             return {"status": "done"}
         if state and state.get("key") != unit.key:
             _move_aside(spec, run_dir, unit, state["key"])
@@ -101,7 +101,12 @@ def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> di
 
 
 def _move_aside(spec: Spec, run_dir: Path, unit: Unit, old_key: str) -> None:
-    stale = run_dir / "stale" / f"{unit.name}-{old_key}"
+    """The outputs ``unit`` made under ``old_key`` into a new folder RUN/stale/NAME-KEY (then
+    NAME-KEY-2, ...: a folder moved aside before is never written into)."""
+    stale, n = run_dir / "stale" / f"{unit.name}-{old_key}", 1
+    while stale.exists():
+        n += 1
+        stale = run_dir / "stale" / f"{unit.name}-{old_key}-{n}"
     for path in outputs(spec, run_dir, unit):
         if path.exists():
             stale.mkdir(parents=True, exist_ok=True)
@@ -216,7 +221,7 @@ def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int
     pool = make_executor(executor, run_dir, slurm or spec.slurm)
     tries, failed, inflight, held_until = {}, {}, {}, {}
     while True:
-        done = {u.name for u in todo if is_done(read_state(run_dir, u.name), u)}
+        done = {u.name for u in todo if is_done(read_state(run_dir, u.name), u, run_dir)}
         for name, handle in list(inflight.items()):
             if not handle.done():
                 continue
@@ -247,7 +252,7 @@ def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int
             break  # nothing runs and nothing can start (cannot happen while a need is unfinished)
         time.sleep(poll)
         held_until = {n: t for n, t in held_until.items() if n not in done}
-    done = tuple(u.name for u in todo if is_done(read_state(run_dir, u.name), u))
+    done = tuple(u.name for u in todo if is_done(read_state(run_dir, u.name), u, run_dir))
     tables = summarise_experiment(spec, run_dir, pack=pack) if done else None
     return Outcome(done, failed, tuple(sorted(_blocked(todo, failed))), tables, len(done) < len(todo))
 
@@ -269,7 +274,8 @@ def summarise_experiment(spec: Spec, run_dir, *, pack=None) -> dict:
     run_dir = Path(run_dir)
     experiment = read_json_object(run_dir / "experiment.json", "summarise_experiment")
     missing = [u["name"] for u in experiment["units"]
-               if not is_done(read_state(run_dir, u["name"]), Unit(u["name"], u["seed"], u["what"], key=u["key"]))]
+               if not is_done(read_state(run_dir, u["name"]), Unit(u["name"], u["seed"], u["what"], key=u["key"]),
+                              run_dir)]
     if spec.kind == "sweep":
         from ntkscope.reproduction.sweep_tables import summarise
 
@@ -293,8 +299,8 @@ def summarise_experiment(spec: Spec, run_dir, *, pack=None) -> dict:
 
 def status(run_dir) -> pd.DataFrame:
     """One row per unit of the experiment in ``run_dir``: ``unit``, ``state`` (done, running,
-    failed, interrupted: its process is gone; stale: done under another spec; ready; waiting: on
-    a need), ``attempts``, ``seconds``, ``started``, ``finished`` and ``error`` (the last one)."""
+    failed, interrupted: its process is gone; stale: done under another spec; result missing: done,
+    its result file deleted since; ready; waiting: on a need), ``attempts``, ``seconds``, ``started``, ``finished`` and ``error`` (the last one)."""
     run_dir = Path(run_dir)
     path = run_dir / "experiment.json"
     if not path.is_file():
@@ -304,9 +310,12 @@ def status(run_dir) -> pd.DataFrame:
     rows, done = [], set()
     for u in experiment["units"]:
         state = read_state(run_dir, u["name"]) or {}
-        if state.get("key") == u["key"] and state.get("status") == "done":
+        unit = Unit(u["name"], u["seed"], u["what"], key=u["key"])
+        if is_done(state, unit, run_dir):
             label = "done"
             done.add(u["name"])
+        elif is_done(state, unit):
+            label = "result missing"  # its result file was deleted: the next run makes it again
         elif _held(run_dir / "locks" / f"{u['name']}.lock"):
             label = "running"
         elif state.get("status") == "failed" and state.get("key") == u["key"]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -46,6 +47,12 @@ from ntkscope.reproduction.sweep import Rule, Structure
 from ntkscope.reproduction.sweep_tables import Criteria
 
 KINDS = ("sweep", "tables")
+MAX_SEED = 2**31 - 1 - 10**6  # a seed plus the offsets units add to it (null_order) stays a 32-bit seed
+#: numeric settings that must be above 0 (every other one is at least 0); all must be finite
+POSITIVE_SETTINGS = ("steps", "checkpoint_every", "batch_size", "lr", "finetune_lr", "seq_len", "cse_samples", "n",
+                     "n_perplexity", "proj_dim", "min_cluster_size", "min_samples", "max_experts", "switch_experts",
+                     "sparse_layers", "bins", "min_count", "k_max", "projection_dim", "snapshots",
+                     "max_warmup_fraction", "tail_fraction", "seeds")
 ARM_KINDS = ("dense", "cse", "switch", "demix", "encoder", "null")
 NAMED_STEPS = ("rule", "gc-peak", "late")
 EXECUTORS = ("local", "submitit-local", "slurm", "inline")
@@ -166,7 +173,7 @@ def parse_spec(data: dict, *, source: str = "<spec>") -> Spec:
     kind = c.choice(data, "kind", KINDS, required=True)
     preset = c.choice(data, "preset", sorted(PRESETS), required=True)
     settings = c.settings(data.get("settings", {}), PRESETS[preset])
-    seeds = tuple(c.ints(data, "seeds", minimum=0, required=True))
+    seeds = tuple(c.ints(data, "seeds", minimum=0, maximum=MAX_SEED, required=True))
     if len(set(seeds)) != len(seeds):
         raise SpecError(source, "seeds", "must not repeat a seed", list(seeds))
     run = data.get("run", {})
@@ -192,15 +199,39 @@ def parse_spec(data: dict, *, source: str = "<spec>") -> Spec:
         if set(arm.seeds) - set(seeds):
             raise SpecError(source, f"arms ({arm.name}).seeds", f"must be seeds of the spec {list(seeds)} (their "
                             "trunks)", list(arm.seeds))
+    for arm in arms:
+        if len(set(arm.seeds)) != len(arm.seeds):
+            raise SpecError(source, f"arms ({arm.name}).seeds", "must not repeat a seed", list(arm.seeds))
     names = [a.name for a in arms]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise SpecError(source, "arms", "must have distinct names", repeated)
+    expanded = [a.name if len(a.at) <= 1 else f"{a.name}-at{s}" for a in arms for s in a.at or (None,)]
+    repeated = sorted({n for n in expanded if expanded.count(n) > 1})
+    if repeated:  # an arm of several steps becomes NAME-atSTEP: another arm may not be named so
+        raise SpecError(source, "arms", "must have distinct names once an arm of several steps becomes one arm per "
+                        "step (NAME-atSTEP)", repeated)
+    if "plan" in expanded:
+        raise SpecError(source, "arms", "must not name an arm 'plan' (the trunks' plan units are plan-seedK)", "plan")
     if sum(a.kind == "dense" for a in arms) != 1:
         raise SpecError(source, "arms", "must hold exactly one arm of kind 'dense' (the trunk every arm branches "
                         "from)", [a.name for a in arms if a.kind == "dense"])
     criteria = _criteria(c, data.get("criteria", {}))
+    unknown = sorted(_named_criteria(data.get("criteria", {})) - set(expanded))
+    if unknown:
+        raise SpecError(source, "criteria", f"must name arms of the spec {expanded}", unknown)
     return Spec(**common, trunk=trunk, arms=arms, criteria=criteria)
+
+
+def _named_criteria(data) -> set:
+    """The arm names a [criteria] table gives itself (not Criteria's defaults): its arms, its
+    switch and the arms of switch_for (whose controls a registered verdict may name without their
+    having run: the sweep's switch-gc, reported "not run")."""
+    if not isinstance(data, dict):
+        return set()
+    named = set(data.get("arms", [])) | ({data["switch"]} if isinstance(data.get("switch"), str) else set())
+    switch_for = data.get("switch_for", {})
+    return named | (set(switch_for) if isinstance(switch_for, dict) else set())
 
 
 def _tables(c: "_Checker", data: dict, settings: ReproduceSettings, seeds: tuple) -> dict:
@@ -241,8 +272,11 @@ def _trunk(c: "_Checker", data: dict, settings: ReproduceSettings) -> TrunkSpec:
             n_boot=c.int(given, "n_boot", minimum=0, default=d.n_boot, where=where),
             confidence=c.number(given, "confidence", low=0.0, high=1.0, default=d.confidence, where=where),
             min_structure=c.number(given, "min_structure", low=0.0, high=1.0, default=d.min_structure, where=where))
+    layers = tuple(c.ints(data, "layers", minimum=0, maximum=n_layer - 1, default=list(t.layers), where="trunk."))
+    if len(set(layers)) != len(layers):
+        raise SpecError(c.source, "trunk.layers", "must not repeat a layer", list(layers))
     return TrunkSpec(
-        layers=tuple(c.ints(data, "layers", minimum=0, maximum=n_layer - 1, default=list(t.layers), where="trunk.")),
+        layers=layers,
         gc_peak_step=c.int(data, "gc_peak_step", minimum=1, maximum=settings.steps - 1, default=t.gc_peak_step,
                            where="trunk."),
         null_order=c.int(data, "null_order", minimum=1, default=t.null_order, where="trunk."),
@@ -284,6 +318,8 @@ def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSetti
         raise SpecError(c.source, f"{where}at", "must not repeat a step", at)
     n_layer = int(settings.model.get("n_layer", 0))
     layers = tuple(c.ints(data, "layers", minimum=0, maximum=n_layer - 1, default=list(trunk.layers), where=where))
+    if len(set(layers)) != len(layers):
+        raise SpecError(c.source, f"{where}layers", "must not repeat a layer", list(layers))
     arm = ArmSpec(name=name, kind=kind, at=tuple(steps), layers=layers,
                   mean_rate=c.number(data, "mean_rate", low=0.0, high=1.0, default=0.0, where=where),
                   shuffled=c.flag(data, "shuffled", where=where), fair=c.flag(data, "fair", where=where),
@@ -410,7 +446,11 @@ class _Checker:
                 ok = isinstance(value, bool)
             elif isinstance(current, (int, float)):
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 \
-                    and (isinstance(value, int) or isinstance(current, float))
+                    and (isinstance(value, int) or isinstance(current, float)) and math.isfinite(value)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise self._bad("settings.", key, "must be a finite number", value)
+                if ok and key in POSITIVE_SETTINGS and not value > 0:
+                    raise self._bad("settings.", key, "must be above 0", value)
             elif isinstance(current, (tuple, list)):
                 ok, value = isinstance(value, list), tuple(value) if isinstance(value, list) else value
             else:
@@ -420,6 +460,10 @@ class _Checker:
             changes[key] = value
         if "model" in changes and not {"n_layer", "n_head", "n_embd"} <= set(changes["model"]):
             raise self._bad("settings.", "model", "must give n_layer, n_head and n_embd", changes["model"])
+        for key in ("n_layer", "n_head", "n_embd"):
+            size = changes.get("model", {}).get(key, 1)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise self._bad("settings.", f"model.{key}", "must be a positive integer", size)
         if changes.get("steps", base.steps) < 1 or changes.get("checkpoint_every", base.checkpoint_every) < 1:
             raise self._bad("settings.", "steps", "and checkpoint_every must be at least 1",
                             [changes.get("steps", base.steps), changes.get("checkpoint_every", base.checkpoint_every)])

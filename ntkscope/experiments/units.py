@@ -18,13 +18,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from ntkscope.core.checks import UserError
 from ntkscope.core.files import read_json_object, write_json
 from ntkscope.experiments.spec import Spec
 from ntkscope.reproduction.settings import RUN_LOCAL
 from ntkscope.reproduction.sweep import Arm
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,17 +60,36 @@ def sweep_arms(spec: Spec) -> list[Arm]:
 # ---- a unit's state: RUN/units/NAME.json ----------------------------------------------------
 
 def read_state(run_dir, name: str) -> dict | None:
+    """RUN/units/NAME.json, or None when there is none. A damaged one (not a JSON object, or
+    fields of the wrong type) counts as none, with a warning naming it: the unit runs again (its
+    training resumes from its checkpoints), and the rest of the run is not held up."""
     path = Path(run_dir) / "units" / f"{name}.json"
-    return read_json_object(path, "experiment") if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        state = read_json_object(path, "experiment")
+    except UserError as err:
+        log.warning("%s; the unit runs again", err)
+        return None
+    typed = {"key": str, "status": str, "result": str, "attempts": int}
+    wrong = [k for k, t in typed.items() if k in state and (not isinstance(state[k], t) or isinstance(state[k], bool))]
+    if wrong:
+        log.warning("experiment: %s has fields of the wrong type (%s); the unit runs again", path, wrong)
+        return None
+    return state
 
 
 def write_state(run_dir, name: str, state: dict) -> None:
     write_json(Path(run_dir) / "units" / f"{name}.json", state)
 
 
-def is_done(state: dict | None, unit: Unit) -> bool:
-    """Whether ``state`` says ``unit`` is done under its key."""
-    return bool(state) and state.get("status") == "done" and state.get("key") == unit.key
+def is_done(state: dict | None, unit: Unit, run_dir=None) -> bool:
+    """Whether ``state`` says ``unit`` is done under its key (and, given ``run_dir``, its result
+    file is still there: a deleted result makes the unit run again)."""
+    if not (bool(state) and state.get("status") == "done" and state.get("key") == unit.key):
+        return False
+    result = state.get("result")
+    return run_dir is None or not isinstance(result, str) or (Path(run_dir) / result).is_file()
 
 
 def units(spec: Spec, pack_version) -> list[Unit]:

@@ -25,6 +25,7 @@ forward adds a second use), and models that run their linear layers outside ``nn
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -40,6 +41,7 @@ from ntkscope.core.files import write_table
 from ntkscope.kernel.factors import Linear, is_conv1d, pair_kernel
 from ntkscope.kernel.uncertainty import GCResult, Resampling, kernel_gc
 
+log = logging.getLogger(__name__)
 WORK_ELEMENTS = 1 << 24  # elements a pair product's tiles may hold at once
 
 
@@ -176,6 +178,9 @@ class InRunGC:
                              labels.shape)
         groups = [(lab, np.flatnonzero(labels == lab)) for lab in sorted(set(labels.tolist()), key=str)]
         groups = [(lab, idx) for lab, idx in groups if idx.size >= max(2, min_count)]
+        if len(groups) == 1 and groups[0][1].size == K.shape[0]:  # the whole batch: GC = 1 by construction
+            raise InputError("labels", "must hold two or more groups: one group is the whole batch, whose GC "
+                             "against the batch is 1 by construction", sorted(set(labels.tolist()), key=str))
         if not groups:
             raise InputError("labels", f"has no group of at least {max(2, min_count)} samples", labels.tolist())
         found = kernel_gc(K, [idx for _, idx in groups], resampling=resampling)
@@ -218,12 +223,15 @@ class InRunTracker:
         check_positive_int("min_count", min_count)
         if out is not None and not isinstance(out, (str, os.PathLike)):
             raise InputError("out", "must be a directory path or None", type(out).__name__)
+        if out is not None and Path(out).exists() and not Path(out).is_dir():  # refused now, not after training
+            raise InputError("out", "must be a directory (it exists and is not one)", str(out))
         self.hooks, self.modules = None, modules
         self.every, self.min_count = every, min_count
         if model is not None:
             self.begin(model)
         self.out = None if out is None else Path(out)
         self.rows: list[dict] = []
+        self.measured = self.one_group = 0  # steps measured; of them, batches of one group (no row)
         self.seconds = self.train_seconds = 0.0
         self._last: float | None = None
 
@@ -260,7 +268,10 @@ class InRunTracker:
         if step % self.every == 0:
             _, counts = np.unique(np.asarray(labels, dtype=str), return_counts=True)
             results = []  # a batch with no group of min_count samples has no row (training goes on)
-            if (counts >= max(2, self.min_count)).any():
+            self.measured += 1
+            if len(counts) == 1:  # one group is the whole batch: GC = 1 by construction, never a row
+                self.one_group += 1
+            elif (counts >= max(2, self.min_count)).any():
                 results = self.hooks.gc(labels, loss_terms=loss_terms, min_count=self.min_count)
             self.rows += [{"step": int(step), **r.row()} for r in results]
         self._arm(step)
@@ -281,6 +292,9 @@ class InRunTracker:
         """Remove the hooks and write ``out/inrun.csv``."""
         if self.hooks is not None:
             self.hooks.detach()
+        if self.one_group:
+            log.warning("InRunTracker: %d of %d measured steps had a batch of one group (its GC against the batch "
+                        "is 1 by construction): no row for them", self.one_group, self.measured)
         if self.out is not None and self.rows:
             self.out.mkdir(parents=True, exist_ok=True)
             write_table(self.frame, self.out / "inrun.csv")

@@ -16,12 +16,14 @@ Arm names follow the spec: an arm of several steps is ``NAME-atSTEP``; its *fami
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from ntkscope.core.checks import UserError
+from ntkscope.core.files import read_json_object
 
 TAIL = ("legal", "biomedical")
 GAIN_COLUMNS = ["arm", "step", "seed", "trunks", "domain", "gain", "low", "high", "ppl", "ppl_dense"]
@@ -228,9 +230,23 @@ def _rule_verdicts(tail: pd.DataFrame, plans: dict) -> dict:
 
 
 def read_results(run_dir) -> dict:
-    """{unit name: result} of a run directory's finished units."""
+    """{unit name: result} of a run directory's finished units; a result that is not what a unit
+    writes (an arm, a seed, and per-block test losses and token counts of one length) is one
+    line naming its file."""
     folder = Path(run_dir) / "results"
-    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
+    out = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        result = read_json_object(path, "experiment map")
+        blocks = result.get("blocks")
+        ok = isinstance(result.get("arm"), str) and isinstance(result.get("seed"), int) and isinstance(blocks, dict) \
+            and all(isinstance(blocks.get(k), list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                             and math.isfinite(x) for x in blocks[k])
+                    for k in ("loss", "tokens")) and len(blocks["loss"]) == len(blocks["tokens"]) > 0
+        if not ok:
+            raise UserError(f"experiment map: {path} is not a unit's result (it needs arm, seed and blocks: "
+                            "{loss: [...], tokens: [...]} of finite numbers, one per test block)")
+        out[path.stem] = result
+    return out
 
 
 

@@ -54,10 +54,19 @@ def _trainer_dirs(root: Path) -> list[tuple[int, Path]]:
             step = int(match.group(1))
             try:
                 state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-                step = int(state.get("global_step", step)) if isinstance(state, dict) else step
-            except (OSError, ValueError, TypeError):
-                pass  # no (readable) trainer state: the folder's name says the step
-            found.append((step, path))
+            except (OSError, ValueError):
+                state = None  # no (readable) trainer state: the folder's name says the step
+            said = state.get("global_step", step) if isinstance(state, dict) else step
+            if isinstance(said, bool) or not isinstance(said, int) or said < 0:
+                raise UserError(f"list_checkpoints: {path / 'trainer_state.json'}: global_step must be a step, an "
+                                f"integer >= 0 (got {said!r})")
+            found.append((said, path))
+    steps = [s for s, _ in found]
+    same = sorted({s for s in steps if steps.count(s) > 1})
+    if same:
+        folders = sorted(p.name for s, p in found if s == same[0])
+        raise UserError(f"list_checkpoints: {root} holds {len(folders)} checkpoints of step {same[0]} "
+                        f"({', '.join(folders)}, by their trainer_state.json's global_step); keep one of them")
     return sorted(found)
 
 

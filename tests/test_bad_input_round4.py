@@ -1,0 +1,137 @@
+"""Bad input, round four (issue 59): the experiment runner's silent wrong results and losses (W1-W3,
+D1), the spec values that passed the check, damaged unit records and results."""
+
+import json
+import logging
+
+import pytest
+
+from ntkscope.experiments import parse_spec
+from ntkscope.experiments.spec import SpecError
+from ntkscope.experiments.units import Unit, is_done, read_state, write_state
+
+TOY = {"name": "toy", "kind": "sweep", "preset": "smoke", "seeds": [0, 1],
+       "settings": {"steps": 60, "checkpoint_every": 10},
+       "trunk": {"layers": [0, 1], "gc_peak_step": 10},
+       "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "at": [20, 40]}],
+       "criteria": {"arms": ["cse-at20"]}}
+
+
+def _spec(**changes):
+    data = json.loads(json.dumps(TOY))
+    for key, value in changes.items():
+        if key == "arm":
+            data["arms"].append(value)
+        elif isinstance(value, dict):
+            data[key] = {**data.get(key, {}), **value}
+        else:
+            data[key] = value
+    return data
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"arm": {"name": "cse-at20", "kind": "cse", "at": 30}},
+     r"arms must have distinct names once an arm of several steps becomes one arm per step .*cse-at20"),
+    ({"arm": {"name": "plan", "kind": "cse", "at": 30}}, r"arms must not name an arm 'plan'"),
+    ({"arm": {"name": "more", "kind": "cse", "at": 30, "seeds": [0, 0]}}, r"arms \(more\)\.seeds must not repeat"),
+    ({"seeds": [2**32]}, r"seeds must be in \[0, \d+\] \(got \[4294967296\]\)"),
+    ({"settings": {"lr": float("inf")}}, r"settings\.lr must be a finite number \(got Infinity\)"),
+    ({"settings": {"batch_size": 0}}, r"settings\.batch_size must be above 0 \(got 0\)"),
+    ({"settings": {"lr": 0.0}}, r"settings\.lr must be above 0"),
+    ({"settings": {"model": {"n_layer": 2, "n_head": 0, "n_embd": 32}}}, r"settings\.model\.n_head must be a positive"),
+    ({"trunk": {"layers": [0, 0]}}, r"trunk\.layers must not repeat a layer \(got \[0, 0\]\)"),
+    ({"arm": {"name": "x", "kind": "cse", "at": 30, "layers": [1, 1]}}, r"arms\[2\] \(x\)\.layers must not repeat"),
+    ({"criteria": {"arms": ["nope"]}}, r"criteria must name arms of the spec .* \(got \[\"nope\"\]\)"),
+])
+def test_a_spec_that_passed_the_check_is_refused_whole(changes, message):
+    with pytest.raises(SpecError, match=message):
+        parse_spec(_spec(**changes))
+
+
+def test_a_deleted_result_makes_its_unit_run_again(tmp_path):
+    from ntkscope.experiments.runner import status
+
+    unit = Unit("cse-at20-seed0", 0, {"kind": "arm"}, (), key="k1")
+    write_state(tmp_path, unit.name, {"name": unit.name, "key": "k1", "status": "done",
+                                      "result": "results/cse-at20-seed0.json"})
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "cse-at20-seed0.json").write_text("{}")
+    assert is_done(read_state(tmp_path, unit.name), unit, tmp_path)
+    (tmp_path / "results" / "cse-at20-seed0.json").unlink()
+    assert not is_done(read_state(tmp_path, unit.name), unit, tmp_path)
+    (tmp_path / "experiment.json").write_text(json.dumps({"units": [
+        {"name": unit.name, "seed": 0, "what": {"kind": "arm"}, "needs": [], "key": "k1"}]}))
+    assert status(tmp_path)["state"].tolist() == ["result missing"]
+
+
+def test_moving_aside_twice_makes_a_new_folder_each_time(tmp_path):
+    from ntkscope.experiments.runner import _move_aside
+    spec = parse_spec(_spec())
+    unit = Unit("cse-at20-seed0", 0, {"kind": "arm", "name": "cse-at20"}, (), key="new")
+    model = tmp_path / "models" / "cse-at20-seed0"
+    for turn in (1, 2):  # s1, s2, s1, s2: the same old key twice
+        model.mkdir(parents=True)
+        (model / "weights.txt").write_text(f"turn {turn}")
+        (tmp_path / "results").mkdir(exist_ok=True)
+        (tmp_path / "results" / "cse-at20-seed0.json").write_text(json.dumps({"turn": turn}))
+        _move_aside(spec, tmp_path, unit, "old")
+    first, second = tmp_path / "stale" / "cse-at20-seed0-old", tmp_path / "stale" / "cse-at20-seed0-old-2"
+    assert (first / "cse-at20-seed0" / "weights.txt").read_text() == "turn 1"
+    assert (second / "cse-at20-seed0" / "weights.txt").read_text() == "turn 2"
+    assert json.loads((first / "cse-at20-seed0.json").read_text()) == {"turn": 1}
+    assert not (first / "cse-at20-seed0" / "cse-at20-seed0").exists()  # never nested in itself
+
+
+@pytest.mark.parametrize("text", ['{"name": "x", "attempts": "x", "status": "failed", "key": "k"}', "{", "[1, 2]",
+                                  '{"status": 3}'])
+def test_a_damaged_unit_record_counts_as_none_with_a_warning(tmp_path, caplog, text):
+    (tmp_path / "units").mkdir()
+    (tmp_path / "units" / "cse-at20-seed0.json").write_text(text)
+    with caplog.at_level(logging.WARNING):
+        assert read_state(tmp_path, "cse-at20-seed0") is None
+    assert "cse-at20-seed0.json" in caplog.text and "runs again" in caplog.text
+
+
+@pytest.mark.parametrize("result", [{"blocks": "x"}, {"arm": "cse", "seed": 0, "blocks": {"loss": [1.0], "tokens": []}},
+                                    {"arm": "cse", "seed": 0, "blocks": {"loss": ["a"], "tokens": [3]}}, [1]])
+def test_a_foreign_result_is_one_line_naming_it(tmp_path, result):
+    from ntkscope.core.checks import UserError
+    from ntkscope.reproduction.map_tables import read_results
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "cse-seed0.json").write_text(json.dumps(result))
+    with pytest.raises(UserError, match=r"experiment map: .*cse-seed0\.json (is not a unit's result|must hold a JSON)"):
+        read_results(tmp_path)
+
+
+def _trainer_checkpoint(root, name, state):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    folder = root / name
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    (folder / "trainer_state.json").write_text(state)
+    return folder
+
+
+@pytest.mark.parametrize("states, message", [
+    (['{"global_step": 4}', '{"global_step": 4}'],
+     r"list_checkpoints: .* holds 2 checkpoints of step 4 \(checkpoint-2, checkpoint-4, by their trainer_state"),
+    (['{"global_step": 1e400}', '{"global_step": 4}'], r"checkpoint-2/trainer_state\.json: global_step must be a step"),
+    (['{"global_step": "2"}', '{"global_step": 4}'], r"global_step must be a step, an integer >= 0 \(got '2'\)"),
+])
+def test_trainer_checkpoints_of_one_step_or_no_step_are_one_line(tmp_path, states, message):
+    from ntkscope.core.checks import UserError
+    from ntkscope.runs.checkpoints import list_checkpoints
+
+    for name, state in zip(("checkpoint-2", "checkpoint-4"), states):
+        _trainer_checkpoint(tmp_path, name, state)
+    with pytest.raises(UserError, match=message):
+        list_checkpoints(tmp_path)
+
+
+def test_trainer_checkpoints_renamed_by_hand_keep_their_real_steps(tmp_path):
+    from ntkscope.runs.checkpoints import list_checkpoints
+
+    _trainer_checkpoint(tmp_path, "checkpoint-2", '{"global_step": 6}')
+    _trainer_checkpoint(tmp_path, "checkpoint-4", "not json")  # unreadable: the name says the step
+    assert [(s, p.name) for s, p in list_checkpoints(tmp_path)] == [(4, "checkpoint-4"), (6, "checkpoint-2")]
