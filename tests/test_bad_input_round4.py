@@ -3,6 +3,7 @@ D1), the spec values that passed the check, damaged unit records and results."""
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,38 @@ def test_trainer_checkpoints_renamed_by_hand_keep_their_real_steps(tmp_path):
     _trainer_checkpoint(tmp_path, "checkpoint-2", '{"global_step": 6}')
     _trainer_checkpoint(tmp_path, "checkpoint-4", "not json")  # unreadable: the name says the step
     assert [(s, p.name) for s, p in list_checkpoints(tmp_path)] == [(4, "checkpoint-4"), (6, "checkpoint-2")]
+
+
+def test_an_endless_pipe_is_bounded_and_its_copy_deleted(tmp_path, monkeypatch):
+    from ntkscope.core.checks import UserError
+    from ntkscope.text import inputs
+
+    monkeypatch.setenv("NTKSCOPE_MAX_PIPE_GIB", "0.002")
+    monkeypatch.setattr(inputs.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(UserError, match=r"/dev/zero gave more than 0\.002 GiB, the most a pipe is read into a "
+                                        r"temporary file \(a pipe without end\?\)"):
+        inputs._spooled(Path("/dev/zero"))
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("NTKSCOPE_MAX_PIPE_GIB", "-1")
+    with pytest.raises(UserError, match=r"NTKSCOPE_MAX_PIPE_GIB must be a positive number of GiB \(got '-1'\)"):
+        inputs.pipe_limit()
+
+
+def test_sigterm_while_a_pipe_is_read_leaves_no_copy_and_no_lock(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "ntkscope", "freq", "/dev/zero", "--out", str(tmp_path / "out")],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("ntkscope-data-*/zero")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)  # copying
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "ntkscope freq: terminated; no partial results were written" in err
+    assert list(tmp_path.iterdir()) == []  # no staged copy, no lock, no output

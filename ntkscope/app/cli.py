@@ -16,7 +16,9 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 
 import matplotlib
 import pandas as pd
@@ -461,7 +463,7 @@ def _run(args) -> int:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
-        with logging_redirect_tqdm(), _out_lock(args):  # log lines print above a progress bar
+        with logging_redirect_tqdm(), _terminated_as_interrupt(), _out_lock(args):  # log lines above a progress bar
             return args.run(args)
     except UserError as err:  # the user's mistake: one line; anything else is a bug and keeps its traceback
         _error(args, err)
@@ -471,10 +473,33 @@ def _run(args) -> int:
             print(f"ntkscope {args.command}: this is a bug in ntkscope, not a mistake in what you gave; please report "
                   f"it with the traceback that follows, the command and `pip show ntkscope torch`", file=sys.stderr)
         raise
-    except KeyboardInterrupt:  # results are staged and moved only when whole: nothing half-written remains
+    except KeyboardInterrupt as err:  # results are staged and moved only when whole: nothing half-written remains
         if os.environ.get("RANK", "0") == "0":
-            print(f"ntkscope {args.command}: interrupted; no partial results were written", file=sys.stderr)
-        return 130
+            print(f"ntkscope {args.command}: {'terminated' if isinstance(err, Terminated) else 'interrupted'}; no "
+                  "partial results were written", file=sys.stderr)
+        return 143 if isinstance(err, Terminated) else 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so that it unwinds as Ctrl-C does: its lock released,
+    its staged files and temporary copies deleted."""
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt():
+    """SIGTERM raises :class:`Terminated` for the duration (main thread only; the old handler back after)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 #: what each command's --out names (compare and reproduce hold their own lock on it; corpus build

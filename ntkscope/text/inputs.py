@@ -223,16 +223,41 @@ def as_source(data, *, columns: DataSource | None = None) -> DataSource:
     return source
 
 
+def pipe_limit() -> int:
+    """The most bytes a pipe is read into a temporary file: ``$NTKSCOPE_MAX_PIPE_GIB`` GiB (default
+    16), and never more than 90 % of the space free where temporary files go."""
+    try:
+        gib = float(os.environ.get("NTKSCOPE_MAX_PIPE_GIB", "16"))
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0 or gib == float("inf"):
+        raise UserError(f"{_FUNC}: NTKSCOPE_MAX_PIPE_GIB must be a positive number of GiB (got "
+                        f"{os.environ.get('NTKSCOPE_MAX_PIPE_GIB')!r})")
+    return int(min(gib * 2**30, 0.9 * shutil.disk_usage(tempfile.gettempdir()).free))
+
+
 def _spooled(path: Path) -> Path:
     """A regular file holding what the pipe ``path`` gives, read once per process (same base name,
-    so its suffix still says its format)."""
+    so its suffix still says its format), at most :func:`pipe_limit` bytes: an endless pipe
+    (``/dev/zero``, ``<(yes)``) is refused in one line and its copy deleted."""
     key = str(path)
     if key not in _SPOOLED:
+        limit = pipe_limit()
         folder = tempfile.mkdtemp(prefix="ntkscope-data-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # any exit, SIGTERM included (the command's handler)
         copy = Path(folder) / path.name
+        read = 0
         with open(path, "rb") as src, open(copy, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+            while chunk := src.read(1 << 20):
+                read += len(chunk)
+                if read > limit:
+                    break
+                dst.write(chunk)
+        if read > limit:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise UserError(f"{_FUNC}: {path} gave more than {limit / 2**30:.3g} GiB, the most a pipe is read into a "
+                            "temporary file (a pipe without end?); write it to a file first, or raise "
+                            "NTKSCOPE_MAX_PIPE_GIB")
         log.info("%s: %s is a pipe: read once into %s", _FUNC, path, copy)
         _SPOOLED[key] = copy
     return _SPOOLED[key]
