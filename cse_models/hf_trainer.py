@@ -35,7 +35,7 @@ from cse_models.cse import convert_to_cse, upcycle
 from cse_models.checkpointing import expert_source
 from cse_models.hf import LAYOUTS, SparseHF, child_module, layout_blocks, saved_layout
 from cse_models.model import check_expert_copies
-from ntkscope.core.checks import UserError
+from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import read_json_object, write_json
 
 log = logging.getLogger(__name__)
@@ -159,6 +159,33 @@ def _callback_base():
     return TrainerCallback
 
 
+def _check_fitting(fitting) -> None:
+    """SparseCallback's ``fitting`` checked when the callback is made (not at the conversion step,
+    after training has run): input_ids an (N, T) integer tensor of ids >= 0, N >= 2, and an
+    attention_mask, when given, of the same shape holding 0 and 1 with a real token in every row."""
+    def bad(what, got):
+        return UserError(f"SparseCallback: fitting {what} (got {got})")
+
+    if not isinstance(fitting, dict) or set(fitting) - {"input_ids", "attention_mask"} or "input_ids" not in fitting:
+        raise bad("must be {'input_ids': (N, T) token ids[, 'attention_mask': (N, T)]}",
+                  sorted(fitting) if isinstance(fitting, dict) else type(fitting).__name__)
+    ids, mask = fitting["input_ids"], fitting.get("attention_mask")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        shown = f" {tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else ""
+        raise bad("['input_ids'] must be a 2-D integer tensor (N, T)", f"{type(ids).__name__}{shown}")
+    if ids.shape[0] < 2 or ids.shape[1] < 1:
+        raise bad("['input_ids'] must hold two or more sequences of one or more tokens", tuple(ids.shape))
+    if int(ids.min()) < 0:
+        raise bad("['input_ids'] must be token ids >= 0", f"a smallest id of {int(ids.min())}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape):
+            raise bad("['attention_mask'] must be a tensor of input_ids' shape " f"{tuple(ids.shape)}",
+                      tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__)
+        if not bool(((mask == 0) | (mask == 1)).all()) or not bool((mask != 0).any(dim=1).all()):
+            raise bad("['attention_mask'] must hold 0 and 1 with a real token in every row",
+                      f"values {sorted(set(mask.flatten().tolist()))[:5]}")
+
+
 class SparseCallback(_callback_base()):
     """Convert the model at step ``at`` of ``Trainer.train()`` (``plan``: a plan JSON whose
     ``warmup_steps`` and ``layers`` give ``at`` and the layers when they are not given), with
@@ -174,6 +201,9 @@ class SparseCallback(_callback_base()):
                  router: dict | None = None, n_experts: int = 2, seed: int = 0, module: str = "ffn",
                  domains=None):
         if plan is not None:
+            if not Path(plan).is_file():
+                raise MissingInput(f"SparseCallback: plan {plan} does not exist (a plan JSON: ntkscope plan RUN --out "
+                                   "plan.json)")
             data = read_json_object(Path(plan), "SparseCallback")
             at = at if at is not None else data.get("warmup_steps")
             layers = layers if layers is not None else data.get("layers")
@@ -197,6 +227,8 @@ class SparseCallback(_callback_base()):
         if kind == "cse" and not fitting:
             raise UserError("SparseCallback: fitting must hold the sequences CSE's router clusters "
                             "({'input_ids': (N, T) token ids[, 'attention_mask']})")
+        if fitting:
+            _check_fitting(fitting)
         self.at, self.kind, self.module, self.layers = at, kind, module, [int(i) for i in layers]
         self.domains = None if domains is None else list(domains)
         self.plan = None if plan is None else str(plan)
@@ -217,6 +249,11 @@ class SparseCallback(_callback_base()):
         :meth:`restore`, load what Trainer's resume left out."""
         if self.resumed is not None and model is not None:
             load_renamed(model, self.resumed)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        ids = (self.fitting or {}).get("input_ids")
+        if isinstance(vocab, int) and ids is not None and int(ids.max()) >= vocab:  # before training, not at `at`
+            raise UserError(f"SparseCallback: fitting['input_ids'] must be token ids of this model's vocabulary "
+                            f"[0, {vocab}) (got ids up to {int(ids.max())})")
         n_layer = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if n_layer is not None and any(not 0 <= i < n_layer for i in self.layers):
             raise UserError(f"SparseCallback: layers must be block indices in [0, {n_layer}) for this "

@@ -86,8 +86,9 @@ class CSEConfig:
         _positive("cse.n_samples", self.n_samples)
         if not isinstance(self.shuffled, bool):
             raise UserError(f"TrainConfig: cse.shuffled must be true or false (got {self.shuffled!r})")
-        if self.n_clusters is not None and (not isinstance(self.n_clusters, (list, tuple)) or not self.n_clusters or any(
-                isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.n_clusters)):
+        counts = self.n_clusters
+        if counts is not None and (not isinstance(counts, (list, tuple)) or not counts or any(
+                isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in counts)):
             raise UserError(f"TrainConfig: cse.n_clusters must be null or one positive count per sparse layer (got "
                             f"{self.n_clusters!r})")
 

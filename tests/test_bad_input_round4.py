@@ -171,3 +171,28 @@ def test_sigterm_while_a_pipe_is_read_leaves_no_copy_and_no_lock(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "ntkscope freq: terminated; no partial results were written" in err
     assert list(tmp_path.iterdir()) == []  # no staged copy, no lock, no output
+
+
+@pytest.mark.parametrize("where", ["afile/sub", "/proc/x"])
+def test_an_experiment_output_that_cannot_be_made_is_one_line(tmp_path, where, monkeypatch):
+    from commandline import in_process
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    spec = tmp_path / "toy.toml"
+    import tomli_w
+
+    spec.write_text(tomli_w.dumps(TOY))
+    proc = in_process("experiment", "run", spec, "--out", where, "--executor", "inline")
+    assert proc.returncode == 1 and f"--out {where} cannot be created" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_spec_that_is_not_utf8_is_one_line(tmp_path):
+    from ntkscope.core.checks import UserError
+    from ntkscope.experiments import load_spec
+
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b'name = "\xff\xfe"\n')
+    with pytest.raises(UserError, match=r"load_spec: .*bad\.toml is not UTF-8 text \(byte 8: invalid start byte\)"):
+        load_spec(path)

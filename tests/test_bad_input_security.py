@@ -5,6 +5,7 @@ sized before a copy is made."""
 
 import ast
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -198,3 +199,33 @@ def test_a_switch_callback_of_a_billion_experts_is_refused_when_training_begins(
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(UserError, match=r"SparseCallback: n_experts must be a positive integer"):
             SparseCallback(at=2, kind="switch", layers=[1], n_experts=bad)
+
+
+# ---- SparseCallback's fitting and plan, checked when the callback is made (issue 59 tracebacks) ------
+
+@pytest.mark.parametrize("fitting, message", [
+    ({"input_ids": torch.arange(10)}, r"input_ids'\] must be a 2-D integer tensor"),
+    ({"input_ids": torch.rand(4, 6)}, r"input_ids'\] must be a 2-D integer tensor .*float32"),
+    ({"input_ids": torch.full((4, 6), -1)}, r"input_ids'\] must be token ids >= 0"),
+    ({"input_ids": torch.zeros(0, 6, dtype=torch.long)}, r"must hold two or more sequences"),
+    ({"input_ids": torch.zeros(4, 6, dtype=torch.long), "attention_mask": torch.ones(4, 5)}, r"attention_mask'\] must "
+     r"be a tensor of input_ids' shape"),
+    ({"input_ids": torch.zeros(4, 6, dtype=torch.long), "attention_mask": torch.full((4, 6), 2)}, r"must hold 0 and 1"),
+    ({"input_ids": torch.zeros(4, 6, dtype=torch.long), "attention_mask": torch.zeros(4, 6)}, r"a real token in every"),
+    ({"ids": torch.zeros(4, 6, dtype=torch.long)}, r"fitting must be \{'input_ids'"),
+])
+def test_a_bad_fitting_sample_is_refused_when_the_callback_is_made(fitting, message):
+    with pytest.raises(UserError, match=r"^SparseCallback: fitting") as err:
+        SparseCallback(at=2, layers=[1], fitting=fitting)
+    assert re.search(message, str(err.value)) and "\n" not in str(err.value)
+
+
+def test_out_of_vocabulary_fitting_ids_and_a_missing_plan_are_refused_before_training(tmp_path):
+    from types import SimpleNamespace
+
+    callback = SparseCallback(at=2, layers=[1], fitting={"input_ids": torch.full((4, 6), 70)})
+    with pytest.raises(UserError, match=r"fitting\['input_ids'\] must be token ids of this model's vocabulary "
+                                        r"\[0, 50\) \(got ids up to 70\)"):
+        callback.on_train_begin(SimpleNamespace(max_steps=4), None, None, model=_tiny_gpt2())
+    with pytest.raises(UserError, match=r"SparseCallback: plan .*nope\.json does not exist"):
+        SparseCallback(plan=tmp_path / "nope.json", fitting={"input_ids": torch.zeros(4, 6, dtype=torch.long)})

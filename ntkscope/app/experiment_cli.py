@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ntkscope.app.parsing import COUNT, POSITIVE_INT
 from ntkscope.core.checks import InputError, UserError
+from ntkscope.core.files import check_output
 
 
 def _seeds(text: str) -> list:
@@ -56,7 +57,11 @@ def _run(args) -> int:
     slurm = dataclasses.replace(spec.slurm, **{k: v for k, v in {
         "partition": args.partition, "time_min": args.time_min, "gpus": args.gpus, "cpus": args.cpus,
         "mem_gb": args.mem_gb}.items() if v is not None})
-    out = Path(args.out or f"runs/{spec.name}")
+    out = check_output("ntkscope experiment run", Path(args.out or f"runs/{spec.name}"))
+    try:  # before any unit: an output that cannot be made is one line (a file in the path, /proc/x)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"ntkscope experiment run: --out {out} cannot be created ({err.strerror or err})") from None
     if args.adopt is not None and not Path(args.adopt).is_dir():
         raise InputError("--adopt", "must be a directory (an earlier run directory, or committed results such as "
                          "figures/sweep)", str(args.adopt), func="ntkscope experiment run")

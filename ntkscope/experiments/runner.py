@@ -300,7 +300,8 @@ def summarise_experiment(spec: Spec, run_dir, *, pack=None) -> dict:
 def status(run_dir) -> pd.DataFrame:
     """One row per unit of the experiment in ``run_dir``: ``unit``, ``state`` (done, running,
     failed, interrupted: its process is gone; stale: done under another spec; result missing: done,
-    its result file deleted since; ready; waiting: on a need), ``attempts``, ``seconds``, ``started``, ``finished`` and ``error`` (the last one)."""
+    its result file deleted since; ready; waiting: on a need), ``attempts``, ``seconds``, ``started``,
+    ``finished`` and ``error`` (the last one)."""
     run_dir = Path(run_dir)
     path = run_dir / "experiment.json"
     if not path.is_file():

@@ -155,7 +155,10 @@ def load_spec(spec, **changes) -> Spec:
             raise MissingInput(f"load_spec: spec {str(spec)!r} is neither a file nor a shipped spec "
                                f"({', '.join(sorted(ours))})")
         path = ours[str(spec)]
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"load_spec: {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

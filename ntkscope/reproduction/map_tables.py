@@ -128,7 +128,8 @@ def verdicts(table: pd.DataFrame, seeds, *, step: int = 1200, plans: dict | None
         strict = {"difference_spread": spread,
                   "verdict": "shown" if base["wins"] >= need and base["mean_difference"] < -spread else "not shown",
                   "other_mean_gain": harm,
-                  "other_harm_share": max(harm, 0.0) / -base["mean_difference"] if base["mean_difference"] < 0 else None}
+                  "other_harm_share": (max(harm, 0.0) / -base["mean_difference"]
+                                       if base["mean_difference"] < 0 else None)}
         return {**base, "verdict": "shown" if shown else "not shown", "strict": strict}
 
     out["clusters_vs_shuffled"] = against("cse", "cse-shuffled", "CSE below cse-shuffled on the tail")
@@ -267,8 +268,9 @@ def count_verdicts(table: pd.DataFrame, seeds, margin: float, *, early: int = 30
     d2 = (at(f"cse-at{early}-k{late}", early) - own_early).dropna()
     need = math.ceil(2 * len(list(seeds)) / 3)
     out = {"seeds": list(seeds), "margin": margin, "needs": f"{need} of {len(list(seeds))} seeds"}
-    for name, diff, sign, what in (("count_matters_late", d1, 1, f"fewer experts (step {early}'s) at step {late}"),
-                                   ("count_brings_gain_early", d2, -1, f"more experts (step {late}'s) at step {early}")):
+    for name, diff, sign, what in (
+            ("count_matters_late", d1, 1, f"fewer experts (step {early}'s) at step {late}"),
+            ("count_brings_gain_early", d2, -1, f"more experts (step {late}'s) at step {early}")):
         entry = {"what": what, "per_seed": {str(int(k)): float(v) for k, v in diff.items()},
                  "mean": float(diff.mean()) if len(diff) else None, "same_side": int((sign * diff > 0).sum())}
         if len(diff) < len(list(seeds)):
