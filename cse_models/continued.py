@@ -60,6 +60,11 @@ class RunState:
     writer: str
 
 
+#: what reading a damaged or foreign Trainer file can raise (each said in one line, never a traceback)
+UNREADABLE = (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, pickle.UnpicklingError,
+              RuntimeError, EOFError, zipfile.BadZipFile, RecursionError)
+
+
 class _Inert:
     """What a pickle names, as an inert record: its arguments and its state, nothing run."""
 
@@ -102,8 +107,44 @@ def read_training_args(path: Path) -> dict:
     return {k: (v.args[0] if isinstance(v, _Inert) and len(v.args) == 1 else v) for k, v in state.items()}
 
 
+#: the TrainingArguments fields a continuation reads: (default, lowest, highest, highest excluded)
+ARG_RANGES = {"learning_rate": (None, 0.0, math.inf, True), "adam_beta1": (0.9, 0.0, 1.0, True),
+              "adam_beta2": (0.999, 0.0, 1.0, True), "adam_epsilon": (1e-8, 0.0, math.inf, True),
+              "weight_decay": (0.0, 0.0, math.inf, True), "max_grad_norm": (0.0, 0.0, math.inf, True),
+              "warmup_steps": (0.0, 0.0, math.inf, True), "warmup_ratio": (0.0, 0.0, 1.0, False)}
+
+
+def _checked_args(args: dict) -> tuple[dict, str]:
+    """The numeric fields of ``training_args.bin`` that a continuation reads, as finite floats in
+    their ranges (``ARG_RANGES``), or ({}, why not): a huge integer, inf, text or a beta of 2 is
+    a reason in one line, never an OverflowError or a failure mid-training."""
+    out = {}
+    for key, (default, low, high, open_high) in ARG_RANGES.items():
+        value = args.get(key, default)
+        if value is None and default is not None:
+            value = default
+        if key == "learning_rate" and value is None:
+            return {}, "its training_args.bin records no learning_rate"
+        try:
+            number = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError, OverflowError):
+            number = math.nan
+        if not (math.isfinite(number) and low <= number and (number < high if open_high else number <= high)) \
+                or (key == "learning_rate" and number <= 0):
+            shown = repr(value) if isinstance(value, bool) or not isinstance(value, int) or abs(value) < 10**12 \
+                else f"an integer of {len(str(abs(value)))} digits"
+            end = ")" if open_high else "]"
+            return {}, f"its training_args.bin's {key} must be a finite number in [{low}, {high}{end} (got {shown})"
+        out[key] = number
+    return out, ""
+
+
 def _trainer_schedule(checkpoint: Path) -> tuple[RunState | None, str]:
     args = read_training_args(checkpoint / "training_args.bin")
+    numbers, why = _checked_args(args)
+    if not numbers:
+        return None, why
+    args = {**args, **numbers}
     state = read_json_object(checkpoint / "trainer_state.json", "run_state")
     step, total = int(state.get("global_step") or 0), int(state.get("max_steps") or 0)
     kind, optim = str(args.get("lr_scheduler_type")), str(args.get("optim"))
@@ -125,7 +166,12 @@ def _trainer_schedule(checkpoint: Path) -> tuple[RunState | None, str]:
     if step < schedule["warmup_steps"]:
         return None, f"step {step} is inside its warm-up of {schedule['warmup_steps']} steps, which cse_models' " \
                      "warm-up does not reproduce step for step"
-    recorded = torch.load(checkpoint / "scheduler.pt", map_location="cpu", weights_only=True).get("_last_lr") or [None]
+    saved = torch.load(checkpoint / "scheduler.pt", map_location="cpu", weights_only=True)
+    recorded = saved.get("_last_lr") if isinstance(saved, dict) else None
+    if not isinstance(recorded, (list, tuple)) or not recorded or isinstance(recorded[0], bool) \
+            or not isinstance(recorded[0], (int, float)):
+        return None, f"its scheduler.pt records no learning rate (a {type(saved).__name__}, _last_lr " \
+                     f"{str(recorded)[:40]})"
     ours = schedule["lr"] * lr_factor(step, TrainConfig(**schedule))
     if recorded[0] is None or not math.isclose(float(recorded[0]), ours, rel_tol=1e-5, abs_tol=1e-12):
         return None, f"its learning rate at step {step} ({recorded[0]}) is not its {kind} schedule's ({ours:.6g})"
@@ -150,10 +196,17 @@ def run_state(checkpoint) -> tuple[RunState | None, str]:
     missing = [name for name in TRAINER_FILES if not (checkpoint / name).is_file()]
     if missing:
         return None, f"it lacks {', '.join(missing)} of a Trainer checkpoint"
+    for name in ("training_args.bin", "scheduler.pt"):  # each named when it cannot be read (optimizer.pt: below)
+        try:
+            read_training_args(checkpoint / name) if name == "training_args.bin" else \
+                torch.load(checkpoint / name, map_location="cpu", weights_only=True)
+        except UNREADABLE as err:
+            return None, f"its {name} could not be read ({' '.join(str(err).split())[:120]})"
     try:
         return _trainer_schedule(checkpoint)
-    except (ValueError, KeyError, TypeError, pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile) as err:
-        return None, f"its training_args.bin or scheduler.pt could not be read ({' '.join(str(err).split())[:120]})"
+    except UNREADABLE as err:
+        return None, f"its training_args.bin or scheduler.pt holds what a Trainer does not write " \
+                     f"({' '.join(str(err).split())[:120]})"
 
 
 def _trainer_adam(checkpoint: Path, model: SparseHF) -> dict:
@@ -161,7 +214,13 @@ def _trainer_adam(checkpoint: Path, model: SparseHF) -> dict:
     Trainer's grouping and checked shape by shape (ValueError where they differ)."""
     from transformers import Trainer
 
-    saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
+    try:
+        saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
+    except UNREADABLE as err:
+        raise ValueError(f"its optimizer.pt could not be read ({' '.join(str(err).split())[:120]})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
+            or not isinstance(saved.get("state"), dict):
+        raise ValueError("its optimizer.pt does not hold an optimizer's state_dict (param_groups and state)")
     decay = set(Trainer.get_decay_parameter_names(None, model.hf))
     named = [(n, p) for n, p in model.hf.named_parameters() if p.requires_grad]
     differ = [n for n, p in named if (n in decay) != (p.dim() >= 2)]
@@ -177,9 +236,12 @@ def _trainer_adam(checkpoint: Path, model: SparseHF) -> dict:
             found = saved["state"].get(index)
             if found is None:
                 continue
-            if tuple(found["exp_avg"].shape) != tuple(param.shape):
-                raise ValueError(f"its state for {name} has shape {tuple(found['exp_avg'].shape)}, the parameter "
-                                 f"{tuple(param.shape)}")
+            if not isinstance(found, dict) or any(not isinstance(found.get(k), torch.Tensor)
+                                                  or tuple(found[k].shape) != tuple(param.shape)
+                                                  for k in ("exp_avg", "exp_avg_sq")):
+                shapes = {k: tuple(found[k].shape) for k in ("exp_avg", "exp_avg_sq")
+                          if isinstance(found, dict) and isinstance(found.get(k), torch.Tensor)}
+                raise ValueError(f"its state for {name} has shapes {shapes}, the parameter {tuple(param.shape)}")
             state["hf." + name] = found
     return state
 

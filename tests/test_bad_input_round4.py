@@ -196,3 +196,14 @@ def test_a_spec_that_is_not_utf8_is_one_line(tmp_path):
     path.write_bytes(b'name = "\xff\xfe"\n')
     with pytest.raises(UserError, match=r"load_spec: .*bad\.toml is not UTF-8 text \(byte 8: invalid start byte\)"):
         load_spec(path)
+
+
+def test_compare_with_a_negative_seed_is_refused_before_anything_is_written(tmp_path):
+    from commandline import in_process
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "a line"}\n')
+    proc = in_process("compare", tmp_path / "model", "--train-data", rows, "--data", rows, "--layers", "0",
+                      "--seeds=-1", "--out", tmp_path / "out")
+    assert proc.returncode == 1 and "seeds must list distinct integers in [0, 2^31 - 1] (got [-1])" in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -104,3 +104,51 @@ def test_pickle_extension_codes_are_refused_not_looked_up(tmp_path):
     (tmp_path / "training_args.bin").write_bytes(data)
     with pytest.raises(ValueError, match="uses pickle extension codes"):
         read_training_args(tmp_path / "training_args.bin")
+
+
+def test_damaged_trainer_files_are_a_reason_never_a_traceback(tmp_path):
+    """Issue 59: training_args.bin with a huge int, inf or a beta of 2; scheduler.pt holding a list;
+    optimizer.pt with another exp_avg_sq shape, or not a state dict: each one reason naming the file."""
+    import shutil
+
+    _trainer_run(tmp_path / "hf", "linear")
+    source = tmp_path / "hf" / "checkpoint-4"
+    real = torch.load(source / "training_args.bin", weights_only=False)  # our own file, in a test
+
+    def variant(name, change):
+        folder = tmp_path / name
+        shutil.copytree(source, folder)
+        change(folder)
+        return run_state(folder)
+
+    def args_with(**fields):
+        def change(folder):
+            for key, value in fields.items():
+                object.__setattr__(real, key, value)
+            torch.save(real, folder / "training_args.bin")
+        return change
+
+    originals = {k: getattr(real, k) for k in ("adam_beta1", "learning_rate")}
+    for name, fields, said in [("beta", {"adam_beta1": 2.0}, "adam_beta1 must be a finite number in [0.0, 1.0) (got 2.0)"),
+                               ("huge", {"learning_rate": 10**400}, "learning_rate must be a finite number in "
+                                "[0.0, inf) (got an integer of 401 digits)"),
+                               ("inf", {"learning_rate": float("inf")}, "learning_rate must be a finite number")]:
+        state, why = variant(name, args_with(**{**originals, **fields}))
+        assert state is None and said in why, why
+    args_with(**originals)(tmp_path)  # back to the real values for the other files' variants
+
+    state, why = variant("sched", lambda f: torch.save([1, 2], f / "scheduler.pt"))
+    assert state is None and "its scheduler.pt records no learning rate" in why
+
+    def other_shape(folder):
+        saved = torch.load(folder / "optimizer.pt", weights_only=True)
+        first = next(iter(saved["state"]))
+        saved["state"][first]["exp_avg_sq"] = torch.zeros(3)
+        torch.save(saved, folder / "optimizer.pt")
+
+    state, why = variant("shape", other_shape)
+    assert state is None and "has shapes" in why and "(3,)" in why
+    state, why = variant("garbage", lambda f: (f / "optimizer.pt").write_bytes(b"not a zip"))
+    assert state is None and why.startswith("its optimizer.pt could not be read")
+    state, why = variant("list", lambda f: torch.save([1], f / "optimizer.pt"))
+    assert state is None and "does not hold an optimizer's state_dict" in why

@@ -113,8 +113,8 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
     if (plan is None) == (layers is None):
         raise InputError("plan", "give a plan file or --layers (not both)", plan or layers, func=func)
     seeds = [int(s) for s in seeds]
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise InputError("seeds", "must list distinct integers", seeds, func=func)
+    if not seeds or len(set(seeds)) != len(seeds) or not all(0 <= s <= 2**31 - 1 for s in seeds):
+        raise InputError("seeds", "must list distinct integers in [0, 2^31 - 1]", seeds, func=func)
     for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len), ("n_boot", n_boot),
                         ("min_cluster_size", min_cluster_size), ("n_samples", n_samples)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -168,9 +168,9 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
             result = _train_and_evaluate(init_from, data, eval_source, plan, sparse_layers, seeds, steps, batch_size,
                                          lr, state, n_samples, min_cluster_size, tokenizer, n_boot, out, start)
             return {**result, "start": start}
-        except UserError:
+        except BaseException:  # a refusal, a failure or Ctrl-C before any arm saved a step: nothing is left behind
             if made and not any((out / "runs").glob("*/checkpoints/step-*")):
-                shutil.rmtree(out)  # refused before any arm saved a step: nothing is left behind
+                shutil.rmtree(out)
             raise
 
 
