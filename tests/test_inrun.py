@@ -118,11 +118,16 @@ def test_the_in_run_tracker_in_cse_train_reads_each_batch_and_changes_no_loss(tm
         return [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     assert losses("tracked") == losses("plain")
     frame = pd.read_csv(tmp_path / "inrun" / "inrun.csv")
-    assert sorted(set(frame["step"])) == [2, 4] and 0 < tracker.overhead < 10
     cfg = TrainConfig.from_dict({**spec, "out_dir": str(tmp_path / "plain")})
     blocks, _ = load_data(cfg)
-    for step in (2, 4):
-        names = [blocks.domain_names[d] for d in blocks.domains[global_batch(blocks, step - 1, 8, cfg.seed)].tolist()]
+    batches = {step: [blocks.domain_names[d] for d in blocks.domains[global_batch(blocks, step - 1, 8,
+                                                                                 cfg.seed)].tolist()]
+               for step in (2, 4)}
+    mixed = [step for step, names in batches.items() if len(set(names)) > 1]  # one group: no row (GC = 1 by design)
+    assert sorted(set(frame["step"])) == mixed and 0 < tracker.overhead < 10
+    assert (tracker.measured, tracker.one_group) == (2, 2 - len(mixed)) and mixed
+    for step in mixed:
+        names = batches[step]
         counts = {k: names.count(k) for k in set(names) if names.count(k) >= 2}
         rows = frame[frame["step"] == step].set_index("label")
         assert dict(rows["n_subset"]) == counts and (rows["n"] == 8).all()
@@ -210,8 +215,10 @@ def test_in_run_gc_inside_a_trainer_equals_the_steps_own_batch_at_its_weights(tm
     if accumulation == 1:
         assert losses == pytest.approx(run("plain", False)[0], rel=1e-6)  # float rounding (kept factors move buffers)
     frame = tracker.frame
-    assert sorted(set(frame["step"])) == [2, 4] and (tmp_path / "gc" / "inrun" / "inrun.csv").is_file()
-    for step in (2, 4):
+    mixed = [step for step in (2, 4) if len(set(snapshots.batches[step * accumulation - 1][1])) > 1]
+    assert mixed and sorted(set(frame["step"])) == mixed  # a batch of one group has no row (GC = 1 by design)
+    assert (tmp_path / "gc" / "inrun" / "inrun.csv").is_file()
+    for step in mixed:
         batch, domains = snapshots.batches[step * accumulation - 1]  # the step's last micro-batch
         model = transformers.GPT2LMHeadModel(config)
         model.load_state_dict(snapshots.weights[step])
@@ -270,3 +277,24 @@ def test_an_in_run_tracker_writing_into_a_file_is_refused_when_made(tmp_path):
     (tmp_path / "taken").write_text("x")
     with pytest.raises(ValueError, match=r"InRunTracker: out must be a directory \(it exists and is not one\)"):
         InRunTracker(out=tmp_path / "taken")
+
+
+def test_in_run_gc_under_bfloat16_autocast_reads_the_mixed_precision_step():
+    """bf16=True in a Trainer (autocast): the layers' inputs stay float32, their gradients are
+    bfloat16; the kernel takes both in float32 and is close to the float32 step's."""
+    model = _model("gpt2").float()
+    batch = _batch()
+    labels = LABELS
+    reference = InRunGC(model)
+    with reference:
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+        K32 = reference.kernel()
+    model.zero_grad()
+    mixed = InRunGC(model)
+    with mixed, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+        assert {u.delta.dtype for layer in mixed.factors() for u in layer} == {torch.bfloat16}
+        K16 = mixed.kernel()
+        found = mixed.gc(labels)
+    assert np.linalg.norm(K16 - K32) / np.linalg.norm(K32) < 0.05
+    assert len(found) == len(set(labels)) and all(np.isfinite(r.score) for r in found)

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -313,7 +314,11 @@ class DirectoryLock:
         (one that a leaving holder unlinked in between is not a lock: open again)."""
         path = self.directory / self.name
         while True:
-            fh = open(path, "a+")
+            try:
+                fh = open(path, "a+")
+            except OSError as err:  # a directory one cannot write in (/proc): one line, not a traceback
+                raise UserError(f"{self.what}: cannot write in {self.directory} ({err.strerror or err}); use "
+                                "another directory") from None
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -380,6 +385,9 @@ def read_json_object(path: str | os.PathLike, func: str) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{func}: {path} is not valid JSON ({err})") from None
+    except RecursionError:
+        raise UserError(f"{func}: {path} is nested too deeply to be a result of ntkscope's (more than "
+                        f"{sys.getrecursionlimit()} levels)") from None
     if not isinstance(data, dict):
         raise UserError(f"{func}: {path} must hold a JSON object (got {type(data).__name__})")
     return data

@@ -86,7 +86,9 @@ class GCCallback(TrainerCallback):
             self.tracker.step(model, state.global_step)
         elif self._columns.training.get(self.label_column) is None:
             raise fail("GCCallback.on_step_end", self.label_column, "must be a column of the training batches for "
-                       "in-run GC (TrainingArguments(remove_unused_columns=False) keeps it)", None)
+                       "in-run GC (TrainingArguments(remove_unused_columns=False) keeps it; text labels do not "
+                       "collate: give integer labels and their names with names=[...])",
+                       f"a batch with the columns {sorted(self._columns.training)}")
         else:
             batch = self._columns.training
             labels = batch[self.label_column]

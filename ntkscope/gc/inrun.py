@@ -43,6 +43,13 @@ from ntkscope.kernel.uncertainty import GCResult, Resampling, kernel_gc
 
 log = logging.getLogger(__name__)
 WORK_ELEMENTS = 1 << 24  # elements a pair product's tiles may hold at once
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _common(use: Linear) -> torch.dtype:
+    """The dtype a layer's pair products take: its inputs' and gradients' common one, float32 at least."""
+    dtype = torch.promote_types(use.a.dtype, use.delta.dtype)
+    return torch.float32 if dtype in HALF else dtype
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -149,7 +156,11 @@ class InRunGC:
                              "output gradients (call it after loss.backward(), inside the hooks' context)", None)
         K = None
         for uses in layers:
-            uses = uses if dtype is None else [Linear(u.a.to(dtype), u.delta.to(dtype), u.io) for u in uses]
+            if dtype is None:  # mixed precision (bf16=True, autocast): inputs and gradients in one dtype, float32+
+                uses = [u if u.a.dtype == u.delta.dtype and u.a.dtype not in HALF else
+                        Linear(u.a.to(_common(u)), u.delta.to(_common(u)), u.io) for u in uses]
+            else:
+                uses = [Linear(u.a.to(dtype), u.delta.to(dtype), u.io) for u in uses]
             for p, fa in enumerate(uses):
                 for q, fb in enumerate(uses):
                     block, _ = pair_kernel(fa, fb, WORK_ELEMENTS, symmetric=p == q)
