@@ -61,6 +61,7 @@ def test_a_damaged_json_file_is_one_line_naming_it(tmp_path, capsys, name, text,
 @pytest.mark.parametrize("damage,says", [
     ("no null_low", "lacks the columns ['null_low']"),
     ("no label, no n_subset", "lacks the columns ['label', 'n_subset']"),
+    ("foreign columns", "lacks the columns ['label', 'abs_gc'"),  # W7 (issue 59): was a report without its GC
     ("text for numbers", "column abs_gc must hold numbers"),
     ("empty", "is not a readable CSV table"),
     ("header only", "holds no rows"),
@@ -71,6 +72,7 @@ def test_a_gc_table_without_its_columns_is_one_line_naming_them(tmp_path, capsys
     folder = _gc_result(tmp_path / "result", {
         "no null_low": table.drop(columns=["null_low"]),
         "no label, no n_subset": table.drop(columns=["label", "n_subset"]),
+        "foreign columns": pd.DataFrame({"x": [1, 2], "y": [3, 4]}),
         "text for numbers": table.assign(abs_gc="high"),
         "empty": table, "header only": table.head(0)}[damage])
     if damage == "empty":

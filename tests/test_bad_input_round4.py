@@ -207,3 +207,50 @@ def test_compare_with_a_negative_seed_is_refused_before_anything_is_written(tmp_
                       "--seeds=-1", "--out", tmp_path / "out")
     assert proc.returncode == 1 and "seeds must list distinct integers in [0, 2^31 - 1] (got [-1])" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_whose_pattern_fails_or_panics_is_one_line(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+
+    from ntkscope.core.checks import UserError
+    from ntkscope.runs.encoder import shipped_encoder
+    from ntkscope.text import tokenization
+
+    data = json.loads((shipped_encoder() / "tokenizer.json").read_text())
+    data["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a"}, "behavior": "Isolated", "invert": False}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(UserError, match=r"load_tokenizer: .*tokenizer\.json is not a tokenizers JSON file that can "
+                                        r"encode text \(Oniguruma error"):
+        tokenization.load_tokenizer(tmp_path)
+
+    class PanicException(BaseException):  # what pyo3 raises when Rust panics (not an Exception)
+        pass
+
+    def panics(self, text, *args, **kwargs):
+        raise PanicException("regex: retry limit in match over")
+
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "tokenizer.json").write_text((shipped_encoder() / "tokenizer.json").read_text())
+    monkeypatch.setattr(Tokenizer, "encode", panics, raising=False)
+    with pytest.raises(UserError, match=r"that can encode text \(regex: retry limit in match over\)"):
+        tokenization.load_tokenizer(good)
+
+
+def test_a_label_column_of_mixed_types_is_said(tmp_path, caplog):
+    from ntkscope.text.inputs import DataSource
+
+    path = tmp_path / "rows.jsonl"
+    labels = [1, "1", 1.0, True, "legal"]
+    path.write_text("".join(json.dumps({"text": f"sentence number {i} of the user's rows", "label": v}) + "\n"
+                            for i, v in enumerate(labels * 3)))
+    with caplog.at_level(logging.WARNING):
+        rows = DataSource(path, label_column="label").rows()
+    assert len(rows) == 15
+    assert "column 'label' mixes labels of types" in caplog.text and "are one label" in caplog.text
+    caplog.clear()
+    path.write_text("".join(json.dumps({"text": f"sentence number {i}", "label": v}) + "\n"
+                            for i, v in enumerate(["a", "b"] * 3)))
+    with caplog.at_level(logging.WARNING):
+        DataSource(path, label_column="label").rows()
+    assert "mixes labels" not in caplog.text

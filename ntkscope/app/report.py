@@ -150,7 +150,9 @@ def _versus(row) -> str:
 
 def _gc_groups(files: _Files) -> Section | None:
     name = "gc.csv" if files.path("gc.csv") and files.path("result.json") else "gc_by_bin.csv"
-    table = files.table(name, GC_GROUP, key="abs_gc")
+    # beside result.json, gc.csv is ntkscope gc's table (and gc_by_bin.csv a reproduction's): foreign
+    # columns are one line naming the file, never a report without its GC section
+    table = files.table(name, GC_GROUP)
     if table is None:
         return None
     if "output" in table:  # several outputs side by side: the report shows the first (the figures' output)

@@ -396,7 +396,23 @@ def _table_rows(path: Path, frame: pd.DataFrame, text_column: str, label_column:
         log.warning("%s: %s: %d of %d rows have no label in %r (the first: row %d) and are left out", _FUNC, path,
                     int(unlabelled.sum()), len(frame), label_column, first)
         keep = keep & ~unlabelled
+    _warn_mixed_labels(path, label_column, labels[keep])
     return [(t.strip(), label) for t, label in zip(texts[keep], labels[keep].astype(str))]
+
+
+def _warn_mixed_labels(path, column: str, labels: pd.Series) -> None:
+    """One warning when a label column mixes types (1, "1", 1.0, True in JSON lines): labels are
+    compared as text, so some spellings become one label ("1" and 1) and others stay apart (1.0)."""
+    kinds = sorted({type(v).__name__ for v in labels})
+    if len(kinds) < 2:
+        return
+    spelled: dict[str, set] = {}
+    for value in labels:
+        spelled.setdefault(str(value), set()).add(f"{value!r} ({type(value).__name__})")
+    merged = [sorted(v) for v in spelled.values() if len(v) > 1]
+    log.warning("%s: %s column %r mixes labels of types %s; they are compared as text, so %s; write each label one "
+                "way (all text, or all integers)", _FUNC, path, column, kinds,
+                f"{' and '.join(merged[0])} are one label" if merged else "1 and 1.0 would be two labels")
 
 
 def _text_rows(path: Path, *, tsv: bool = False) -> list[tuple[str, str]]:

@@ -141,9 +141,17 @@ def load_tokenizer(spec: str | Path) -> TextTokenizer:
                            f"a .tiktoken ranks file or 'gpt2'; {path} does not exist (got {str(spec)!r})")
     try:
         tokenizer = Tokenizer.from_file(str(path))
-    except Exception as err:  # tokenizers raises a bare Exception on a malformed file
-        raise UserError(f"load_tokenizer: {path} is not a tokenizers JSON file ({err})") from None
+        tokenizer.encode(PROBE_TEXT)  # a pre-tokenizer whose pattern fails at its first use fails here, not mid-run
+    except BaseException as err:  # tokenizers raises a bare Exception on a malformed file, or panics in Rust
+        if not isinstance(err, Exception) and type(err).__name__ != "PanicException":
+            raise  # KeyboardInterrupt, SystemExit: not the file's fault
+        shown = " ".join(str(err).split())[:200]
+        raise UserError(f"load_tokenizer: {path} is not a tokenizers JSON file that can encode text "
+                        f"({shown})") from None
     return _from_hf(tokenizer, str(Path(spec)))
+
+
+PROBE_TEXT = "A probe sentence: its words, 123 digits and punctuation (a tokenizer must encode it)."
 
 
 def as_tokenizer(tokenizer) -> TextTokenizer:
