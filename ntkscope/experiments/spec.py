@@ -47,6 +47,7 @@ from ntkscope.reproduction.sweep import Rule, Structure
 from ntkscope.reproduction.sweep_tables import Criteria
 
 KINDS = ("sweep", "tables")
+MAX_SETTING = 2**31 - 1  # the largest integer setting (steps, sizes, counts)
 MAX_SEED = 2**31 - 1 - 10**6  # a seed plus the offsets units add to it (null_order) stays a 32-bit seed
 #: numeric settings that must be above 0 (every other one is at least 0); all must be finite
 POSITIVE_SETTINGS = ("steps", "checkpoint_every", "batch_size", "lr", "finetune_lr", "seq_len", "cse_samples", "n",
@@ -449,9 +450,12 @@ class _Checker:
                 ok = isinstance(value, bool)
             elif isinstance(current, (int, float)):
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 \
-                    and (isinstance(value, int) or isinstance(current, float)) and math.isfinite(value)
+                    and (isinstance(value, int) or isinstance(current, float))
                 if isinstance(value, float) and not math.isfinite(value):
                     raise self._bad("settings.", key, "must be a finite number", value)
+                if ok and isinstance(value, int) and value > MAX_SETTING:
+                    raise self._bad("settings.", key, f"must be at most {MAX_SETTING}",
+                                    value if value < 10**30 else f"an integer of {len(str(value))} digits")
                 if ok and key in POSITIVE_SETTINGS and not value > 0:
                     raise self._bad("settings.", key, "must be above 0", value)
             elif isinstance(current, (tuple, list)):
