@@ -380,10 +380,15 @@ class SparseHF(SparseRouting, nn.Module):
         with atomic_path(directory / WEIGHTS_NAME) as tmp:
             _save_tensors_of(self, str(tmp), metadata={"format": "pt"})
         kind = "MaskedLM" if self.config.masked else "CausalLM"
+        loading = f"import cse_models, then transformers.AutoModelFor{kind}.from_pretrained(this directory)"
+        base = self.config.hf.to_dict()
         write_json(directory / CONFIG_NAME, {
-            "model_type": MODEL_TYPE, "architectures": [f"SparseFor{kind}"], "base": self.config.hf.to_dict(),
-            SECTION: self.config.section(),
-            "loading": f"import cse_models, then transformers.AutoModelFor{kind}.from_pretrained(this directory)"})
+            "model_type": MODEL_TYPE, "architectures": [f"SparseFor{kind}"],
+            # the base config's model type apart from it: a concrete class (GPT2LMHeadModel.from_pretrained)
+            # would take a sub-dict of its own type as its config and load random weights; it reads the
+            # top level instead, validates vocab_size and refuses this text, which names cse_models
+            "base_model_type": base.pop("model_type", None), "base": base, SECTION: self.config.section(),
+            "loading": loading, "vocab_size": f"a cse_models sparse model: {loading}"})
         return directory
 
 
@@ -392,7 +397,10 @@ def flat_config(data: dict) -> dict:
     from either format (model type :data:`~cse_models.hf_auto.MODEL_TYPE`, or the older one that
     was the base config itself with the section added)."""
     if data.get("model_type") == MODEL_TYPE:
-        return {**dict(data.get("base") or {}), SECTION: data.get(SECTION)}
+        base = dict(data.get("base") or {})
+        if data.get("base_model_type"):  # saved apart from base (save_pretrained's guard against concrete classes)
+            base["model_type"] = data["base_model_type"]
+        return {**base, SECTION: data.get(SECTION)}
     return data
 
 

@@ -53,10 +53,14 @@ def classes() -> tuple:
 
         model_type = MODEL_TYPE
 
-        def __init__(self, base: dict | None = None, cse_sparse: dict | None = None, **kwargs):
+        def __init__(self, base: dict | None = None, cse_sparse: dict | None = None, base_model_type=None, **kwargs):
+            if isinstance(kwargs.get("vocab_size"), str):  # save_pretrained's guard against concrete classes
+                kwargs.pop("vocab_size")
             kwargs.setdefault("use_cache", False)
             super().__init__(**kwargs)
             self.base = dict(base or {})
+            if base_model_type and "model_type" not in self.base:
+                self.base["model_type"] = base_model_type
             self.cse_sparse = cse_sparse
             for key in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings",
                         "bos_token_id", "eos_token_id", "pad_token_id"):

@@ -229,3 +229,17 @@ def test_out_of_vocabulary_fitting_ids_and_a_missing_plan_are_refused_before_tra
         callback.on_train_begin(SimpleNamespace(max_steps=4), None, None, model=_tiny_gpt2())
     with pytest.raises(UserError, match=r"SparseCallback: plan .*nope\.json does not exist"):
         SparseCallback(plan=tmp_path / "nope.json", fitting={"input_ids": torch.zeros(4, 6, dtype=torch.long)})
+
+
+def test_a_concrete_class_refuses_a_sparse_directory_naming_cse_models(tmp_path):
+    """W8 (issue 59): GPT2LMHeadModel.from_pretrained(SPARSE_DIR) built random weights with a warning."""
+    import cse_models  # noqa: F401 (the Auto classes)
+
+    folder = _saved_sparse(tmp_path)
+    with pytest.raises(Exception, match=r"a cse_models sparse model: import cse_models, then "
+                                        r"transformers\.AutoModelForCausalLM"):
+        transformers.GPT2LMHeadModel.from_pretrained(folder)
+    auto = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert auto.config.vocab_size == 50 and type(auto).__name__ == "SparseForCausalLM"
+    ids = torch.randint(0, 50, (2, 6))
+    torch.testing.assert_close(auto(input_ids=ids).logits, load_hf(folder)(ids, None), rtol=0, atol=0)

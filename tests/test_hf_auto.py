@@ -31,7 +31,7 @@ def _sparse(kind: str, sparse_kind: str, tmp_path):
 def test_auto_model_reads_a_sparse_checkpoint_with_its_weights(kind, sparse_kind, tmp_path):
     model = _sparse(kind, sparse_kind, tmp_path)
     data = json.loads((tmp_path / sparse_kind / "config.json").read_text())
-    assert data["model_type"] == MODEL_TYPE and data["base"]["model_type"] == kind
+    assert data["model_type"] == MODEL_TYPE and data["base_model_type"] == kind and "model_type" not in data["base"]
     ids, mask = batch()
     reader, other = (transformers.AutoModelForMaskedLM, transformers.AutoModelForCausalLM) if kind in MASKED else \
         (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM)
@@ -123,7 +123,7 @@ def test_a_dense_model_saves_as_a_plain_hf_checkpoint_and_old_sparse_directories
     model = _sparse("gpt_neox", "switch", tmp_path)
     config = tmp_path / "switch" / "config.json"
     data = json.loads(config.read_text())
-    config.write_text(json.dumps({**data["base"], "cse_sparse": data["cse_sparse"]}))
+    config.write_text(json.dumps({**data["base"], "model_type": data["base_model_type"], "cse_sparse": data["cse_sparse"]}))
     with caplog.at_level("WARNING"):
         old = load_any_model(tmp_path / "switch")
     torch.testing.assert_close(old(ids, mask), model(ids, mask), rtol=0, atol=0)

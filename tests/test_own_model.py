@@ -60,7 +60,7 @@ def test_cse_train_converts_and_trains_an_hf_model_and_resumes_exactly(own, tmp_
     assert isinstance(model, SparseHF) and family_of(model).name == "gpt_neox+sparse"
     assert len(model.sparse_layers()) == 2
     saved = json.loads((last / "config.json").read_text())
-    assert saved["model_type"] == "cse_models_sparse" and saved["base"]["model_type"] == "gpt_neox"
+    assert saved["model_type"] == "cse_models_sparse" and saved["base_model_type"] == "gpt_neox"
     assert saved["cse_sparse"]["sparse"]["router_format"] == 2
     metrics = pd.read_csv(tmp_path / "whole" / "metrics.csv")
     assert np.isfinite(metrics["loss"]).all() and metrics["step"].max() == 6
