@@ -137,6 +137,8 @@ def test_damaged_trainer_files_are_a_reason_never_a_traceback(tmp_path):
         assert state is None and said in why, why
     args_with(**originals)(tmp_path)  # back to the real values for the other files' variants
 
+    state, why = variant("build", lambda f: (f / "training_args.bin").write_bytes(b"\x80\x02}q\x00}q\x01b."))
+    assert state is None and why.startswith("its training_args.bin could not be read")  # a pickle that BUILDs a dict
     state, why = variant("sched", lambda f: torch.save([1, 2], f / "scheduler.pt"))
     assert state is None and "its scheduler.pt records no learning rate" in why
 
