@@ -243,6 +243,18 @@ def test_in_run_gc_in_a_trainer_needs_the_label_column():
         GCCallback(InRunTracker()).on_train_begin(args, None, None, model=model)
     with pytest.raises(ValueError, match="GCCallback: names must be a list of label names"):
         GCCallback(InRunTracker(), names="ab")
+    # a batch without the label column (text labels do not collate): the columns it has, not "(got None)"
+    from types import SimpleNamespace
+
+    args = transformers.TrainingArguments(output_dir="unused", report_to=[], use_cpu=True, remove_unused_columns=False)
+    callback = GCCallback(InRunTracker())
+    callback.on_train_begin(args, None, None, model=model)
+    model.train()
+    ids = torch.randint(0, 50, (4, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(ValueError, match=r"text labels do not collate: give integer labels and their names with "
+                                         r"names=\[\.\.\.\]\) \(got \"a batch with the columns \['labels'\]\"\)"):
+        callback.on_step_end(args, SimpleNamespace(global_step=1, is_world_process_zero=True), None, model=model)
 
 
 def test_a_batch_of_one_group_has_no_row_and_is_counted(tmp_path, caplog):
