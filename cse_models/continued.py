@@ -203,9 +203,17 @@ def run_state(checkpoint) -> tuple[RunState | None, str]:
         except UNREADABLE as err:
             return None, f"its {name} could not be read ({' '.join(str(err).split())[:120]})"
     try:
+        state = read_json_object(checkpoint / "trainer_state.json", "run_state")
+    except UserError as err:
+        return None, f"its trainer_state.json could not be read ({' '.join(str(err).split())[:120]})"
+    for key in ("global_step", "max_steps"):
+        value = state.get(key) or 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return None, f"its trainer_state.json's {key} must be a step, an integer >= 0 (got {value!r})"
+    try:
         return _trainer_schedule(checkpoint)
     except UNREADABLE as err:
-        return None, f"its training_args.bin or scheduler.pt holds what a Trainer does not write " \
+        return None, f"its training_args.bin, scheduler.pt or trainer_state.json holds what a Trainer does not write " \
                      f"({' '.join(str(err).split())[:120]})"
 
 

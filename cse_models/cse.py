@@ -80,6 +80,7 @@ def convert_to_cse(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                          seed=seed + i, on_no_cluster=on_no_cluster,
                          n_clusters=None if n_clusters is None else n_clusters[i])
         dense = model.sparse_module(i)
+        check_expert_copies([(dense, fit.n_clusters)], f"convert_to_cse: layer {i}'s {fit.n_clusters} experts")
         weight = next(dense.parameters())
         as_t = lambda a: torch.as_tensor(a, device=weight.device, dtype=weight.dtype)  # noqa: E731
         router = (as_t(fit.projection), as_t(fit.centres), as_t(fit.radii))

@@ -141,8 +141,11 @@ def saved_layout(section: dict, model_type, where: str) -> Layout:
     :data:`LAYOUTS` equal to the family's own."""
     if not isinstance(section, dict):
         raise UserError(f"{where}: the sparse section must be a mapping (got {type(section).__name__})")
-    layout = Layout.from_dict(section.get("layout"), where)
     known = LAYOUTS.get(model_type)
+    data = section.get("layout")
+    if known is not None and isinstance(data, dict):  # a field an older file lacks is the family's own
+        data = {**dataclasses.asdict(known), **data}
+    layout = Layout.from_dict(data, where)
     if known is not None and layout != known:
         raise UserError(f"{where}: layout must be the {model_type} family's {dataclasses.asdict(known)} "
                         f"(got {dataclasses.asdict(layout)})")

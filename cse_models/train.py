@@ -329,6 +329,10 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     if sparse is not None and sparse.kind == "demix" and list(sparse.domains) != list(blocks.domain_names):
         raise UserError(f"train: a DEMix model's domains must be the data's domains in order "
                         f"{list(blocks.domain_names)} (expert j serves domain label j; got {sparse.domains!r})")
+    if cfg.cse.n_clusters is not None and sparse is not None and sparse.kind == "cse" and (
+            len(cfg.cse.n_clusters) != len(sparse.layers) or cfg.cse.rule != "hdbscan"):
+        raise UserError(f"train: cse.n_clusters needs one count per sparse layer {list(sparse.layers)} and rule "
+                        f"'hdbscan' (got {cfg.cse.n_clusters!r} with rule {cfg.cse.rule!r})")
     convert_at = (cfg.cse.warmup_steps if sparse is not None and sparse.kind == "cse" else
                   cfg.upcycle.at if upcyclable else None)
     if rank == 0:

@@ -145,7 +145,7 @@ def test_an_endless_pipe_is_bounded_and_its_copy_deleted(tmp_path, monkeypatch):
     monkeypatch.setenv("NTKSCOPE_MAX_PIPE_GIB", "0.002")
     monkeypatch.setattr(inputs.tempfile, "tempdir", str(tmp_path))
     with pytest.raises(UserError, match=r"/dev/zero gave more than 0\.002 GiB, the most a pipe is read into a "
-                                        r"temporary file \(a pipe without end\?\)"):
+                                        r"temporary file \(raise NTKSCOPE_MAX_PIPE_GIB\); a pipe without end\?"):
         inputs._spooled(Path("/dev/zero"))
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setenv("NTKSCOPE_MAX_PIPE_GIB", "-1")

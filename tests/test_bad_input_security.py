@@ -243,3 +243,12 @@ def test_a_concrete_class_refuses_a_sparse_directory_naming_cse_models(tmp_path)
     assert auto.config.vocab_size == 50 and type(auto).__name__ == "SparseForCausalLM"
     ids = torch.randint(0, 50, (2, 6))
     torch.testing.assert_close(auto(input_ids=ids).logits, load_hf(folder)(ids, None), rtol=0, atol=0)
+
+
+def test_a_sparse_directory_saved_without_some_layout_fields_still_loads(tmp_path):
+    """An older file's layout that lacks a field (attn) takes the family's own, not Layout's default."""
+    folder = _saved_sparse(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    del config["cse_sparse"]["layout"]["attn"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert isinstance(load_hf(folder), SparseHF)

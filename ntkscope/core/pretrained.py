@@ -1,7 +1,7 @@
 """Hugging Face files read without running their code and without the hub.
 
 Every ``from_pretrained`` and ``from_config`` of a ``transformers`` class in ntkscope and
-cse_models goes through :func:`from_pretrained` or :func:`from_config` (``tests/test_bad_input.py``
+cse_models goes through :func:`from_pretrained` or :func:`from_config` (``tests/test_bad_input_security.py``
 walks the code for any that does not). Both fix ``trust_remote_code=False`` (and the first
 ``local_files_only=True``): a checkpoint whose ``config.json`` or ``tokenizer_config.json``
 names its own Python code (``auto_map``) is loaded with the library's class where transformers

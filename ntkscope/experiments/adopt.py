@@ -57,7 +57,7 @@ def adopt_units(spec: Spec, run_dir: Path, todo: list[Unit], source: Path) -> li
             _copy(load, run_dir / "adopted" / "load.csv")
     adopted = []
     for unit in todo:
-        if is_done(read_state(run_dir, unit.name), unit):
+        if is_done(read_state(run_dir, unit.name), unit, run_dir):
             continue
         result, *model = outputs(spec, run_dir, unit)  # the result, and the model directory if the unit has one
         theirs = source / result.relative_to(run_dir)

@@ -53,7 +53,7 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
         for p in sorted((run / "plans").glob("seed*.json")):
             plans[int(p.stem.removeprefix("seed"))] = {**json.loads(p.read_text()), "trunks": trunks_label(run)}
     found = verdicts(table, spec.seeds, plans=plans)
-    if any(a.counts_from is not None for a in spec.arms):  # the count question (its own registered margin)
+    if {"cse-at1200-k300", "cse-at300-k1200"} <= {a.name for a in spec.arms}:  # the count question, its margin
         found["count"] = count_verdicts(table, spec.seeds, COUNT_MARGIN)
     planned = {u.name for u in units(spec, "")}
     done = taken | {f"plan-seed{s}" for s in plans}

@@ -331,9 +331,11 @@ def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSetti
                   seeds=tuple(c.ints(data, "seeds", minimum=0, default=[], where=where)),
                   counts_from=c.int(data, "counts_from", minimum=1, maximum=settings.steps - 1, default=None,
                                     where=where))
-    if arm.counts_from is not None and (kind != "cse" or arm.counts_from % settings.checkpoint_every):
-        raise SpecError(c.source, f"{where}counts_from", f"applies to kind 'cse' only, and must be a step the trunk "
-                        f"keeps (a multiple of checkpoint_every, {settings.checkpoint_every})", arm.counts_from)
+    if arm.counts_from is not None and kind != "cse":
+        raise SpecError(c.source, f"{where}counts_from", "applies to kind 'cse' only", kind)
+    if arm.counts_from is not None and arm.counts_from % settings.checkpoint_every:
+        raise SpecError(c.source, f"{where}counts_from", f"must be a step the trunk keeps (a multiple of "
+                        f"checkpoint_every, {settings.checkpoint_every})", arm.counts_from)
     if arm.shuffled and kind != "cse":
         raise SpecError(c.source, f"{where}shuffled", "applies to kind 'cse' only", kind)
     if arm.fair and kind != "switch":

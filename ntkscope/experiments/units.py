@@ -69,14 +69,23 @@ def read_state(run_dir, name: str) -> dict | None:
     try:
         state = read_json_object(path, "experiment")
     except UserError as err:
-        log.warning("%s; the unit runs again", err)
+        _warn_once(path, f"{err}; the unit runs again")
         return None
     typed = {"key": str, "status": str, "result": str, "attempts": int}
     wrong = [k for k, t in typed.items() if k in state and (not isinstance(state[k], t) or isinstance(state[k], bool))]
     if wrong:
-        log.warning("experiment: %s has fields of the wrong type (%s); the unit runs again", path, wrong)
+        _warn_once(path, f"experiment: {path} has fields of the wrong type ({wrong}); the unit runs again")
         return None
     return state
+
+
+_WARNED: set = set()  # damaged records already said (the runner reads every state each poll)
+
+
+def _warn_once(path: Path, message: str) -> None:
+    if str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        log.warning("%s", message)
 
 
 def write_state(run_dir, name: str, state: dict) -> None:
@@ -128,7 +137,7 @@ def _sweep_units(spec: Spec) -> list:
         for seed in seeds_of[arm.name]:
             what = {"kind": "arm", **dataclasses.asdict(arm), "layers": list(arm.layers or t.layers)}
             del what["what"]  # the tables' line: not what the unit computes
-            if arm.counts_from is None:  # the key of every arm before counts_from existed
+            if arm.counts_from is None:  # left out when unset, so that an arm without it keeps its key
                 del what["counts_from"]
             what["at"] = {"gc-peak": t.gc_peak_step, "late": spec.settings.steps // 2}.get(arm.at, arm.at)
             if arm.kind == "null":

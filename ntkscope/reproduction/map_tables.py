@@ -121,8 +121,9 @@ def verdicts(table: pd.DataFrame, seeds, *, step: int = 1200, plans: dict | None
                                                      and base["mean_difference"] < -spread)}
             return {**base, **ran}
         shown = base["wins"] >= need and base["mean_difference"] < -base["null_spread"]
-        # after registration (issue 57): a difference of two arms varies about sqrt(2) times one arm's
-        # spread, and part of it can be the other arm's own harm (its gain over dense, when positive)
+        # the stricter reading beside the registered one: a difference of two arms varies about
+        # sqrt(2) times one arm's spread, and part of it can be the other arm's own harm (its gain
+        # over dense, when positive)
         spread = math.sqrt(2) * base["null_spread"]
         harm = float(tail[(tail["arm"] == other) & (tail["step"] == step)]["gain"].mean())
         strict = {"difference_spread": spread,
@@ -238,6 +239,9 @@ def read_results(run_dir) -> dict:
     out = {}
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         result = read_json_object(path, "experiment map")
+        if "blocks" not in result:  # a record without per-block losses (an adopted sweep's): gains() skips it
+            out[path.stem] = result
+            continue
         blocks = result.get("blocks")
         ok = isinstance(result.get("arm"), str) and isinstance(result.get("seed"), int) and isinstance(blocks, dict) \
             and all(isinstance(blocks.get(k), list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -116,6 +116,8 @@ def _load_hf(path: Path, data: dict, weights: Path):
     try:  # never the checkpoint's own code, and never a prompt asking whether to run it
         hf_config = from_pretrained(transformers.AutoConfig, path, "load_checkpoint")
         size = parameter_count(lambda: from_config(auto, hf_config, "load_checkpoint"))
+    except UserError:  # the helper's own one line (a config naming code transformers has no class for)
+        raise
     except Exception as err:  # sizes that are negative, text, ... (huggingface_hub's own validation error too)
         if not isinstance(err, (ValueError, KeyError, OSError, TypeError, RuntimeError)) \
                 and "Validation" not in type(err).__name__:

@@ -236,6 +236,15 @@ def pipe_limit() -> int:
     return int(min(gib * 2**30, 0.9 * shutil.disk_usage(tempfile.gettempdir()).free))
 
 
+def _limit_said(limit: int) -> str:
+    """Which limit :func:`pipe_limit` applied, and what raises it."""
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    if limit >= int(0.9 * free):
+        return (f"{limit / 2**30:.3g} GiB, 90 % of the space free in {tempfile.gettempdir()} (free some, or point "
+                "TMPDIR elsewhere)")
+    return f"{limit / 2**30:.3g} GiB, the most a pipe is read into a temporary file (raise NTKSCOPE_MAX_PIPE_GIB)"
+
+
 def _spooled(path: Path) -> Path:
     """A regular file holding what the pipe ``path`` gives, read once per process (same base name,
     so its suffix still says its format), at most :func:`pipe_limit` bytes: an endless pipe
@@ -255,9 +264,8 @@ def _spooled(path: Path) -> Path:
                 dst.write(chunk)
         if read > limit:
             shutil.rmtree(folder, ignore_errors=True)
-            raise UserError(f"{_FUNC}: {path} gave more than {limit / 2**30:.3g} GiB, the most a pipe is read into a "
-                            "temporary file (a pipe without end?); write it to a file first, or raise "
-                            "NTKSCOPE_MAX_PIPE_GIB")
+            raise UserError(f"{_FUNC}: {path} gave more than {_limit_said(limit)}; a pipe without end? Write it "
+                            "to a file first")
         log.info("%s: %s is a pipe: read once into %s", _FUNC, path, copy)
         _SPOOLED[key] = copy
     return _SPOOLED[key]
