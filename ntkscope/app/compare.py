@@ -37,7 +37,7 @@ from cse_models.checkpointing import latest_checkpoint
 from cse_models.train import load_data, train
 from cse_models.train_config import TrainConfig, apply_plan, warmup_after
 from ntkscope.app.commands import data_files
-from ntkscope.core.checks import InputError, UserError
+from ntkscope.core.checks import InputError
 from ntkscope.core.files import DirectoryLock, Staging, check_output, digest, write_json, write_table
 from ntkscope.core.requests import bind_request
 from ntkscope.core.provenance import provenance
