@@ -45,7 +45,7 @@ from cse_models.config import SparseConfig
 from cse_models.experts import sequence_embedding
 from cse_models.hf_auto import MODEL_TYPE
 from cse_models.hf_modules import HFAttentionExpert, HFExpert, HFSparseAttention, HFSparseFFN
-from cse_models.model import (CONFIG_NAME, WEIGHTS_NAME, SparseRouting, TransformerLM, _sparse_module,
+from cse_models.model import (CONFIG_NAME, WEIGHTS_NAME, SparseRouting, TransformerLM, sparse_layer_of,
                               check_expert_copies, load_model)
 from ntkscope.core.checks import MissingInput, UserError, check_path
 from ntkscope.core.columns import batch_columns
@@ -162,7 +162,7 @@ def is_masked_lm(hf_model: nn.Module) -> bool:
     return type(hf_model).__name__.endswith("ForMaskedLM")
 
 
-def _transformers():
+def require_transformers():
     try:
         import transformers  # optional: pip install 'ntkscope[hf]'
     except ImportError:
@@ -174,7 +174,7 @@ def _transformers():
 def quiet_loading():
     """transformers' weight-loading bars off for the duration (a small load needs none, and the
     command line's -q means quiet); restored afterwards."""
-    logging_ = _transformers().utils.logging
+    logging_ = require_transformers().utils.logging
     bars = logging_.is_progress_bar_enabled()
     logging_.disable_progress_bar()
     try:
@@ -265,8 +265,7 @@ class SparseHF(SparseRouting, nn.Module):
         check_expert_copies([(self.sparse_module(i), sparse.experts_at(i)) for i in layers],
                             f"SparseHF: sparse.n_experts {sparse.n_experts if sparse is not None else None}")
         for i in layers:
-            if sparse.experts_at(i) > 0:
-                self.replace_sparse_module(i, _sparse_module(self.config, self.sparse_module(i), sparse.experts_at(i)))
+            self.replace_sparse_module(i, sparse_layer_of(self.config, self.sparse_module(i), sparse.experts_at(i)))
 
     def _capture_mask(self, _module, args, kwargs):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
@@ -408,7 +407,7 @@ def flat_config(data: dict) -> dict:
 
 
 def _hf_config(directory: Path, func: str):
-    transformers = _transformers()
+    transformers = require_transformers()
     data = flat_config(read_json_object(directory / CONFIG_NAME, func))
     data.pop(SECTION, None)
     model_type = data.get("model_type")

@@ -80,8 +80,8 @@ def classes() -> tuple:
         def __init__(self, config, sparse=None):
             super().__init__(config)
             if sparse is None:  # from a config alone: the base model at random, its sparse layers empty
-                from cse_models.hf import SparseHF, _transformers, saved_layout
-                transformers = _transformers()
+                from cse_models.hf import SparseHF, require_transformers, saved_layout
+                transformers = require_transformers()
                 auto = transformers.AutoModelForMaskedLM if self.masked else transformers.AutoModelForCausalLM
                 base = from_config(auto, transformers.AutoConfig.for_model(**config.base), "from_config")
                 section = config.cse_sparse or {}

@@ -32,7 +32,7 @@ WEIGHTS_NAME = "model.safetensors"
 SPARSE_TYPES = (CSELayer, SwitchFFN, DEMixLayer)
 
 
-def _sparse_module(config, dense: nn.Module, n_experts: int) -> nn.Module:
+def sparse_layer_of(config, dense: nn.Module, n_experts: int) -> nn.Module:
     """The sparse layer that config.sparse asks for, its experts copies of ``dense``."""
     sparse = config.sparse
     experts = [copy.deepcopy(dense) for _ in range(n_experts)]
@@ -184,7 +184,7 @@ class TransformerLM(SparseRouting, nn.Module):
             for i in config.sparse.layers:
                 c = config.sparse.experts_at(i)
                 if c > 0:
-                    layer = _sparse_module(config, self.sparse_module(i), c)
+                    layer = sparse_layer_of(config, self.sparse_module(i), c)
                     if config.sparse.kind != "cse":  # Switch / DEMix experts start independent;
                         for expert in layer.experts:  # CSE experts are copies of the warmed-up module
                             _initialise(expert, config.n_layer)

@@ -61,7 +61,7 @@ def test_a_damaged_json_file_is_one_line_naming_it(tmp_path, capsys, name, text,
 @pytest.mark.parametrize("damage,says", [
     ("no null_low", "lacks the columns ['null_low']"),
     ("no label, no n_subset", "lacks the columns ['label', 'n_subset']"),
-    ("foreign columns", "lacks the columns ['label', 'abs_gc'"),  # W7 (issue 59): was a report without its GC
+    ("foreign columns", "lacks the columns ['label', 'abs_gc'"),  # another table's columns: one line, not a report without GC
     ("text for numbers", "column abs_gc must hold numbers"),
     ("empty", "is not a readable CSV table"),
     ("header only", "holds no rows"),

@@ -1,5 +1,6 @@
-"""Bad input, round four (issue 59): the experiment runner's silent wrong results and losses (W1-W3,
-D1), the spec values that passed the check, damaged unit records and results."""
+"""Bad input to the experiment runner and the data readers: arm names that collide after expansion,
+deleted results, stale folders, spec values, damaged unit records and results, Trainer checkpoints,
+endless pipes and SIGTERM, tokenizers that cannot encode, mixed label types."""
 
 import json
 import logging
@@ -66,7 +67,7 @@ def test_a_deleted_result_makes_its_unit_run_again(tmp_path):
 
 
 def test_moving_aside_twice_makes_a_new_folder_each_time(tmp_path):
-    from ntkscope.experiments.runner import _move_aside
+    from ntkscope.experiments.runner import move_aside
     spec = parse_spec(_spec())
     unit = Unit("cse-at20-seed0", 0, {"kind": "arm", "name": "cse-at20"}, (), key="new")
     model = tmp_path / "models" / "cse-at20-seed0"
@@ -75,7 +76,7 @@ def test_moving_aside_twice_makes_a_new_folder_each_time(tmp_path):
         (model / "weights.txt").write_text(f"turn {turn}")
         (tmp_path / "results").mkdir(exist_ok=True)
         (tmp_path / "results" / "cse-at20-seed0.json").write_text(json.dumps({"turn": turn}))
-        _move_aside(spec, tmp_path, unit, "old")
+        move_aside(spec, tmp_path, unit, "old")
     first, second = tmp_path / "stale" / "cse-at20-seed0-old", tmp_path / "stale" / "cse-at20-seed0-old-2"
     assert (first / "cse-at20-seed0" / "weights.txt").read_text() == "turn 1"
     assert (second / "cse-at20-seed0" / "weights.txt").read_text() == "turn 2"

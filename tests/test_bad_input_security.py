@@ -1,7 +1,6 @@
-"""Bad input, round four, the security rows (issue 59, S1-S4): nothing from a checkpoint runs or
-rewrites the process. A tokenizer's custom code is never imported; a sparse layout is data
-(child-module names checked against the model before anything is touched); expert counts are
-sized before a copy is made."""
+"""Nothing from a checkpoint runs or rewrites the process. A tokenizer's custom code is never
+imported; a sparse layout is data (child-module names checked against the model before anything
+is touched); expert counts are sized before a copy is made."""
 
 import ast
 import json
@@ -39,7 +38,7 @@ def _plant_code(folder: Path, config_name: str, auto: str) -> None:
     (folder / config_name).write_text(json.dumps(data))
 
 
-# ---- S1: a checkpoint's code never runs -------------------------------------------------------
+# ---- a checkpoint's code never runs -----------------------------------------------------------
 
 def test_every_hf_load_in_the_library_goes_through_the_no_code_helper():
     """Every from_pretrained / from_config call on a transformers class in ntkscope and cse_models is
@@ -105,7 +104,7 @@ def test_the_helper_refuses_to_unfix_its_keywords(tmp_path):
         from_pretrained(transformers.AutoConfig, tmp_path, "mine", trust_remote_code=True)
 
 
-# ---- S2/S3: a sparse layout is data, not code -------------------------------------------------
+# ---- a sparse layout is data, not code --------------------------------------------------------
 
 HOSTILE = ["mlp.__class__.forward", "attn.c_attn.weight.__class__.__base__.softmax", "__class__", "_modules",
            "mlp.c_fc.weight", "mlp.forward", "mlp/../x", "", 3, None]
@@ -177,7 +176,7 @@ def test_a_known_layout_and_a_custom_one_of_child_modules_are_accepted():
     assert type(model.hf.transformer.h[0].mlp).__name__ == "HFSparseFFN"
 
 
-# ---- S4: sizes estimated before allocation ----------------------------------------------------
+# ---- sizes estimated before allocation -----------------------------------------------------------
 
 def test_a_billion_experts_are_refused_before_one_is_made(tmp_path):
     folder = _saved_sparse(tmp_path)
@@ -201,7 +200,7 @@ def test_a_switch_callback_of_a_billion_experts_is_refused_when_training_begins(
             SparseCallback(at=2, kind="switch", layers=[1], n_experts=bad)
 
 
-# ---- SparseCallback's fitting and plan, checked when the callback is made (issue 59 tracebacks) ------
+# ---- SparseCallback's fitting and plan, checked when the callback is made --------------------------
 
 @pytest.mark.parametrize("fitting, message", [
     ({"input_ids": torch.arange(10)}, r"input_ids'\] must be a 2-D integer tensor"),
@@ -232,7 +231,8 @@ def test_out_of_vocabulary_fitting_ids_and_a_missing_plan_are_refused_before_tra
 
 
 def test_a_concrete_class_refuses_a_sparse_directory_naming_cse_models(tmp_path):
-    """W8 (issue 59): GPT2LMHeadModel.from_pretrained(SPARSE_DIR) built random weights with a warning."""
+    """GPT2LMHeadModel.from_pretrained(SPARSE_DIR) refuses, naming cse_models, where it would build random
+    weights from the base config nested in the file."""
     import cse_models  # noqa: F401 (the Auto classes)
 
     folder = _saved_sparse(tmp_path)

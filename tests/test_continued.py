@@ -107,7 +107,7 @@ def test_pickle_extension_codes_are_refused_not_looked_up(tmp_path):
 
 
 def test_damaged_trainer_files_are_a_reason_never_a_traceback(tmp_path):
-    """Issue 59: training_args.bin with a huge int, inf or a beta of 2; scheduler.pt holding a list;
+    """training_args.bin with a huge int, inf or a beta of 2; scheduler.pt holding a list;
     optimizer.pt with another exp_avg_sq shape, or not a state dict: each one reason naming the file."""
     import shutil
 

@@ -1,4 +1,4 @@
-"""An expert count fixed apart from the representation (issue 57, item 6): fit_router's
+"""An expert count fixed apart from the representation: fit_router's
 n_clusters on planted clusters, and a sweep arm converted with another step's counts."""
 
 import json

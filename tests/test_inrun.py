@@ -258,7 +258,7 @@ def test_in_run_gc_in_a_trainer_needs_the_label_column():
 
 
 def test_a_batch_of_one_group_has_no_row_and_is_counted(tmp_path, caplog):
-    """W5 (issue 59): one label in a batch is the whole batch, whose GC is 1 by construction."""
+    """One label in a batch is the whole batch, whose GC is 1 by construction: no row, counted."""
     import logging
 
     from ntkscope.gc.inrun import InRunTracker

@@ -1,8 +1,8 @@
-"""Property tests of round four's surfaces (issue 59): random experiment-spec values, random sparse
-layouts and counts, and random Trainer checkpoint files (training_args.bin fields,
-trainer_state.json, optimizer.pt shapes). Every outcome is a result or the documented one-line
-error (a ``UserError``, or a reason string); never another exception, and never a change to a
-class of the process. 20 examples in CI; ``NTKSCOPE_PROPERTY_EXAMPLES=300`` locally."""
+"""Property tests of random experiment-spec values, random sparse layouts and counts, and random
+Trainer checkpoint files (training_args.bin fields, trainer_state.json, optimizer.pt shapes).
+Every outcome is a result or the documented one-line error (a ``UserError``, or a reason string);
+never another exception, and never a change to a class of the process. 20 examples in CI;
+``NTKSCOPE_PROPERTY_EXAMPLES=300`` locally."""
 
 import json
 import os
@@ -64,7 +64,8 @@ def _gpt2():
 
 @SETTINGS
 @given(layout=st.dictionaries(st.sampled_from(["blocks", "ffn", "ffn_out", "attn", "shell"]), NAMES, max_size=5),
-       n_experts=st.one_of(st.integers(-2, 4), st.sampled_from([10**9, 10**12])), kind=st.sampled_from(["cse", "switch"]),
+       n_experts=st.one_of(st.integers(-2, 4), st.sampled_from([10**9, 10**12])),
+       kind=st.sampled_from(["cse", "switch"]),
        module=st.sampled_from(["ffn", "attn"]))
 def test_a_sparse_config_loads_or_is_one_line_and_touches_no_class(layout, n_experts, kind, module):
     from cse_models import SparseHF

@@ -80,7 +80,7 @@ def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> di
         if is_done(state, unit, run_dir):
             return {"status": "done"}
         if state and state.get("key") != unit.key:
-            _move_aside(spec, run_dir, unit, state["key"])
+            move_aside(spec, run_dir, unit, state["key"])
         attempt = state.get("attempts", 0) + 1 if state and state.get("key") == unit.key else 1
         base = {"name": unit.name, "key": unit.key, "attempts": attempt, "pid": os.getpid(),
                 "host": socket.gethostname(), "started": _now()}
@@ -100,7 +100,7 @@ def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> di
         lock.__exit__(None, None, None)
 
 
-def _move_aside(spec: Spec, run_dir: Path, unit: Unit, old_key: str) -> None:
+def move_aside(spec: Spec, run_dir: Path, unit: Unit, old_key: str) -> None:
     """The outputs ``unit`` made under ``old_key`` into a new folder RUN/stale/NAME-KEY (then
     NAME-KEY-2, ...: a folder moved aside before is never written into)."""
     stale, n = run_dir / "stale" / f"{unit.name}-{old_key}", 1

@@ -223,9 +223,10 @@ def as_source(data, *, columns: DataSource | None = None) -> DataSource:
     return source
 
 
-def pipe_limit() -> int:
-    """The most bytes a pipe is read into a temporary file: ``$NTKSCOPE_MAX_PIPE_GIB`` GiB (default
-    16), and never more than 90 % of the space free where temporary files go."""
+def pipe_limit() -> tuple[int, str]:
+    """The most bytes a pipe is read into a temporary file, and which limit that is (what raises
+    it): ``$NTKSCOPE_MAX_PIPE_GIB`` GiB (default 16), and never more than 90 % of the space free
+    where temporary files go."""
     try:
         gib = float(os.environ.get("NTKSCOPE_MAX_PIPE_GIB", "16"))
     except ValueError:
@@ -233,16 +234,12 @@ def pipe_limit() -> int:
     if not gib > 0 or gib == float("inf"):
         raise UserError(f"{_FUNC}: NTKSCOPE_MAX_PIPE_GIB must be a positive number of GiB (got "
                         f"{os.environ.get('NTKSCOPE_MAX_PIPE_GIB')!r})")
-    return int(min(gib * 2**30, 0.9 * shutil.disk_usage(tempfile.gettempdir()).free))
-
-
-def _limit_said(limit: int) -> str:
-    """Which limit :func:`pipe_limit` applied, and what raises it."""
-    free = shutil.disk_usage(tempfile.gettempdir()).free
-    if limit >= int(0.9 * free):
-        return (f"{limit / 2**30:.3g} GiB, 90 % of the space free in {tempfile.gettempdir()} (free some, or point "
-                "TMPDIR elsewhere)")
-    return f"{limit / 2**30:.3g} GiB, the most a pipe is read into a temporary file (raise NTKSCOPE_MAX_PIPE_GIB)"
+    space = int(0.9 * shutil.disk_usage(tempfile.gettempdir()).free)
+    if space < gib * 2**30:
+        return space, (f"{space / 2**30:.3g} GiB, 90 % of the space free in {tempfile.gettempdir()} (free some, or "
+                       "point TMPDIR elsewhere)")
+    return int(gib * 2**30), (f"{gib:.3g} GiB, the most a pipe is read into a temporary file (raise "
+                              "NTKSCOPE_MAX_PIPE_GIB)")
 
 
 def _spooled(path: Path) -> Path:
@@ -251,7 +248,7 @@ def _spooled(path: Path) -> Path:
     (``/dev/zero``, ``<(yes)``) is refused in one line and its copy deleted."""
     key = str(path)
     if key not in _SPOOLED:
-        limit = pipe_limit()
+        limit, said = pipe_limit()
         folder = tempfile.mkdtemp(prefix="ntkscope-data-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)  # any exit, SIGTERM included (the command's handler)
         copy = Path(folder) / path.name
@@ -264,7 +261,7 @@ def _spooled(path: Path) -> Path:
                 dst.write(chunk)
         if read > limit:
             shutil.rmtree(folder, ignore_errors=True)
-            raise UserError(f"{_FUNC}: {path} gave more than {_limit_said(limit)}; a pipe without end? Write it "
+            raise UserError(f"{_FUNC}: {path} gave more than {said}; a pipe without end? Write it "
                             "to a file first")
         log.info("%s: %s is a pipe: read once into %s", _FUNC, path, copy)
         _SPOOLED[key] = copy
