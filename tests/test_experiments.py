@@ -294,9 +294,10 @@ def test_every_shipped_spec_reads_and_expands():
 
     counts = {name: len(units(load_spec(name), "v")) for name in shipped()}
     assert counts == {"sweep": 28, "tables": 54, "tables-late": 27, "warmup-map": 84, "warmup-map-mix": 14,
-                      "warmup-map-b": 13, "warmup-map-scale": 12, "warmup-map-count": 15, "tail-dense": 1}
+                      "warmup-map-b": 13, "warmup-map-scale": 12, "warmup-map-count": 15, "tail-dense": 1,
+                      "warmup-fresh": 40, "warmup-fresh-half": 24, "warmup-fresh-mix": 24}
     spec = load_spec("sweep")
     on_gpu = dataclasses.replace(spec, settings=spec.settings.replace(device="cuda"))
     assert [u.key for u in units(spec, "v")] == [u.key for u in units(on_gpu, "v")]
     proc = subprocess.run([sys.executable, "-m", "ntkscope", "experiment", "specs"], capture_output=True, text=True)
-    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 9 and "warmup-map-count" in proc.stdout
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 12 and "warmup-map-count" in proc.stdout

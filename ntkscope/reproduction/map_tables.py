@@ -195,7 +195,7 @@ def _layer_verdicts(tail: pd.DataFrame, plans: dict, step: int) -> dict:
     return {"trunks": per, "agree": agree, "judged": judged}
 
 
-def _judge(curve: pd.Series, step: int) -> dict:
+def judge_step(curve: pd.Series, step: int) -> dict:
     """The rule's ``step`` against one CSE map ``curve`` (step -> tail gain), CRITERIA.md verdict 4."""
     gain = float(np.interp(step, curve.index.to_numpy(), curve.to_numpy()))
     best = int(curve.idxmin())
@@ -223,11 +223,11 @@ def _rule_verdicts(tail: pd.DataFrame, plans: dict) -> dict:
             out[str(seed)] = {**entry, "verdict": "not decided", "why": "the trunk's CSE map is incomplete"}
             continue
         step = int(plan["warmup_steps"])
-        out[str(seed)] = {**entry, **_judge(curve, step)}
+        out[str(seed)] = {**entry, **judge_step(curve, step)}
         own = rows["trunks"] == plan.get("trunks", rows["trunks"].iloc[0])
         if not own.all() and own.sum() >= 2:
             out[str(seed)]["on_plan_trunks"] = {"map_steps": [int(s) for s in curve[own].index],
-                                                **_judge(curve[own], step)}
+                                                **judge_step(curve[own], step)}
     return out
 
 
