@@ -12,9 +12,10 @@ import pytest
 
 from ntkscope.core.checks import UserError
 from ntkscope.reproduction import signal_cv
-from ntkscope.runs.signals import (LOSS_WINDOW, SIGNALS, Signal, TrunkLog, cluster_count, consensus_structure,
+from ntkscope.runs.checkpoints import schedule_length
+from ntkscope.runs.signals import (CROSS_VALIDATED, LOSS_WINDOW, SIGNALS, Signal, TrunkLog, cluster_count, consensus_structure,
                                    get_signal, loss_plateau, lr_fraction, register, schedule_fraction,
-                                   tail_slope_ratio)
+                                   schedule_fraction_step, tail_slope_ratio, warmup_record)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,3 +142,27 @@ def test_the_held_out_trunk_never_sets_its_own_threshold():
     held = cv.set_index("held_out")
     assert held.loc["d", "threshold"] == 0.5 and not held.loc["d", "good"]
     assert held.loc[["a", "b", "c"], "good"].all()
+
+
+def test_the_plans_record_is_the_committed_cross_validation():
+    rule = json.loads((ROOT / "figures" / "warmup-map" / "signals" / "rule.json").read_text())
+    for key in ("signal", "threshold", "cv_good", "trunks", "cv_record"):
+        assert CROSS_VALIDATED[key] == rule[key], key
+    fresh = ROOT / "figures" / "warmup-map" / "fresh"
+    if not (fresh / "tables" / "verdicts.json").is_file():
+        assert CROSS_VALIDATED["fresh"].startswith("not yet run")
+
+
+def test_warmup_record_and_schedule_length(tmp_path):
+    record = warmup_record(400, "stable-clusters", 2400)
+    assert record["cross_validated"]["step"] == 1200 and record["measured_step"] == 400
+    assert "good in 6 of 7" in record["summary"] and "step 1200" in record["summary"]
+    unknown = warmup_record(400, "stable-clusters", None)
+    assert unknown["cross_validated"]["step"] is None and "--schedule-steps" in unknown["summary"]
+    with pytest.raises(UserError, match="schedule_fraction_step: total_steps must be a positive int"):
+        schedule_fraction_step(0, 0.5)
+    assert schedule_length(tmp_path) is None
+    (tmp_path / "train_config.json").write_text(json.dumps({"steps": 900}))
+    assert schedule_length(tmp_path) == 900
+    (tmp_path / "train_config.json").write_text("{not json")
+    assert schedule_length(tmp_path) is None

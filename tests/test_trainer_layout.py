@@ -63,6 +63,15 @@ def test_plan_gc_and_compare_on_a_trainer_run(trainer_run, tmp_path):
     assert plan.returncode == 0, plan.stderr[-2000:]
     made = json.loads((tmp_path / "plan.json").read_text())
     assert made["source"]["steps"] == [2, 4, 6] and made["source"]["model_type"] == "gpt_neox"
+    record = made["evidence"]["warmup_record"]  # the schedule's length from trainer_state.json's max_steps
+    assert record["schedule_steps"] == 6 and record["cross_validated"]["step"] == 3
+    assert record["measured_step"] == made["warmup_steps"] and "half the schedule is step 3" in plan.stdout
+    by_fraction = in_process("plan", run, *common, "--top-k", 1, "--warmup-by", "schedule-fraction",
+                             "--schedule-steps", 10, "--out", tmp_path / "plan-fraction.json")
+    assert by_fraction.returncode == 0, by_fraction.stderr[-2000:]
+    fraction = json.loads((tmp_path / "plan-fraction.json").read_text())
+    assert (fraction["warmup_steps"], fraction["warmup_rule"]) == (5, "schedule-fraction")
+    assert fraction["layers"] == made["layers"]
     gc = in_process("gc", run, *common[:2], "--n", 24, "--seq-len", 16, "--resamples", 0, "--null-draws", 0,
                     "--out", tmp_path / "gc")
     assert gc.returncode == 0, gc.stderr[-2000:]

@@ -121,7 +121,8 @@ def _plan(args) -> int:
     r = commands.plan_command(args.run_dir, _source(args), **_analysis_options(args), module=args.module,
                               tail_fraction=args.tail_fraction,
                               kernel=KernelOptions(output=args.output, method=args.method, seed=args.seed),
-                              overlap=args.overlap, choose_by=args.choose_by,
+                              overlap=args.overlap, choose_by=args.choose_by, warmup_by=args.warmup_by,
+                              schedule_steps=args.schedule_steps,
                               tail_labels=args.tail_labels.split(",") if args.tail_labels else None, out=args.out)
     _print_table("separation per checkpoint and layer:", r["separation"].pivot(
         index="step", columns="layer", values="separation").reset_index())
@@ -140,6 +141,7 @@ def _plan(args) -> int:
         by_labels = plan.evidence["layers_by_labels"] or f"none: {plan.evidence['labels_verdict']}"
         print(f"layers by separation (at step {at}) {plan.evidence['layers_by_separation']}; by the labels' tail "
               f"share {by_labels} (best share per layer: {shares})")
+    print(f"\nthe warm-up's record: {plan.evidence['warmup_record']['summary']}")
     print(f"plan: CSE layers {plan.layers} ({plan.chosen_by}; separation scores from the checkpoint at step {at}), "
           f"warm-up {plan.warmup_steps} steps (rule: {plan.warmup_rule}) -> {args.out}")
     return 0
@@ -370,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "persistence; labels: layers where the tail's clusters hold the most tail sentences, warm-up "
                       "at the first checkpoint where one of them holds a pure tail cluster (when no layer holds "
                       "one, the labels choose nothing and the plan says so)")
+    plan.add_argument("--warmup-by", choices=commands.WARMUP_BY, default="measured",
+                      help="measured (default): the warm-up by the rules above; schedule-fraction: half the run's "
+                      "schedule, the signal cross-validation chose on the warm-up map's trunks (it reads no "
+                      "measurement; docs/warmup-map.md). The plan records both steps either way")
+    plan.add_argument("--schedule-steps", type=POSITIVE_INT, help="the run's schedule length in steps (default: "
+                      "the run's train_config.json steps or trainer_state.json max_steps)")
     _add_method_arg(plan, "eigen")
     plan.add_argument("--out", default="plan.json", help="the plan file (default plan.json)")
     plan.set_defaults(run=_plan)

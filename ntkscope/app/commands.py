@@ -33,11 +33,12 @@ from ntkscope.plotting import gc_over_steps, gc_vs_frequency, ntk_heatmap, routi
 from ntkscope.representation.clusters import layer_separation
 from ntkscope.representation.plan import gc_peak, make_plan
 from ntkscope.runs.checkpoints import (check_vocab, checkpoint_tokenizer, is_run_dir, list_checkpoints,
-                                       load_checkpoint)
+                                       load_checkpoint, schedule_length)
 from ntkscope.runs.dynamics import (cluster_dynamics, clusters_analysis, clusters_table, gc_analysis, gc_series,
                                     gc_table, persistence_tables, router_analysis, router_table, walk)
 from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.families import family_of
+from ntkscope.runs.signals import warmup_record
 from ntkscope.gc.groups import GC_OUTPUT, gc_by_bins, gc_sensitivity, homogeneous_pools
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import Record
@@ -350,11 +351,16 @@ def clusters_command(target, data="default", *, sentences: Sentences = Sentences
     return {**result, "table": table}
 
 
+#: how ``ntkscope plan`` sets the warm-up: its measured rules, or the cross-validated schedule fraction
+WARMUP_BY = ("measured", "schedule-fraction")
+
+
 def plan_command(run_dir, data="default", *, sentences: Sentences = Sentences(),
                  kernel: KernelOptions = KernelOptions(output=GC_OUTPUT), point: str = "block", k_max: int = 10,
                  projection_dim: int = 64, top_k: int = 2, module: str = "ffn", tail_fraction: float = GCOptions.tail_fraction,
                  overlap: float = 0.8, router: dict | None = None, tail_labels=None, choose_by: str = "structure",
-                 cache_dir=None, out="plan.json") -> dict:
+                 warmup_by: str = "measured", schedule_steps: int | None = None, cache_dir=None,
+                 out="plan.json") -> dict:
     """CSE layers and the warm-up from a run's checkpoints (``ntkscope plan``), saved to ``out``
     (:func:`~ntkscope.make_plan`'s rules): the earliest checkpoint from which the router's small
     clusters persist (:func:`~ntkscope.fit_router` with ``router``, default its defaults), else
@@ -363,8 +369,23 @@ def plan_command(run_dir, data="default", *, sentences: Sentences = Sentences(),
     two or more labels, the plan also reports what the clusters hold of the ``tail_labels``
     (default: every label but the most frequent), and ``choose_by="labels"`` chooses by them. The
     long tail's GC is computed as ``kernel`` says; the clusters, router and GC statistics are
-    seeded with ``sentences.seed``."""
+    seeded with ``sentences.seed``.
+
+    The plan's ``evidence["warmup_record"]`` says how those rules and the cross-validated signal
+    did on the warm-up map (:func:`~ntkscope.runs.signals.warmup_record`) and the step each
+    gives here; ``warmup_by="schedule-fraction"`` takes the cross-validated signal's step (half
+    the run's schedule: ``schedule_steps``, else the run's own record of its length)."""
     check_output("plan", out, kind="file")
+    if warmup_by not in WARMUP_BY:
+        raise InputError("warmup_by", f"must be one of {list(WARMUP_BY)}", warmup_by, func="ntkscope plan")
+    if schedule_steps is not None and (isinstance(schedule_steps, bool) or not isinstance(schedule_steps, int)
+                                       or schedule_steps < 1):
+        raise InputError("schedule_steps", "must be a positive integer", schedule_steps, func="ntkscope plan")
+    total = schedule_steps if schedule_steps is not None else schedule_length(run_dir)
+    if warmup_by == "schedule-fraction" and total is None:
+        raise InputError("warmup_by", "'schedule-fraction' needs the run's schedule length: the run has neither "
+                         "train_config.json steps nor trainer_state.json max_steps; give schedule_steps "
+                         "(--schedule-steps)", warmup_by, func="ntkscope plan")
     last_path = list_checkpoints(run_dir)[-1][1]
     last_model, tok = load_model_and_tokenizer(last_path, sentences.tokenizer, data)
     ad = analysis_sentences(last_model, tok, data, sentences)
@@ -393,6 +414,11 @@ def plan_command(run_dir, data="default", *, sentences: Sentences = Sentences(),
                      labels=(lambda layers: routers) if labelled else None,
                      stability=lambda layers: routers.query("layer in @layers"))
     steps = [step for step, _ in checkpoints]
+    record = warmup_record(plan.warmup_steps, plan.warmup_rule, total)
+    if warmup_by == "schedule-fraction":
+        plan = dataclasses.replace(plan, warmup_steps=record["cross_validated"]["step"],
+                                   warmup_rule="schedule-fraction")
+    plan = dataclasses.replace(plan, evidence={**plan.evidence, "warmup_record": record})
     plan = dataclasses.replace(plan, source={
         **architecture(last_model), "family": family_of(last_model).name, "tokenizer": tok.name,
         "vocab_size": tok.vocab_size, **as_source(data).options(), "run": str(run_dir), "steps": steps,

@@ -265,6 +265,40 @@ def _warmup_map(t: Tables) -> dict:
     out.update(_curves(t.folder))
     out.update(_scale(t.folder / "scale"))
     out.update(_count(t.folder / "count"))
+    out.update(_signals(t.folder))
+    return out
+
+
+def _signals(folder) -> dict:
+    """The candidate warm-up signals' cross-validation (figures/warmup-map/signals) and the fresh
+    trunks' verdict (figures/warmup-map/fresh), when they exist."""
+    path = folder / "signals" / "rule.json"
+    if not path.is_file():
+        return {}
+    rule = json.loads(path.read_text())
+    cv = pd.read_csv(folder / "signals" / "cv.csv")
+    grid = pd.read_csv(folder / "signals" / "thresholds.csv")
+    n = rule["trunks"]
+    rows = [f"| signal | reads | good held out | threshold on all {n} | good in sample | its steps on the {n} trunks |",
+            "|---|---|---|---|---|---|"]
+    for name, g in cv.groupby("signal", sort=False):
+        th = rule["thresholds"][name]
+        at = grid[(grid["signal"] == name) & np.isclose(grid["threshold"], th)].iloc[0]
+        reads = "labels" if not bool(g["label_free"].iloc[0]) else "no labels"
+        rows.append(f"| `{name}` | {reads} | {int(g['good'].sum())} of {n} | {th:g} | {int(at['good'])} of {n} | "
+                    f"{at['steps']} |")
+    measured = {k: v for k, v in rule["cv_record"].items() if k != "schedule-fraction"}
+    out = {"map.signals.table": "\n".join(rows), "map.signals.count": str(len(rule["cv_record"])),
+           "map.signals.rule": f"`{rule['signal']}` at {rule['threshold']:g}",
+           "map.signals.rule_good": f"{rule['cv_good']} of {n}",
+           "map.signals.best_measured": f"{max(measured.values())} of {n}",
+           "map.signals.trunks": str(n)}
+    fresh = folder / "fresh" / "verdicts.json"
+    if fresh.is_file():
+        v = json.loads(fresh.read_text())["rule_on_fresh_trunks"]
+        out["map.fresh.verdict"] = f"{v['verdict']}: good in {v['good']} of {v['judged']} judged ({v['planned']} planned)"
+    else:
+        out["map.fresh.verdict"] = "not yet run"
     return out
 
 

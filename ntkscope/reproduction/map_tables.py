@@ -159,14 +159,14 @@ def verdicts(table: pd.DataFrame, seeds, *, step: int = 1200, plans: dict | None
         floor[arm] = entry
     out["against_null"] = floor
     out["rule"] = _rule_verdicts(tail, plans or {})
-    out["layers"] = _layer_verdicts(tail, plans or {}, step)
+    out["layers"] = layer_verdicts(tail, plans or {}, step)
     return out
 
 
 PAIRS = {"cse": (2, 3), "cse-l01": (0, 1)}  # the arm that converts at each layer pair at the verdict's step
 
 
-def _layer_verdicts(tail: pd.DataFrame, plans: dict, step: int) -> dict:
+def layer_verdicts(tail: pd.DataFrame, plans: dict, step: int) -> dict:
     """Per trunk: does the layer pair the plan ranks higher by consensus structure at its warm-up
     (the pair's mean) have the lower tail gain at ``step``? (CRITERIA.md, verdict 5.) A pair shows
     structure when its mean is at least the rule's ``min_structure``; where neither does, the

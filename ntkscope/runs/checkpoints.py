@@ -152,3 +152,22 @@ def check_vocab(model, tokenizer, where: str = "load_checkpoint") -> None:
     if tokenizer.vocab_size > rows:
         raise UserError(f"{where}: tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but the model's "
                         f"embedding has {rows} rows: the vocabulary does not match the model")
+
+
+def schedule_length(run_dir: str | Path) -> int | None:
+    """The number of training steps a run was scheduled for: ``train_config.json``'s ``steps``
+    (a ``cse_models`` run) or the last ``checkpoint-N``'s ``trainer_state.json`` ``max_steps``
+    (a ``Trainer`` run); None when neither says."""
+    run_dir = Path(run_dir)
+    candidates = [(run_dir / "train_config.json", "steps")]
+    trainer = _trainer_dirs(run_dir)
+    if trainer:
+        candidates.append((trainer[-1][1] / "trainer_state.json", "max_steps"))
+    for path, key in candidates:
+        try:
+            value = json.loads(path.read_text(encoding="utf-8")).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None

@@ -202,3 +202,40 @@ register(Signal("consensus-structure", "the label-free consensus structure's low
                 "every layer (the registered rule at 0.05)", True, _grid(0.02, 0.25, 0.01), consensus_structure))
 register(Signal("cluster-count", "the consensus's number of clusters, mean over layers, reaching a count", True,
                 _grid(2.0, 5.0, 0.25), cluster_count))
+
+
+#: what cross-validation chose on the warm-up map's trunks (figures/warmup-map/signals/rule.json,
+#: checked equal by the tests) and what the fresh trunks registered in
+#: figures/warmup-map/fresh/CRITERIA.md have shown of it
+CROSS_VALIDATED = {
+    "signal": "schedule-fraction", "threshold": 0.5, "cv_good": 6, "trunks": 7,
+    "cv_record": {"schedule-fraction": 6, "lr-fraction": 2, "loss-plateau": 2, "tail-slope-ratio": 1,
+                  "consensus-structure": 2, "cluster-count": 0},
+    "on": "leave-one-trunk-out over the warm-up map's 7 trunks (4 x 128 GPT, 2400-step cosine, one H200 build)",
+    "fresh": "not yet run (figures/warmup-map/fresh/CRITERIA.md)",
+}
+
+
+def warmup_record(measured_step: int | None, measured_rule: str | None, total_steps: int | None) -> dict:
+    """What a plan says about its warm-up: the step its measured rule chose, the step the
+    cross-validated signal gives on this schedule (``total_steps``; None when the run does not
+    say its length), and both records in words."""
+    cv = CROSS_VALIDATED
+    fraction = schedule_fraction_step(total_steps, cv["threshold"]) if total_steps else None
+    best_measured = max(v for k, v in cv["cv_record"].items() if SIGNALS[k].fn is not schedule_fraction)
+    return {"measured_rule": measured_rule, "measured_step": measured_step, "schedule_steps": total_steps,
+            "cross_validated": {**cv, "step": fraction},
+            "summary": (f"No measured signal chose the warm-up well on the map's trunks (the best was good in "
+                        f"{best_measured} of {cv['trunks']} held out); a fixed fraction of the schedule, "
+                        f"{cv['threshold']:g}, was good in {cv['cv_good']} of {cv['trunks']}, and reads no measurement "
+                        f"of the run. Fresh trunks: {cv['fresh']}. Here: the measured rule '{measured_rule}' chose "
+                        f"{measured_step}; half the schedule is "
+                        + (f"step {fraction}." if fraction is not None else "unknown (the run does not say its "
+                           "length: give it with --schedule-steps)."))}
+
+
+def schedule_fraction_step(total_steps: int, fraction: float) -> int:
+    """``fraction`` of a schedule of ``total_steps``, rounded to a step."""
+    if not isinstance(total_steps, (int, np.integer)) or isinstance(total_steps, bool) or total_steps <= 0:
+        raise fail("schedule_fraction_step", "total_steps", "must be a positive int", total_steps)
+    return int(round(fraction * total_steps))

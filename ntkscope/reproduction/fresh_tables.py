@@ -1,0 +1,129 @@
+"""The fresh trunks' verdicts (figures/warmup-map/fresh/CRITERIA.md, registered before any of
+them ran): the cross-validated rule (:data:`~ntkscope.runs.signals.CROSS_VALIDATED`) and the
+other signals at their thresholds judged on each fresh trunk by the map's verdict 4, the step or
+schedule position on the half schedule, the plan's layers, and the gain at the rule's step.
+
+:mod:`ntkscope.experiments.fresh` reads the families' folders and writes the tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from ntkscope.reproduction.map_tables import judge_step, layer_verdicts
+from ntkscope.runs.signals import CROSS_VALIDATED, SIGNALS, TrunkLog, schedule_fraction_step
+
+#: the registered families: name -> (trunks, which family's count verdict 1 requires 2 of 3 of)
+FAMILIES = {"warmup-fresh": 5, "warmup-fresh-half": 3, "warmup-fresh-mix": 3}
+NEED_ALL, NEED_EACH = 9, 2  # verdict 1: good in 9 of the 11 trunks and 2 of 3 of each of half and mix
+CSE_STEPS = 5
+
+
+@dataclass(frozen=True)
+class Family:
+    """One fresh family: its gains table (:func:`~ntkscope.reproduction.map_tables.gains`), the
+    trunks' plans ({seed: plan}), the dense trunks' validation curves (or None), the schedule's
+    length and the seeds."""
+
+    name: str
+    gains: pd.DataFrame
+    plans: dict
+    total_steps: int
+    seeds: tuple
+    curves: pd.DataFrame | None = None
+    device: str = ""
+    notes: list = field(default_factory=list)
+
+
+def _log(family: Family, seed: int) -> TrunkLog | None:
+    if family.curves is None:
+        return None
+    rows = family.curves[(family.curves["arm"] == "dense") & (family.curves["seed"] == seed)]
+    if not len(rows):
+        return None
+    evidence = (family.plans.get(seed) or {}).get("evidence") or {}
+    structure, rule = None, evidence.get("structure_rule") or {}
+    if evidence.get("structure"):
+        structure = pd.concat([pd.DataFrame(r).assign(layer=int(L)) for L, r in evidence["structure"].items()],
+                              ignore_index=True)
+    return TrunkLog(rows[["step", "domain", "loss", "lr"]].reset_index(drop=True), family.total_steps, structure,
+                    layers=tuple(rule.get("judged_at_layers", (2, 3))),
+                    window=tuple(rule["window"]) if rule.get("window") else None)
+
+
+def trunk_rows(family: Family, thresholds: dict) -> list:
+    """A row per trunk and judged signal (the rule first): its step, gain there, the best step
+    and the verdict."""
+    tail = family.gains[family.gains["domain"] == "tail"]
+    rows = []
+    for seed in family.seeds:
+        curve = tail[(tail["arm"] == "cse") & (tail["seed"] == seed)].set_index("step")["gain"].sort_index()
+        log = _log(family, seed)
+        judged = [("rule: " + CROSS_VALIDATED["signal"], CROSS_VALIDATED["threshold"])]
+        judged += [(name, th) for name, th in thresholds.items()] + [("consensus-structure", 0.05)]
+        for name, threshold in judged:
+            signal = SIGNALS[name.removeprefix("rule: ")]
+            row = {"family": family.name, "seed": seed, "signal": name, "threshold": threshold,
+                   "total_steps": family.total_steps, "map_steps": len(curve)}
+            if len(curve) < CSE_STEPS:
+                rows.append({**row, "verdict": "not decided"})
+                continue
+            if signal.name == "schedule-fraction":
+                step = schedule_fraction_step(family.total_steps, threshold)
+            elif log is None:
+                rows.append({**row, "verdict": "no log"})
+                continue
+            else:
+                step = signal.step(log, threshold)
+            best = int(curve.idxmin())
+            row.update(best_step=best, best_fraction=best / family.total_steps, best_gain=float(curve[best]))
+            if step is None:
+                rows.append({**row, "verdict": "chose nothing"})
+                continue
+            j = judge_step(curve, int(step))
+            rows.append({**row, "step": int(step), "gain": j["gain_at_rule"], "verdict": j["verdict"]})
+    return rows
+
+
+def fresh_verdicts(families: list, thresholds: dict) -> tuple:
+    """(verdicts, trunks): CRITERIA.md's verdicts 1-5 over ``families``, and the per-trunk table."""
+    trunks = pd.DataFrame([r for f in families for r in trunk_rows(f, thresholds)])
+    rule_name = "rule: " + CROSS_VALIDATED["signal"]
+    out = {"rule": {"signal": CROSS_VALIDATED["signal"], "threshold": CROSS_VALIDATED["threshold"]},
+           "devices": {f.name: f.device for f in families}}
+    rule = trunks[trunks["signal"] == rule_name] if len(trunks) else trunks
+    planned = sum(FAMILIES.values())
+    decided = rule[rule["verdict"].isin(["good", "not good"])] if len(rule) else rule
+    good = decided[decided["verdict"] == "good"] if len(decided) else decided
+    per_family = {f: {"good": int((good["family"] == f).sum()) if len(good) else 0,
+                      "judged": int((decided["family"] == f).sum()) if len(decided) else 0, "trunks": n}
+                  for f, n in FAMILIES.items()}
+    entry = {"good": int(len(good)), "judged": int(len(decided)), "planned": planned, "per_family": per_family,
+             "needs": f"{NEED_ALL} of {planned}, and {NEED_EACH} of 3 in each of warmup-fresh-half and warmup-fresh-mix"}
+    if len(decided) < planned:
+        entry["verdict"] = "not decided"
+    else:
+        shown = len(good) >= NEED_ALL and all(per_family[f]["good"] >= NEED_EACH
+                                              for f in ("warmup-fresh-half", "warmup-fresh-mix"))
+        entry["verdict"] = "shown" if shown else "not shown"
+    out["rule_on_fresh_trunks"] = entry
+    half = rule[rule["family"] == "warmup-fresh-half"] if len(rule) else rule
+    out["step_or_position"] = {
+        "best_fraction": {str(int(r["seed"])): r.get("best_fraction") for _, r in half.iterrows()},
+        "rule_good": int((half["verdict"] == "good").sum()) if len(half) else 0, "trunks": len(half)}
+    others = trunks[trunks["signal"] != rule_name] if len(trunks) else trunks
+    out["signals"] = {f"{name} {th:g}": {"good": int((g["verdict"] == "good").sum()),
+                                         "judged": int(g["verdict"].isin(["good", "not good", "chose nothing"]).sum())}
+                      for (name, th), g in others.groupby(["signal", "threshold"], sort=False)} if len(others) else {}
+    out["layers"], out["gain_at_rule"] = {}, {}
+    for f in families:
+        step = schedule_fraction_step(f.total_steps, CROSS_VALIDATED["threshold"])
+        tail = f.gains[f.gains["domain"] == "tail"]
+        out["layers"][f.name] = layer_verdicts(tail, f.plans, step)
+        at = tail[(tail["arm"] == "cse") & (tail["step"] == step)].sort_values("seed")
+        out["gain_at_rule"][f.name] = {"step": step, "per_seed": {
+            str(int(r["seed"])): {"gain": float(r["gain"]), "low": float(r["low"]), "high": float(r["high"])}
+            for _, r in at.iterrows()}}
+    return out, trunks

@@ -1,0 +1,57 @@
+"""The fresh trunks' registered verdicts (figures/warmup-map/fresh/CRITERIA.md) on planted CSE
+maps whose answers are known."""
+
+import pandas as pd
+
+from ntkscope.reproduction.fresh_tables import Family, fresh_verdicts
+
+STEPS = {"warmup-fresh": (2400, (300, 600, 900, 1200, 1800), (5, 6, 7, 8, 9)),
+         "warmup-fresh-half": (1200, (200, 300, 500, 600, 900), (5, 6, 7)),
+         "warmup-fresh-mix": (2400, (300, 600, 900, 1200, 1800), (5, 6, 7))}
+
+
+def family(name, bad=(), drop=None):
+    """CSE best at half the schedule (-0.08; -0.02 elsewhere) in every seed but those in ``bad``,
+    whose best is the last step (-0.1) with half the schedule at -0.03; ``drop``: (seed, step)
+    left out of the map."""
+    total, steps, seeds = STEPS[name]
+    rows = []
+    for seed in seeds:
+        for step in steps:
+            if (seed, step) == drop:
+                continue
+            if seed in bad:
+                gain = -0.1 if step == steps[-1] else (-0.03 if step == total // 2 else -0.02)
+            else:
+                gain = -0.08 if step == total // 2 else -0.02
+            rows.append({"arm": "cse", "step": step, "seed": seed, "trunks": "cpu", "domain": "tail", "gain": gain,
+                         "low": gain - 0.01, "high": gain + 0.01})
+    return Family(name, pd.DataFrame(rows), {}, total, seeds)
+
+
+THRESHOLDS = {"lr-fraction": 0.6, "loss-plateau": 0.018}
+
+
+def test_the_rule_is_shown_at_nine_of_eleven_with_two_of_three_in_each_family():
+    found, trunks = fresh_verdicts([family("warmup-fresh", bad=(9,)), family("warmup-fresh-half", bad=(7,)),
+                                    family("warmup-fresh-mix", bad=(6,))], THRESHOLDS)
+    rule = found["rule_on_fresh_trunks"]
+    assert (rule["good"], rule["judged"], rule["verdict"]) == (8, 11, "not shown")  # 8 < 9
+    found, _ = fresh_verdicts([family("warmup-fresh"), family("warmup-fresh-half", bad=(7,)),
+                               family("warmup-fresh-mix", bad=(6,))], THRESHOLDS)
+    assert (found["rule_on_fresh_trunks"]["good"], found["rule_on_fresh_trunks"]["verdict"]) == (9, "shown")
+    found, _ = fresh_verdicts([family("warmup-fresh"), family("warmup-fresh-half"),
+                               family("warmup-fresh-mix", bad=(5, 6))], THRESHOLDS)
+    assert found["rule_on_fresh_trunks"]["good"] == 9  # but only 1 of 3 on the third mix
+    assert found["rule_on_fresh_trunks"]["verdict"] == "not shown"
+    assert found["step_or_position"]["best_fraction"] == {"5": 0.5, "6": 0.5, "7": 0.5}
+
+
+def test_an_incomplete_map_leaves_the_rule_not_decided_and_signals_without_logs_unjudged():
+    found, trunks = fresh_verdicts([family("warmup-fresh", drop=(5, 1800)), family("warmup-fresh-half"),
+                                    family("warmup-fresh-mix")], THRESHOLDS)
+    assert found["rule_on_fresh_trunks"]["verdict"] == "not decided"
+    assert found["rule_on_fresh_trunks"]["judged"] == 10
+    assert set(trunks.loc[trunks["signal"] == "lr-fraction", "verdict"]) == {"no log", "not decided"}
+    assert found["gain_at_rule"]["warmup-fresh-half"]["step"] == 600
+    assert found["gain_at_rule"]["warmup-fresh-half"]["per_seed"]["5"]["gain"] == -0.08
