@@ -44,6 +44,7 @@ from safetensors.torch import save_model as _save_tensors_of
 from cse_models.config import SparseConfig
 from cse_models.experts import sequence_embedding
 from cse_models.hf_auto import MODEL_TYPE
+from cse_models.hf_weights import load_named, saved_names
 from cse_models.hf_modules import HFAttentionExpert, HFExpert, HFSparseAttention, HFSparseFFN
 from cse_models.model import (CONFIG_NAME, WEIGHTS_NAME, SparseRouting, TransformerLM, sparse_layer_of,
                               check_expert_copies, load_model)
@@ -269,7 +270,7 @@ class SparseHF(SparseRouting, nn.Module):
 
     def _capture_mask(self, _module, args, kwargs):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        self._context["key_mask"] = None if mask is None else mask.bool()
+        self._context["key_mask"] = None if mask is None else key_padding_mask(mask)
         if "domains" in self._columns.current:  # a direct call (a Trainer batch): the labels DEMix routes by
             self._context["domains"], self._context["direct_domains"] = self._columns.current["domains"], True
 
@@ -381,17 +382,44 @@ class SparseHF(SparseRouting, nn.Module):
             return directory
         with atomic_path(directory / WEIGHTS_NAME) as tmp:
             _save_tensors_of(self, str(tmp), metadata={"format": "pt"})
+        write_json(directory / CONFIG_NAME, self.config_json())
+        return directory
+
+    def config_json(self) -> dict:
+        """The ``config.json`` of the sparse format (:meth:`save_pretrained`); a ``Trainer``
+        checkpoint written after a conversion gets it too (:class:`~cse_models.hf_trainer.
+        SparseCallback`), beside its weights under the HF model's own names."""
         kind = "MaskedLM" if self.config.masked else "CausalLM"
         loading = f"import cse_models, then transformers.AutoModelFor{kind}.from_pretrained(this directory)"
         base = self.config.hf.to_dict()
-        write_json(directory / CONFIG_NAME, {
+        return {
             "model_type": MODEL_TYPE, "architectures": [f"SparseFor{kind}"],
             # the base config's model type apart from it: a concrete class (GPT2LMHeadModel.from_pretrained)
             # would take a sub-dict of its own type as its config and load random weights; it reads the
             # top level instead, validates vocab_size and refuses this text, which names cse_models
             "base_model_type": base.pop("model_type", None), "base": base, SECTION: self.config.section(),
-            "loading": loading, "vocab_size": f"a cse_models sparse model: {loading}"})
-        return directory
+            "loading": loading, "vocab_size": f"a cse_models sparse model: {loading}"}
+
+
+def key_padding_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The (B, T) key padding mask (True: a real token) of an HF call's ``attention_mask``: a
+    (B, T) 0/1 mask as it is; a (B, 1, T, T) "may attend" mask (boolean, or additive floats: 0
+    where a query may attend) read off its pattern, since a sparse layer routes each sequence by
+    its real tokens. A position is real when its query attends to another key or another query
+    attends to it; padding attends to itself at most (:func:`ntkscope.kernel.objectives.
+    hf_mask_4d`'s masks). A row where no position passes holds one real token: its first
+    position (right padding)."""
+    if mask.dim() == 2:
+        return mask.bool()
+    if mask.dim() != 4:
+        raise UserError(f"SparseHF: attention_mask must be (B, T) or (B, 1, T, T) (got shape {tuple(mask.shape)})")
+    allowed = mask.bool() if mask.dtype == torch.bool else mask == 0
+    allowed = allowed.any(dim=1)  # (B, T, T): query, key
+    T = allowed.shape[-1]
+    off = allowed & ~torch.eye(T, dtype=torch.bool, device=allowed.device)
+    real = off.any(dim=1) | off.any(dim=2)
+    first = torch.arange(T, device=real.device) == 0
+    return real | (~real.any(dim=1, keepdim=True) & first)  # no branch on values: vmap traces it
 
 
 def flat_config(data: dict) -> dict:
@@ -485,8 +513,12 @@ def load_hf(directory: str | os.PathLike, sparse: SparseConfig | dict | None = N
     else:
         layout = saved_layout(section, hf_config.model_type, f"{func}: {directory / CONFIG_NAME}")
         model = SparseHF(from_config(auto, hf_config, func), section["sparse"], layout)
+        names = saved_names(directory / WEIGHTS_NAME)
         try:
-            missing, unexpected = _load_tensors_into(model, str(directory / WEIGHTS_NAME), strict=False)
+            if names and not any(k.startswith("hf.") for k in names):  # a Trainer checkpoint: the HF model's names
+                missing, unexpected = load_named(model.hf, directory / WEIGHTS_NAME)
+            else:
+                missing, unexpected = _load_tensors_into(model, str(directory / WEIGHTS_NAME), strict=False)
         except RuntimeError as err:
             raise UserError(f"{func}: the weights in {directory} do not match its config.json "
                             f"({str(err).splitlines()[0][:200]})") from None

@@ -25,7 +25,6 @@ warm-up step inside ``Trainer.train()``.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from safetensors.torch import load_file
 from cse_models.cse import convert_to_cse, upcycle
 from cse_models.checkpointing import expert_source
 from cse_models.hf import LAYOUTS, SparseHF, child_module, layout_blocks, saved_layout
+from cse_models.hf_weights import renamed_key
 from cse_models.model import check_expert_copies
 from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import read_json_object, write_json
@@ -119,31 +119,17 @@ def restore(model, checkpoint) -> SparseHF | None:
     return SparseHF(model, section["sparse"], layout)
 
 
-def _renamed(key: str, model) -> str:
-    """``key`` as transformers' loading renames it for ``model`` (its ``WeightRenaming`` rules:
-    e.g. GPT-NeoX's ``embed_out.`` -> ``lm_head.``); the key itself where there are none."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming
-    except ImportError:
-        return key
-    for rule in get_model_conversion_mapping(model):
-        if type(rule) is WeightRenaming and len(rule.source_patterns) == len(rule.target_patterns) == 1:
-            key = re.sub(rule.source_patterns[0], rule.target_patterns[0], key)
-    return key
-
-
 @torch.no_grad()
 def load_renamed(model, checkpoint) -> int:
     """Load the tensors of ``checkpoint/model.safetensors`` that Trainer's resume left out, since
-    they were saved under a renamed key (:func:`_renamed`); returns how many."""
+    they were saved under a renamed key (:func:`~cse_models.hf_weights.renamed_key`); returns how many."""
     path = Path(checkpoint) / "model.safetensors"
     if not path.is_file():
         return 0
     saved, own = load_file(str(path)), model.state_dict()
     loaded = 0
     for key, value in saved.items():
-        target = _renamed(key, model)
+        target = renamed_key(key, model)
         if key not in own and target != key and target in own and target not in saved:
             own[target].copy_(value)
             loaded += 1
@@ -234,6 +220,7 @@ class SparseCallback(_callback_base()):
         self.plan = None if plan is None else str(plan)
         self.fitting, self.router, self.n_experts, self.seed = fitting, router, n_experts, seed
         self.sparse: SparseHF | None = None
+        self.converted_at: int | None = None
         self.resumed: Path | None = None
 
     def restore(self, model, checkpoint) -> SparseHF | None:
@@ -242,13 +229,19 @@ class SparseCallback(_callback_base()):
         tensors Trainer's resume leaves out are loaded when training begins (module docstring)."""
         self.sparse = restore(model, checkpoint)
         self.resumed = Path(checkpoint)
+        if self.sparse is not None:
+            saved = read_json_object(self.resumed / SIDECAR, "SparseCallback.restore")
+            self.converted_at = saved.get("converted_at", self.at)
         return self.sparse
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        """Refuse layers the model does not have before training starts, not at the warm-up; after
-        :meth:`restore`, load what Trainer's resume left out."""
-        if self.resumed is not None and model is not None:
-            load_renamed(model, self.resumed)
+        """Refuse layers the model does not have before training starts, not at the warm-up; on a
+        resume (after :meth:`restore`, or from this output folder's checkpoint of the step), load
+        what Trainer's resume left out."""
+        own = Path(args.output_dir) / f"checkpoint-{state.global_step}"  # where a resume in this folder started
+        resumed = self.resumed if self.resumed is not None else own if state.global_step > 0 and own.is_dir() else None
+        if resumed is not None and model is not None:
+            load_renamed(model, resumed)
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         ids = (self.fitting or {}).get("input_ids")
         if isinstance(vocab, int) and ids is not None and int(ids.max()) >= vocab:  # before training, not at `at`
@@ -267,9 +260,21 @@ class SparseCallback(_callback_base()):
             log.warning("SparseCallback: the run stops at step %d, before the conversion at step %d", args.max_steps,
                         self.at)
 
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        """A run resumed at or after the step from a checkpoint saved before the conversion (a
+        dense one): convert before its first step, so that it trains as the uninterrupted run
+        would from the step on (later than planned when the checkpoint is later: logged)."""
+        if self.sparse is None and state.global_step >= self.at:
+            if state.global_step > self.at:
+                log.warning("SparseCallback: the run resumed at step %d, after the conversion step %d, from a dense "
+                            "checkpoint: converting now, at step %d", state.global_step, self.at, state.global_step)
+            self._convert(model, optimizer, state.global_step)
+
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if self.sparse is not None or state.global_step != self.at:
-            return
+        if self.sparse is None and state.global_step == self.at:
+            self._convert(model, optimizer, state.global_step)
+
+    def _convert(self, model, optimizer, step: int) -> None:
         fitting = self.fitting or {}
         self.sparse = convert_in_training(
             model, optimizer, {"kind": self.kind, "module": self.module, "layers": self.layers,
@@ -277,11 +282,21 @@ class SparseCallback(_callback_base()):
             fitting_ids=fitting.get("input_ids"),
             fitting_mask=fitting.get("attention_mask"), seed=self.seed, router=self.router,
             n_experts=self.n_experts)
+        self.converted_at = step
 
     def on_save(self, args, state, control, **kwargs):
+        """A checkpoint saved after the conversion: the sidecar for :meth:`restore`, and the sparse
+        ``config.json`` (:meth:`~cse_models.SparseHF.config_json`), so that transformers' Auto
+        classes load it as the sparse model (after ``import cse_models``) and a plain
+        transformers class refuses it; its weights stay under Trainer's names, which
+        :func:`~cse_models.load_hf` reads."""
         if self.sparse is not None:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            write_json(folder / SIDECAR, {**self.sparse.config.section(), "converted_at": self.at, "plan": self.plan})
+            if not folder.is_dir():
+                return
+            write_json(folder / SIDECAR, {**self.sparse.config.section(), "converted_at": self.converted_at,
+                                          "planned_at": self.at, "plan": self.plan})
+            write_json(folder / "config.json", self.sparse.config_json())
 
     def save(self, directory) -> Path:
         """The converted model in :meth:`~cse_models.SparseHF.save_pretrained`'s format."""

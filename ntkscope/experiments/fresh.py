@@ -25,8 +25,8 @@ THRESHOLDS = Path("figures/warmup-map/signals/rule.json")
 
 def load_family(folder: Path) -> Family:
     """A summarised fresh family: FOLDER/tables/gains.csv, FOLDER/plans/seedN.json,
-    FOLDER/tables/curves.csv (optional) and FOLDER/device.json's ``gpu`` (optional); its spec is
-    the folder's name."""
+    FOLDER/tables/curves.csv (optional) and FOLDER/device.json's ``device`` (or ``gpu``;
+    optional); its spec is the folder's name."""
     folder = Path(folder)
     spec = load_spec(folder.name)
     gains = pd.read_csv(folder / "tables" / "gains.csv")
@@ -35,7 +35,11 @@ def load_family(folder: Path) -> Family:
     curves, device = folder / "tables" / "curves.csv", folder / "device.json"
     return Family(spec.name, gains, plans, int(spec.settings.steps), tuple(spec.seeds),
                   pd.read_csv(curves) if curves.is_file() else None,
-                  str(json.loads(device.read_text()).get("gpu", "")) if device.is_file() else "")
+                  _device(json.loads(device.read_text())) if device.is_file() else "")
+
+
+def _device(record: dict) -> str:
+    return str(record.get("device") or record.get("gpu") or "")
 
 
 def main(argv=None) -> None:

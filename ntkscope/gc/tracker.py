@@ -298,6 +298,7 @@ class GCTracker:
         self.out = _check_out(out)
         self.rows: list[dict] = []
         self.cost: ProbeCost | None = None
+        self._n_params = 0
         self.probe_seconds: list[float] = []
         self.train_seconds = 0.0
         self._previous: dict = {}
@@ -460,7 +461,13 @@ class GCTracker:
         now = time.perf_counter()
         if self._last_call is not None:
             self.train_seconds += now - self._last_call
+        n_params = sum(p.numel() for p in model.parameters())
+        if self.cost is not None and n_params != self._n_params:  # e.g. converted to sparse experts mid-run
+            log.info("GCTracker: the model changed from %d to %d parameters since the last estimate; the probes "
+                     "measure it as it is now (every parameter, experts included)", self._n_params, n_params)
+            self.cost = None
         if self.cost is None:
+            self._n_params = n_params
             cost = self.estimate(model)
             log.info("GCTracker: %d probe sentences, %d subsets%s, every %d steps: about %.1f s a probe (method %s, "
                      "%.2g forward+backward passes over the probes at %.2f s, statistics %.1f s)", self.probes.n,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ntkscope.core.checks import InputError
+from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.memory import format_bytes, kernel_thresholds
 from ntkscope.kernel import distributed
 from ntkscope.kernel.eigen import EigenResult, NTKOperator, dense_top_eigenpair, lanczos_top_eigenpair
@@ -378,8 +378,9 @@ def choose(task: str, w: Workload, *, method: str | None = None) -> Choice:
             memory = budget
         log.info("%s: method=%r (%s)", task, spec.method.value, reason)
         return Choice(spec, reason, _asked(memory), steps)
-    rows, minimums = [], {}
-    for spec in _candidates(task, fm.scalar):
+    rows, minimums, failed = [], {}, {}
+    candidates = list(_candidates(task, fm.scalar))
+    for spec in candidates:
         try:
             minimums[spec.method.value] = minimum = spec.minimum(task, w)
             if minimum > budget:
@@ -387,6 +388,7 @@ def choose(task: str, w: Workload, *, method: str | None = None) -> Choice:
             memory, steps = estimate(spec)
         except RuntimeError as err:  # e.g. the structured probe met data-dependent dispatch
             log.info("%s: %s left out of auto (%s)", task, spec.method.value, err)
+            failed[spec.method.value] = str(err).splitlines()[0][:160]
             continue
         panels = memory > budget and spec.method in (Method.EXACT, Method.STRUCTURED)
         if memory > budget and not panels:
@@ -396,6 +398,9 @@ def choose(task: str, w: Workload, *, method: str | None = None) -> Choice:
     best = min(exact, key=lambda r: r[2]) if exact else None
     approx = [r for r in rows if r[0].approximate and (best is None or r[2] * APPROXIMATE_GAIN < best[2])]
     chosen = min(approx, key=lambda r: r[2]) if approx else best
+    if chosen is None and failed and len(failed) == len(candidates):  # none ran: not a memory question
+        raise UserError(f"{task}: every method failed on this model, before any memory limit applied ("
+                        + "; ".join(f"{m}: {e}" for m, e in failed.items()) + ")")
     if chosen is None:
         smallest = min(minimums, key=minimums.get) if minimums else None
         need = f"; the smallest that would do: {format_bytes(_asked(minimums[smallest]))} (method={smallest!r})" \

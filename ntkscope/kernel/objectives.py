@@ -122,15 +122,19 @@ def is_causal(model: nn.Module) -> bool:
     return bool(torch.allclose(ya[:, :3], yb[:, :3], rtol=0, atol=0, equal_nan=True))
 
 
-def _hf_mask_4d(mask: torch.Tensor, causal: bool) -> torch.Tensor:
+def hf_mask_4d(mask: torch.Tensor, causal: bool) -> torch.Tensor:
     """(n, T) 0/1 padding mask -> (n, 1, T, T) bool "may attend" mask.
 
     HF models branch on the values of a 2-D mask (``.item()``), which ``vmap``
-    cannot trace; a 4-D mask is used as given. Pad queries attend to themselves
-    so that no softmax row is empty. Equal to HF's own masking at every real position.
+    cannot trace; a 4-D mask is used as given. Real queries attend to real keys (earlier
+    ones, when causal); a pad query attends to itself only, so that no softmax row is empty
+    and the padding stays readable from the mask (a sparse layer routes each sequence by its
+    real tokens: :func:`cse_models.hf.key_padding_mask`). Equal to HF's own masking at every
+    real position.
     """
     n, T = mask.shape
-    allowed = mask.bool()[:, None, None, :].expand(n, 1, T, T)
+    real = mask.bool()
+    allowed = real[:, None, :, None] & real[:, None, None, :]
     if causal:
         allowed = allowed & torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
     return allowed | torch.eye(T, dtype=torch.bool, device=mask.device)
@@ -186,7 +190,7 @@ def _token_inputs(model: nn.Module, batch, *, need_ids: bool) -> tuple:
     elif ids is not None:
         mask = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
     if is_huggingface(model) and inputs.get("attention_mask") is not None and inputs["attention_mask"].dim() == 2:
-        inputs["attention_mask"] = _hf_mask_4d(inputs["attention_mask"], is_causal(model))
+        inputs["attention_mask"] = hf_mask_4d(inputs["attention_mask"], is_causal(model))
     return inputs, mask
 
 

@@ -62,7 +62,8 @@ def trunk_rows(family: Family, thresholds: dict) -> list:
         curve = tail[(tail["arm"] == "cse") & (tail["seed"] == seed)].set_index("step")["gain"].sort_index()
         log = _log(family, seed)
         judged = [("rule: " + CROSS_VALIDATED["signal"], CROSS_VALIDATED["threshold"])]
-        judged += [(name, th) for name, th in thresholds.items()] + [("consensus-structure", 0.05)]
+        judged += [(name, th) for name, th in thresholds.items() if name != CROSS_VALIDATED["signal"]]
+        judged += [("consensus-structure", 0.05)]  # the rule registered before the map
         for name, threshold in judged:
             signal = SIGNALS[name.removeprefix("rule: ")]
             row = {"family": family.name, "seed": seed, "signal": name, "threshold": threshold,
