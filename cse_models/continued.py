@@ -182,6 +182,38 @@ def _trainer_schedule(checkpoint: Path) -> tuple[RunState | None, str]:
     return RunState(step, schedule, "Trainer"), ""
 
 
+def run_batch(checkpoint) -> tuple[int | None, int | None, str]:
+    """(sequences per optimizer step, tokens per sequence, where they were read) of the run that
+    wrote ``checkpoint``: a ``cse_models`` run's train_config (its packed blocks' length), a
+    ``Trainer`` run's trainer_state.json ``train_batch_size`` times training_args.bin's
+    ``gradient_accumulation_steps`` (its rows' length is not recorded: None); (None, None, why)
+    when the checkpoint says neither."""
+    checkpoint = Path(checkpoint)
+    try:
+        state = read_json_object(checkpoint / "trainer_state.json", "run_batch")
+    except (UserError, OSError):
+        return None, None, "no readable trainer_state.json"
+    if isinstance(state.get("train_config"), dict):
+        config = state["train_config"]
+        data = config.get("data") if isinstance(config.get("data"), dict) else {}
+        size, length = config.get("batch_size"), data.get("seq_len", config.get("seq_len"))
+        if _positive(size) and _positive(length):
+            return int(size), int(length), "the run's train_config"
+    size = state.get("train_batch_size")
+    if not _positive(size):
+        return None, None, "its trainer_state.json records no train_batch_size"
+    try:
+        accumulation = read_training_args(checkpoint / "training_args.bin").get("gradient_accumulation_steps", 1)
+    except UNREADABLE + (OSError,):
+        accumulation = 1
+    accumulation = int(accumulation) if _positive(accumulation) else 1
+    return int(size) * accumulation, None, "the Trainer run's train_batch_size x gradient_accumulation_steps"
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def run_state(checkpoint) -> tuple[RunState | None, str]:
     """(what ``checkpoint`` holds of its run, "") or (None, why it cannot be continued)."""
     checkpoint = Path(checkpoint)

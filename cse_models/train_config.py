@@ -352,9 +352,16 @@ def apply_plan(cfg: TrainConfig) -> TrainConfig:
             raise UserError(f"TrainConfig: cse.warmup_steps is 'auto' but plan {cfg.plan} has no warm-up "
                             "(it was made without a GC series)")
         cfg.cse.warmup_steps = warmup_after(cfg.init_from, int(plan.warmup_steps), cfg.plan)
-    log.info("plan %s: CSE layers %s (%s), warm-up %s steps", cfg.plan, sparse["layers"], plan.chosen_by,
-             cfg.cse.warmup_steps)
+    said = (str(cfg.plan), tuple(sparse["layers"]), cfg.cse.warmup_steps)
+    if said not in _PLANS_SAID:  # once per plan and outcome: compare applies one plan to every arm
+        _PLANS_SAID.add(said)
+        warmup = cfg.cse.warmup_steps
+        log.info("plan %s: CSE layers %s (%s), %s", cfg.plan, sparse["layers"], plan.chosen_by,
+                 f"warm-up {warmup} steps" if isinstance(warmup, int) else "its warm-up not used (none asked)")
     return cfg
+
+
+_PLANS_SAID: set = set()
 
 
 def warmup_after(init_from: str | None, warmup: int, plan: str) -> int:

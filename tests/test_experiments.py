@@ -140,6 +140,28 @@ def test_a_unit_killed_mid_run_is_retried_and_the_tables_equal_an_uninterrupted_
         assert mine == reference, unit
 
 
+def test_ctrl_c_leaves_the_unit_interrupted_and_says_what_was_kept(tmp_path):
+    """Ctrl-C in `ntkscope experiment run` (inline: the unit trains in the driver) once the trunk
+    has a checkpoint: exit 130, a message that says the checkpoints are kept, and status
+    `interrupted` (not `failed`); the same command then finishes the unit."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "ntkscope", "experiment", "run", str(toy_file(tmp_path, seeds=[0], arms=KILL_ARMS)),
+               "--out", str(run), "--executor", "inline"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder, deadline = run / "models" / "dense-seed0" / "checkpoints" / "step-000020", time.monotonic() + 240
+    while not folder.is_dir() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; the units done are kept" in err and "no partial results" not in err
+    assert json.loads((run / "units" / "dense-seed0.json").read_text())["status"] == "interrupted"
+    assert status(run).set_index("unit").loc["dense-seed0", "state"] == "interrupted"
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (status(run)["state"] == "done").all()
+
+
 def test_a_failing_unit_is_retried_reported_and_the_others_finish(reference, tmp_path):
     """A unit whose trunk checkpoint is gone fails every try; it is reported with its error, and
     every other unit finishes."""

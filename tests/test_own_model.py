@@ -299,10 +299,10 @@ def test_compare_continues_the_runs_schedule_and_optimizer_state(own, tmp_path):
         "steps": 6, "batch_size": 8, "checkpoint_every": 3, "warmup_steps": 2, "lr": 2e-3, "tensorboard": False,
         "device": "cpu"}))
     start = parent / "checkpoints" / "step-000003"
-    kw = dict(layers=[1], batch_size=8, seq_len=32, label_column="domain", n_samples=200, min_cluster_size=10,
-              n_boot=50)
+    kw = dict(layers=[1], label_column="domain", n_samples=200, min_cluster_size=10, n_boot=50)
     r = compare_command(start, own / "train.jsonl", own / "test.jsonl", steps=3, out=tmp_path / "cmp", **kw)
-    assert "continues the cse-train run from step 3" in r["start"]
+    assert "continues the cse-train run from step 3" in r["start"]  # at the run's own batch and blocks
+    assert "every arm trains at batch 8 (the run's train_config), on packed blocks of 32 tokens" in r["start"]
     dense_end = tmp_path / "cmp" / "runs" / "dense-seed0" / "checkpoints" / "step-000006"
     a = load_safetensors(dense_end / "model.safetensors", "test")
     b = load_safetensors(parent / "checkpoints" / "step-000006" / "model.safetensors", "test")

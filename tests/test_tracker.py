@@ -224,3 +224,22 @@ def test_a_table_of_several_subsets_is_refused_by_the_series_readers(gpt, lm_bat
     with pytest.raises(UserError, match="one subset at one layer.*label.*'a', 'b'"):
         gc_peak(tracker.frame)
     assert gc_peak(tracker.series("b"))["shown"] in (True, False)
+
+
+def test_stratified_probes_give_each_domain_as_many_sentences(caplog):
+    from ntkscope.text.corpus.pack import load_pack
+    from ntkscope.text.sentences import load_analysis_data
+
+    tok = load_pack(None).tokenizer()
+    data = load_analysis_data("default", tok, seq_len=32, per_group=7, seed=1)
+    counts = data.labels["label"].value_counts()
+    assert set(counts.index) == {"general", "legal", "biomedical"} and (counts == 7).all()
+    uniform = load_analysis_data("default", tok, n=21, seq_len=32, seed=1).labels["label"].value_counts()
+    assert uniform.get("general", 0) > 7  # drawn uniformly, the common domain takes most of them
+    probes = Probes.load("default", tok, seq_len=32, per_group=7, seed=1, tail_fraction=0.34)
+    assert probes.n == 21
+    with caplog.at_level("INFO", logger="ntkscope.text.sentences"):
+        load_analysis_data("default", tok, seq_len=16, per_group=10**5)
+    assert "fewer than per_group" in caplog.text  # every row of each label
+    with pytest.raises(UserError, match="per_group must be a positive integer"):
+        load_analysis_data("default", tok, per_group=0)

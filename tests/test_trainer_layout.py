@@ -80,6 +80,8 @@ def test_plan_gc_and_compare_on_a_trainer_run(trainer_run, tmp_path):
                          "--data", rows, "--label-column", "domain", "--steps", 2, "--batch-size", 4, "--seq-len", 16,
                          "--min-cluster-size", 5, "--out", tmp_path / "cmp")
     assert compare.returncode == 0, compare.stderr[-2000:]
+    assert "every arm trains at batch 4 (given; the run used 8), on packed blocks of 16 tokens (given)" \
+        in compare.stdout  # the run's batch: trainer_state.json's train_batch_size x accumulation
     warmup = made["warmup_steps"]
     start = json.loads((tmp_path / "cmp" / "compare.json").read_text())["init_from"]
     assert start.endswith(f"checkpoint-{max(s for s in (2, 4, 6) if s <= warmup)}")

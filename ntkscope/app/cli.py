@@ -483,8 +483,9 @@ def _run(args) -> int:
         raise
     except KeyboardInterrupt as err:  # results are staged and moved only when whole: nothing half-written remains
         if os.environ.get("RANK", "0") == "0":
-            print(f"ntkscope {args.command}: {'terminated' if isinstance(err, Terminated) else 'interrupted'}; no "
-                  "partial results were written", file=sys.stderr)
+            kept = getattr(args, "interrupted_note", None) or "no partial results were written"
+            print(f"ntkscope {args.command}: {'terminated' if isinstance(err, Terminated) else 'interrupted'}; {kept}",
+                  file=sys.stderr)
         return 143 if isinstance(err, Terminated) else 130
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from cse_models.continued import RunState, branch, run_state
+from cse_models.continued import RunState, branch, run_batch, run_state
 from cse_models.domains import evaluate_domains
 from cse_models.hf import load_any_model
 from cse_models.checkpointing import latest_checkpoint
@@ -95,15 +95,21 @@ def _check_warmup(init_from, plan) -> None:
                     "once (pass that run's step-%d checkpoint to follow the plan)", plan, warmup, init_from, warmup)
 
 
+DEFAULT_BATCH, DEFAULT_SEQ_LEN = 16, 64
+
+
 def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None, steps: int = 200,
-                    batch_size: int = 16, seq_len: int = 64, lr: float | None = None, seeds=(0,), text_column: str = "text",
+                    batch_size: int | None = None, seq_len: int | None = None, lr: float | None = None, seeds=(0,), text_column: str = "text",
                     label_column: str | None = None, data_format: str = "auto", tokenizer=None, n_samples: int = 3000,
                     min_cluster_size: int = 15, n_boot: int = 1000, out="compare", force: bool = False) -> dict:
     """Train dense / CSE / Switch (/ DEMix) from ``init_from`` on ``train_data`` and compare them per domain on
     ``eval_data`` (both read as ``--data`` is). ``plan`` (from ``ntkscope plan``) gives the layers
     (and is checked against the model), or ``layers`` names them. ``lr`` None continues the run's
     own schedule and AdamW state where the checkpoint keeps them (module docstring); a number
-    starts every arm on a fresh warm-up to it.
+    starts every arm on a fresh warm-up to it. ``batch_size`` and ``seq_len`` None take the run's
+    own (:func:`~cse_models.continued.run_batch`), else 16 and 64; every arm trains on packed
+    blocks of ``seq_len`` tokens of ``train_data``'s text, and the result's ``start`` line says
+    which batch and blocks it used and where they came from.
 
     Everything is checked before the first arm trains, and a refused comparison leaves nothing
     behind. ``out`` is tied to this request (``OUT/compare.json``): a rerun that asks for anything
@@ -117,8 +123,11 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
         raise InputError("seeds", "must list distinct integers in [0, 2^31 - 1]", seeds, func=func)
     for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len), ("n_boot", n_boot),
                         ("min_cluster_size", min_cluster_size), ("n_samples", n_samples)):
+        if value is None and name in ("batch_size", "seq_len"):
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(name, "must be a positive integer", value, func=func)
+            raise InputError(name, "must be a positive integer" + (" (or None: the run's own)" if name in (
+                "batch_size", "seq_len") else ""), value, func=func)
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
                            or lr <= 0):
         raise InputError("lr", "must be a positive, finite number (or None: continue the run's schedule)", lr,
@@ -146,6 +155,8 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
                              "model", bad or sparse_layers, func=func)
     del model
     state, start = _continuation(init_from, lr, steps, func)
+    batch_size, seq_len, setup = _setup(init_from, batch_size, seq_len)
+    start = f"{start}; {setup}"
     if state is None and lr is None:  # nothing to continue: a fresh warm-up (a continued run keeps its own lr)
         lr = FRESH_LR
     tokenizer = checkpoint_tokenizer(init_from, tokenizer).name  # the one resolution, for every arm
@@ -172,6 +183,27 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
             if made and not any((out / "runs").glob("*/checkpoints/step-*")):
                 shutil.rmtree(out)
             raise
+
+
+def _setup(init_from, batch_size, seq_len) -> tuple[int, int, str]:
+    """The batch size and block length every arm trains with (the run's own where not given and
+    the checkpoint records them, else 16 and 64), and the words that say so."""
+    run_size, run_length, where = run_batch(init_from)
+    said = []
+    if batch_size is None:
+        batch_size = run_size or DEFAULT_BATCH
+        said.append(f"batch {batch_size} ({where})" if run_size else f"batch {batch_size} (the default: {where})")
+    else:
+        said.append(f"batch {batch_size} (given" + (f"; the run used {run_size})" if run_size and run_size != batch_size
+                                                    else ")"))
+    if seq_len is None:
+        seq_len = run_length or DEFAULT_SEQ_LEN
+        said.append(f"packed blocks of {seq_len} tokens" + (f" ({where})" if run_length else " (the default: the run "
+                                                                                             "records no length)"))
+    else:
+        said.append(f"packed blocks of {seq_len} tokens (given" + (
+            f"; the run used {run_length})" if run_length and run_length != seq_len else ")"))
+    return batch_size, seq_len, "every arm trains at " + ", on ".join(said) + " of the training table's text"
 
 
 def _continuation(init_from, lr, steps: int, func: str) -> tuple[RunState | None, str]:

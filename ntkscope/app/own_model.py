@@ -83,8 +83,11 @@ def add_parsers(sub) -> None:
     where.add_argument("--plan", help="a plan from ntkscope plan: its layers (checked against the model)")
     where.add_argument("--layers", type=_int_list, help="comma-separated block indices of the sparse layers")
     cmp_.add_argument("--steps", type=POSITIVE_INT, default=200, help="training steps of every arm (default 200)")
-    cmp_.add_argument("--batch-size", type=POSITIVE_INT, default=16)
-    cmp_.add_argument("--seq-len", type=POSITIVE_INT, default=64)
+    cmp_.add_argument("--batch-size", type=POSITIVE_INT, default=None,
+                      help="sequences per step of every arm (default: the run's own where its checkpoint records "
+                      "it, else 16)")
+    cmp_.add_argument("--seq-len", type=POSITIVE_INT, default=None,
+                      help="tokens per packed training block (default: the run's own where it records it, else 64)")
     cmp_.add_argument("--lr", type=POSITIVE, default=None,
                       help="a fresh warm-up to this rate for every arm (default: continue the run's own schedule "
                            "and AdamW state where the checkpoint keeps them, else a fresh warm-up to 1e-3)")

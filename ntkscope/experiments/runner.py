@@ -62,7 +62,8 @@ def _one_line(err: BaseException) -> str:
 def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> dict:
     """Do one unit in this process, under its lock: ``{"status": "done" | "held"}``. A unit done
     under its key is not done again; one done under another key has its outputs moved to
-    RUN/stale first. A failure is recorded (state and RUN/logs/NAME.err) and raised."""
+    RUN/stale first. A failure is recorded (state and RUN/logs/NAME.err) and raised; so is an
+    interruption (Ctrl-C, SIGTERM: state ``interrupted``, its checkpoints kept for the rerun)."""
     import torch
 
     if threads:
@@ -88,6 +89,10 @@ def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> di
         start = time.perf_counter()
         try:
             record = execute(spec, run_dir, unit, pack)
+        except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: its checkpoints stay, the next run resumes it
+            write_state(run_dir, unit.name, {**base, "status": "interrupted", "error": type(err).__name__,
+                                              "seconds": round(time.perf_counter() - start, 1), "finished": _now()})
+            raise
         except BaseException as err:
             write_text(run_dir / "logs" / f"{unit.name}.err", traceback.format_exc())
             write_state(run_dir, unit.name, {**base, "status": "failed", "error": _one_line(err),
@@ -321,7 +326,7 @@ def status(run_dir) -> pd.DataFrame:
             label = "running"
         elif state.get("status") == "failed" and state.get("key") == u["key"]:
             label = "failed"
-        elif state.get("status") == "running":
+        elif state.get("status") in ("running", "interrupted"):  # stopped, or its process is gone
             label = "interrupted"
         elif state.get("status") == "done":
             label = "stale"

@@ -190,19 +190,21 @@ class Probes:
     @classmethod
     @entry("Probes.load")
     def load(cls, data, tokenizer, *, n: int = 128, seq_len: int = 64, seed: int = 0, text_column: str = "text",
-             label_column: str | None = None, **subsets) -> "Probes":
+             label_column: str | None = None, per_group: int | None = None, **subsets) -> "Probes":
         """``n`` sentences of ``data`` (a ``--data`` input: pack, table, text file, ``datasets``
         directory, or a :class:`~ntkscope.text.inputs.DataSource`; :func:`ntkscope.load_analysis_data`),
         read with ``text_column`` / ``label_column`` when it is a path, tokenized by ``tokenizer`` (a
         path, a ``tokenizers`` or transformers tokenizer, or ours), and their subsets
-        (:meth:`from_data`'s keywords)."""
+        (:meth:`from_data`'s keywords). ``per_group``: that many sentences of each label instead of
+        ``n`` drawn uniformly (a rare domain gets as many probes as a common one)."""
         known = set(inspect.signature(cls.from_data).parameters) - {"data", "cls", "grouping"} | set(PROBE_GROUPING)
         unknown = sorted(set(subsets) - known)
         if unknown:
             raise fail("Probes.load", unknown[0], f"is not an argument (the subsets take {sorted(known)})", unknown)
         if not isinstance(data, DataSource):
             data = as_source(data, columns=DataSource(None, text_column, label_column))
-        return cls.from_data(load_analysis_data(data, tokenizer, n=n, seq_len=seq_len, seed=seed), **subsets)
+        return cls.from_data(load_analysis_data(data, tokenizer, n=n, seq_len=seq_len, seed=seed,
+                                                per_group=per_group), **subsets)
 
     def key(self) -> dict:
         return {"groups": {k: v.tolist() for k, v in self.groups.items()},

@@ -7,6 +7,7 @@ tokenized with the model's tokenizer, labelled, and scored by sentence frequency
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,8 @@ from ntkscope.text.corpus.pack import SPLITS
 from ntkscope.text.frequency import _texts, sentence_scores, token_frequency
 from ntkscope.text.inputs import as_source
 from ntkscope.text.tokenization import as_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,28 @@ def encode_texts(tokenizer, texts, max_length: int) -> dict:
 
 
 @entry("load_analysis_data")
+def _per_group(rows, per_group: int, seed: int, source: str) -> np.ndarray:
+    """Row indices: ``per_group`` of each label, sampled with ``seed``, in the data's order."""
+    check_positive_int("per_group", per_group)
+    labels = np.array([str(label) for _, label in rows], dtype=object)
+    if len(set(labels)) < 2:
+        raise fail("load_analysis_data", "per_group", "needs data whose rows carry two or more labels (a label "
+                   "column)", per_group)
+    rng, picks = np.random.default_rng(seed), []
+    for label in sorted(set(labels)):
+        members = np.flatnonzero(labels == label)
+        if len(members) < per_group:
+            log.info("load_analysis_data: label %r has %d rows of %s, fewer than per_group %d: all of them", label,
+                     len(members), source, per_group)
+        picks.append(rng.choice(members, min(per_group, len(members)), replace=False))
+    return np.sort(np.concatenate(picks))
+
+
 def load_analysis_data(data, tokenizer, *, n: int = 256, seq_len: int = 64, seed: int = 0,
-                       split: str = "validation") -> AnalysisData:
-    """``n`` rows of ``data``, sampled with ``seed``, in their order in the data.
+                       split: str = "validation", per_group: int | None = None) -> AnalysisData:
+    """``n`` rows of ``data``, sampled with ``seed``, in their order in the data; with
+    ``per_group``, that many rows of each label instead (stratified: a rare domain gets as many
+    as a common one; a label with fewer rows gives all it has, logged).
 
     Parameters
     ----------
@@ -97,9 +119,12 @@ def load_analysis_data(data, tokenizer, *, n: int = 256, seq_len: int = 64, seed
         check_choice("split", split, (*SPLITS, "all"))
     rows = data.rows(split)
     source = str(data.pack().path) if data.kind == "pack" else str(data.path)
-    if len(rows) < n:
+    if per_group is not None:
+        pick = _per_group(rows, per_group, seed, source)
+    elif len(rows) < n:
         raise fail("load_analysis_data", "n", f"must be at most the {len(rows)} sentences of {source}", n)
-    pick = np.sort(np.random.default_rng(seed).choice(len(rows), n, replace=False))
+    else:
+        pick = np.sort(np.random.default_rng(seed).choice(len(rows), n, replace=False))
     labels = pd.DataFrame([rows[i] for i in pick], columns=["text", "label"])
     phi = token_frequency(data.reference_counts(tokenizer))
     labels["score"], labels["n_tokens"] = sentence_scores(labels["text"].tolist(), tokenizer, phi)
