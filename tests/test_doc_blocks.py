@@ -70,6 +70,26 @@ def _tracker():
             "train": train}
 
 
+def _tracked_conversion():
+    """own-model.md's tracker and conversion in one Trainer: a tiny GPT-2 on the shipped pack's
+    sentences (the user's table), checkpoints every 4 steps, a plan converting at step 4."""
+    names = _tracker()
+    transformers = pytest.importorskip("transformers")
+    names["args"] = transformers.TrainingArguments(
+        output_dir="out", max_steps=8, per_device_train_batch_size=8, learning_rate=3e-3, save_steps=4, report_to=[],
+        use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    names["data"] = names.pop("train")
+    names["train_ids"] = torch.stack([row["input_ids"] for row in names["data"]])
+    Path("plan.json").write_text(json.dumps({"warmup_steps": 4, "layers": [0, 1]}))
+    return names
+
+
+def _tracked_and_converted(names):
+    frame = names["tracker"].frame
+    assert sorted(set(frame["step"])) == [4, 8] and frame["gc"].notna().all()
+    assert type(names["at_step_8"]).__name__ == "SparseForCausalLM"
+
+
 def _inrun():
     """tracking.md's InRunGC loop: a tiny GPT-2, batches with one domain label per sample."""
     model = _tiny_gpt2()
@@ -99,6 +119,8 @@ RUNS = {
     ("README.md", "import cse_models                                   # transformers' Auto classes now read sparse "
                   "checkpoints"): (_sparse_trainer, _converted),
     ("docs/own-model.md", "from cse_models.hf_trainer import SparseCallback"): (_sparse_trainer, _converted),
+    ("docs/own-model.md", "import cse_models                                    # the Auto classes read the "
+                          "sparse checkpoints"): (_tracked_conversion, _tracked_and_converted),
     ("docs/corpora.md", "from ntkscope.text.corpus import load_pack"): (dict, lambda n: len(n["sizes"]) > 0),
     ("docs/cse-models.md", "import transformers"): (dict, lambda n: n["dense_ffn"].mlp is n["hf"].transformer.h[1].mlp),
     ("docs/engine.md", "import ntkscope as ns"): (dict, lambda n: "general" in set(n["by_domain"]["label"])),
