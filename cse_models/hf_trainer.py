@@ -238,8 +238,9 @@ class SparseCallback(_callback_base()):
         """Refuse layers the model does not have before training starts, not at the warm-up; on a
         resume (after :meth:`restore`, or from this output folder's checkpoint of the step), load
         what Trainer's resume left out."""
-        own = Path(args.output_dir) / f"checkpoint-{state.global_step}"  # where a resume in this folder started
-        resumed = self.resumed if self.resumed is not None else own if state.global_step > 0 and own.is_dir() else None
+        step, folder = getattr(state, "global_step", 0) or 0, getattr(args, "output_dir", None)
+        own = None if folder is None else Path(folder) / f"checkpoint-{step}"  # where a resume in this folder began
+        resumed = self.resumed if self.resumed is not None else own if step > 0 and own and own.is_dir() else None
         if resumed is not None and model is not None:
             load_renamed(model, resumed)
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)

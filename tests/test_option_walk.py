@@ -145,6 +145,8 @@ def test_every_plan_option_reaches_its_object(monkeypatch, tmp_path):
         "--overlap": (["0.7"], lambda s: s["overlap"], 0.7),
         "--choose-by": (["labels"], lambda s: s["choose_by"], "labels"),
         "--tail-labels": (["a,b"], lambda s: s["tail_labels"], ["a", "b"]),
+        "--warmup-by": (["schedule-fraction"], lambda s: s["warmup_by"], "schedule-fraction"),
+        "--schedule-steps": (["900"], lambda s: s["schedule_steps"], 900),
         "--out": (["p.json"], lambda s: str(s["out"]), "p.json"),
     }
     _walk(monkeypatch, tmp_path, "plan_command", ["plan", str(_run(tmp_path))], {**COMMON, **ANALYSIS, **own})

@@ -73,7 +73,6 @@ def encode_texts(tokenizer, texts, max_length: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-@entry("load_analysis_data")
 def _per_group(rows, per_group: int, seed: int, source: str) -> np.ndarray:
     """Row indices: ``per_group`` of each label, sampled with ``seed``, in the data's order."""
     check_positive_int("per_group", per_group)
@@ -91,6 +90,7 @@ def _per_group(rows, per_group: int, seed: int, source: str) -> np.ndarray:
     return np.sort(np.concatenate(picks))
 
 
+@entry("load_analysis_data")
 def load_analysis_data(data, tokenizer, *, n: int = 256, seq_len: int = 64, seed: int = 0,
                        split: str = "validation", per_group: int | None = None) -> AnalysisData:
     """``n`` rows of ``data``, sampled with ``seed``, in their order in the data; with
