@@ -15,6 +15,8 @@ writes it (PNG, and PDF on request) under a temporary name and renames it.
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +163,18 @@ def expert_layers(layers, *, title: str = ""):
     return fig
 
 
+_BLOCK = re.compile(r"(?:^|\.)(?:h|layers?|blocks?|layer)\.(\d+)(?:\.(\w+))?")
+
+
+def layer_name(path) -> str:
+    """A module path as a reader says it: ``hf.gpt_neox.layers.2.mlp.layer`` -> "layer 2 (mlp)",
+    ``transformer.h.0`` -> "layer 0"; anything else as it is."""
+    found = _BLOCK.search(str(path))
+    if not found:
+        return str(path)
+    return f"layer {found[1]}" + (f" ({found[2]})" if found[2] else "")
+
+
 def gc_per_layer(frame, *, title: str = ""):
     """|GC| of each subset over training, one panel per subset (``label``) and one line per layer
     (``frame``: a tracker's per-layer rows: step, label, layer, abs_gc)."""
@@ -171,7 +185,7 @@ def gc_per_layer(frame, *, title: str = ""):
         rows = frame[frame["label"].astype(str) == label]
         for layer, part in rows.groupby("layer", sort=False):
             part = part.sort_values("step")
-            ax.plot(part["step"], part["abs_gc"], marker=".", lw=1, label=str(layer))
+            ax.plot(part["step"], part["abs_gc"], marker=".", lw=1, label=layer_name(layer))
         ax.set_title(f"|GC| of {label}, per layer", fontsize=9)
         ax.set_xlabel("step")
     axes[0][0].set_ylabel("|GC| (the layer's block of the kernel)")
@@ -182,10 +196,11 @@ def gc_per_layer(frame, *, title: str = ""):
     return fig
 
 
-def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: str = ""):
+def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: str = "",
+                  subset: str = "the long tail"):
     """Figure 3(a). ``frame``: a :func:`ntkscope.gc_series` table (a ``draw`` column: several
-    independent draws of analysis sentences). Top: |GC| of the long tail and the random null
-    band, per draw. Bottom: the excess |GC| - null median (mean over draws) with its
+    independent draws of analysis sentences). Top: |GC| of ``subset`` (default the long tail) and
+    the random null band, per draw. Bottom: the excess |GC| - null median (mean over draws) with its
     +-1.645 standard-error band (:func:`ntkscope.representation.plan.excess_series`), the null
     bands in the same coordinates (random; homogeneous where measured); hollow: flagged steps
     (left out of the peak test); the plan's warm-up (``warmup``, chosen by ``rule``) dashed."""
@@ -199,7 +214,7 @@ def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: st
         top.fill_between(steps, rows["null_low"], rows["null_high"], color="#95a5a6", alpha=0.15,
                          label="random null band" if d == 0 else None)
         top.plot(steps, rows["abs_gc"], "-", color="#c0392b", lw=1, alpha=0.8,
-                 label="|GC| of the long tail, per draw" if d == 0 else None)
+                 label=f"|GC| of {subset}, per draw" if d == 0 else None)
     top.set_ylabel("|GC|")
     top.tick_params(labelbottom=True)
     top.set_ylim(_lowest(frame, ["abs_gc", "null_low"]), 1.01)
@@ -230,7 +245,7 @@ def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: st
                       label=f"warm-up: step {warmup}" + (f" ({rule})" if rule else "") if a is ax else None)
     ax.set_xlabel("training step")
     ax.set_ylabel("excess over the random null")
-    top.set_title(title or "GC of the long-tail subset over training", fontsize=10)
+    top.set_title(title or f"GC of {subset} over training", fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig

@@ -138,8 +138,12 @@ def test_report_of_a_compare_output_draws_its_routing(tmp_path, capsys):
     _compare_tables(tmp_path / "cmp" / "tables")
     assert ntkscope(["-q", "report", str(tmp_path / "cmp" / "tables"), "--out", str(tmp_path / "cmp.html")]) == 0
     page = (tmp_path / "cmp.html").read_text()
-    assert ">Routing</h2>" in page and ">Perplexity and probes</h2>" in page and page.count("<img") == 1
+    assert ">Routing</h2>" in page and ">Perplexity</h2>" in page and page.count("<img") == 1  # no probes here
     assert "ntkscope compare ..." in page
+    summary = page.split("<h2>What was found</h2>", 1)[1].split("</section>", 1)[0]
+    assert "Perplexity: general: cse +0.0 %, switch +0.0 % perplexity against dense (2 seeds, mean)." in summary
+    assert page.count("cse +0.0 %, switch +0.0 % perplexity against dense") == 2  # general and legal, once each
+    assert "<td>+0.0 %</td>" in page  # vs_dense as a percent, not a fraction
 
 
 def test_routing_with_repeated_rows_is_one_line_naming_the_file(tmp_path, capsys):

@@ -62,3 +62,12 @@ def test_every_figure_is_labelled_and_saves(pack, tmp_path):
         paths = plotting.save_figure(fig, tmp_path / name, formats=("png", "pdf"))
         assert [p.suffix for p in paths] == [".png", ".pdf"] and all(p.stat().st_size > 1000 for p in paths)
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_layer_names_read_as_layers():
+    from ntkscope.plotting import layer_name
+
+    assert layer_name("hf.gpt_neox.layers.2.mlp.layer") == "layer 2 (mlp)"
+    assert layer_name("transformer.h.0") == "layer 0"
+    assert layer_name("model.layers.11.self_attn") == "layer 11 (self_attn)"
+    assert layer_name("all") == "all" and layer_name(3) == "3"

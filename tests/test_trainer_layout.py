@@ -33,7 +33,7 @@ def trainer_run(tmp_path_factory):
                                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64,
                                         rotary_pct=0.25, bos_token_id=0, eos_token_id=0)
     args = transformers.TrainingArguments(output_dir=str(root / "run"), max_steps=6, per_device_train_batch_size=8,
-                                          learning_rate=3e-3, save_steps=2, report_to=[], use_cpu=True, seed=0,
+                                          learning_rate=3e-3, save_steps=2, logging_steps=2, report_to=[], use_cpu=True, seed=0,
                                           dataloader_num_workers=0, disable_tqdm=True)
     trainer = transformers.Trainer(model=transformers.GPTNeoXForCausalLM(config), args=args, train_dataset=data)
     trainer.train()
@@ -70,6 +70,13 @@ def test_plan_gc_and_compare_on_a_trainer_run(trainer_run, tmp_path):
                              "--schedule-steps", 10, "--out", tmp_path / "plan-fraction.json")
     assert by_fraction.returncode == 0, by_fraction.stderr[-2000:]
     fraction = json.loads((tmp_path / "plan-fraction.json").read_text())
+    page = in_process("report", tmp_path / "plan-fraction.json")  # a plan file: its own page beside it
+    assert page.returncode == 0, page.stderr[-2000:]
+    assert ">The plan</h2>" in (tmp_path / "plan-fraction.html").read_text()
+    page = in_process("report", run, "--out", tmp_path / "run.html")  # a Trainer folder, no track/
+    assert page.returncode == 0, page.stderr[-2000:]
+    text = (tmp_path / "run.html").read_text()
+    assert ">Training</h2>" in text and "6 steps; final training loss" in text
     assert (fraction["warmup_steps"], fraction["warmup_rule"]) == (5, "schedule-fraction")
     assert fraction["layers"] == made["layers"]
     gc = in_process("gc", run, *common[:2], "--n", 24, "--seq-len", 16, "--resamples", 0, "--null-draws", 0,

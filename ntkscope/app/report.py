@@ -23,6 +23,7 @@ from ntkscope.core.provenance import environment
 from ntkscope.plotting import (expert_layers, gc_by_label, gc_over_steps, gc_per_layer, gc_vs_frequency,
                                layer_dynamics, routing_shares, score_histogram_bars, training_curve)
 from ntkscope.representation.plan import gc_peak
+from ntkscope.runs.checkpoints import trainer_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +75,13 @@ class _Files:
     """The tables and JSON files of the directory, wherever its kind keeps them, read defensively:
     a file that is damaged, or not what ntkscope writes under its name, is one line naming it."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root: Path, only: dict | None = None):
+        self.root, self.only = root, only
         self.folders = [root, root / "tables", root / "track", root / "analysis"]
 
     def path(self, name: str) -> Path | None:
+        if self.only is not None:  # one file given: it stands for its kind, nothing beside it is read
+            return self.only.get(name)
         return next((f / name for f in self.folders if (f / name).is_file()), None)
 
     def csv(self, name: str) -> pd.DataFrame | None:
@@ -120,22 +123,25 @@ class _Files:
 
 def kind_of(path: Path) -> str:
     """What ``path`` holds: "reproduction" (tables/ and a manifest or settings), "run"
-    (checkpoints/ or metrics.csv) or "result" (a result.json, plan.json or CSV tables)."""
+    (checkpoints/, metrics.csv, or a Trainer's checkpoint-N folders) or "result" (a result.json,
+    plan.json or CSV tables)."""
     if (path / "tables").is_dir() and ((path / "manifest.json").is_file() or (path / "settings.json").is_file()):
         return "reproduction"
-    if (path / "checkpoints").is_dir() or (path / "metrics.csv").is_file() or (path / "track" / "gc.csv").is_file():
+    if (path / "checkpoints").is_dir() or (path / "metrics.csv").is_file() or (path / "track" / "gc.csv").is_file() \
+            or trainer_checkpoints(path):
         return "run"
     if any(path.glob("*.json")) or any(path.glob("*.csv")):
         return "result"
     raise fail("report", "path", "must be a result directory (result.json, CSVs), a training run (checkpoints/, "
-               "metrics.csv) or a reproduction (tables/, manifest.json)", str(path))
+               "metrics.csv, a Trainer's checkpoint-N), a plan file or a reproduction (tables/, manifest.json)",
+               str(path))
 
 
 def _flag_notes(table: pd.DataFrame, what: str) -> list:
     flags = table["flags"].fillna("").astype(str) if "flags" in table else pd.Series([], dtype=str)
     found = sorted({f for row in flags for f in row.split()})
-    return [f"{what}: {sum(f in row.split() for row in flags)} of {len(table)} rows flagged '{f}': "
-            f"{FLAG_WORDS.get(f, f)}." for f in found]
+    return [f"{what}: {sum(f in row.split() for row in flags)} of {len(table)} measurements flagged '{f}' "
+            f"({FLAG_WORDS.get(f, f)})." for f in found]
 
 
 def _versus(row) -> str:
@@ -214,7 +220,7 @@ def _gc_steps(files: _Files) -> Section | None:
         peak = gc_peak(rows)
         title = f"GC over training{': ' + label if label else ''}"
         section.figures.append(_png(gc_over_steps(rows, warmup=peak["step"] if peak["shown"] else None,
-                                                  rule="gc-peak", title=title)))
+                                                  rule="gc-peak", title=title, subset=label or "the long tail")))
         found = f"a GC peak at step {peak['step']}" if peak["shown"] else "no GC peak shown"
         section.notes.append(f"{label or 'long tail'}: {found} ({peak['why']}).")
         section.notes += _flag_notes(rows, label or "GC over training")
@@ -334,12 +340,44 @@ def _results(files: _Files) -> Section | None:
     found = {k: v for k, v in found.items() if v is not None}
     if not found:
         return None
-    return Section("Perplexity and probes", "Test perplexity per domain and probing accuracy of the trained models "
-                   "(lower perplexity is better).", tables=found)
+    probes = any("probe" in str(c) for t in found.values() for c in t.columns)
+    section = Section("Perplexity and probes" if probes else "Perplexity",
+                      "Test perplexity per domain" + (" and probing accuracy" if probes else "") + " of the trained "
+                      "models (lower perplexity is better).", tables=found)
+    comparison = found.get("comparison")
+    if comparison is not None and {"arm", "domain", "vs_dense", "seed"} <= set(comparison.columns):
+        seeds = comparison["seed"].nunique()
+        for domain, rows in comparison[comparison["arm"] != "dense"].groupby("domain", sort=False):
+            change = rows.groupby("arm", sort=False)["vs_dense"].mean()
+            section.notes.append(f"{domain}: " + ", ".join(f"{arm} {100 * v:+.1f} %" for arm, v in change.items())
+                                 + f" perplexity against dense ({seeds} seed{'s' if seeds > 1 else ''}, mean).")
+        shown = comparison.copy()
+        shown["vs_dense"] = shown["vs_dense"].map(lambda v: f"{100 * v:+.1f} %")
+        found["comparison"] = shown
+        start = (files.json("result.json") or {}).get("start")
+        if isinstance(start, str):
+            section.notes.append(f"Setup: {start.removeprefix('compare: ')}.")
+    return section
+
+
+def _trainer_metrics(files: _Files) -> pd.DataFrame | None:
+    """A Trainer run's logged training loss and learning rate (its last checkpoint's
+    trainer_state.json ``log_history``), as metrics.csv's columns."""
+    if files.only is not None:
+        return None
+    found = trainer_checkpoints(files.root)
+    if not found:
+        return None
+    state = read_json_object(found[-1] / "trainer_state.json", "report")
+    rows = [{"step": r["step"], "loss": r["loss"], "lr": r.get("learning_rate")}
+            for r in state.get("log_history") or [] if isinstance(r, dict) and "loss" in r and "step" in r]
+    return pd.DataFrame(rows) if rows else None
 
 
 def _training(files: _Files) -> Section | None:
     metrics = files.table("metrics.csv", ["step", "loss"], key="loss")
+    if metrics is None:
+        metrics = _trainer_metrics(files)
     if metrics is None:
         return None
     section = Section("Training", "The run's training loss and learning rate.")
@@ -434,14 +472,21 @@ def report(path, out=None) -> dict:
     """Write one self-contained HTML page of the analysis in ``path`` to ``out`` (default
     ``PATH/report.html``). Returns {"path", "kind", "sections", "undescribed": columns without a
     glossary entry}."""
-    root = Path(path)
-    if not root.is_dir():
-        raise MissingInput(f"report: path {root} is not a directory")
-    kind = kind_of(root)
+    root, only = Path(path), None
+    if root.is_file() and root.suffix == ".json":  # a plan file (ntkscope plan --out FILE)
+        if "layers" not in read_json_object(root, "report") or "evidence" not in read_json_object(root, "report"):
+            raise fail("report", "path", "must be a plan file (ntkscope plan's JSON: layers and evidence), or a "
+                       "directory", str(root))
+        only, out = {"plan.json": root}, out if out is not None else root.with_suffix(".html")
+        kind, root = "plan", root.parent
+    elif not root.is_dir():
+        raise MissingInput(f"report: path {root} is not a directory (nor a plan file)")
+    else:
+        kind = kind_of(root)
     out = Path(out) if out is not None else root / "report.html"
     if out.suffix.lower() not in (".html", ".htm"):
         raise fail("report", "out", "must end in .html", str(out))
-    files = _Files(root)
+    files = _Files(root, only)
     builders = (_plan, _frequency, _gc_groups, _gc_steps, _dynamics, _experts, _routing, _results, _training)
     sections = [s for s in (build(files) for build in builders) if s is not None]
     if not sections:
@@ -450,8 +495,13 @@ def report(path, out=None) -> dict:
     sections.append(_made_by(root, kind, files))
     glossary = _glossary(sections)
     sections.append(glossary)
-    summary = Section("What was found", f"A summary of the {kind} in {root}.",
-                      notes=[n for s in sections[:-2] for n in s.notes][:40])
+    headline = []  # each section's first finding, said here and not again below
+    for section in sections[:-2]:
+        if section.notes:
+            headline.append(f"{section.title}: {section.notes[0]}")
+            section.notes = section.notes[1:]
+    summary = Section("What was found", f"A summary of the {kind} in {path}: each section's first finding (the "
+                      "others are in its section).", notes=headline)
     page = render(f"ntkscope report: {root.name}", [summary, *sections])
     write_text(out, page)
     undescribed = glossary.tables["glossary"].query("meaning == 'not described'")["column"].tolist()

@@ -171,3 +171,9 @@ def schedule_length(run_dir: str | Path) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def trainer_checkpoints(root: str | Path) -> list[Path]:
+    """A ``Trainer`` output folder's ``checkpoint-N`` folders that hold a model, in step order
+    ([] when it has none)."""
+    return [path for _, path in _trainer_dirs(Path(root))]
