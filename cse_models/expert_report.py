@@ -4,8 +4,10 @@ OLMoE and Qwen-MoE, whose ``*TopKRouter`` returns (logits, scores, indices)), ag
 labels:
 
 - the layer: routing purity (the share of units whose expert's majority domain is their own)
-  and normalised mutual information (scikit-learn) between domain and expert, with the load
-  entropy (the experts' loads, normalised to [0, 1]: 1 = even);
+  and normalised mutual information (scikit-learn) between domain and expert, each beside its
+  baselines: the majority domain's share of the units (the purity of one expert taking all) and
+  both measures with the labels shuffled over texts (routing that ignores the labels, mean of
+  :data:`NULL_SHUFFLES`); with the load entropy (the experts' loads, normalised to [0, 1]: 1 = even);
 - each expert: its load and its domain shares (the domain that leads it, and by how much);
 - each expert ablated: its units sent to their next-best expert (CSE: the next-nearest scaled
   centre; Switch: the router's second choice; an HF router: its logit for the expert set to -inf
@@ -38,8 +40,10 @@ from ntkscope.core.checks import UserError
 
 log = logging.getLogger(__name__)
 
-LAYER_COLUMNS = ["layer", "name", "unit", "experts", "purity", "purity_low", "purity_high", "nmi", "nmi_low",
-                 "nmi_high", "load_entropy"]
+LAYER_COLUMNS = ["layer", "name", "unit", "experts", "purity", "purity_low", "purity_high", "purity_majority",
+                 "purity_null", "nmi", "nmi_low", "nmi_high", "nmi_null", "load_entropy"]
+#: label shuffles of the null that purity and NMI are read against
+NULL_SHUFFLES = 50
 EXPERT_COLUMNS = ["layer", "expert", "load", "load_low", "load_high", "top_domain", "top_share", "top_share_low",
                   "top_share_high"]
 ABLATION_COLUMNS = ["layer", "expert", "domain", "ppl", "ppl_ablated", "change", "change_low", "change_high"]
@@ -249,14 +253,19 @@ def expert_report(model, token_ids: Sequence[Sequence[int]], labels: Sequence[st
         counts, label = taken[name], layer_label(name)
         purity, nmi = _purity_nmi(counts, domain, names)
         boot = np.array([_purity_nmi(counts[i], domain[i], names) for i in draws]).reshape(-1, 2)
+        shuffled = np.random.default_rng(seed + 1)  # labels shuffled over texts: routing that ignores them
+        null = np.array([_purity_nmi(counts, shuffled.permutation(domain), names) for _ in range(NULL_SHUFFLES)])
+        units = np.array([counts[domain == d].sum() for d in range(len(names))])
         load = counts.sum(0) / max(counts.sum(), 1)
         positive = load[load > 0]
         entropy = float(-(positive * np.log(positive)).sum() / np.log(len(load))) if len(load) > 1 else 0.0
         layer_rows.append({"layer": label, "name": name, "unit": "sequences" if isinstance(module, CSELayer)
                            else "tokens", "experts": len(load), "purity": purity,
-                           **dict(zip(("purity_low", "purity_high"), _interval(boot[:, 0], level))), "nmi": nmi,
+                           **dict(zip(("purity_low", "purity_high"), _interval(boot[:, 0], level))),
+                           "purity_majority": float(units.max() / max(units.sum(), 1)),
+                           "purity_null": float(np.nanmean(null[:, 0])), "nmi": nmi,
                            **dict(zip(("nmi_low", "nmi_high"), _interval(boot[:, 1], level))),
-                           "load_entropy": entropy})
+                           "nmi_null": float(np.nanmean(null[:, 1])), "load_entropy": entropy})
         by_domain = np.stack([counts[domain == d].sum(0) for d in range(len(names))], axis=1)  # (E, D)
         for e in range(len(load)):
             shares = by_domain[e] / max(by_domain[e].sum(), 1)

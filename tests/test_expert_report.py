@@ -48,6 +48,8 @@ def test_an_expert_that_serves_one_domain(kind, ffn):
     assert row["layer"] == f"layer 1 ({ffn})" and row["unit"] == "sequences" and row["experts"] == 2
     assert row["purity"] == 1.0 and row["nmi"] == pytest.approx(1.0)
     assert row["purity_low"] <= row["purity"] <= row["purity_high"] and row["load_entropy"] == pytest.approx(1.0)
+    assert row["purity_majority"] == pytest.approx(0.5)  # two domains of one size: half, one expert taking all
+    assert row["purity_majority"] <= row["purity_null"] < 0.8 and row["nmi_null"] < 0.1  # labels shuffled
     experts = report.experts.set_index("expert")
     assert experts.loc[b_expert, "top_domain"] == "b" and experts.loc[b_expert, "top_share"] == 1.0
     ablation = report.ablation[report.ablation["expert"] == b_expert].set_index("domain")

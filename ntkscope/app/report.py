@@ -326,6 +326,12 @@ def _experts(files: _Files) -> Section | None:
                       "number with its interval.")
     findings = (files.json("result.json") or {}).get("findings")
     section.notes += [str(f) + "." for f in findings] if isinstance(findings, list) else []
+    if {"purity_majority", "purity_null", "nmi_null"} <= set(layers.columns):  # each measure beside its baselines
+        for _, row in layers.iterrows():
+            section.notes.append(
+                f"{row['layer']}: purity {row['purity']:.3f} [{row['purity_low']:.3f}, {row['purity_high']:.3f}] against "
+                f"{row['purity_majority']:.3f} for one expert taking all and {row['purity_null']:.3f} with the labels "
+                f"shuffled; NMI {row['nmi']:.3f} against {row['nmi_null']:.3f} shuffled.")
     section.figures.append(_png(expert_layers(layers)))
     section.tables["expert layers"] = layers
     for name, caption in (("experts.csv", "experts"), ("ablation.csv", "one expert ablated")):
