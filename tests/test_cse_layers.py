@@ -363,3 +363,17 @@ def test_mean_rate_is_checked_and_saved(tmp_path):
     model.save_pretrained(tmp_path)
     again = GPT.from_pretrained(tmp_path)
     assert again.config.sparse.mean_rate == 0.1 and again.sparse_layers()["transformer.h.1.mlp"].mean_rate == 0.1
+
+
+def test_a_router_fit_over_checkpoints_names_the_step_and_layer_it_fell_back_at(caplog, monkeypatch):
+    import ntkscope.runs.dynamics as dynamics
+
+    x = torch.randn(30, 6, dtype=torch.float64)  # no cluster at this eps: the fit falls back to one expert
+    monkeypatch.setattr(dynamics, "layer_embeddings",
+                        lambda model, batch, point, layers: type("E", (), {"embeddings": {1: x}})())
+    analysis = dynamics.router_analysis({"input_ids": torch.zeros(30, 4, dtype=torch.long)}, [1],
+                                        router={"rule": "dbscan-percentile", "proj_dim": 4, "eps": 1e-6,
+                                                "min_samples": 5})
+    with caplog.at_level(logging.WARNING):
+        analysis.compute(None, 300)
+    assert "the checkpoint of step 300, layer 1: fit_router: dbscan-percentile found no cluster" in caplog.text

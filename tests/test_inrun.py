@@ -172,7 +172,7 @@ def test_in_run_gc_inside_a_trainer_equals_the_steps_own_batch_at_its_weights(tm
     pytest.importorskip("accelerate")
     import copy
 
-    from ntkscope import GCCallback, InRunTracker
+    from ntkscope import GCCallback, GCTracker, InRunTracker, Probes
 
     torch.set_default_dtype(torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -203,7 +203,11 @@ def test_in_run_gc_inside_a_trainer_equals_the_steps_own_batch_at_its_weights(tm
                                               gradient_accumulation_steps=accumulation, learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
                                               save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
                                               remove_unused_columns=False)
-        callbacks = ([GCCallback(tracker, names=["a", "b"])] if with_gc else []) + [snapshots]
+        # a probe tracker in the same callback: no second GCCallback (transformers warns of one "already there")
+        probe = GCTracker(Probes({"input_ids": ids[::2]}, {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}), every=2,
+                          resampling=None)
+        callbacks = ([GCCallback(tracker, probe, names=["a", "b"])] if with_gc else []) + [snapshots]
+        run.probe = probe
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
         if not with_gc:  # the plain run's model must not see the domains column either
             model.register_forward_pre_hook(lambda m, a, kw: (a, {k: v for k, v in kw.items() if k != "domains"}),
@@ -212,6 +216,7 @@ def test_in_run_gc_inside_a_trainer_equals_the_steps_own_batch_at_its_weights(tm
         return [h["loss"] for h in trainer.state.log_history if "loss" in h], tracker, snapshots
 
     losses, tracker, snapshots = run("gc", True)
+    assert sorted(set(run.probe.frame["step"])) == [2, 4]  # the probes, beside the in-run rows
     if accumulation == 1:
         assert losses == pytest.approx(run("plain", False)[0], rel=1e-6)  # float rounding (kept factors move buffers)
     frame = tracker.frame
@@ -243,6 +248,9 @@ def test_in_run_gc_in_a_trainer_needs_the_label_column():
         GCCallback(InRunTracker()).on_train_begin(args, None, None, model=model)
     with pytest.raises(ValueError, match="GCCallback: names must be a list of label names"):
         GCCallback(InRunTracker(), names="ab")
+    twice = InRunTracker()
+    with pytest.raises(ValueError, match="GCCallback: tracker must be given once each"):
+        GCCallback(twice, twice)
     # a batch without the label column (text labels do not collate): the columns it has, not "(got None)"
     from types import SimpleNamespace
 

@@ -40,21 +40,28 @@ class GCCallback(TrainerCallback):
                 callbacks=[GCCallback(tracker, label_column="domains")]).train()
     """
 
-    def __init__(self, tracker: GCTracker | InRunTracker, *, label_column: str = "domains", names=None):
-        if not isinstance(tracker, (GCTracker, InRunTracker)):
-            raise fail("GCCallback", "tracker", "must be a GCTracker or an InRunTracker", type(tracker).__name__)
+    def __init__(self, tracker: GCTracker | InRunTracker, *more: GCTracker | InRunTracker,
+                 label_column: str = "domains", names=None):
+        for each in (tracker, *more):
+            if not isinstance(each, (GCTracker, InRunTracker)):
+                raise fail("GCCallback", "tracker", "must be a GCTracker or an InRunTracker", type(each).__name__)
+        if len({id(t) for t in (tracker, *more)}) != 1 + len(more):
+            raise fail("GCCallback", "tracker", "must be given once each (a tracker twice would measure twice)",
+                       f"{1 + len(more)} trackers")
         if not isinstance(label_column, str) or not label_column:
             raise fail("GCCallback", "label_column", "must name the training data's column of group labels",
                        label_column)
         if names is not None and (not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names)):
             raise fail("GCCallback", "names", "must be a list of label names (label j is names[j])", names)
-        self.tracker, self.label_column, self.names = tracker, label_column, None if names is None else list(names)
+        self.tracker, self.trackers = tracker, (tracker, *more)
+        self.label_column, self.names = label_column, None if names is None else list(names)
         self._columns = None  # the model's BatchColumns (in-run GC)
         self._causal = True
 
     @property
     def in_run(self) -> bool:
-        return isinstance(self.tracker, InRunTracker)
+        """Whether one of its trackers is an in-run one (it reads the batches' labels)."""
+        return any(isinstance(t, InRunTracker) for t in self.trackers)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         world_size = getattr(args, "world_size", None)
@@ -70,7 +77,9 @@ class GCCallback(TrainerCallback):
             if getattr(args, "remove_unused_columns", False):
                 raise fail("GCCallback", "args.remove_unused_columns", "must be False for in-run GC: Trainer would "
                            f"drop the {self.label_column!r} column the batch's groups come from", True)
-            self.tracker.begin(model)
+            for tracker in self.trackers:
+                if isinstance(tracker, InRunTracker):
+                    tracker.begin(model)
             self._causal = "MaskedLM" not in type(model).__name__
             self._columns = batch_columns(model, self.label_column)
         return control
@@ -82,9 +91,15 @@ class GCCallback(TrainerCallback):
         _check_step("GCCallback.on_step_end", getattr(state, "global_step", None), "state.global_step")
         if not state.is_world_process_zero:
             return control
-        if not self.in_run:
-            self.tracker.step(model, state.global_step)
-        elif self._columns.training.get(self.label_column) is None:
+        if self.in_run:  # the step's own factors first, then the probes (eval mode: never recorded)
+            self._in_run_step(model, state.global_step)
+        for tracker in self.trackers:
+            if not isinstance(tracker, InRunTracker):
+                tracker.step(model, state.global_step)
+        return control
+
+    def _in_run_step(self, model, step: int) -> None:
+        if self._columns.training.get(self.label_column) is None:
             raise fail("GCCallback.on_step_end", self.label_column, "must be a column of the training batches for "
                        "in-run GC (TrainingArguments(remove_unused_columns=False) keeps it; text labels do not "
                        "collate: give integer labels and their names with names=[...])",
@@ -98,12 +113,14 @@ class GCCallback(TrainerCallback):
             if torch.is_tensor(batch.get("labels")):  # each sample's loss terms (causal: the shifted targets)
                 targets = batch["labels"][:, 1:] if self._causal else batch["labels"]
                 terms = (targets != -100).sum(1).clamp(min=1).cpu()
-            self.tracker.step(model, state.global_step, labels, loss_terms=terms)
-        return control
+            for tracker in self.trackers:
+                if isinstance(tracker, InRunTracker):
+                    tracker.step(model, step, labels, loss_terms=terms)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._columns is not None:
             self._columns.release(self.label_column)
             self._columns = None
-        self.tracker.close()
+        for tracker in self.trackers:
+            tracker.close()
         return control

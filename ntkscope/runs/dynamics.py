@@ -12,6 +12,7 @@ stopped and a repeated one is free.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -225,9 +226,26 @@ def gc_series(run_dir, batch: dict, subset, *, resampling: Resampling | None = R
 STABILITY_COLUMNS = ["step", "layer", "n_clusters", "n_noise", "largest_share", "overlap_next"]
 
 
-def _router_layer(X, domains, tail, router: dict) -> dict:
+@contextlib.contextmanager
+def _said_at(where: str):
+    """The router fit's log lines (a fallback to one cluster, ...) prefixed with ``where``."""
+    logger = logging.getLogger("ntkscope.representation.router")
+
+    def prefix(record):
+        record.msg = f"{where}: {record.msg}"
+        return True
+
+    logger.addFilter(prefix)
+    try:
+        yield
+    finally:
+        logger.removeFilter(prefix)
+
+
+def _router_layer(X, domains, tail, router: dict, where: str = "") -> dict:
     """One layer at one checkpoint: the router's labels and, with domains, what they hold."""
-    fit = fit_router(X, **router)
+    with _said_at(where) if where else contextlib.nullcontext():
+        fit = fit_router(X, **router)
     out = {"labels": fit.labels.tolist(), "n_clusters": fit.n_clusters, "n_noise": fit.n_noise,
            "largest_share": max(fit.sizes) / len(X)}
     if domains is not None:
@@ -249,7 +267,8 @@ def router_analysis(batch: dict, layers=None, *, domains=None, tail=(), point: s
 
     def compute(model, step):
         emb = layer_embeddings(model, batch, point=point, layers=layers).embeddings
-        return {str(layer): _router_layer(X, domains, tail, router) for layer, X in emb.items()}
+        return {str(layer): _router_layer(X, domains, tail, router, where=f"the checkpoint of step {step}, layer "
+                                          f"{layer}") for layer, X in emb.items()}
     return Analysis(digest(options, arrays=batch), compute)
 
 
