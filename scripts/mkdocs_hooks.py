@@ -3,8 +3,9 @@ reference of every name in ``ntkscope.__all__``, and the repository's files that
 to outside docs/.
 
 - ``index.md`` is README.md, its links into docs/ made site links.
-- ``api.md`` lists ``ntkscope.__all__`` by stage, one mkdocstrings entry per name (at the module
-  that defines it), so the reference and the public API cannot drift apart.
+- ``api.md`` lists ``ntkscope.__all__`` by stage and cse_models' public names, one mkdocstrings
+  entry per name (at the module that defines it), so the reference and the public API cannot
+  drift apart; a docstring's Sphinx roles become links to the entries (``on_page_content``).
 - A link out of docs/ (``../figures/tail/figures/fig1a.png``, ``../benchmarks/README.md``) must
   name a file or folder of this checkout, else the build fails. Images and other files are
   copied into the site under ``repo/``; Markdown files and folders stay repository paths, shown
@@ -31,7 +32,7 @@ def _links(text: str, rewrite) -> str:
         out += [LINK.sub(rewrite, text[at:m.start()]), m[0]]
         at = m.end()
     return "".join(out + [LINK.sub(rewrite, text[at:])])
-STAGES = (("ntkscope.core", "Errors"), ("ntkscope.text", "Text: corpora, tokenizers, frequency, sentences"),
+STAGES = (("ntkscope.core", "Core: errors, memory"), ("ntkscope.text", "Text: corpora, tokenizers, frequency, sentences"),
           ("ntkscope.kernel", "Kernel: gradients, NTK, eigenpairs, GC"), ("ntkscope.gc", "GC by group, in training"),
           ("ntkscope.representation", "Representations: clusters, router, plan"),
           ("ntkscope.runs", "Runs: checkpoints, families, embeddings"), ("ntkscope", "Reproduction and the rest"))
@@ -52,7 +53,45 @@ def _api_page() -> str:
         for name in names:
             lines += [f"::: {ntkscope._EXPORTS[name]}.{name}", ""]
             placed.add(name)
+    lines += ["## cse_models: CSE models, conversion in your own training, what the experts learned", "",
+              "`cse_models.__all__`, and the names of its modules that a training script imports.", ""]
+    lines += [f"::: {path}" for path in cse_models_names()] + [""]
     return "\n".join(lines)
+
+
+#: cse_models' names beyond its __all__ that the guide's scripts import
+CSE_MODULE_NAMES = ("cse_models.hf_trainer.SparseCallback", "cse_models.hf_trainer.convert_in_training",
+                    "cse_models.expert_report.expert_report", "cse_models.train.train")
+
+
+def cse_models_names() -> list:
+    """The dotted paths of cse_models' public API, each where it is defined."""
+    import cse_models
+
+    names = [f"{getattr(cse_models, n).__module__}.{n}" for n in cse_models.__all__]
+    return names + [n for n in CSE_MODULE_NAMES if n not in names]
+
+
+ROLES = "func|class|meth|mod|data|attr|exc|obj"
+ROLE = re.compile(rf":(?:{ROLES}):<code>(~?)([\w.\s]+?)(\(\))?</code>")
+RAW_ROLE = re.compile(rf":(?:{ROLES}):`(~?)([\w.]+)`")  # inside a code element: the name alone
+
+
+def on_page_content(html, page, config, files):
+    """The API page: a docstring's Sphinx role (``:func:`~ntkscope.x```, rendered as text) made a
+    link to the name's entry where the page has one, else its name as code."""
+    if page.file.src_uri != "api.md":
+        return html
+    ids = set(re.findall(r'id="([\w.]+)"', html))
+
+    def role(m):
+        short, full = m[1] == "~", re.sub(r"\s+", "", m[2])  # a role broken over two lines of its docstring
+        shown = (full.rsplit(".", 1)[-1] if short else full) + (m[3] or "")
+        target = next((i for i in ids if i == full or i.endswith("." + full)), None)
+        return f'<a href="#{target}"><code>{shown}</code></a>' if target else f"<code>{shown}</code>"
+
+    html = ROLE.sub(role, html)
+    return RAW_ROLE.sub(lambda m: m[2].rsplit(".", 1)[-1] if m[1] else m[2], html)
 
 
 def _root(config) -> Path:

@@ -30,6 +30,14 @@ def test_the_site_builds_strict_and_its_api_is_all(tmp_path):
     documented = set(re.findall(r'<h3 id="(ntkscope\.[\w.]+)"', api))
     expected = {f"{ntkscope._EXPORTS[n]}.{n}" for n in ntkscope.__all__}
     assert documented == expected
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from mkdocs_hooks import cse_models_names
+
+    cse = set(re.findall(r'<h3 id="(cse_models\.[\w.]+)"', api))
+    assert cse == set(cse_models_names()) and "cse_models.hf_trainer.SparseCallback" in cse
+    assert not re.search(r":(func|class|meth|mod|data|attr|exc|obj):", api)  # roles rendered, not raw
+    assert 'href="#ntkscope.kernel.ntk.empirical_ntk"><code>empirical_ntk</code></a>' in api
+    assert "<h2 id=\"core-errors-memory\">" in api  # hand_back_freed_memory is not filed under "Errors"
     home = (tmp_path / "site" / "index.html").read_text()
     assert "Install and the two commands" in home and 'href="warmup-map/"' in home  # the README, docs/ links as site links
     # a figure the guide shows from outside docs/ is in the site
