@@ -196,6 +196,23 @@ def gc_per_layer(frame, *, title: str = ""):
     return fig
 
 
+def inrun_series(frame, *, title: str = ""):
+    """In-run GC over training: each group's GC against its step's batch (``frame``: an
+    ``InRunTracker``'s ``inrun.csv``: step, label, gc), one line per group."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    for label, rows in frame.groupby("label", sort=False):
+        rows = rows.sort_values("step")
+        ax.plot(rows["step"], rows["gc"], marker=".", lw=1, label=str(label))
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("GC against the step's batch")
+    ax.set_title(title or "In-run GC of each group of the training batches", fontsize=10)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return fig
+
+
 def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: str = "",
                   subset: str = "the long tail"):
     """Figure 3(a). ``frame``: a :func:`ntkscope.gc_series` table (a ``draw`` column: several

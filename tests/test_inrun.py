@@ -223,6 +223,10 @@ def test_in_run_gc_inside_a_trainer_equals_the_steps_own_batch_at_its_weights(tm
     mixed = [step for step in (2, 4) if len(set(snapshots.batches[step * accumulation - 1][1])) > 1]
     assert mixed and sorted(set(frame["step"])) == mixed  # a batch of one group has no row (GC = 1 by design)
     assert (tmp_path / "gc" / "inrun" / "inrun.csv").is_file()
+    from ntkscope.app.report import report  # the run's page draws its in-run GC
+
+    made = report(tmp_path / "gc", tmp_path / "gc.html")
+    assert "In-run GC" in made["sections"] and "on average over" in (tmp_path / "gc.html").read_text()
     for step in mixed:
         batch, domains = snapshots.batches[step * accumulation - 1]  # the step's last micro-batch
         model = transformers.GPT2LMHeadModel(config)

@@ -20,7 +20,7 @@ from ntkscope.app.glossary import describe
 from ntkscope.core.checks import MissingInput, UserError, fail
 from ntkscope.core.files import read_json_object, strict_json, write_text
 from ntkscope.core.provenance import environment
-from ntkscope.plotting import (expert_layers, gc_by_label, gc_over_steps, gc_per_layer, gc_vs_frequency,
+from ntkscope.plotting import (expert_layers, gc_by_label, gc_over_steps, gc_per_layer, gc_vs_frequency, inrun_series,
                                layer_dynamics, routing_shares, score_histogram_bars, training_curve)
 from ntkscope.representation.plan import gc_peak
 from ntkscope.runs.checkpoints import trainer_checkpoints
@@ -77,7 +77,7 @@ class _Files:
 
     def __init__(self, root: Path, only: dict | None = None):
         self.root, self.only = root, only
-        self.folders = [root, root / "tables", root / "track", root / "analysis"]
+        self.folders = [root, root / "tables", root / "track", root / "analysis", root / "inrun"]
 
     def path(self, name: str) -> Path | None:
         if self.only is not None:  # one file given: it stands for its kind, nothing beside it is read
@@ -128,7 +128,7 @@ def kind_of(path: Path) -> str:
     if (path / "tables").is_dir() and ((path / "manifest.json").is_file() or (path / "settings.json").is_file()):
         return "reproduction"
     if (path / "checkpoints").is_dir() or (path / "metrics.csv").is_file() or (path / "track" / "gc.csv").is_file() \
-            or trainer_checkpoints(path):
+            or (path / "inrun" / "inrun.csv").is_file() or trainer_checkpoints(path):
         return "run"
     if any(path.glob("*.json")) or any(path.glob("*.csv")):
         return "result"
@@ -231,6 +231,24 @@ def _gc_steps(files: _Files) -> Section | None:
                              f"{low['kernel_cka']:.3f} with the previous probe); the last probe's CKA is "
                              f"{cka['kernel_cka'].iloc[-1]:.3f}.")
     section.tables["gc over steps"] = frame
+    return section
+
+
+def _inrun(files: _Files) -> Section | None:
+    """An InRunTracker's inrun.csv: each group's GC against its own step's batch."""
+    table = files.table("inrun.csv", ["step", "label", "gc"], key="gc")
+    if table is None:
+        return None
+    section = Section("In-run GC", "Each group of a measured training batch against that batch, from the step's own "
+                      "forward and backward (InRunTracker): a batch of one group has no row.")
+    section.figures.append(_png(inrun_series(table)))
+    steps = table["step"].nunique()
+    for label, rows in table.groupby("label", sort=False):
+        rows = rows.sort_values("step")
+        section.notes.append(f"{label}: GC {rows['gc'].mean():.3f} on average over {len(rows)} of the {steps} "
+                             f"measured steps (first {rows['gc'].iloc[0]:.3f} at step {int(rows['step'].iloc[0])}, "
+                             f"last {rows['gc'].iloc[-1]:.3f} at step {int(rows['step'].iloc[-1])}).")
+    section.tables["in-run gc"] = table
     return section
 
 
@@ -493,7 +511,7 @@ def report(path, out=None) -> dict:
     if out.suffix.lower() not in (".html", ".htm"):
         raise fail("report", "out", "must end in .html", str(out))
     files = _Files(root, only)
-    builders = (_plan, _frequency, _gc_groups, _gc_steps, _dynamics, _experts, _routing, _results, _training)
+    builders = (_plan, _frequency, _gc_groups, _gc_steps, _inrun, _dynamics, _experts, _routing, _results, _training)
     sections = [s for s in (build(files) for build in builders) if s is not None]
     if not sections:
         raise fail("report", "path", "holds no table this report knows (gc.csv, gc_over_steps.csv, dynamics.csv, "
