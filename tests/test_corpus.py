@@ -252,3 +252,28 @@ def test_installed_sources_load_clean(name):
     assert len(records) > 1000
     dirty = [r.text for r in records if MARKUP[name].search(r.text)]
     assert len(dirty) < 0.001 * len(records), dirty[:5]
+
+
+def test_a_pack_of_the_researchers_table_is_reproducible_and_checked(tmp_path):
+    import json
+
+    from ntkscope.core.checks import UserError
+    from ntkscope.text.corpus.pack import load_pack
+    from ntkscope.text.corpus.table_pack import table_digest, table_pack
+
+    records = load_pack().records("train")
+    rows = [{"text": r.text, "domain": "prose"} for r in records if r.domain == "general"][:300]
+    rows += [{"text": r.text, "domain": "licence"} for r in records if r.domain == "legal"][:80]
+    rows += rows[:5]  # repeated texts are kept once
+    table = tmp_path / "rows.jsonl"
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a = load_pack(table_pack(tmp_path / "a", table, label_column="domain", vocab_size=600))
+    b = load_pack(table_pack(tmp_path / "b", table, label_column="domain", vocab_size=600))
+    assert a.manifest["version"] == b.manifest["version"] and a.manifest["table"]["sha256"] == table_digest(table)
+    assert a.manifest["tail"] == ["licence"] and a.manifest["table"]["rows_kept"] == 380
+    assert sum(len(a.records(s)) for s in ("train", "validation", "test")) == 380
+    assert {r.domain for r in a.records("test")} == {"licence", "prose"}
+    with pytest.raises(UserError, match="tail must name some but not all of the table's labels"):
+        table_pack(tmp_path / "c", table, label_column="domain", tail=["poetry"])
+    with pytest.raises(UserError, match="validation has none of"):
+        table_pack(tmp_path / "d", table, label_column="domain", validation=0.001)

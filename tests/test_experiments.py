@@ -17,6 +17,7 @@ import pytest
 
 from commandline import in_process
 from ntkscope.experiments import load_spec, parse_spec, run_experiment, status, units
+from ntkscope.core.checks import UserError
 from ntkscope.experiments.spec import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -323,3 +324,65 @@ def test_every_shipped_spec_reads_and_expands():
     assert [u.key for u in units(spec, "v")] == [u.key for u in units(on_gpu, "v")]
     proc = subprocess.run([sys.executable, "-m", "ntkscope", "experiment", "specs"], capture_output=True, text=True)
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 12 and "warmup-map-count" in proc.stdout
+
+
+# ---- a spec over the researcher's own table -----------------------------------------------------
+
+def _own_rows(path: Path, extra: int = 0) -> None:
+    """A JSONL of two labels (prose, and licences as its long tail) from the shipped pack's text."""
+    from ntkscope.text.corpus.pack import load_pack
+
+    records = load_pack().records("train")
+    rows = [{"text": r.text, "domain": "prose"} for r in records if r.domain == "general"][:400 + extra]
+    rows += [{"text": r.text, "domain": "licence"} for r in records if r.domain == "legal"][:120]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_spec_over_the_researchers_own_table_runs_and_follows_its_changes(tmp_path):
+    """[data] names a JSONL (relative to the spec): the runner builds RUN/pack from it, every unit
+    evaluates the table's own domains, the tables judge its tail; the pack is not built again for
+    the same table, and a changed table is another pack, whose units have other keys (they run
+    again)."""
+    import tomli_w
+
+    from ntkscope.experiments.runner import spec_pack
+    from ntkscope.text.corpus.pack import load_pack
+
+    _own_rows(tmp_path / "rows.jsonl")
+    data = {**TOY, "seeds": [0], "settings": {**TOY["settings"], "steps": 30, "eval_max_blocks": 8},
+            "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "at": [20]}],
+            "criteria": {"arms": ["cse"]},
+            "data": {"table": "rows.jsonl", "label_column": "domain", "tail": ["licence"], "vocab_size": 1000}}
+    path = tmp_path / "own.toml"
+    path.write_text(tomli_w.dumps(data))
+    spec = load_spec(path)
+    assert spec.settings.finetune_domains == ("licence",) and spec.criteria.tail == ("licence",)
+    run = tmp_path / "run"
+    outcome = run_experiment(spec, run, executor="inline", threads=0, poll=0.01)
+    assert not outcome.failed, outcome.failed
+    manifest = load_pack(run / "pack").manifest
+    assert manifest["tail"] == ["licence"] and set(manifest["domains"]) == {"licence", "prose"}
+    result = json.loads((run / "results" / "cse-seed0.json").read_text())
+    assert {"ppl licence", "ppl prose"} <= set(result)
+    verdict = json.loads((run / "tables" / "verdict.json").read_text())
+    assert any(k.startswith("licence:") for k in verdict["cse"]["checks"]), verdict
+    keys = {u["name"]: u["key"] for u in json.loads((run / "experiment.json").read_text())["units"]}
+    assert spec_pack(spec, run) == run / "pack" and load_pack(run / "pack").manifest == manifest  # not rebuilt
+    _own_rows(tmp_path / "rows.jsonl", extra=40)  # the table changed: another pack, so other unit keys
+    version = load_pack(spec_pack(spec, run)).manifest["version"]
+    assert version != manifest["version"] and all(u.key != keys[u.name] for u in units(spec, version))
+    with pytest.raises(UserError, match="must not be given for a spec that names its own table"):
+        run_experiment(spec, run, executor="inline", pack="default")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"table": "missing.jsonl"}, "data.table must name a table file"),
+    ({"tail": []}, "data.tail must list the long tail's labels"),
+    ({"colour": "blue"}, "data."),
+    ({"validation": 0.6, "test": 0.5}, "data.validation and data.test must be above 0, together below 1"),
+])
+def test_a_data_section_is_checked_whole(tmp_path, change, message):
+    _own_rows(tmp_path / "rows.jsonl")
+    data = {"table": "rows.jsonl", "label_column": "domain", "tail": ["licence"], **change}
+    with pytest.raises(SpecError, match=message):
+        load_spec(toy_file(tmp_path, data=data))

@@ -7,6 +7,7 @@ from ntkscope.app import commands
 from ntkscope.app.parsing import print_table
 from ntkscope.text.corpus.pack import build_pack, load_pack
 from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
+from ntkscope.text.corpus.table_pack import table_pack
 from ntkscope.text.corpus.thin import thin_pack
 from ntkscope.text.frequency import NORMALISATIONS
 
@@ -29,6 +30,17 @@ def _corpus_build(args) -> int:
           + ", ".join(f"{s} {v['records']} records / {v['tokens']} tokens" for s, v in m["splits"].items()))
     print(f"long-tail share: asked {m['share_asked']:.2%}, measured {m['share_measured']:.2%} "
           f"({m['share_measured_bpe']:.2%} of BPE tokens)")
+    return 0
+
+
+def _corpus_from_table(args) -> int:
+    out = table_pack(args.out, args.table, text_column=args.text_column, label_column=args.label_column,
+                     tail=args.tail.split(",") if args.tail else None, validation=args.validation, test=args.test,
+                     vocab_size=args.vocab_size, seed=args.seed, overwrite=args.force)
+    m = load_pack(out).manifest
+    print(f"wrote {out} (version {m['version']}): {m['table']['rows_kept']} rows of {args.table}; domains "
+          f"{sorted(m['domains'])}, the long tail {m['tail']} ({100 * m['share_measured']:.1f} % of the words); "
+          + ", ".join(f"{s} {m['splits'][s]['records']}" for s in ("train", "validation", "test")) + " rows")
     return 0
 
 
@@ -69,7 +81,7 @@ def _add_source_args(parser) -> None:
 
 
 def add_parsers(sub) -> None:
-    """``ntkscope corpus sources|build|thin|info``."""
+    """``ntkscope corpus sources|build|from-table|thin|info``."""
     corpus = sub.add_parser("corpus", help="list sources, build a corpus pack, show a pack's tables")
     csub = corpus.add_subparsers(dest="corpus_command", required=True)
     sources = csub.add_parser("sources", help="which text sources are installed, and how to install the others")
@@ -94,6 +106,22 @@ def add_parsers(sub) -> None:
     thin.add_argument("--seed", type=int, default=0)
     thin.add_argument("--force", action="store_true", help="replace OUT if it exists")
     thin.set_defaults(run=_corpus_thin)
+    own = csub.add_parser("from-table", help="a pack of your own table's rows (a text and a label column): "
+                          "every command and experiment that reads a pack reads it",
+                          description="Example: ntkscope corpus from-table packs/mine rows.jsonl --label-column "
+                          "domain --tail licence")
+    own.add_argument("out", help="directory to create")
+    own.add_argument("table", help="a .jsonl, .csv, .tsv or .parquet table")
+    own.add_argument("--text-column", default="text")
+    own.add_argument("--label-column", default="label", help="the domains (default label)")
+    own.add_argument("--tail", help="comma-separated labels of the long tail (default: every label but the one "
+                     "with the most words)")
+    own.add_argument("--validation", type=float, default=0.1, help="share of the rows held out for validation")
+    own.add_argument("--test", type=float, default=0.1, help="share of the rows held out for testing")
+    own.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained on the train split")
+    own.add_argument("--seed", type=int, default=0, help="fixes the split")
+    own.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    own.set_defaults(run=_corpus_from_table)
     info = csub.add_parser("info", help="domain sizes and sentence frequency scores of a pack")
     info.add_argument("pack", nargs="?", help="pack directory (default: the small pack shipped with ntkscope)")
     info.add_argument("--tokenizer", help="tokenizer.json, HF directory, .tiktoken file or 'gpt2' (default: the pack's BPE)")

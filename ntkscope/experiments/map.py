@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from ntkscope.core.files import write_json, write_table
+from ntkscope.experiments.runner import spec_pack
 from ntkscope.experiments.spec import Spec
 from ntkscope.experiments.units import make_sweep, units
 from ntkscope.plotting import save_figure
@@ -39,13 +40,13 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     several steps OUT/map.png, and when OUT/tables/curves.csv holds the trunks' validation curves
     OUT/curves.png; returns the verdicts."""
     runs = [Path(r) for r in runs]
-    blocks = make_sweep(spec, runs[0], pack).test_blocks()
+    blocks = make_sweep(spec, runs[0], spec_pack(spec, runs[0], pack)).test_blocks()
     domains = [blocks.domain_names[int(d)] for d in blocks.domains]
     tables, taken = [], set()
     for run in runs:
         results = read_results(run)
         mine = {n: r for n, r in results.items() if n not in taken or n.startswith("dense-seed")}
-        tables.append(gains(mine, domains, trunks=trunks_label(run)))
+        tables.append(gains(mine, domains, trunks=trunks_label(run), tail=spec.settings.finetune_domains))
         taken |= set(results)
     table = pd.concat([t for t in tables if len(t)] or tables[:1], ignore_index=True)
     plans = {}

@@ -212,9 +212,10 @@ def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int
     retries = spec.retries if retries is None else int(retries)
     from ntkscope.text.corpus.pack import load_pack
 
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pack = spec_pack(spec, run_dir, pack)
     version = load_pack(pack).manifest.get("version")
     todo = units(spec, version)
-    run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "experiment.json", {"name": spec.name, "kind": spec.kind, "source": spec.source,
                                              "spec": json.loads(spec.text), "pack": version,
                                              "units": [{"name": u.name, "seed": u.seed, "needs": list(u.needs),
@@ -273,11 +274,38 @@ def _blocked(todo: list, failed: dict) -> set:
 
 # ---- what finished -------------------------------------------------------------------------------
 
+def spec_pack(spec: Spec, run_dir, pack=None):
+    """The pack a spec's units read: ``pack`` (``--data``; None: the shipped one), or for a spec
+    with ``[data]`` RUN/pack, built from its table and built again only when the table's bytes or
+    the spec's reading of it change (the pack's version is part of every unit's key, so the units
+    of another table run again)."""
+    if spec.data is None:
+        return pack
+    d, target = spec.data, Path(run_dir) / "pack"
+    if pack is not None and Path(pack).resolve() != target.resolve():
+        raise fail("run_experiment", "pack", "must not be given for a spec that names its own table ([data] table = "
+                   f"{spec.data.table})", str(pack))
+    from ntkscope.text.corpus.pack import load_pack
+    from ntkscope.text.corpus.table_pack import table_digest, table_pack
+
+    wanted = {"table": {"sha256": table_digest(d.table), "text_column": d.text_column, "label_column": d.label_column},
+              "options": {"validation": d.validation, "test": d.test, "vocab_size": d.vocab_size},
+              "tail": list(d.tail)}
+    if (target / "manifest.json").is_file():
+        made = load_pack(target).manifest
+        if {"table": {k: made.get("table", {}).get(k) for k in wanted["table"]}, "options": made.get("options"),
+                "tail": made.get("tail")} == wanted:
+            return target
+    return table_pack(target, d.table, text_column=d.text_column, label_column=d.label_column, tail=d.tail,
+                      validation=d.validation, test=d.test, vocab_size=d.vocab_size, overwrite=True)
+
+
 def summarise_experiment(spec: Spec, run_dir, *, pack=None) -> dict:
     """Rebuild RUN/tables from the units that finished, and RUN/tables/status.json: whether the
     tables are partial (a unit of the spec is not done) and which units are missing."""
     run_dir = Path(run_dir)
     experiment = read_json_object(run_dir / "experiment.json", "summarise_experiment")
+    pack = spec_pack(spec, run_dir, pack)
     missing = [u["name"] for u in experiment["units"]
                if not is_done(read_state(run_dir, u["name"]), Unit(u["name"], u["seed"], u["what"], key=u["key"]),
                               run_dir)]

@@ -116,6 +116,23 @@ class SlurmSpec:
 
 
 @dataclass(frozen=True)
+class DataSpec:
+    """``[data]``: the researcher's own table (JSONL, CSV, TSV or Parquet; ``table`` relative to
+    the spec's folder) in place of a corpus pack: its ``label_column`` gives the domains and
+    ``tail`` the long tail's labels (the sweep's tail: ``settings.finetune_domains`` and the
+    criteria's tail). The runner builds RUN/pack from it (:func:`ntkscope.text.corpus.table_pack.
+    table_pack`), again only when the table's bytes change."""
+
+    table: str
+    tail: tuple
+    text_column: str = "text"
+    label_column: str = "label"
+    validation: float = 0.1
+    test: float = 0.1
+    vocab_size: int = 8192
+
+
+@dataclass(frozen=True)
 class Spec:
     """A whole experiment. ``settings`` is the preset with the spec's changes; ``seeds`` the
     trunks' seeds (initialisation and data order); ``tables`` (kind "tables"): ``archs`` and
@@ -136,6 +153,7 @@ class Spec:
     slurm: SlurmSpec = SlurmSpec()
     source: str = "<spec>"
     text: str = ""
+    data: DataSpec | None = None
 
 
 # ---- reading ---------------------------------------------------------------------------------
@@ -172,7 +190,8 @@ def load_spec(spec, **changes) -> Spec:
 def parse_spec(data: dict, *, source: str = "<spec>") -> Spec:
     """A :class:`Spec` from the TOML tables ``data``, every field checked."""
     c = _Checker(source)
-    c.only(data, "", {"name", "kind", "preset", "seeds", "settings", "trunk", "arms", "criteria", "tables", "run"})
+    c.only(data, "", {"name", "kind", "preset", "seeds", "settings", "trunk", "arms", "criteria", "tables", "run",
+                      "data"})
     name = c.text(data, "name", required=True)
     kind = c.choice(data, "kind", KINDS, required=True)
     preset = c.choice(data, "preset", sorted(PRESETS), required=True)
@@ -193,7 +212,12 @@ def parse_spec(data: dict, *, source: str = "<spec>") -> Spec:
     if kind == "tables":
         c.only(data, "", {"name", "kind", "preset", "seeds", "settings", "tables", "run"})
         return Spec(**{**common, **_tables(c, data.get("tables", {}), settings, seeds)})
-    c.only(data, "", {"name", "kind", "preset", "seeds", "settings", "trunk", "arms", "criteria", "run"})
+    c.only(data, "", {"name", "kind", "preset", "seeds", "settings", "trunk", "arms", "criteria", "run", "data"})
+    own = _data(c, data["data"]) if "data" in data else None
+    if own is not None:  # the table's long tail is the sweep's tail, unless the spec says otherwise
+        if "finetune_domains" not in data.get("settings", {}):
+            settings = settings.replace(finetune_domains=own.tail)
+        common["settings"] = settings
     trunk = _trunk(c, data.get("trunk", {}), settings)
     arms = data.get("arms")
     if not isinstance(arms, list) or not arms:
@@ -221,10 +245,39 @@ def parse_spec(data: dict, *, source: str = "<spec>") -> Spec:
         raise SpecError(source, "arms", "must hold exactly one arm of kind 'dense' (the trunk every arm branches "
                         "from)", [a.name for a in arms if a.kind == "dense"])
     criteria = _criteria(c, data.get("criteria", {}))
+    if own is not None and "tail" not in data.get("criteria", {}):
+        criteria = dataclasses.replace(criteria, tail=own.tail)
     unknown = sorted(_named_criteria(data.get("criteria", {})) - set(expanded))
     if unknown:
         raise SpecError(source, "criteria", f"must name arms of the spec {expanded}", unknown)
-    return Spec(**common, trunk=trunk, arms=arms, criteria=criteria)
+    return Spec(**common, trunk=trunk, arms=arms, criteria=criteria, data=own)
+
+
+def _data(c: "_Checker", data) -> DataSpec:
+    """``[data]``, checked: the table a file, the tail one or more labels, the fractions below 1."""
+    if not isinstance(data, dict):
+        raise SpecError(c.source, "data", "must be a table ([data])", data)
+    c.only(data, "data.", {f.name for f in dataclasses.fields(DataSpec)})
+    table = c.text(data, "table", required=True, where="data.")
+    path = Path(table) if Path(table).is_absolute() else Path(c.source).parent / table
+    if not path.is_file():
+        raise SpecError(c.source, "data.table", "must name a table file (.jsonl, .csv, .tsv, .parquet), relative to "
+                        "the spec's folder", table)
+    tail = c.texts(data, "tail", where="data.")
+    if not tail:
+        raise SpecError(c.source, "data.tail", "must list the long tail's labels (one or more)", tail)
+    d = DataSpec("", ())
+    out = DataSpec(str(path.resolve()), tuple(tail),
+                   text_column=c.text(data, "text_column", default=d.text_column, where="data."),
+                   label_column=c.text(data, "label_column", default=d.label_column, where="data."),
+                   validation=c.number(data, "validation", low=0.0, high=0.9, default=d.validation, where="data."),
+                   test=c.number(data, "test", low=0.0, high=0.9, default=d.test, where="data."),
+                   vocab_size=c.int(data, "vocab_size", minimum=300, maximum=MAX_SETTING, default=d.vocab_size,
+                                    where="data."))
+    if not (0 < out.validation and 0 < out.test and out.validation + out.test < 1):
+        raise SpecError(c.source, "data.validation", "and data.test must be above 0, together below 1",
+                        [out.validation, out.test])
+    return out
 
 
 def _named_criteria(data) -> set:

@@ -41,17 +41,21 @@ def _log_ppl(loss: np.ndarray, tokens: np.ndarray, idx: np.ndarray) -> np.ndarra
 
 
 def gains(results: dict, domains, *, trunks: str = "", n_boot: int = 2000, confidence: float = 0.9,
-          seed: int = 0) -> pd.DataFrame:
+          seed: int = 0, tail=TAIL) -> pd.DataFrame:
     """The paired gains of every finished arm against its seed's trunk.
 
     results: {unit name: result dict} of one build of the trunks (``dense-seedK`` the trunks, every
     other unit branched from them); domains: (N,) the domain of each test block, in the results'
     block order; ``trunks``: that build's label (e.g. the GPU that trained it: a trunk re-made on
-    another GPU kind is another model). Returns GAIN_COLUMNS, one row per (arm, step, seed,
-    domain), domain in legal, biomedical, tail, general."""
+    another GPU kind is another model); ``tail``: the long tail's domains (a spec's
+    ``settings.finetune_domains``). Returns GAIN_COLUMNS, one row per (arm, step, seed, domain),
+    domain in the tail's domains, "tail" (their mean) and every other domain (the shipped pack:
+    legal, biomedical, tail, general)."""
     domains = np.asarray(domains)
     rng = np.random.default_rng(seed)
-    where = {d: np.flatnonzero(domains == d) for d in (*TAIL, "general")}
+    tail = tuple(tail)
+    others = sorted(set(domains.tolist()) - set(tail)) or ["general"]
+    where = {d: np.flatnonzero(domains == d) for d in (*tail, *others)}
     draws = {d: rng.integers(len(i), size=(n_boot, len(i))) for d, i in where.items()}
     q = (1 - confidence) / 2
     rows = []
@@ -68,9 +72,9 @@ def gains(results: dict, domains, *, trunks: str = "", n_boot: int = 2000, confi
             point[d] = _log_ppl(a["loss"], a["tokens"], idx) - _log_ppl(b["loss"], b["tokens"], idx)
             chosen = idx[draws[d]]  # (n_boot, k) block indices, the same for both models
             boot[d] = _log_ppl(a["loss"], a["tokens"], chosen) - _log_ppl(b["loss"], b["tokens"], chosen)
-        point["tail"] = (point["legal"] + point["biomedical"]) / 2
-        boot["tail"] = (boot["legal"] + boot["biomedical"]) / 2
-        for d in (*TAIL, "tail", "general"):
+        point["tail"] = sum(point[d] for d in tail) / len(tail)
+        boot["tail"] = sum(boot[d] for d in tail) / len(tail)
+        for d in (*tail, "tail", *others):
             ppl = None if d == "tail" else float(result[f"ppl {d}"])
             rows.append({"arm": family(result["arm"]), "step": int(result["warmup"]), "seed": int(result["seed"]),
                          "trunks": trunks, "domain": d, "gain": float(point[d]), "low": float(np.quantile(boot[d], q)),
