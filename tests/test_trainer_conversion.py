@@ -15,17 +15,9 @@ from cse_models.hf_trainer import SparseCallback, convert_in_training
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from test_hf_sparse import dense, planted_domains  # noqa: E402
+from test_hf_trainer import StopAt  # noqa: E402
 
 ROWS, DOMAINS = planted_domains(n_per=48, T=16)
-
-
-class StopAt(transformers.TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def callback(**changes):

@@ -135,7 +135,8 @@ def mix(pools: dict[str, list[Record]], *, share: float, weights: dict[str, floa
     return [chosen[i] for i in rng.permutation(len(chosen))]
 
 
-def _jsonl_gz(rows: Iterable[dict]) -> bytes:
+def jsonl_gz(rows: Iterable[dict]) -> bytes:
+    """Rows as gzipped JSON lines, the same bytes for the same rows (keys sorted, no timestamp)."""
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, compresslevel=9) as gz:  # mtime=0: same bytes each build
         for row in rows:
@@ -147,7 +148,8 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _table(records: Sequence[Record]) -> dict:
+def domain_records(records: Sequence[Record]) -> dict:
+    """{domain: {category: {"records", "tokens"}}} of ``records`` (a split's sizes in the manifest)."""
     out: dict = {}
     for r in records:
         entry = out.setdefault(r.domain, {}).setdefault(r.category, [0, 0])
@@ -164,6 +166,20 @@ def _licenses_md(used: dict[str, dict]) -> str:
         lines.append(f"- **{name}** — {s.description}, version {info['version']}. Licence: {s.licence}. "
                      f"Installed with `{s.install}`.")
     return "\n".join(lines) + "\n"
+
+
+def bpe_record(tokenizer) -> dict:
+    """A pack manifest's record of its byte-level BPE, trained on the train split."""
+    return {"kind": "byte-level BPE (HF tokenizers)", "vocab_size": tokenizer.vocab_size, "trained_on": "train",
+            "special_tokens": ["<|endoftext|>", "<pad>", "<mask>", "<unk>"]}
+
+
+def sealed(manifest: dict, files: dict[str, bytes]) -> dict[str, bytes]:
+    """``files`` with ``manifest.json``: ``manifest`` given every file's sha256 and size and the
+    pack's version (a hash of those)."""
+    manifest["files"] = {name: {"sha256": _sha256(data), "bytes": len(data)} for name, data in files.items()}
+    manifest["version"] = _sha256(json.dumps(manifest["files"], sort_keys=True).encode())[:12]
+    return {**files, "manifest.json": (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode()}
 
 
 def write_atomic_dir(out: Path, files: dict[str, bytes], *, overwrite: bool) -> None:
@@ -261,8 +277,8 @@ def build_pack(out: str | Path, *, sources: Sequence[str] | None = None, share: 
         used[r.source]["tokens_used"] = used[r.source].get("tokens_used", 0) + count_words(r.text)
     total = sum(counts.values())
 
-    files = {f"{s}.jsonl.gz": _jsonl_gz(r._asdict() for r in splits[s]) for s in SPLITS}
-    files["probe.jsonl.gz"] = _jsonl_gz(probes)
+    files = {f"{s}.jsonl.gz": jsonl_gz(r._asdict() for r in splits[s]) for s in SPLITS}
+    files["probe.jsonl.gz"] = jsonl_gz(probes)
     files["tokenizer.json"] = tokenizer.backend.to_str().encode()
     files["LICENSES.md"] = _licenses_md(used).encode()
     task_info = {}
@@ -283,15 +299,11 @@ def build_pack(out: str | Path, *, sources: Sequence[str] | None = None, share: 
         "domains": {d: {"tokens": counts[d], "share": counts[d] / total} for d in DOMAINS if counts[d]},
         "sources": used,
         "splits": {s: {"records": len(splits[s]), "tokens": sum(count_words(r.text) for r in splits[s]),
-                       "by_domain": _table(splits[s])} for s in SPLITS},
+                       "by_domain": domain_records(splits[s])} for s in SPLITS},
         "probe": {"held_out_docs": len(held_out), "tasks": task_info},
-        "tokenizer": {"kind": "byte-level BPE (HF tokenizers)", "vocab_size": tokenizer.vocab_size,
-                      "trained_on": "train", "special_tokens": ["<|endoftext|>", "<pad>", "<mask>", "<unk>"]},
-        "files": {name: {"sha256": _sha256(data), "bytes": len(data)} for name, data in files.items()},
+        "tokenizer": bpe_record(tokenizer),
     }
-    manifest["version"] = _sha256(json.dumps(manifest["files"], sort_keys=True).encode())[:12]
-    files["manifest.json"] = (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode()
-    write_atomic_dir(Path(out), files, overwrite=overwrite)
+    write_atomic_dir(Path(out), sealed(manifest, files), overwrite=overwrite)
     log.info("build_pack: wrote %s (%d records, %d tokens, long-tail share %.4f)", out, len(mixed), total,
              manifest["share_measured"])
     return Path(out)

@@ -11,13 +11,13 @@ build is byte for byte reproducible from the same table and options.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections import Counter
 from pathlib import Path
 
 from ntkscope.core.checks import check_fraction, check_positive_int, entry, fail
-from ntkscope.text.corpus.pack import PACK_FORMAT, SPLITS, _jsonl_gz, _sha256, _table, split_of, write_atomic_dir
+from ntkscope.text.corpus.pack import (PACK_FORMAT, SPLITS, bpe_record, domain_records, jsonl_gz, sealed, split_of,
+                                      write_atomic_dir)
 from ntkscope.text.corpus.text import Record, count_words
 from ntkscope.text.inputs import DataSource, as_source
 from ntkscope.text.tokenization import train_bpe
@@ -70,8 +70,8 @@ def table_pack(out, table, *, text_column: str = "text", label_column: str = "la
                        f"none of {missing} (at validation {validation:g}, test {test:g})",
                        {d: sum(r.domain == d for r in records) for d in labels})
     tokenizer = train_bpe([r.text for r in splits["train"]], vocab_size=vocab_size)
-    files = {f"{s}.jsonl.gz": _jsonl_gz(r._asdict() for r in splits[s]) for s in SPLITS}
-    files["probe.jsonl.gz"] = _jsonl_gz([])
+    files = {f"{s}.jsonl.gz": jsonl_gz(r._asdict() for r in splits[s]) for s in SPLITS}
+    files["probe.jsonl.gz"] = jsonl_gz([])
     files["tokenizer.json"] = tokenizer.backend.to_str().encode()
     files["LICENSES.md"] = (f"# Licences\n\nEvery text of this pack is a row of `{name}` (sha256 "
                             f"{table_digest(table)}), the researcher's own data under its own terms.\n").encode()
@@ -84,15 +84,11 @@ def table_pack(out, table, *, text_column: str = "text", label_column: str = "la
         "tail": tail, "share_measured": sum(words[d] for d in tail) / total,
         "domains": {d: {"tokens": words[d], "share": words[d] / total} for d in labels},
         "splits": {s: {"records": len(splits[s]), "tokens": sum(count_words(r.text) for r in splits[s]),
-                       "by_domain": _table(splits[s])} for s in SPLITS},
+                       "by_domain": domain_records(splits[s])} for s in SPLITS},
         "probe": {"held_out_docs": 0, "tasks": {}},
-        "tokenizer": {"kind": "byte-level BPE (HF tokenizers)", "vocab_size": tokenizer.vocab_size,
-                      "trained_on": "train", "special_tokens": ["<|endoftext|>", "<pad>", "<mask>", "<unk>"]},
-        "files": {n: {"sha256": _sha256(data), "bytes": len(data)} for n, data in files.items()},
+        "tokenizer": bpe_record(tokenizer),
     }
-    manifest["version"] = _sha256(json.dumps(manifest["files"], sort_keys=True).encode())[:12]
-    files["manifest.json"] = (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode()
-    write_atomic_dir(Path(out), files, overwrite=overwrite)
+    write_atomic_dir(Path(out), sealed(manifest, files), overwrite=overwrite)
     log.info("table_pack: wrote %s from %s (%d rows; labels %s; tail %s, %.1f %% of the words)", out, table,
              len(records), labels, tail, 100 * manifest["share_measured"])
     return Path(out)

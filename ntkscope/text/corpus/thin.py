@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ntkscope.core.checks import entry, fail
-from ntkscope.text.corpus.pack import _jsonl_gz, _sha256, load_pack, write_atomic_dir
+from ntkscope.text.corpus.pack import jsonl_gz, load_pack, sealed, write_atomic_dir
 from ntkscope.text.corpus.text import count_words
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def thin_pack(out, keep: dict, *, pack=None, seed: int = 0, overwrite: bool = Fa
     order = {id(r): i for i, r in enumerate(rows)}
     kept.sort(key=lambda r: order[id(r)])  # the source's order
     files = {name: (source.path / name).read_bytes() for name in source.manifest["files"] if name != "train.jsonl.gz"}
-    files["train.jsonl.gz"] = _jsonl_gz(kept)
+    files["train.jsonl.gz"] = jsonl_gz(kept)
     counts = {}
     for r in kept:
         counts[r["domain"]] = counts.get(r["domain"], 0) + count_words(r["text"])
@@ -50,13 +50,10 @@ def thin_pack(out, keep: dict, *, pack=None, seed: int = 0, overwrite: bool = Fa
     manifest = json.loads(json.dumps(source.manifest))
     manifest.update({"derived_from": {"version": source.manifest["version"], "thinned": "train", "keep": keep,
                                       "seed": seed},
-                     "share_measured_train": 1 - counts.get("general", 0) / total,
-                     "files": {name: {"sha256": _sha256(data), "bytes": len(data)} for name, data in files.items()}})
+                     "share_measured_train": 1 - counts.get("general", 0) / total})
     manifest["splits"]["train"] = {"records": len(kept), "tokens": total,
                                    "by_domain": {d: {"tokens": n} for d, n in sorted(counts.items())}}
-    manifest["version"] = _sha256(json.dumps(manifest["files"], sort_keys=True).encode())[:12]
-    files["manifest.json"] = (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode()
-    write_atomic_dir(Path(out), files, overwrite=overwrite)
+    write_atomic_dir(Path(out), sealed(manifest, files), overwrite=overwrite)
     log.info("thin_pack: wrote %s: train keeps %s; long-tail share of train %.4f", out, keep,
              manifest["share_measured_train"])
     return Path(out)
