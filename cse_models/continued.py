@@ -183,11 +183,12 @@ def _trainer_schedule(checkpoint: Path) -> tuple[RunState | None, str]:
 
 
 def run_batch(checkpoint) -> tuple[int | None, int | None, str]:
-    """(sequences per optimizer step, tokens per sequence, where they were read) of the run that
-    wrote ``checkpoint``: a ``cse_models`` run's train_config (its packed blocks' length), a
-    ``Trainer`` run's trainer_state.json ``train_batch_size`` times training_args.bin's
-    ``gradient_accumulation_steps`` (its rows' length is not recorded: None); (None, None, why)
-    when the checkpoint says neither."""
+    """(sequences per optimizer step of one process, tokens per sequence, where they were read) of
+    the run that wrote ``checkpoint``: a ``cse_models`` run's train_config (its packed blocks'
+    length), a ``Trainer`` run's trainer_state.json ``train_batch_size`` times training_args.bin's
+    ``gradient_accumulation_steps`` (per process: a data-parallel run's global batch is that
+    times its processes, which the checkpoint does not record; its rows' length is not recorded
+    either: None); (None, None, why) when the checkpoint says neither."""
     checkpoint = Path(checkpoint)
     try:
         state = read_json_object(checkpoint / "trainer_state.json", "run_batch")
@@ -197,8 +198,8 @@ def run_batch(checkpoint) -> tuple[int | None, int | None, str]:
         config = state["train_config"]
         data = config.get("data") if isinstance(config.get("data"), dict) else {}
         size, length = config.get("batch_size"), data.get("seq_len", config.get("seq_len"))
-        if _positive(size) and _positive(length):
-            return int(size), int(length), "the run's train_config"
+        if _positive(size):
+            return int(size), int(length) if _positive(length) else None, "the run's train_config"
     size = state.get("train_batch_size")
     if not _positive(size):
         return None, None, "its trainer_state.json records no train_batch_size"
@@ -207,7 +208,8 @@ def run_batch(checkpoint) -> tuple[int | None, int | None, str]:
     except UNREADABLE + (OSError,):
         accumulation = 1
     accumulation = int(accumulation) if _positive(accumulation) else 1
-    return int(size) * accumulation, None, "the Trainer run's train_batch_size x gradient_accumulation_steps"
+    return int(size) * accumulation, None, "the Trainer run's train_batch_size x gradient_accumulation_steps, " \
+                                           "per process"
 
 
 def _positive(value) -> bool:

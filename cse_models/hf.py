@@ -405,10 +405,12 @@ def key_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     """The (B, T) key padding mask (True: a real token) of an HF call's ``attention_mask``: a
     (B, T) 0/1 mask as it is; a (B, 1, T, T) "may attend" mask (boolean, or additive floats: 0
     where a query may attend) read off its pattern, since a sparse layer routes each sequence by
-    its real tokens. A position is real when its query attends to another key or another query
-    attends to it; padding attends to itself at most (:func:`ntkscope.kernel.objectives.
-    hf_mask_4d`'s masks). A row where no position passes holds one real token: its first
-    position (right padding)."""
+    its real tokens. Read exactly from masks in which padding attends to itself at most and is
+    attended by no other position (:func:`ntkscope.kernel.objectives.hf_mask_4d`'s, which the
+    kernels pass): a position is real when its query attends to another key or another query
+    attends to it; a row where no position passes (one real token) keeps its first position
+    (right padding). Other 4-D masks (HF's own, where pad queries see real keys) read every
+    position as real: give a sparse model the (B, T) padding mask."""
     if mask.dim() == 2:
         return mask.bool()
     if mask.dim() != 4:

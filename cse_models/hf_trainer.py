@@ -241,6 +241,10 @@ class SparseCallback(_callback_base()):
         step, folder = getattr(state, "global_step", 0) or 0, getattr(args, "output_dir", None)
         own = None if folder is None else Path(folder) / f"checkpoint-{step}"  # where a resume in this folder began
         resumed = self.resumed if self.resumed is not None else own if step > 0 and own and own.is_dir() else None
+        if resumed is not None and self.sparse is None and (resumed / SIDECAR).is_file():
+            raise UserError(f"SparseCallback: the run resumes from {resumed}, saved after the conversion, into a "
+                            "dense model; call callback.restore(model, that checkpoint) before trainer.train("
+                            "resume_from_checkpoint=...), so that its sparse layers are rebuilt first")
         if resumed is not None and model is not None:
             load_renamed(model, resumed)
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)

@@ -55,3 +55,14 @@ def test_an_incomplete_map_leaves_the_rule_not_decided_and_signals_without_logs_
     assert set(trunks.loc[trunks["signal"] == "lr-fraction", "verdict"]) == {"no log", "not decided"}
     assert found["gain_at_rule"]["warmup-fresh-half"]["step"] == 600
     assert found["gain_at_rule"]["warmup-fresh-half"]["per_seed"]["5"]["gain"] == -0.08
+
+
+def test_a_map_of_two_builds_is_not_judged():
+    mixed = family("warmup-fresh")
+    gains = mixed.gains.copy()
+    gains.loc[(gains["seed"] == 5) & (gains["step"] == 1800), "trunks"] = "another GPU"
+    found, trunks = fresh_verdicts([Family(mixed.name, gains, {}, 2400, mixed.seeds), family("warmup-fresh-half"),
+                                    family("warmup-fresh-mix")], THRESHOLDS)
+    rule = trunks[(trunks["signal"].str.startswith("rule")) & (trunks["seed"] == 5) & (trunks["family"] == "warmup-fresh")]
+    assert rule["verdict"].tolist() == ["not decided"] and found["rule_on_fresh_trunks"]["verdict"] == "not decided"
+

@@ -62,7 +62,7 @@ def test_a_gc_tracker_measures_the_model_across_the_conversion(tmp_path):
     probes = Probes({"input_ids": ROWS[idx], "attention_mask": torch.ones_like(ROWS[idx])}, groups)
     tracker = GCTracker(probes, every=2, resampling=None, per_layer=True)
     cb = callback()
-    train("gpt_neox", tmp_path / "run", [cb, GCCallback(tracker)])  # before: the probe at 6 raised
+    train("gpt_neox", tmp_path / "run", [cb, GCCallback(tracker)])  # probes at 6 and 8 measure the sparse model
     frame = tracker.frame
     assert cb.converted_at == 4 and sorted(set(frame["step"])) == [2, 4, 6, 8]
     assert frame["gc"].notna().all() and set(frame.loc[frame["step"] == 8, "label"]) == {"a", "b"}
@@ -150,3 +150,17 @@ def test_a_post_conversion_checkpoint_loads_as_the_sparse_model(whole):
     plain = subprocess.run([sys.executable, "-c", "import sys, transformers; transformers.AutoModelForCausalLM."
                             "from_pretrained(sys.argv[1])", str(final)], capture_output=True, text=True)
     assert plain.returncode != 0 and "cse_models" in plain.stderr
+
+
+def test_a_resume_from_a_converted_checkpoint_into_a_dense_model_is_refused(whole, tmp_path):
+    """Without restore, a resume from a post-conversion checkpoint would train the sparse
+    checkpoint's dense model with fresh FFNs (Trainer loads weights non-strictly): one line
+    before the first step (when Trainer's own optimizer load has not refused it already)."""
+    from types import SimpleNamespace
+
+    from ntkscope.core.checks import UserError
+
+    out, _, _ = whole
+    args, state = SimpleNamespace(output_dir=str(out), max_steps=8), SimpleNamespace(global_step=6)
+    with pytest.raises(UserError, match="call callback.restore"):
+        callback().on_train_begin(args, state, None, model=dense("gpt_neox"))

@@ -145,8 +145,9 @@ def add_parsers(sub) -> None:
     slurm.add_argument("--gpus", type=COUNT, help="GPUs per unit")
     slurm.add_argument("--cpus", type=POSITIVE_INT, help="CPUs per unit")
     slurm.add_argument("--mem-gb", type=POSITIVE_INT, help="memory per unit, GB")
-    run.set_defaults(run=_run, interrupted_note="the units done are kept, and the one in progress keeps its "
-                     "checkpoints (experiment status: interrupted); the same command resumes it")
+    run.set_defaults(run=_run, interrupted_note="the units done are kept, and a unit this machine was training "
+                     "keeps its checkpoints (experiment status: interrupted; jobs already submitted to submitit or "
+                     "Slurm go on); the same command resumes it")
     st = ex.add_parser("status", help="each unit: done, running, failed, interrupted, ready or waiting, with its "
                        "times and last error")
     st.add_argument("run_dir", metavar="RUN", type=Path, help="the run directory")

@@ -392,7 +392,11 @@ def _trainer_metrics(files: _Files) -> pd.DataFrame | None:
     found = trainer_checkpoints(files.root)
     if not found:
         return None
-    state = read_json_object(found[-1] / "trainer_state.json", "report")
+    try:
+        state = read_json_object(found[-1] / "trainer_state.json", "report")
+    except UserError as err:  # a damaged state: the page goes on without the training curve, and says why
+        log.warning("%s", err)
+        return None
     rows = [{"step": r["step"], "loss": r["loss"], "lr": r.get("learning_rate")}
             for r in state.get("log_history") or [] if isinstance(r, dict) and "loss" in r and "step" in r]
     return pd.DataFrame(rows) if rows else None

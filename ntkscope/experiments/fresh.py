@@ -25,14 +25,16 @@ THRESHOLDS = Path("figures/warmup-map/signals/rule.json")
 
 def load_family(folder: Path) -> Family:
     """A summarised fresh family: FOLDER/tables/gains.csv, FOLDER/plans/seedN.json,
-    FOLDER/tables/curves.csv (optional) and FOLDER/device.json's ``device`` (or ``gpu``;
-    optional); its spec is the folder's name."""
+    FOLDER/tables/curves.csv (optional) and the ``device`` (or ``gpu``) of FOLDER/device.json,
+    else of the fresh set's device.json beside it (optional); its spec is the folder's name."""
     folder = Path(folder)
     spec = load_spec(folder.name)
     gains = pd.read_csv(folder / "tables" / "gains.csv")
     plans = {int(p.stem.removeprefix("seed")): json.loads(p.read_text())
              for p in sorted((folder / "plans").glob("seed*.json"))}
-    curves, device = folder / "tables" / "curves.csv", folder / "device.json"
+    curves = folder / "tables" / "curves.csv"
+    device = next((p for p in (folder / "device.json", folder.parent / "device.json") if p.is_file()),
+                  folder / "device.json")  # the family's own record, else the fresh set's (CRITERIA.md)
     return Family(spec.name, gains, plans, int(spec.settings.steps), tuple(spec.seeds),
                   pd.read_csv(curves) if curves.is_file() else None,
                   _device(json.loads(device.read_text())) if device.is_file() else "")

@@ -40,7 +40,7 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     several steps OUT/map.png, and when OUT/tables/curves.csv holds the trunks' validation curves
     OUT/curves.png; returns the verdicts."""
     runs = [Path(r) for r in runs]
-    blocks = make_sweep(spec, runs[0], spec_pack(spec, runs[0], pack)).test_blocks()
+    blocks = make_sweep(spec, runs[0], spec_pack(spec, runs[0], pack, build=False, func="summarise_map")).test_blocks()
     domains = [blocks.domain_names[int(d)] for d in blocks.domains]
     tables, taken = [], set()
     for run in runs:

@@ -63,7 +63,8 @@ def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> di
     """Do one unit in this process, under its lock: ``{"status": "done" | "held"}``. A unit done
     under its key is not done again; one done under another key has its outputs moved to
     RUN/stale first. A failure is recorded (state and RUN/logs/NAME.err) and raised; so is an
-    interruption (Ctrl-C, SIGTERM: state ``interrupted``, its checkpoints kept for the rerun)."""
+    interruption of this process (Ctrl-C, or SIGTERM where the command turns it into one: state
+    ``interrupted``, its checkpoints kept for the rerun)."""
     import torch
 
     if threads:
@@ -89,7 +90,7 @@ def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> di
         start = time.perf_counter()
         try:
             record = execute(spec, run_dir, unit, pack)
-        except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: its checkpoints stay, the next run resumes it
+        except KeyboardInterrupt as err:  # Ctrl-C in this process: its checkpoints stay, the next run resumes it
             write_state(run_dir, unit.name, {**base, "status": "interrupted", "error": type(err).__name__,
                                               "seconds": round(time.perf_counter() - start, 1), "finished": _now()})
             raise
@@ -274,20 +275,26 @@ def _blocked(todo: list, failed: dict) -> set:
 
 # ---- what finished -------------------------------------------------------------------------------
 
-def spec_pack(spec: Spec, run_dir, pack=None):
+def spec_pack(spec: Spec, run_dir, pack=None, *, build: bool = True, func: str = "run_experiment"):
     """The pack a spec's units read: ``pack`` (``--data``; None: the shipped one), or for a spec
     with ``[data]`` RUN/pack, built from its table and built again only when the table's bytes or
     the spec's reading of it change (the pack's version is part of every unit's key, so the units
-    of another table run again)."""
+    of another table run again). ``build=False`` (a summary of what ran): RUN/pack as the units
+    read it, never rebuilt under their results."""
     if spec.data is None:
         return pack
     d, target = spec.data, Path(run_dir) / "pack"
     if pack is not None and Path(pack).resolve() != target.resolve():
-        raise fail("run_experiment", "pack", "must not be given for a spec that names its own table ([data] table = "
+        raise fail(func, "pack", "must not be given for a spec that names its own table ([data] table = "
                    f"{spec.data.table})", str(pack))
     from ntkscope.text.corpus.pack import load_pack
     from ntkscope.text.corpus.table_pack import table_digest, table_pack
 
+    if not build:
+        if not (target / "manifest.json").is_file():
+            raise fail(func, "run_dir", "must hold the pack its units read (RUN/pack, built by experiment run)",
+                       str(run_dir))
+        return target
     wanted = {"table": {"sha256": table_digest(d.table), "text_column": d.text_column, "label_column": d.label_column},
               "options": {"validation": d.validation, "test": d.test, "vocab_size": d.vocab_size},
               "tail": list(d.tail)}
@@ -305,7 +312,7 @@ def summarise_experiment(spec: Spec, run_dir, *, pack=None) -> dict:
     tables are partial (a unit of the spec is not done) and which units are missing."""
     run_dir = Path(run_dir)
     experiment = read_json_object(run_dir / "experiment.json", "summarise_experiment")
-    pack = spec_pack(spec, run_dir, pack)
+    pack = spec_pack(spec, run_dir, pack, build=False, func="summarise_experiment")
     missing = [u["name"] for u in experiment["units"]
                if not is_done(read_state(run_dir, u["name"]), Unit(u["name"], u["seed"], u["what"], key=u["key"]),
                               run_dir)]

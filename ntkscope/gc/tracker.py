@@ -408,6 +408,7 @@ class GCTracker:
         eigendecomposition of a subset-sized kernel, timed, per jackknife replicate and null draw
         of every subset and band (per layer too with ``per_layer``)."""
         _check_model("GCTracker.estimate", model)
+        self._n_params = sum(p.numel() for p in model.parameters())
         probes = self.probes
         with _training_untouched(model), functional_model(model, self.options) as fm:
             w = workload(fm, probes.batch, opts=self.options)

@@ -402,6 +402,7 @@ def choose(task: str, w: Workload, *, method: str | None = None) -> Choice:
         raise UserError(f"{task}: every method failed on this model, before any memory limit applied ("
                         + "; ".join(f"{m}: {e}" for m, e in failed.items()) + ")")
     if chosen is None:
+        minimums = {m: v for m, v in minimums.items() if m not in failed}  # a method that failed is no answer
         smallest = min(minimums, key=minimums.get) if minimums else None
         need = f"; the smallest that would do: {format_bytes(_asked(minimums[smallest]))} (method={smallest!r})" \
             if smallest else ""

@@ -8,17 +8,18 @@ schedule position on the half schedule, the plan's layers, and the gain at the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pandas as pd
 
 from ntkscope.reproduction.map_tables import judge_step, layer_verdicts
-from ntkscope.runs.signals import CROSS_VALIDATED, SIGNALS, TrunkLog, schedule_fraction_step
+from ntkscope.runs.signals import CROSS_VALIDATED, SIGNALS, TrunkLog, schedule_fraction_step, trunk_log
 
-#: the registered families: name -> (trunks, which family's count verdict 1 requires 2 of 3 of)
+#: the registered families: name -> their trunks (seeds)
 FAMILIES = {"warmup-fresh": 5, "warmup-fresh-half": 3, "warmup-fresh-mix": 3}
 NEED_ALL, NEED_EACH = 9, 2  # verdict 1: good in 9 of the 11 trunks and 2 of 3 of each of half and mix
 CSE_STEPS = 5
+STRUCTURE_SIGNALS = ("consensus-structure", "cluster-count")  # they read the plan's consensus structure
 
 
 @dataclass(frozen=True)
@@ -34,23 +35,13 @@ class Family:
     seeds: tuple
     curves: pd.DataFrame | None = None
     device: str = ""
-    notes: list = field(default_factory=list)
 
 
 def _log(family: Family, seed: int) -> TrunkLog | None:
     if family.curves is None:
         return None
     rows = family.curves[(family.curves["arm"] == "dense") & (family.curves["seed"] == seed)]
-    if not len(rows):
-        return None
-    evidence = (family.plans.get(seed) or {}).get("evidence") or {}
-    structure, rule = None, evidence.get("structure_rule") or {}
-    if evidence.get("structure"):
-        structure = pd.concat([pd.DataFrame(r).assign(layer=int(L)) for L, r in evidence["structure"].items()],
-                              ignore_index=True)
-    return TrunkLog(rows[["step", "domain", "loss", "lr"]].reset_index(drop=True), family.total_steps, structure,
-                    layers=tuple(rule.get("judged_at_layers", (2, 3))),
-                    window=tuple(rule["window"]) if rule.get("window") else None)
+    return trunk_log(rows, family.plans.get(seed) or {}, family.total_steps) if len(rows) else None
 
 
 def trunk_rows(family: Family, thresholds: dict) -> list:
@@ -59,7 +50,10 @@ def trunk_rows(family: Family, thresholds: dict) -> list:
     tail = family.gains[family.gains["domain"] == "tail"]
     rows = []
     for seed in family.seeds:
-        curve = tail[(tail["arm"] == "cse") & (tail["seed"] == seed)].set_index("step")["gain"].sort_index()
+        mine = tail[(tail["arm"] == "cse") & (tail["seed"] == seed)]
+        if mine["trunks"].nunique() > 1:  # one build per comparison: a map of two builds is not judged
+            mine = mine.iloc[0:0]
+        curve = mine.set_index("step")["gain"].sort_index()
         log = _log(family, seed)
         judged = [("rule: " + CROSS_VALIDATED["signal"], CROSS_VALIDATED["threshold"])]
         judged += [(name, th) for name, th in thresholds.items() if name != CROSS_VALIDATED["signal"]]
@@ -73,7 +67,7 @@ def trunk_rows(family: Family, thresholds: dict) -> list:
                 continue
             if signal.name == "schedule-fraction":
                 step = schedule_fraction_step(family.total_steps, threshold)
-            elif log is None:
+            elif log is None or (signal.name in STRUCTURE_SIGNALS and log.structure is None):
                 rows.append({**row, "verdict": "no log"})
                 continue
             else:

@@ -24,7 +24,7 @@ import pandas as pd
 from ntkscope.core.checks import fail
 from ntkscope.core.files import write_json, write_table
 from ntkscope.reproduction.map_tables import judge_step
-from ntkscope.runs.signals import SIGNALS, Signal, TrunkLog
+from ntkscope.runs.signals import SIGNALS, Signal, TrunkLog, trunk_log
 
 MAP = Path("figures/warmup-map")
 #: the map's trunks: (name, the folder of its build's tables and plans, seed)
@@ -50,14 +50,9 @@ def load_trunk(name: str, folder: Path, seed: int) -> Trunk:
     gains = pd.read_csv(folder / "tables" / "gains.csv")
     gains = gains[(gains["arm"] == "cse") & (gains["seed"] == seed) & (gains["domain"] == "tail")]
     plan = json.loads((folder / "plans" / f"seed{seed}.json").read_text())
-    evidence = plan["evidence"]
-    structure = pd.concat([pd.DataFrame(rows).assign(layer=int(layer))
-                           for layer, rows in evidence["structure"].items()], ignore_index=True)
-    rule = evidence["structure_rule"]
     if not len(curves) or not len(gains):
         raise fail("load_trunk", "folder", f"must hold the dense curves and CSE gains of seed {seed}", str(folder))
-    log = TrunkLog(curves[["step", "domain", "loss", "lr"]].reset_index(drop=True), int(curves["step"].max()),
-                   structure, layers=tuple(rule["judged_at_layers"]), window=tuple(rule["window"]))
+    log = trunk_log(curves, plan, int(curves["step"].max()))  # the map's trunks log to their schedule's end
     return Trunk(name, log, gains.set_index("step")["gain"].sort_index())
 
 

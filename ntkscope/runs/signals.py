@@ -76,6 +76,20 @@ class TrunkLog:
         return self.curves.groupby("step")["lr"].first().sort_index()
 
 
+def trunk_log(curves: pd.DataFrame, plan: dict, total_steps: int) -> TrunkLog:
+    """A dense trunk's :class:`TrunkLog` from its validation curves (step, domain, loss, lr) and
+    its plan (the consensus structure per layer in ``evidence.structure``, read over the
+    registered rule's window and layers, ``evidence.structure_rule``), on a schedule of
+    ``total_steps``."""
+    evidence = plan.get("evidence") or {}
+    rule = evidence.get("structure_rule") or {}
+    structure = pd.concat([pd.DataFrame(rows).assign(layer=int(layer)) for layer, rows in evidence["structure"].items()],
+                          ignore_index=True) if evidence.get("structure") else None
+    return TrunkLog(curves[list(CURVE_COLUMNS)].reset_index(drop=True),
+                    int(total_steps), structure, layers=tuple(rule.get("judged_at_layers", (2, 3))),
+                    window=tuple(rule["window"]) if rule.get("window") else None)
+
+
 @dataclass(frozen=True)
 class Signal:
     """name; what it reads, in words; label_free; grid: the thresholds a cross-validation tries
@@ -228,8 +242,9 @@ def warmup_record(measured_step: int | None, measured_rule: str | None, total_st
             "summary": (f"No measured signal chose the warm-up well on the map's trunks (the best was good in "
                         f"{best_measured} of {cv['trunks']} held out); a fixed fraction of the schedule, "
                         f"{cv['threshold']:g}, was good in {cv['cv_good']} of {cv['trunks']}, and reads no measurement "
-                        f"of the run. Fresh trunks: {cv['fresh']}. Here: the measured rule '{measured_rule}' chose "
-                        f"{measured_step}; half the schedule is "
+                        f"of the run. Fresh trunks: {cv['fresh']}. Here: "
+                        + (f"the measured rule '{measured_rule}' chose step {measured_step}" if measured_step is not None
+                           else "the measured rules chose nothing") + "; half the schedule is "
                         + (f"step {fraction}." if fraction is not None else "unknown (the run does not say its "
                            "length: give it with --schedule-steps)."))}
 
@@ -238,4 +253,4 @@ def schedule_fraction_step(total_steps: int, fraction: float) -> int:
     """``fraction`` of a schedule of ``total_steps``, rounded to a step."""
     if not isinstance(total_steps, (int, np.integer)) or isinstance(total_steps, bool) or total_steps <= 0:
         raise fail("schedule_fraction_step", "total_steps", "must be a positive int", total_steps)
-    return int(round(fraction * total_steps))
+    return int(fraction * total_steps + 0.5)  # halves up (round() would take them to even)
