@@ -296,7 +296,9 @@ def _signals(folder) -> dict:
     fresh = folder / "fresh" / "verdicts.json"
     if fresh.is_file():
         v = json.loads(fresh.read_text())["rule_on_fresh_trunks"]
-        out["map.fresh.verdict"] = f"{v['verdict']}: good in {v['good']} of {v['judged']} judged ({v['planned']} planned)"
+        done = sum(json.loads(p.read_text()).get("status") == "done" for p in fresh.parent.glob("*/units/*.json"))
+        out["map.fresh.verdict"] = (f"{v['verdict']} ({done} units done so far on the CPU build; the rule good in "
+                                    f"{v['good']} of the {v['judged']} trunks judged, of {v['planned']})")
     else:
         out["map.fresh.verdict"] = "not yet run"
     return out

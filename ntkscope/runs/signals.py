@@ -226,7 +226,7 @@ CROSS_VALIDATED = {
     "cv_record": {"schedule-fraction": 6, "lr-fraction": 2, "loss-plateau": 2, "tail-slope-ratio": 1,
                   "consensus-structure": 2, "cluster-count": 0},
     "on": "leave-one-trunk-out over the warm-up map's 7 trunks (4 x 128 GPT, 2400-step cosine, one H200 build)",
-    "fresh": "not yet run (figures/warmup-map/fresh/CRITERIA.md)",
+    "fresh": "not decided: running on the CPU build, no trunk judged yet (figures/warmup-map/fresh)",
 }
 
 
