@@ -139,6 +139,15 @@ def load_renamed(model, checkpoint) -> int:
     return loaded
 
 
+def _state_step(checkpoint: Path) -> int | None:
+    """A Trainer checkpoint's ``global_step`` (trainer_state.json), or None where it has none."""
+    try:
+        step = read_json_object(checkpoint / "trainer_state.json", "SparseCallback").get("global_step")
+    except (UserError, OSError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def _callback_base():
     from transformers import TrainerCallback
 
@@ -240,7 +249,9 @@ class SparseCallback(_callback_base()):
         what Trainer's resume left out."""
         step, folder = getattr(state, "global_step", 0) or 0, getattr(args, "output_dir", None)
         own = None if folder is None else Path(folder) / f"checkpoint-{step}"  # where a resume in this folder began
-        resumed = self.resumed if self.resumed is not None else own if step > 0 and own and own.is_dir() else None
+        if own is not None and _state_step(own) != step:  # not this step's checkpoint (renamed, or another run's)
+            own = None
+        resumed = self.resumed if self.resumed is not None else own if step > 0 and own else None
         if resumed is not None and self.sparse is None and (resumed / SIDECAR).is_file():
             raise UserError(f"SparseCallback: the run resumes from {resumed}, saved after the conversion, into a "
                             "dense model; call callback.restore(model, that checkpoint) before trainer.train("

@@ -353,11 +353,12 @@ def apply_plan(cfg: TrainConfig) -> TrainConfig:
                             "(it was made without a GC series)")
         cfg.cse.warmup_steps = warmup_after(cfg.init_from, int(plan.warmup_steps), cfg.plan)
     said = (str(cfg.plan), tuple(sparse["layers"]), cfg.cse.warmup_steps)
-    if said not in _PLANS_SAID:  # once per plan and outcome: compare applies one plan to every arm
-        _PLANS_SAID.add(said)
-        warmup = cfg.cse.warmup_steps
-        log.info("plan %s: CSE layers %s (%s), %s", cfg.plan, sparse["layers"], plan.chosen_by,
-                 f"warm-up {warmup} steps" if isinstance(warmup, int) else "its warm-up not used (none asked)")
+    warmup = cfg.cse.warmup_steps
+    # info once per plan and outcome in a process (compare applies one plan to every arm), debug after
+    log.log(logging.DEBUG if said in _PLANS_SAID else logging.INFO, "plan %s: CSE layers %s (%s), %s", cfg.plan,
+            sparse["layers"], plan.chosen_by,
+            f"warm-up {warmup} steps" if isinstance(warmup, int) else "its warm-up not used (none asked)")
+    _PLANS_SAID.add(said)
     return cfg
 
 
