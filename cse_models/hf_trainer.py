@@ -28,12 +28,11 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from cse_models.cse import convert_to_cse, upcycle
 from cse_models.checkpointing import expert_source
 from cse_models.hf import LAYOUTS, SparseHF, child_module, layout_blocks, saved_layout
-from cse_models.hf_weights import renamed_key
+from cse_models.hf_weights import named_tensors
 from cse_models.model import check_expert_copies
 from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.core.files import read_json_object, write_json
@@ -126,13 +125,12 @@ def load_renamed(model, checkpoint) -> int:
     path = Path(checkpoint) / "model.safetensors"
     if not path.is_file():
         return 0
-    saved, own = load_file(str(path)), model.state_dict()
-    loaded = 0
-    for key, value in saved.items():
-        target = renamed_key(key, model)
-        if key not in own and target != key and target in own and target not in saved:
-            own[target].copy_(value)
-            loaded += 1
+    saved, named = named_tensors(model, path)
+    own = model.state_dict()
+    renamed = {key: value for key, value in named.items() if key not in saved}  # read back by a renaming
+    for key, value in renamed.items():
+        own[key].copy_(value)
+    loaded = len(renamed)
     if loaded:
         log.info("SparseCallback: %d tensors of %s loaded by their renamed keys (Trainer's resume leaves them out)",
                  loaded, checkpoint)

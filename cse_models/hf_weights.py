@@ -37,16 +37,25 @@ def saved_names(path) -> list:
         return list(f.keys())
 
 
+def named_tensors(model, path) -> tuple[dict, dict]:
+    """(the safetensors file ``path`` as saved, the same tensors under ``model``'s names): a key
+    the model lacks is read back by :func:`renamed_key` where that names a tensor of the model
+    the file does not hold itself; any other key stays as saved."""
+    saved, own = load_file(str(path)), model.state_dict()
+    named = {}
+    for key, value in saved.items():
+        target = key if key in own else renamed_key(key, model)
+        named[target if target == key or (target in own and target not in saved) else key] = value
+    return saved, named
+
+
 @torch.no_grad()
 def load_named(model, path) -> tuple[list, list]:
     """Load the safetensors file ``path``, saved under ``model``'s own tensor names (renamed ones
     read back by :func:`renamed_key`), into ``model``; returns (missing, unexpected) names. A
     tensor tied to a loaded one (the head to the embedding) is not missing."""
-    saved, own = load_file(str(path)), model.state_dict()
-    named = {}
-    for key, value in saved.items():
-        target = key if key in own else renamed_key(key, model)
-        named[target if target in own else key] = value
+    own = model.state_dict()
+    _, named = named_tensors(model, path)
     unexpected = sorted(k for k in named if k not in own)
     for key, value in named.items():
         if key in own:
