@@ -11,11 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-
-def _pyplot():
-    import matplotlib.pyplot as plt  # on first drawing; the backend is the caller's
-
-    return plt
+from ntkscope.plotting.base import pyplot
 
 
 def map_controls(gains, *, step: int = 1200, title: str = ""):
@@ -23,7 +19,7 @@ def map_controls(gains, *, step: int = 1200, title: str = ""):
     (log-perplexity, legal and biomedical averaged; negative is better), one point per seed with
     its block-bootstrap interval, and the null arm's seeds as a grey band. ``gains``: a
     :func:`ntkscope.reproduction.map_tables.gains` table."""
-    plt = _pyplot()
+    plt = pyplot()
     tail = gains[(gains["domain"] == "tail") & (gains["step"] == step)]
     null = tail[tail["arm"] == "dense-null"]["gain"]
     arms = sorted(set(tail["arm"]), key=lambda a: tail.loc[tail["arm"] == a, "gain"].mean())
@@ -53,7 +49,7 @@ def map_curve(gains: pd.DataFrame, structure: pd.DataFrame | None = None, rule_s
     step, seed, structure (one trunk's consensus structure, averaged over the sparse layers),
     drawn on a second axis over the same steps (mean over trunks, their range shaded).
     ``rule_steps``: {seed: step} where the rule chose, marked on the step axis."""
-    plt = _pyplot()
+    plt = pyplot()
     tail = gains[gains["domain"] == "tail"]
     mapped = [a for a, part in tail.groupby("arm") if part["step"].nunique() > 1]
     fig, ax = plt.subplots(figsize=(7.5, 5.2))
@@ -93,7 +89,7 @@ def trunk_curves(curves: pd.DataFrame, *, arm: str = "dense", best_steps=(), tit
     from the first logged step so that the domains share one axis: the mean over seeds as a
     line, their range shaded, with the learning rate on a second axis and ``best_steps`` (the
     map's best conversion steps) marked."""
-    plt = _pyplot()
+    plt = pyplot()
     part = curves[curves["arm"] == arm]
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     for domain in [d for d in ("general", "legal", "biomedical") if d in set(part["domain"])]:
