@@ -448,6 +448,12 @@ def _hf_config(directory: Path, func: str):
     return transformers, transformers.AutoConfig.for_model(**data)
 
 
+def block_count(directory: str | os.PathLike, func: str = "block_count") -> int:
+    """The block count of the HF model in ``directory`` (its config.json, a layout this module
+    supports; nothing loaded)."""
+    return int(_hf_config(Path(directory), func)[1].num_hidden_layers)
+
+
 def _mask_token_id(directory: Path, hf_config) -> None:
     """A masked LM's mask token id onto ``hf_config`` when it names none: the tokenizer's
     (``tokenizer.json`` beside the weights, by the mask token ``tokenizer_config.json`` names, else

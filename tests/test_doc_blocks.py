@@ -114,6 +114,38 @@ def _tracked(names):
     assert set(rows["step"]) == {100} and set(rows["label"]) >= {"legal", "biomedical"}
 
 
+def _own_experiment():
+    """own-model.md's spec over the researcher's model and table: its TOML block as own.toml, a
+    tiny GPT-NeoX with a BPE of its own as my-model, the shipped pack's prose and legal text as
+    rows.jsonl."""
+    transformers = pytest.importorskip("transformers")
+    from ntkscope.text.corpus.pack import load_pack
+    from ntkscope.text.tokenization import train_bpe
+
+    text = (ROOT / "docs" / "own-model.md").read_text()
+    Path("own.toml").write_text(re.search(r"^```toml\n(.*?)^```", text, re.S | re.M)[1])
+    records = load_pack().records("train")
+    rows = [{"text": r.text, "domain": "prose"} for r in records if r.domain == "general"][:400]
+    rows += [{"text": r.text, "domain": "licence"} for r in records if r.domain == "legal"][:120]
+    Path("rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = train_bpe([r["text"] for r in rows], vocab_size=600)
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=2, max_position_embeddings=128, rotary_pct=0.25, bos_token_id=0,
+        eos_token_id=0)).save_pretrained("my-model")
+    Path("my-model", "tokenizer.json").write_text(tokenizer.backend.to_str())
+    return {}
+
+
+def _own_experiment_ran(names):
+    import pandas as pd
+
+    assert not names["outcome"].failed
+    arms = pd.read_csv("own-run/tables/arms.csv")
+    assert set(arms["arm"]) == {"dense", "cse"} and {"ppl licence", "ppl prose"} <= set(arms.columns)
+
+
 #: (file, the block's first line) -> (its setup, a check of what it made)
 RUNS = {
     ("README.md", "import cse_models                                   # transformers' Auto classes now read sparse "
@@ -121,6 +153,8 @@ RUNS = {
     ("docs/own-model.md", "from cse_models.hf_trainer import SparseCallback"): (_sparse_trainer, _converted),
     ("docs/own-model.md", "import cse_models                                    # the Auto classes read the "
                           "sparse checkpoints"): (_tracked_conversion, _tracked_and_converted),
+    ("docs/own-model.md", "from ntkscope.experiments import load_spec, run_experiment"):
+        (_own_experiment, _own_experiment_ran),
     ("docs/corpora.md", "from ntkscope.text.corpus import load_pack"): (dict, lambda n: len(n["sizes"]) > 0),
     ("docs/cse-models.md", "import transformers"): (dict, lambda n: n["dense_ffn"].mlp is n["hf"].transformer.h[1].mlp),
     ("docs/engine.md", "import ntkscope as ns"): (dict, lambda n: "general" in set(n["by_domain"]["label"])),

@@ -277,7 +277,8 @@ def _blocked(todo: list, failed: dict) -> set:
 
 def spec_pack(spec: Spec, run_dir, pack=None, *, build: bool = True, func: str = "run_experiment"):
     """The pack a spec's units read: ``pack`` (``--data``; None: the shipped one), or for a spec
-    with ``[data]`` RUN/pack, built from its table and built again only when the table's bytes or
+    with ``[data]`` RUN/pack, built from its table (tokenized by the trunk model's tokenizer when
+    ``[trunk] model`` names one) and built again only when the table's bytes, the tokenizer or
     the spec's reading of it change (the pack's version is part of every unit's key, so the units
     of another table run again). ``build=False`` (a summary of what ran): RUN/pack as the units
     read it, never rebuilt under their results."""
@@ -288,7 +289,7 @@ def spec_pack(spec: Spec, run_dir, pack=None, *, build: bool = True, func: str =
         raise fail(func, "pack", "must not be given for a spec that names its own table ([data] table = "
                    f"{spec.data.table})", str(pack))
     from ntkscope.text.corpus.pack import load_pack
-    from ntkscope.text.corpus.table_pack import table_digest, table_pack
+    from ntkscope.text.corpus.table_pack import table_digest, table_pack, tokenizer_file
 
     if not build:
         if not (target / "manifest.json").is_file():
@@ -296,7 +297,9 @@ def spec_pack(spec: Spec, run_dir, pack=None, *, build: bool = True, func: str =
                        str(run_dir))
         return target
     wanted = {"table": {"sha256": table_digest(d.table), "text_column": d.text_column, "label_column": d.label_column},
-              "options": {"validation": d.validation, "test": d.test, "vocab_size": d.vocab_size},
+              "options": {"validation": d.validation, "test": d.test,
+                          **({"tokenizer": table_digest(tokenizer_file(spec.trunk.model))} if spec.trunk.model
+                             else {"vocab_size": d.vocab_size})},
               "tail": list(d.tail)}
     if (target / "manifest.json").is_file():
         made = load_pack(target).manifest
@@ -304,7 +307,8 @@ def spec_pack(spec: Spec, run_dir, pack=None, *, build: bool = True, func: str =
                 "tail": made.get("tail")} == wanted:
             return target
     return table_pack(target, d.table, text_column=d.text_column, label_column=d.label_column, tail=d.tail,
-                      validation=d.validation, test=d.test, vocab_size=d.vocab_size, overwrite=True)
+                      validation=d.validation, test=d.test, vocab_size=d.vocab_size,
+                      tokenizer=spec.trunk.model or None, overwrite=True)
 
 
 def summarise_experiment(spec: Spec, run_dir, *, pack=None) -> dict:

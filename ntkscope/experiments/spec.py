@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from cse_models.hf import block_count
 from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.reproduction.settings import PRESETS, ReproduceSettings
 from ntkscope.reproduction.sweep import Rule, Structure
@@ -72,8 +73,12 @@ class TrunkSpec:
     """What every arm of a sweep shares: the sparse ``layers`` (an arm may name its own), the
     ``gc_peak_step`` (kept as a trunk checkpoint), the ``null_order`` offset of the null arm's
     data order, the warm-up ``rule``, the frozen-encoder arms' ``encoder`` (an HF encoder
-    directory; empty: the shipped MiniLM-L6) and, given ``[trunk.structure]``, the
-    consensus-structure rule that reads every trunk's warm-up and layers (a plan unit per seed)."""
+    directory; empty: the shipped MiniLM-L6), given ``[trunk.structure]``, the
+    consensus-structure rule that reads every trunk's warm-up and layers (a plan unit per seed),
+    and ``model``: the researcher's own HF causal LM directory (config.json, weights and
+    tokenizer.json) that every trunk starts from and trains on, in place of the preset's GPT
+    (empty: the preset's GPT; given, ``[data]`` is tokenized by the model's own tokenizer);
+    ``n_layer``: the trunk model's block count (the model's or the preset's)."""
 
     layers: tuple = (2, 3)
     gc_peak_step: int = 75
@@ -81,6 +86,8 @@ class TrunkSpec:
     rule: Rule = Rule()
     encoder: str = ""
     structure: Structure | None = None
+    model: str = ""
+    n_layer: int = 0
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,13 @@ def parse_spec(data: dict, *, source: str = "<spec>") -> Spec:
             settings = settings.replace(finetune_domains=own.tail)
         common["settings"] = settings
     trunk = _trunk(c, data.get("trunk", {}), settings)
+    if trunk.model and own is None:
+        raise SpecError(source, "trunk.model", "needs a [data] table (the researcher's text, tokenized by the model's "
+                        "own tokenizer; a corpus pack has its own)", trunk.model)
+    if trunk.model and ("model" in data.get("settings", {}) or "vocab_size" in data["data"]):
+        raise SpecError(source, "trunk.model", "sets the architecture and the tokenizer: leave settings.model and "
+                        "data.vocab_size out", sorted({"settings.model", "data.vocab_size"} & {
+                            *(f"settings.{k}" for k in data.get("settings", {})), *(f"data.{k}" for k in data["data"])}))
     arms = data.get("arms")
     if not isinstance(arms, list) or not arms:
         raise SpecError(source, "arms", "must be one or more [[arms]] tables", arms)
@@ -312,8 +326,9 @@ def _tables(c: "_Checker", data: dict, settings: ReproduceSettings, seeds: tuple
 
 def _trunk(c: "_Checker", data: dict, settings: ReproduceSettings) -> TrunkSpec:
     """The [trunk] table; a field left out takes TrunkSpec's (and Rule's) default."""
-    c.only(data, "trunk.", {"layers", "gc_peak_step", "null_order", "rule", "encoder", "structure"})
-    n_layer = int(settings.model.get("n_layer", 0))
+    c.only(data, "trunk.", {"layers", "gc_peak_step", "null_order", "rule", "encoder", "structure", "model"})
+    model = c.text(data, "model", default="", where="trunk.")
+    model, n_layer = _own_model(c, model) if model else ("", int(settings.model.get("n_layer", 0)))
     t, r, rule = TrunkSpec(), Rule(), data.get("rule", {})
     c.only(rule, "trunk.rule.", {"horizon", "threshold", "min_persisting"})
     structure = None
@@ -342,7 +357,30 @@ def _trunk(c: "_Checker", data: dict, settings: ReproduceSettings) -> TrunkSpec:
                   threshold=c.number(rule, "threshold", low=0.0, high=1.0, default=r.threshold, where="trunk.rule."),
                   min_persisting=c.number(rule, "min_persisting", low=0.0, high=1.0, default=r.min_persisting,
                                           where="trunk.rule.")),
-        structure=structure)
+        structure=structure, model=model, n_layer=n_layer)
+
+
+def _own_model(c: "_Checker", model: str) -> tuple[str, int]:
+    """``trunk.model`` checked: an HF causal LM directory, relative to the spec's folder, with
+    config.json (of a layout :mod:`cse_models.hf` supports), weights and tokenizer.json; its
+    resolved path and block count. Loading it is :func:`cse_models.hf.load_hf`'s."""
+    path = Path(model) if Path(model).is_absolute() else Path(c.source).parent / model
+    rule = ("must name an HF causal LM directory (config.json with architectures, model.safetensors, "
+            "tokenizer.json), relative to the spec's folder")
+    if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file() or not any(
+            (path / w).is_file() for w in ("model.safetensors", "pytorch_model.bin")):
+        if any(path.glob("checkpoint-*")):
+            rule += "; of a Trainer run, name one of its checkpoint-N or save_model its final model into it"
+        raise SpecError(c.source, "trunk.model", rule, model)
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        n_layer = block_count(path, "trunk.model")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, UserError) as err:
+        raise SpecError(c.source, "trunk.model", f"{rule} ({err})", model) from None
+    if not isinstance(config, dict) or any("MaskedLM" in str(a) for a in config.get("architectures") or ()):
+        raise SpecError(c.source, "trunk.model", "must be a causal LM (the sweep's trunks predict the next token)",
+                        config.get("architectures") if isinstance(config, dict) else config)
+    return str(path.resolve()), n_layer
 
 
 def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSettings) -> ArmSpec:
@@ -373,8 +411,8 @@ def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSetti
                             f"({settings.checkpoint_every}) in (0, {settings.steps}), or the gc_peak_step", at)
     if len(set(steps)) != len(steps):
         raise SpecError(c.source, f"{where}at", "must not repeat a step", at)
-    n_layer = int(settings.model.get("n_layer", 0))
-    layers = tuple(c.ints(data, "layers", minimum=0, maximum=n_layer - 1, default=list(trunk.layers), where=where))
+    layers = tuple(c.ints(data, "layers", minimum=0, maximum=trunk.n_layer - 1, default=list(trunk.layers),
+                          where=where))
     if len(set(layers)) != len(layers):
         raise SpecError(c.source, f"{where}layers", "must not repeat a layer", list(layers))
     arm = ArmSpec(name=name, kind=kind, at=tuple(steps), layers=layers,

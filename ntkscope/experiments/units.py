@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ntkscope.core.checks import UserError
-from ntkscope.core.files import read_json_object, write_json
+from ntkscope.core.files import read_json_object, sha256_file, write_json
 from ntkscope.experiments.spec import Spec
 from ntkscope.reproduction.settings import RUN_LOCAL
 from ntkscope.reproduction.sweep import Arm
@@ -101,6 +101,15 @@ def is_done(state: dict | None, unit: Unit, run_dir=None) -> bool:
     return run_dir is None or not isinstance(result, str) or (Path(run_dir) / result).is_file()
 
 
+def model_digest(directory) -> str:
+    """The sha256 of an HF model directory's config.json and weights: a trunk that starts from
+    another model (or the same one changed) has another key."""
+    files = {name: sha256_file(Path(directory) / name) for name in ("config.json", "model.safetensors",
+                                                                      "pytorch_model.bin")
+             if (Path(directory) / name).is_file()}
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
 def units(spec: Spec, pack_version) -> list[Unit]:
     """Every unit of ``spec`` in the order they are started (a unit after what it needs), keyed."""
     drafts = _sweep_units(spec) if spec.kind == "sweep" else _table_units(spec)
@@ -121,9 +130,10 @@ def _sweep_units(spec: Spec) -> list:
     trunk = next(a for a in arms if a.kind == "dense")
     t = spec.trunk
     drafts = []
+    own = {"model": model_digest(t.model)} if t.model else {}  # the preset's GPT: not in the key (older runs)
     for seed in spec.seeds:
         drafts.append((f"{trunk.name}-seed{seed}", seed, {"kind": "trunk", "arm": trunk.name,
-                                                          "gc_peak_step": t.gc_peak_step}, []))
+                                                          "gc_peak_step": t.gc_peak_step, **own}, []))
     encoder = {"encoder": t.encoder} if t.encoder else {}  # the shipped one: not in the key (older runs)
     rule_seeds = sorted({s for a in arms if a.at == "rule" for s in seeds_of[a.name]})
     structure = {} if t.structure is None else {"structure": dataclasses.asdict(t.structure)}
@@ -173,7 +183,7 @@ def make_sweep(spec: Spec, run_dir, pack=None):
     t = spec.trunk
     return Sweep(run_dir, spec.settings, sweep_arms(spec), seeds=spec.seeds, layers=t.layers,
                  gc_peak_step=t.gc_peak_step, rule=t.rule, null_order=t.null_order, pack=pack,
-                 encoder=t.encoder or None, structure=t.structure)
+                 encoder=t.encoder or None, structure=t.structure, model=t.model or None)
 
 
 def make_reproduction(spec: Spec, run_dir, pack=None):

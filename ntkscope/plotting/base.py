@@ -3,12 +3,12 @@ null bands' columns, layer names as a reader says them, and :func:`save_figure`.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 
 from ntkscope.core.files import atomic_path
+from ntkscope.core.names import block_of
 
 
 def pyplot():
@@ -59,13 +59,10 @@ def band_columns(name: str) -> tuple:
     return f"{stem}low", f"{stem}median", f"{stem}high"
 
 
-_BLOCK = re.compile(r"(?:^|\.)(?:h|layers?|blocks?|layer)\.(\d+)(?:\.(\w+))?")
-
-
 def layer_name(path) -> str:
     """A module path as a reader says it: ``hf.gpt_neox.layers.2.mlp.layer`` -> "layer 2 (mlp)",
     ``transformer.h.0`` -> "layer 0"; anything else as it is."""
-    found = _BLOCK.search(str(path))
-    if not found:
+    found = block_of(path)
+    if found is None or str(path).isdigit():
         return str(path)
-    return f"layer {found[1]}" + (f" ({found[2]})" if found[2] else "")
+    return f"layer {found[0]}" + (f" ({found[1]})" if found[1] else "")

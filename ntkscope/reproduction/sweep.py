@@ -33,7 +33,7 @@ import torch
 
 from cse_models.experts import sequence_keys
 from cse_models.evaluate import _at_most, _is_demix, block_losses, demix_prior, domain_table
-from cse_models.model import load_model
+from cse_models.hf import block_count, load_any_model
 from cse_models.routes import Routes, blocks_digest
 from cse_models.train import fitting_sample, load_data, TrainConfig
 from ntkscope.core.files import atomic_path, write_json
@@ -125,14 +125,17 @@ class Sweep:
 
     def __init__(self, run_dir, settings: ReproduceSettings, arms, *, seeds, layers=(2, 3), gc_peak_step: int = 75,
                  rule: Rule = Rule(), null_order: int = 1000, pack=None, encoder=None,
-                 structure: Structure | None = None):
+                 structure: Structure | None = None, model=None):
         arms = list(arms)
         if [a.kind for a in arms].count("dense") != 1:
             raise fail("Sweep", "arms", "must hold exactly one arm of kind 'dense' (every arm branches from it)",
                        [a.name for a in arms])
-        n_layer = int(settings.model.get("n_layer", 0))
+        self.model = None if model is None else Path(model)
+        n_layer = int(settings.model.get("n_layer", 0)) if model is None else block_count(model, "Sweep")
         if not layers or any(not 0 <= int(i) < n_layer for a in arms for i in (a.layers or layers)):
             raise fail("Sweep", "layers", f"must be block indices in [0, {n_layer})", list(layers))
+        if model is not None:  # the architecture is the model's: every run trains it, none builds the preset's
+            settings = settings.replace(model={})
         self.run_dir, self.settings, self.gc_peak_step = Path(run_dir), settings, int(gc_peak_step)
         self.layers = [int(i) for i in layers]
         self.rule, self.null_order, self.structure = rule, int(null_order), structure
@@ -300,7 +303,8 @@ class Sweep:
         s, out, pack = self.settings, self.model_dir(arm.name, seed), self.pack_arg
         trunk, layers = self.model_dir(self.trunk.name, seed), self.arm_layers(arm)
         if arm.kind == "dense":
-            return training.train_dense(s, out, pack, seed=seed, checkpoints=(self.gc_peak_step,)), None
+            return training.train_dense(s, out, pack, seed=seed, checkpoints=(self.gc_peak_step,),
+                                        init_from=self.model), None
         at, every = self.warmup(arm, seed), 4 * s.checkpoint_every  # a killed unit resumes from its last 400 steps
         if arm.kind == "cse":
             counts = None if arm.counts_from is None else self._cse_counts(seed, arm, arm.counts_from)
@@ -421,7 +425,7 @@ class Sweep:
         result = {"arm": arm.name, "seed": seed, "warmup": at, "kind": arm.kind, "mean_rate": arm.mean_rate,
                   "warmup_rule": None if at is None else (self.plan(seed).warmup_rule if arm.at == "rule" else arm.at),
                   "checkpoint": str(last.relative_to(self.run_dir)),
-                  **evaluate(load_model(last), self.test_blocks(),
+                  **evaluate(load_any_model(last), self.test_blocks(),
                              self.blocks("validation"), tuple(self.pack.tokenizer().special_ids),
                              Routes.load(self.encoder_routes(seed)) if arm.kind == "encoder" else None),
                   "seconds": time.perf_counter() - start}

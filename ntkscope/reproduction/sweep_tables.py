@@ -32,7 +32,9 @@ import pandas as pd
 from scipy import stats
 
 from cse_models.routes import Routes, window_loads
+from ntkscope.core.checks import fail
 from ntkscope.core.files import write_json, write_text
+from ntkscope.core.names import block_of
 from ntkscope.plotting import expert_loads, save_figure
 
 
@@ -220,9 +222,12 @@ def _share(x: float) -> str:
 
 
 def _block_index(layer) -> int:
-    """2 for 2, "2" or "transformer.h.2.mlp"."""
-    text = str(layer)
-    return int(text.split(".h.")[1].split(".")[0]) if ".h." in text else int(text)
+    """2 for 2, "2", "transformer.h.2.mlp" or "hf.gpt_neox.layers.2.mlp.layer"."""
+    found = block_of(layer)
+    if found is None:
+        raise fail("summarise", "layer", "must name a block (an index or a module path such as transformer.h.2.mlp)",
+                   layer)
+    return found[0]
 
 
 def summarise(sweep, *, earlier_load: Path | None = None, criteria: Criteria = Criteria()) -> dict:

@@ -111,15 +111,17 @@ def _run(cfg: TrainConfig, adopt_from: str = "", callbacks=()) -> Path:
 
 
 def train_dense(settings: ReproduceSettings, out_dir: Path, pack: str | None, *, seed: int | None = None,
-                base: dict | None = None, checkpoints: tuple = (), callbacks=()) -> Path:
+                base: dict | None = None, checkpoints: tuple = (), callbacks=(), init_from=None) -> Path:
     """The dense model (``base``: its fields, default ``settings.model``, a GPT) from scratch with
-    init and data order ``seed`` (default the settings'); returns its last checkpoint (all kept:
+    init and data order ``seed`` (default the settings'), or ``init_from`` (an HF model directory:
+    its architecture and weights, trained with data order ``seed``); returns its last checkpoint (all kept:
     the analyses walk them), with the early checkpoints every ``early_every`` steps through
     ``early_until`` and at ``checkpoints``; ``callbacks`` run when it trains (not when found)."""
     early = list(range(settings.early_every, settings.early_until + 1, settings.early_every)) \
         if settings.early_every else []
     return _run(_config(settings, out_dir, pack, checkpoint_steps=sorted({*early, *checkpoints}),
-                        model=dict(base or settings.model), seed=settings.seed if seed is None else seed),
+                        model=dict(base or settings.model), seed=settings.seed if seed is None else seed,
+                        init_from=None if init_from is None else str(init_from)),
                 settings.adopt_from, callbacks)
 
 
