@@ -212,6 +212,21 @@ def run_batch(checkpoint) -> tuple[int | None, int | None, str]:
                                            "per process"
 
 
+def run_layout(checkpoint) -> tuple[str | None, str]:
+    """(how the run that wrote ``checkpoint`` laid its text out, :data:`cse_models.data.LAYOUTS`;
+    where that was read): a ``cse_models`` run's train_config ("packed" for one saved before runs
+    recorded it); a ``Trainer`` run records no layout (its collator is not saved): (None, why)."""
+    try:
+        state = read_json_object(Path(checkpoint) / "trainer_state.json", "run_layout")
+    except (UserError, OSError):
+        return None, "no readable trainer_state.json"
+    config = state.get("train_config")
+    if isinstance(config, dict):
+        data = config.get("data") if isinstance(config.get("data"), dict) else {}
+        return str(data.get("layout", "packed")), "the run's train_config"
+    return None, "the run records no layout: a Trainer checkpoint keeps no collator"
+
+
 def _positive(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 

@@ -17,13 +17,20 @@ from ntkscope.core.checks import MissingInput, UserError
 from ntkscope.text.corpus.text import read_text
 
 
+#: how texts become training rows: "packed" (each domain's texts joined into one stream, cut into
+#: full blocks) or "rows" (one text per row, cut at the block length, padded: a padding collator's)
+LAYOUTS = ("packed", "rows")
+
+
 @dataclass(frozen=True)
 class Blocks:
-    """input_ids (N, T) long; domains (N,) long, indices into ``domain_names``."""
+    """input_ids (N, T) long; domains (N,) long, indices into ``domain_names``; ``mask`` (N, T)
+    bool, True on a row's tokens and False on its padding (None: every position a token, packed)."""
 
     input_ids: torch.Tensor
     domains: torch.Tensor
     domain_names: tuple
+    mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -32,7 +39,8 @@ class Blocks:
         if domain not in self.domain_names:
             raise UserError(f"Blocks.select: domain must be one of {list(self.domain_names)} (got {domain!r})")
         keep = self.domains == self.domain_names.index(domain)
-        return Blocks(self.input_ids[keep], self.domains[keep], self.domain_names)
+        return Blocks(self.input_ids[keep], self.domains[keep], self.domain_names,
+                      None if self.mask is None else self.mask[keep])
 
 
 def _stream_blocks(token_lists: Sequence[Sequence[int]], seq_len: int, sep: int) -> np.ndarray:
@@ -42,25 +50,49 @@ def _stream_blocks(token_lists: Sequence[Sequence[int]], seq_len: int, sep: int)
     return flat[: n * seq_len].reshape(n, seq_len)
 
 
-def make_blocks(texts_by_domain: dict[str, Sequence[str]], tokenizer, seq_len: int) -> Blocks:
-    """One token stream per domain (texts joined by end-of-text), cut into blocks of ``seq_len``."""
+def _row_blocks(token_lists: Sequence[Sequence[int]], seq_len: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """One row per token list of two tokens or more (a shorter one predicts nothing), its first
+    ``seq_len`` tokens then ``pad``; (ids, mask), each (n, seq_len)."""
+    kept = [list(ids)[:seq_len] for ids in token_lists if len(ids) >= 2]
+    ids = np.full((len(kept), seq_len), pad, dtype=np.int64)
+    mask = np.zeros((len(kept), seq_len), dtype=bool)
+    for i, row in enumerate(kept):
+        ids[i, :len(row)], mask[i, :len(row)] = row, True
+    return ids, mask
+
+
+def make_blocks(texts_by_domain: dict[str, Sequence[str]], tokenizer, seq_len: int, *,
+                layout: str = "packed") -> Blocks:
+    """Each domain's texts as rows of ``seq_len`` tokens: "packed", one stream per domain (texts
+    joined by end-of-text) cut into full blocks; "rows", one text per row, cut at ``seq_len`` and
+    padded, with the mask saying which positions are tokens (:data:`LAYOUTS`)."""
     if not isinstance(seq_len, int) or seq_len < 2:
         raise UserError(f"make_blocks: seq_len must be an integer >= 2 (got {seq_len!r})")
+    if layout not in LAYOUTS:
+        raise UserError(f"make_blocks: layout must be one of {', '.join(LAYOUTS)} (got {layout!r})")
     sep = tokenizer.backend.token_to_id("<|endoftext|>") if hasattr(tokenizer.backend, "token_to_id") else None
     sep = sep if sep is not None else (tokenizer.pad_id or 0)
-    names, ids, doms = [], [], []
+    names, ids, doms, masks = [], [], [], []
     for domain in sorted(texts_by_domain):
-        blocks = _stream_blocks(tokenizer.encode(list(texts_by_domain[domain])), seq_len, sep)
+        encoded = tokenizer.encode(list(texts_by_domain[domain]))
+        if layout == "rows":
+            blocks, mask = _row_blocks(encoded, seq_len, tokenizer.pad_id if tokenizer.pad_id is not None else sep)
+        else:
+            blocks, mask = _stream_blocks(encoded, seq_len, sep), None
         if len(blocks):
             names.append(domain)
             ids.append(blocks)
+            masks.append(mask)
             doms.append(np.full(len(blocks), len(names) - 1))
     if not ids:
-        raise UserError(f"make_blocks: the texts hold fewer than seq_len={seq_len} tokens in every domain")
-    return Blocks(torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(doms)), tuple(names))
+        raise UserError(f"make_blocks: the texts hold fewer than {'2' if layout == 'rows' else f'seq_len={seq_len}'} "
+                        "tokens in every domain")
+    return Blocks(torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(doms)), tuple(names),
+                  None if layout == "packed" else torch.from_numpy(np.concatenate(masks)))
 
 
-def pack_blocks(pack, tokenizer, split: str, seq_len: int, domains: Sequence[str] | None = None) -> Blocks:
+def pack_blocks(pack, tokenizer, split: str, seq_len: int, domains: Sequence[str] | None = None, *,
+                layout: str = "packed") -> Blocks:
     """Blocks of a corpus pack's split, optionally only some domains (domain finetuning)."""
     by_domain: dict[str, list[str]] = {}
     for r in pack.records(split):
@@ -69,10 +101,11 @@ def pack_blocks(pack, tokenizer, split: str, seq_len: int, domains: Sequence[str
     if domains is not None and set(domains) - set(by_domain):
         raise UserError(f"pack_blocks: domains {sorted(set(domains) - set(by_domain))} have no records in "
                         f"split {split!r} (the pack has {sorted({r.domain for r in pack.records(split)})})")
-    return make_blocks(by_domain, tokenizer, seq_len)
+    return make_blocks(by_domain, tokenizer, seq_len, layout=layout)
 
 
-def text_file_blocks(files: Sequence[str] | dict[str, Sequence[str]], tokenizer, seq_len: int) -> Blocks:
+def text_file_blocks(files: Sequence[str] | dict[str, Sequence[str]], tokenizer, seq_len: int, *,
+                     layout: str = "packed") -> Blocks:
     """Blocks from plain UTF-8 text files: a list of paths, one domain ``"text"``, or ``{domain:
     [paths]}`` (``data.text_files``); paragraphs are blank-line separated. A file that is missing,
     empty or not UTF-8 is refused in one line naming it."""
@@ -85,7 +118,7 @@ def text_file_blocks(files: Sequence[str] | dict[str, Sequence[str]], tokenizer,
             text = read_text(Path(path), func="text_file_blocks")
             texts.extend(p.strip() for p in text.split("\n\n") if p.strip())
         by_domain[domain] = texts
-    return make_blocks(by_domain, tokenizer, seq_len)
+    return make_blocks(by_domain, tokenizer, seq_len, layout=layout)
 
 
 def step_generator(seed: int, step: int, purpose: str = "batch") -> torch.Generator:

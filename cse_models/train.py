@@ -83,19 +83,29 @@ def make_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def lm_loss(model, ids: torch.Tensor, domains: torch.Tensor, step: int, cfg: TrainConfig,
-            special_ids=()) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed token loss and the number of predicted tokens: next token (GPT) or masked tokens (BERT)."""
+            special_ids=(), mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token loss and the number of predicted tokens: next token (GPT) or masked tokens
+    (BERT). ``mask`` (B, T): the rows' tokens (True) and padding (False; never attended to,
+    predicted or masked); None: every position a token."""
     config = model.module.config if hasattr(model, "module") else model.config
+    attention = None if mask is None else mask.long()
     if config.model_type == "bert":
         inputs, labels = mask_tokens(ids.cpu(), mask_token_id=config.mask_token_id, vocab_size=config.vocab_size,
                                      generator=step_generator(cfg.seed, step, "mask"), special_ids=special_ids)
         inputs, labels = inputs.to(ids.device), labels.to(ids.device)
-        logits = model(inputs, None, domains)
+        if mask is not None:
+            labels = labels.masked_fill(~mask, -100)
+        logits = model(inputs, attention, domains)
         keep = labels != -100
         return token_loss(logits.float(), labels, keep, reduction="sum"), keep.sum()
     targets = ids[:, 1:]  # causal_pairs without the last position's logits
-    loss_sum = model(ids, None, domains, positions=slice(None, -1), targets=targets)
-    return loss_sum, torch.tensor(targets.numel(), device=ids.device)
+    if mask is None:
+        loss_sum = model(ids, None, domains, positions=slice(None, -1), targets=targets)
+        return loss_sum, torch.tensor(targets.numel(), device=ids.device)
+    keep = mask[:, 1:] & mask[:, :-1]  # a token predicted from a token
+    logits = model(ids, attention, domains, positions=slice(None, -1))
+    return token_loss(logits if logits.dtype == torch.float64 else logits.float(), targets, keep,
+                      reduction="sum"), keep.sum()
 
 
 # ---- the run --------------------------------------------------------------------------------
@@ -119,14 +129,14 @@ def _load_blocks(cfg: TrainConfig, split: str | None = None):
         return _table_blocks(data, cfg.init_from, seq_len)
     if data.text_files:
         tokenizer = load_tokenizer(data.tokenizer)
-        return text_file_blocks(data.text_files, tokenizer, seq_len), tokenizer
+        return text_file_blocks(data.text_files, tokenizer, seq_len, layout=data.layout), tokenizer
     pack = load_pack(data.pack)
     split = split or data.split
     domains = None if data.domains is None else tuple(data.domains)
-    key = (str(pack.path), pack.manifest.get("version"), data.tokenizer, split, seq_len, domains)
+    key = (str(pack.path), pack.manifest.get("version"), data.tokenizer, split, seq_len, domains, data.layout)
     if key not in _PACK_BLOCKS:  # a reproduction trains dozens of runs on the same blocks: tokenize once
         tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else pack.tokenizer()
-        _PACK_BLOCKS[key] = (pack_blocks(pack, tokenizer, split, seq_len, domains), tokenizer)
+        _PACK_BLOCKS[key] = (pack_blocks(pack, tokenizer, split, seq_len, domains, layout=data.layout), tokenizer)
     return _PACK_BLOCKS[key]
 
 
@@ -147,14 +157,14 @@ def _table_blocks(data: DataConfig, init_from: str | None, seq_len: int):
         raise MissingInput(f"TrainConfig: data.table {source.path} does not exist")
     stat = source.path.stat()
     key = ("table", str(source.path.resolve()), stat.st_size, stat.st_mtime_ns, source.text_column,
-           source.label_column, str(spec), seq_len)
+           source.label_column, str(spec), seq_len, data.layout)
     if key in _PACK_BLOCKS:  # a comparison trains several arms on the same rows: tokenize once
         return _PACK_BLOCKS[key]
     by_domain: dict[str, list] = {}
     for text, label in source.rows():
         by_domain.setdefault(label if data.label_column else "text", []).append(text)
     tokenizer = load_tokenizer(spec)
-    _PACK_BLOCKS[key] = (make_blocks(by_domain, tokenizer, seq_len), tokenizer)
+    _PACK_BLOCKS[key] = (make_blocks(by_domain, tokenizer, seq_len, layout=data.layout), tokenizer)
     return _PACK_BLOCKS[key]
 
 
@@ -199,7 +209,8 @@ def fitting_sample(n_blocks: int, n: int, seed: int) -> torch.Tensor:
 def _convert(model, blocks: Blocks, cfg: TrainConfig, device) -> None:
     idx = fitting_sample(len(blocks), cfg.cse.n_samples, cfg.seed)
     start = time.perf_counter()
-    convert_to_cse(model, blocks.input_ids[idx].to(device), None, seed=cfg.seed, **cfg.cse.router_options())
+    mask = None if blocks.mask is None else blocks.mask[idx].long().to(device)
+    convert_to_cse(model, blocks.input_ids[idx].to(device), mask, seed=cfg.seed, **cfg.cse.router_options())
     log.info("CSE conversion: %d sequences embedded and clustered in %.1f s", len(idx), time.perf_counter() - start)
 
 
@@ -371,8 +382,9 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
             net = wrap(model)
         idx = global_batch(blocks, step, cfg.batch_size, cfg.seed)[rank * per_rank:(rank + 1) * per_rank]
         ids, doms = blocks.input_ids[idx].to(device), blocks.domains[idx].to(device)
+        mask = None if blocks.mask is None else blocks.mask[idx].to(device)
         with autocast:
-            loss_sum, count = lm_loss(net, ids, doms, step, cfg, special)
+            loss_sum, count = lm_loss(net, ids, doms, step, cfg, special, mask)
         total = count.to(torch.float64)
         if distributed:
             dist.all_reduce(total)
@@ -401,7 +413,7 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
             if by_domain:
                 metrics["load_domains"] = by_domain
             metrics["load"] = model.routing_load()
-        metrics_log.step(metrics, ids.numel() * world)
+        metrics_log.step(metrics, (ids.numel() if mask is None else int(mask.sum())) * world)
         bar.update(1)
         if logging_step:
             row = metrics_log.row(metrics["load"])

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from cse_models.config import from_fields
+from cse_models.data import LAYOUTS
 from cse_models.hf import architecture
 from ntkscope.core.checks import MissingInput, UserError, fail
 from ntkscope.gc.options import GCOptions
@@ -34,6 +35,9 @@ class DataConfig:
     ``tokenizer``), or the user's table (``table`` with ``text_column`` and ``label_column``, the one
     ``ntkscope --data`` reads, tokenized by ``tokenizer`` or the one beside ``init_from``). ``routes``:
     a :class:`~cse_models.routes.Routes` file whose experts label the blocks instead of their domains.
+    ``layout``: "packed" (each domain's texts as one stream cut into full blocks) or "rows" (one
+    text per row, cut at ``seq_len`` and padded; the padding neither attended to nor predicted),
+    :data:`cse_models.data.LAYOUTS`.
 
     ``text_files`` is a list of paths, all one domain, ``"text"`` (as a table without
     ``label_column``), or a mapping ``{domain: [paths]}`` that labels them; paragraphs are
@@ -49,9 +53,12 @@ class DataConfig:
     text_column: str = "text"
     label_column: str | None = None
     routes: str | None = None
+    layout: str = "packed"
 
     def __post_init__(self):
         _positive("data.seq_len", self.seq_len)
+        if self.layout not in LAYOUTS:
+            raise fail("TrainConfig", "data.layout", f"must be one of {', '.join(LAYOUTS)}", self.layout)
         self.text_files = _text_files(self.text_files)
         if self.text_files and not self.tokenizer:
             raise UserError("TrainConfig: data.text_files needs data.tokenizer (a tokenizer.json or HF directory)")

@@ -220,7 +220,7 @@ def test_cse_eval_takes_the_same_flags(own, tmp_path):
 
 
 def test_the_plans_warmup_is_shifted_by_the_init_from_step(caplog):
-    from cse_models.train import warmup_after
+    from cse_models.train_config import warmup_after
 
     assert warmup_after("myrun/step200", 300, "plan.json") == 100
     assert warmup_after("run/checkpoints/step-000300", 300, "plan.json") == 0

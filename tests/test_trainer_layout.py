@@ -89,6 +89,16 @@ def test_plan_gc_and_compare_on_a_trainer_run(trainer_run, tmp_path):
     assert compare.returncode == 0, compare.stderr[-2000:]
     assert "every arm trains at batch 4 (given; the run used 8), on packed blocks of 16 tokens (given)" \
         in compare.stdout  # the run's batch: trainer_state.json's train_batch_size x accumulation
+    assert "packed is the default (the run records no layout: a Trainer checkpoint keeps no collator" in compare.stdout
+    rows_cmp = in_process("compare", run, "--plan", tmp_path / "plan.json", "--train-data", trainer_run / "train.jsonl",
+                          "--data", rows, "--label-column", "domain", "--steps", 2, "--seq-len", 16, "--layout", "rows",
+                          "--min-cluster-size", 5, "--out", tmp_path / "cmp-rows")
+    assert rows_cmp.returncode == 0, rows_cmp.stderr[-2000:]
+    assert "at batch 8 (the Trainer run's train_batch_size x gradient_accumulation_steps, per process), on padded " \
+        "rows, one text each, of at most 16 tokens (given) of the training table's text; the layout is given" \
+        in " ".join(rows_cmp.stdout.split())
+    arm = json.loads((tmp_path / "cmp-rows" / "runs" / "cse-seed0" / "train_config.json").read_text())
+    assert (arm["data"]["layout"], arm["batch_size"]) == ("rows", 8)
     warmup = made["warmup_steps"]
     start = json.loads((tmp_path / "cmp" / "compare.json").read_text())["init_from"]
     assert start.endswith(f"checkpoint-{max(s for s in (2, 4, 6) if s <= warmup)}")

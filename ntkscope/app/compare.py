@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from cse_models.continued import RunState, branch, run_batch, run_state
+from cse_models.continued import RunState, branch, run_batch, run_layout, run_state
+from cse_models.data import LAYOUTS
 from cse_models.domains import evaluate_domains
 from cse_models.hf import load_any_model
 from cse_models.checkpointing import latest_checkpoint
@@ -99,17 +100,20 @@ DEFAULT_BATCH, DEFAULT_SEQ_LEN = 16, 64
 
 
 def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None, steps: int = 200,
-                    batch_size: int | None = None, seq_len: int | None = None, lr: float | None = None, seeds=(0,), text_column: str = "text",
+                    batch_size: int | None = None, seq_len: int | None = None, layout: str | None = None,
+                    lr: float | None = None, seeds=(0,), text_column: str = "text",
                     label_column: str | None = None, data_format: str = "auto", tokenizer=None, n_samples: int = 3000,
                     min_cluster_size: int = 15, n_boot: int = 1000, out="compare", force: bool = False) -> dict:
     """Train dense / CSE / Switch (/ DEMix) from ``init_from`` on ``train_data`` and compare them per domain on
     ``eval_data`` (both read as ``--data`` is). ``plan`` (from ``ntkscope plan``) gives the layers
     (and is checked against the model), or ``layers`` names them. ``lr`` None continues the run's
     own schedule and AdamW state where the checkpoint keeps them (module docstring); a number
-    starts every arm on a fresh warm-up to it. ``batch_size`` and ``seq_len`` None take the run's
-    own (:func:`~cse_models.continued.run_batch`), else 16 and 64; every arm trains on packed
-    blocks of ``seq_len`` tokens of ``train_data``'s text, and the result's ``start`` line says
-    which batch and blocks it used and where they came from.
+    starts every arm on a fresh warm-up to it. ``batch_size``, ``seq_len`` and ``layout`` None
+    take the run's own (:func:`~cse_models.continued.run_batch`,
+    :func:`~cse_models.continued.run_layout`), else 16, 64 and "packed"; every arm trains on
+    ``train_data``'s text as packed blocks of ``seq_len`` tokens or (``layout="rows"``) one text
+    per row cut at ``seq_len`` and padded, as a padding collator gives a ``Trainer`` run; the
+    result's ``start`` line says which batch and layout it used and where they came from.
 
     Everything is checked before the first arm trains, and a refused comparison leaves nothing
     behind. ``out`` is tied to this request (``OUT/compare.json``): a rerun that asks for anything
@@ -128,6 +132,8 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(name, "must be a positive integer" + (" (or None: the run's own)" if name in (
                 "batch_size", "seq_len") else ""), value, func=func)
+    if layout is not None and layout not in LAYOUTS:
+        raise InputError("layout", f"must be one of {', '.join(LAYOUTS)} (or None: the run's own)", layout, func=func)
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
                            or lr <= 0):
         raise InputError("lr", "must be a positive, finite number (or None: continue the run's schedule)", lr,
@@ -155,13 +161,13 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
                              "model", bad or sparse_layers, func=func)
     del model
     state, start = _continuation(init_from, lr, steps, func)
-    batch_size, seq_len, setup = _setup(init_from, batch_size, seq_len)
+    batch_size, seq_len, layout, setup = _setup(init_from, batch_size, seq_len, layout)
     start = f"{start}; {setup}"
     if state is None and lr is None:  # nothing to continue: a fresh warm-up (a continued run keeps its own lr)
         lr = FRESH_LR
     tokenizer = checkpoint_tokenizer(init_from, tokenizer).name  # the one resolution, for every arm
     data = {"table": str(train_source.path), "text_column": text_column, "label_column": label_column,
-            "seq_len": seq_len, "tokenizer": tokenizer}
+            "seq_len": seq_len, "tokenizer": tokenizer, **({"layout": layout} if layout != "packed" else {})}
     request = {"init_from": str(init_from), "init_weights": digest({}, paths=[init_from]), "train_data": data,
                "train_data_contents": digest({}, paths=train_source.files), "eval_data": eval_source.options(),
                "eval_data_contents": digest({}, paths=eval_source.files), "plan": None if plan is None else str(plan),
@@ -185,10 +191,11 @@ def compare_command(init_from, train_data, eval_data, *, plan=None, layers=None,
             raise
 
 
-def _setup(init_from, batch_size, seq_len) -> tuple[int, int, str]:
-    """The batch size and block length every arm trains with (the run's own where not given and
-    the checkpoint records them, else 16 and 64), and the words that say so."""
+def _setup(init_from, batch_size, seq_len, layout) -> tuple[int, int, str, str]:
+    """The batch size, length and layout every arm trains with (the run's own where not given and
+    the checkpoint records them, else 16, 64 and packed blocks), and the words that say so."""
     run_size, run_length, where = run_batch(init_from)
+    run_rows, where_layout = run_layout(init_from)
     said = []
     if batch_size is None:
         batch_size = run_size or DEFAULT_BATCH
@@ -196,14 +203,21 @@ def _setup(init_from, batch_size, seq_len) -> tuple[int, int, str]:
     else:
         said.append(f"batch {batch_size} (given" + (f"; the run used {run_size})" if run_size and run_size != batch_size
                                                     else ")"))
+    if layout is None:
+        layout = run_rows or "packed"
+        whence = f"; the layout is the run's ({where_layout})" if run_rows else \
+            f"; packed is the default ({where_layout}; --layout rows trains on padded rows, one text each)"
+    else:
+        whence = "; the layout is given" + (f" (the run's was {run_rows})" if run_rows and run_rows != layout else "")
     if seq_len is None:
         seq_len = run_length or DEFAULT_SEQ_LEN
-        said.append(f"packed blocks of {seq_len} tokens" + (f" ({where})" if run_length else " (the default: the run "
-                                                                                             "records no length)"))
+        length = f"{seq_len} tokens" + (f" ({where})" if run_length else " (the default: the run records no length)")
     else:
-        said.append(f"packed blocks of {seq_len} tokens (given" + (
-            f"; the run used {run_length})" if run_length and run_length != seq_len else ")"))
-    return batch_size, seq_len, "every arm trains at " + ", on ".join(said) + " of the training table's text"
+        length = f"{seq_len} tokens (given" + (f"; the run used {run_length})" if run_length and run_length != seq_len
+                                                else ")")
+    said.append(("packed blocks of " if layout == "packed" else "padded rows, one text each, of at most ") + length)
+    return batch_size, seq_len, layout, "every arm trains at " + ", on ".join(said) + " of the training table's " \
+        "text" + whence
 
 
 def _continuation(init_from, lr, steps: int, func: str) -> tuple[RunState | None, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from cse_models.data import LAYOUTS
 from ntkscope.app import commands
 from ntkscope.app.compare import compare_command
 from ntkscope.app.parsing import DATA_HELP, POSITIVE, POSITIVE_INT, add_column_args, print_table, ranged, source
@@ -31,7 +32,8 @@ def _eval(args) -> int:
 
 def _compare(args) -> int:
     r = compare_command(args.init_from, args.train_data, args.data, plan=args.plan, layers=args.layers,
-                        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, layout=args.layout,
+                        lr=args.lr,
                         seeds=args.seeds,
                         text_column=args.text_column, label_column=args.label_column, data_format=args.format,
                         tokenizer=args.tokenizer, min_cluster_size=args.min_cluster_size, out=args.out,
@@ -87,7 +89,11 @@ def add_parsers(sub) -> None:
                       help="sequences per step of every arm (default: the run's own where its checkpoint records "
                       "it, else 16)")
     cmp_.add_argument("--seq-len", type=POSITIVE_INT, default=None,
-                      help="tokens per packed training block (default: the run's own where it records it, else 64)")
+                      help="tokens per training block or row (default: the run's own where it records it, else 64)")
+    cmp_.add_argument("--layout", choices=LAYOUTS, default=None,
+                      help="packed: each domain's text as one stream cut into full blocks; rows: one text per row, "
+                      "cut and padded, as a padding collator gives Trainer (default: the run's own where it "
+                      "records it, else packed)")
     cmp_.add_argument("--lr", type=POSITIVE, default=None,
                       help="a fresh warm-up to this rate for every arm (default: continue the run's own schedule "
                            "and AdamW state where the checkpoint keeps them, else a fresh warm-up to 1e-3)")
