@@ -269,7 +269,7 @@ def run_state(checkpoint) -> tuple[RunState | None, str]:
 def _trainer_adam(checkpoint: Path, model: SparseHF) -> dict:
     """{our parameter name: its AdamW state} from a Trainer's ``optimizer.pt``, matched by
     Trainer's grouping and checked shape by shape (ValueError where they differ)."""
-    from transformers import Trainer
+    from transformers import Trainer  # optional: a Trainer checkpoint implies transformers
 
     try:
         saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)

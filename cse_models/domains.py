@@ -75,7 +75,7 @@ def is_masked(model) -> bool:
     return "MaskedLM" in type(model).__name__
 
 
-def _check_lm(model, func: str = "evaluate_domains") -> None:
+def check_lm(model, func: str = "evaluate_domains") -> None:
     """Refuse what is not a causal or masked LM this module scores."""
     name = type(model).__name__
     if not isinstance(model, (TransformerLM, SparseHF)) and not any(k in name for k in ("CausalLM", "LMHead",
@@ -126,7 +126,7 @@ def scored_log_probs(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torc
     return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) * scored, scored
 
 
-class _RoutingRecorder:
+class RoutingRecorder:
     """Forward hooks on the CSE / Switch layers: the expert each sequence (CSE) or real token
     (Switch) is sent to, per batch."""
 
@@ -192,14 +192,14 @@ def evaluate_domains(model, token_ids: Sequence[Sequence[int]], labels: Sequence
         raise UserError(f"evaluate_domains: batch_size must be a positive integer (got {batch_size!r})")
     if not 0 < level < 1 or n_boot < 1:
         raise UserError(f"evaluate_domains: need 0 < level < 1 and n_boot >= 1 (got {level}, {n_boot})")
-    _check_lm(model)
+    check_lm(model)
     context = context_length(model)
     texts = [list(ids)[:context] for ids in token_ids]
     names = sorted(set(labels))
     domain = np.array([names.index(label) for label in labels])
     device = next(model.parameters()).device
     nll, pairs = np.zeros(len(texts)), np.zeros(len(texts), dtype=np.int64)
-    recorder = _RoutingRecorder(model)
+    recorder = RoutingRecorder(model)
     counts = {name: {} for name in recorder.layers}
     was_training = model.training
     model.eval()
@@ -235,7 +235,7 @@ def evaluate_domains(model, token_ids: Sequence[Sequence[int]], labels: Sequence
                             _routing_frame(recorder, counts, names), context, level)
 
 
-def _routing_frame(recorder: _RoutingRecorder, counts: dict, names: list) -> pd.DataFrame:
+def _routing_frame(recorder: RoutingRecorder, counts: dict, names: list) -> pd.DataFrame:
     rows = []
     for layer, module in recorder.layers.items():
         unit = "sequences" if isinstance(module, CSELayer) else "tokens"

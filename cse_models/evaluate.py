@@ -58,7 +58,8 @@ STANDS_IN_FOR = {
 }
 
 
-def _is_demix(model) -> bool:
+def is_demix(model) -> bool:
+    """Whether ``model`` holds DEMix layers (scored by its label-free mixture of experts)."""
     return model.config.sparse is not None and model.config.sparse.kind == "demix"
 
 
@@ -86,21 +87,21 @@ def block_losses(model, blocks: Blocks, *, batch_size: int = 32, seed: int = 0, 
     model.eval()
     device = next(model.parameters()).device
     masking = _masking(model, seed, "eval-mask", special_ids)
-    routed = routes is not None and _is_demix(model)
+    routed = routes is not None and is_demix(model)
     sums, counts = [], []
     for start in range(0, len(blocks), batch_size):
         ids = blocks.input_ids[start:start + batch_size].to(device)
         experts = routes[start:start + batch_size].to(device) if routed else None
         if masking is not None:
             inputs, labels = masking(ids, start)
-            if _is_demix(model) and not routed:  # the masked tokens' marginal likelihood under the prior
+            if is_demix(model) and not routed:  # the masked tokens' marginal likelihood under the prior
                 loglik, _ = sequence_posterior(model, inputs, None, prior, labels)
                 sums.append(-loglik.cpu())
             else:
                 sums.append(lm_loss(model(inputs, None, experts).float(), labels, reduction="sequence-sum").cpu())
             counts.append((labels != -100).sum(1).cpu())
             continue
-        if _is_demix(model) and not routed:
+        if is_demix(model) and not routed:
             logp, _ = mixture_log_probs(model, ids, prior=prior)
             nll = -logp
         else:
@@ -150,7 +151,7 @@ def embed_texts(model, tokenizer, texts, *, batch_size: int = 64, prior: DomainP
         batch = encode_texts(tokenizer, texts[start:start + batch_size], model.config.block_size)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         doms = None
-        if _is_demix(model):
+        if is_demix(model):
             inputs, labels = (ids, None) if masking is None else masking(ids, start)
             if labels is not None:
                 labels = labels.masked_fill(~mask.bool(), -100)
@@ -194,7 +195,7 @@ def probe_accuracy(model, tokenizer, probes: pd.DataFrame, *, seeds=(0, 1, 2, 3,
     return pd.DataFrame(rows, columns=["task", "stands_in_for", "items", "classes", "accuracy_mean", "accuracy_std"])
 
 
-def _at_most(blocks: Blocks, n: int | None) -> Blocks:
+def at_most_per_domain(blocks: Blocks, n: int | None) -> Blocks:
     """At most ``n`` blocks of each domain (the first ones), or all when ``n`` is None."""
     if n is None:
         return blocks
@@ -214,11 +215,11 @@ def evaluate_model(model, pack, *, seq_len: int | None = None, seeds=(0, 1, 2, 3
     special = tuple(tokenizer.special_ids)
     prior = None
     out = {}
-    if _is_demix(model):
+    if is_demix(model):
         held_out = pack_blocks(pack, tokenizer, "validation", seq_len or model.config.block_size)
         prior = demix_prior(model, held_out, special_ids=special)
         out.update({f"prior {d}": float(p) for d, p in zip(model.config.sparse.domains, prior.probs)})
-    blocks = _at_most(pack_blocks(pack, tokenizer, "test", seq_len or model.config.block_size), max_blocks)
+    blocks = at_most_per_domain(pack_blocks(pack, tokenizer, "test", seq_len or model.config.block_size), max_blocks)
     ppl = perplexity_by_domain(model, blocks, special_ids=special, prior=prior)
     out["perplexity"] = float(ppl.set_index("domain").loc["all", "perplexity"])
     out.update({f"ppl {d}": float(p) for d, p in zip(ppl.domain, ppl.perplexity) if d != "all"})

@@ -1,4 +1,4 @@
-"""What the experts learned (issue 43): for each sparse layer of a model (CSE or Switch; ours
+"""What the experts learned: for each sparse layer of a model (CSE or Switch; ours
 or a converted HF model; or the routers of a transformers mixture of experts, such as Mixtral,
 OLMoE and Qwen-MoE, whose ``*TopKRouter`` returns (logits, scores, indices)), against the user's
 labels:
@@ -34,7 +34,7 @@ import pandas as pd
 import torch
 from sklearn.metrics import normalized_mutual_info_score
 
-from cse_models.domains import _check_lm, _RoutingRecorder, context_length, padded_batches, scored_log_probs
+from cse_models.domains import check_lm, RoutingRecorder, context_length, padded_batches, scored_log_probs
 from cse_models.experts import CSELayer, SwitchFFN
 from ntkscope.core.checks import UserError
 
@@ -94,8 +94,8 @@ def _n_experts(module) -> int:
     return int(module.num_experts) if is_hf_router(module) else len(module.experts)
 
 
-class _Recorder(_RoutingRecorder):
-    """:class:`~cse_models.domains._RoutingRecorder`, and an HF router's first choice per real token
+class _Recorder(RoutingRecorder):
+    """:class:`~cse_models.domains.RoutingRecorder`, and an HF router's first choice per real token
     (B, T) (padding -1; ``mask``: the batch's, set before each forward)."""
 
     def __init__(self, model):
@@ -218,7 +218,7 @@ def expert_report(model, token_ids: Sequence[Sequence[int]], labels: Sequence[st
     if len(token_ids) != len(labels) or not len(labels):
         raise UserError(f"expert_report: token_ids and labels must be non-empty and of one length "
                         f"(got {len(token_ids)} and {len(labels)})")
-    _check_lm(model, "expert_report")
+    check_lm(model, "expert_report")
     layers = {name: m for name, m in model.named_modules() if isinstance(m, (CSELayer, SwitchFFN)) or is_hf_router(m)}
     if not layers:
         raise UserError("expert_report: the model has no CSE or Switch layer and no transformers mixture-of-experts "

@@ -40,10 +40,10 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_model as _load_tensors_into
 from safetensors.torch import save_model as _save_tensors_of
+from tokenizers import Tokenizer
 
 from cse_models.config import SparseConfig
 from cse_models.experts import sequence_embedding
-from cse_models.hf_auto import MODEL_TYPE
 from cse_models.hf_weights import load_named, saved_names
 from cse_models.hf_modules import HFAttentionExpert, HFExpert, HFSparseAttention, HFSparseFFN
 from cse_models.model import (CONFIG_NAME, WEIGHTS_NAME, SparseRouting, TransformerLM, sparse_layer_of,
@@ -55,6 +55,9 @@ from ntkscope.core.lm import lm_loss
 from ntkscope.core.pretrained import from_config, from_pretrained
 
 SECTION = "cse_sparse"  # the config.json key of a converted model
+#: the model type of a converted model's config.json: transformers reads it only after
+#: ``import cse_models`` (:mod:`cse_models.hf_auto`), and plain transformers refuses it naming it
+MODEL_TYPE = "cse_models_sparse"
 LEGACY_WEIGHTS = "pytorch_model.bin"  # a dense checkpoint's older weights file (read with weights_only=True)
 log = logging.getLogger(__name__)
 
@@ -371,7 +374,7 @@ class SparseHF(SparseRouting, nn.Module):
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """A dense model (no sparse layers named) as a plain HF checkpoint of its family
         (``transformers``' own ``save_pretrained``, safetensors). Else ``config.json`` of model
-        type :data:`~cse_models.hf_auto.MODEL_TYPE` (the base config under ``base``, the
+        type :data:`MODEL_TYPE` (the base config under ``base``, the
         ``cse_sparse`` section) and ``model.safetensors`` (tied weights once), each written
         atomically: ``transformers.AutoModelForCausalLM.from_pretrained`` (``AutoModelForMaskedLM``
         for a masked LM) reads it after ``import cse_models``, and refuses it without."""
@@ -426,7 +429,7 @@ def key_padding_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def flat_config(data: dict) -> dict:
     """A checkpoint's config.json as the base HF config with the ``cse_sparse`` section beside it,
-    from either format (model type :data:`~cse_models.hf_auto.MODEL_TYPE`, or the older one that
+    from either format (model type :data:`MODEL_TYPE`, or the older one that
     was the base config itself with the section added)."""
     if data.get("model_type") == MODEL_TYPE:
         base = dict(data.get("base") or {})
@@ -460,8 +463,6 @@ def _mask_token_id(directory: Path, hf_config) -> None:
     ``[MASK]`` / ``<mask>``). Left unset when there is no tokenizer (training then asks for one)."""
     if getattr(hf_config, "mask_token_id", None) is not None or not (directory / "tokenizer.json").is_file():
         return
-    from tokenizers import Tokenizer
-
     names = list(MASK_TOKENS)
     if (directory / "tokenizer_config.json").is_file():
         named = read_json_object(directory / "tokenizer_config.json", "load_hf").get("mask_token")

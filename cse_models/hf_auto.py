@@ -5,7 +5,7 @@ and ``generate()`` and ``pipeline("text-generation")`` run on it; a sparse encod
 RoBERTa) is read by ``AutoModelForMaskedLM`` the same way (``pipeline("fill-mask")``). Each
 Auto class refuses the other kind's directory in one line.
 
-The directory's ``config.json`` has a model type of its own, :data:`MODEL_TYPE`
+The directory's ``config.json`` has a model type of its own, :data:`~cse_models.hf.MODEL_TYPE`
 (``"cse_models_sparse"``), with the base model's whole config under ``base`` and the sparse
 layers under ``cse_sparse``. Plain transformers, without ``cse_models``, does not know that type
 and refuses the directory with an error that names it, so it never builds a random model.
@@ -30,11 +30,11 @@ import sys
 
 import torch
 
+from cse_models.hf import MODEL_TYPE, SparseHF, load_hf, require_transformers, saved_layout
 from ntkscope.core.pretrained import from_config
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPE = "cse_models_sparse"
 _AUTO = "transformers.models.auto.modeling_auto"
 _classes: dict = {}
 
@@ -44,8 +44,8 @@ def classes() -> tuple:
     subclass transformers')."""
     if _classes:
         return _classes["config"], _classes["model"], _classes["masked"]
-    from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-    from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
+    from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel  # optional; on first use
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput  # as above
 
     class SparseCausalLMConfig(PretrainedConfig):
         """A sparse model's config: ``base`` (the base HF model's config, a dict) and
@@ -80,7 +80,6 @@ def classes() -> tuple:
         def __init__(self, config, sparse=None):
             super().__init__(config)
             if sparse is None:  # from a config alone: the base model at random, its sparse layers empty
-                from cse_models.hf import SparseHF, require_transformers, saved_layout
                 transformers = require_transformers()
                 auto = transformers.AutoModelForMaskedLM if self.masked else transformers.AutoModelForCausalLM
                 base = from_config(auto, transformers.AutoConfig.for_model(**config.base), "from_config")
@@ -95,8 +94,6 @@ def classes() -> tuple:
         def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
             """The directory through :func:`cse_models.hf.load_hf` (strict, safetensors, no code);
             ``dtype`` / ``torch_dtype`` and ``device_map`` (one device) are applied after."""
-            from cse_models.hf import load_hf
-
             dtype = _dtype(kwargs.get("dtype", kwargs.get("torch_dtype")))
             device = _device(kwargs.get("device_map"))
             sparse = load_hf(pretrained_model_name_or_path)
@@ -211,16 +208,9 @@ def sparse_config(sparse) -> object:
     return config_cls(base=sparse.config.hf.to_dict(), cse_sparse=sparse.config.section())
 
 
-def as_transformers(sparse):
-    """A :class:`~cse_models.SparseHF` as a transformers model (``SparseForCausalLM``, or
-    ``SparseForMaskedLM`` for an encoder), sharing its modules (no copy)."""
-    _, causal, masked = classes()
-    return (masked if sparse.config.masked else causal)(sparse_config(sparse), sparse)
-
-
 def register() -> None:
     """Register the config and model with transformers' Auto classes (idempotent)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM  # optional; on first use
 
     config_cls, causal, masked = classes()
     for auto, args in ((AutoConfig, (MODEL_TYPE, config_cls)), (AutoModelForCausalLM, (config_cls, causal)),

@@ -147,7 +147,7 @@ def _state_step(checkpoint: Path) -> int | None:
 
 
 def _callback_base():
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback  # optional: the [trainer] extra
 
     return TrainerCallback
 

@@ -21,8 +21,8 @@ def renamed_key(key: str, model) -> str:
     """``key`` as transformers' loading renames it for ``model`` (its ``WeightRenaming`` rules:
     e.g. GPT-NeoX's ``embed_out.`` -> ``lm_head.``); the key itself where there are none."""
     try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming
+        from transformers.conversion_mapping import get_model_conversion_mapping  # optional: HF models only
+        from transformers.core_model_loading import WeightRenaming  # as above
     except ImportError:
         return key
     for rule in get_model_conversion_mapping(model):

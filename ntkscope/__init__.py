@@ -104,7 +104,8 @@ _EXPORTS = {
     "knn_lift": "ntkscope.representation.structure",
     "domain_silhouette": "ntkscope.representation.structure",
     "GCOptions": "ntkscope.gc.options",
-    "gc_by_bins": "ntkscope.gc.groups",
+    "gc_by_group": "ntkscope.gc.groups",
+    "gc_by_bins": "ntkscope.gc.groups",  # the old name of gc_by_group, deprecated
     "gc_sensitivity": "ntkscope.gc.groups",
     "Probes": "ntkscope.gc.tracker",
     "GCTracker": "ntkscope.gc.tracker",

@@ -47,7 +47,7 @@ POOLS = {
     "512 noisy dimensions": ns.PlantedPool(dim=512, noise=0.1),
     "biased: 256 dimensions": ns.PlantedPool(dim=256, noise=0.25),
     "biased: very noisy": ns.PlantedPool(noise=0.8),
-    # beyond the isotropic Gaussian pools the method was chosen on (issue 42, item 6)
+    # beyond the isotropic Gaussian pools the method was chosen on
     "tail GC 0.82, 10 % tail": ns.PlantedPool(strength=(0.2, 1.0, 1.0), noise=0.3),
     "anisotropic noise": ns.PlantedPool(spectrum=1.0, noise=0.3),
     "heavy-tailed noise (t, 5 df)": ns.PlantedPool(df=5, noise=0.3),

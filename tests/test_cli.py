@@ -43,7 +43,7 @@ def test_a_bad_memory_budget_is_refused_before_any_work(capsys):
 
 
 def test_a_device_this_machine_lacks_is_one_line(capsys, tmp_path):
-    """Issue 33, defect 9: --device cuda / cuda:7 / banana without a GPU."""
+    """--device cuda / cuda:7 / banana without a GPU."""
     import torch
 
     from cse_models import GPT, GPTConfig
@@ -134,7 +134,7 @@ def test_corpus_build_from_real_excerpts_and_its_errors(tmp_path):
 
 
 def test_ctrl_c_is_one_line_with_exit_130_and_no_partial_output(capsys, monkeypatch, tmp_path):
-    """Issue 33, defect 13: Ctrl-C mid-command."""
+    """Ctrl-C mid-command."""
     from ntkscope.app import commands
     from ntkscope.app.cli import main
     from ntkscope.core.files import Staging, write_table
@@ -152,7 +152,7 @@ def test_ctrl_c_is_one_line_with_exit_130_and_no_partial_output(capsys, monkeypa
 
 
 def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path, monkeypatch):
-    """Issue 33, defect 5: every input that changes a result is part of gc's cache key: the
+    """Every input that changes a result is part of gc's cache key: the
     tokenizer's contents, the data's contents, the weights, an option and the code version."""
     import json
 
@@ -198,7 +198,7 @@ def test_a_tokenizer_retrained_in_place_is_not_served_from_the_cache(tmp_path, m
 
 
 def test_gc_refuses_what_it_would_not_honour(tmp_path, capsys):
-    """Issue 33, defect 10: --by label on data with one label and --bins 1 (GC = 1 by construction) are one
+    """--by label on data with one label and --bins 1 (GC = 1 by construction) are one
     line and exit 1; options that apply to one checkpoint given for a run directory are a usage error (exit 2)."""
     import json
 
@@ -223,7 +223,7 @@ def test_gc_refuses_what_it_would_not_honour(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "bins must give two or more non-empty frequency bins" in err, err
     for extra in (["--by", "label"], ["--outputs", "loss,centred-true-logit"], ["--bins", "3"]):
-        with pytest.raises(SystemExit) as exited:  # a usage error (issue 30): exit 2, one line
+        with pytest.raises(SystemExit) as exited:  # a usage error: exit 2, one line
             main(["--quiet", "gc", str(tmp_path / "run"), "--n", "24", *extra])
         assert exited.value.code == 2
         err = capsys.readouterr().err.strip()
@@ -231,7 +231,7 @@ def test_gc_refuses_what_it_would_not_honour(tmp_path, capsys):
 
 
 def test_a_rerun_into_the_same_out_replaces_the_whole_result(tmp_path):
-    """Issue 33, defect 8: gc, then gc --by label into one --out left the first run's figure."""
+    """gc, then gc --by label into one --out left the first run's figure."""
     from ntkscope.core.files import Staging
 
     out = tmp_path / "out"
@@ -247,7 +247,7 @@ def test_a_rerun_into_the_same_out_replaces_the_whole_result(tmp_path):
 
 
 def test_demo_checks_its_out_before_the_work(monkeypatch, capsys, tmp_path):
-    """Issue 33, defect 9: demo --out into a read-only place failed after 20 s of work."""
+    """Demo --out into a read-only place failed after 20 s of work."""
     import ntkscope.core.files as files
     from ntkscope.app import cli
     from ntkscope.app.cli import main
@@ -261,7 +261,7 @@ def test_demo_checks_its_out_before_the_work(monkeypatch, capsys, tmp_path):
 
 
 def test_a_bug_keeps_its_traceback_and_a_user_mistake_is_one_line(tmp_path, monkeypatch, capsys):
-    """Issue 30: one error type for the user's mistakes (UserError, a ValueError), caught alone by both
+    """One error type for the user's mistakes (UserError, a ValueError), caught alone by both
     command lines; a ValueError from a bug inside (numpy, pandas, our own code) keeps its traceback."""
     import subprocess
     import sys
@@ -313,7 +313,7 @@ def tiny_gc_run(tmp_path_factory):
 
 
 def test_every_gc_option_is_honoured_for_a_run_or_refused_with_exit_2(tiny_gc_run, capsys):
-    """Issue 30: each option the gc parser accepts, given for a run directory, either changes what is
+    """Each option the gc parser accepts, given for a run directory, either changes what is
     computed (the run's result records it, and the result differs from the default run's) or is a
     usage error (exit 2). An option added to the parser fails here until it is placed."""
     import json

@@ -207,7 +207,7 @@ def test_plan_on_a_known_series():
 
 
 def test_plan_small_cluster_rule_comes_first_and_labels_report_and_may_choose():
-    # the user's case of issue 28: a pure legal cluster at layers 2-3 from step 150; separation favours 0-1
+    # a user's case: a pure legal cluster at layers 2-3 from step 150; separation favours 0-1
     table = pd.DataFrame({"step": [300] * 4, "layer": [0, 1, 2, 3], "separation": [4.0, 3.0, 1.0, 0.5]})
     gc = pd.DataFrame({"step": [50, 100, 150, 200, 250, 300], "abs_gc": [0.2, 0.9, 0.2, 0.2, 0.2, 0.2],
                        "abs_gc_se": 0.01, "null_median": 0.1, "flags": ""})  # a clear GC peak at 100
@@ -234,14 +234,14 @@ def test_plan_small_cluster_rule_comes_first_and_labels_report_and_may_choose():
         make_plan(table, gc, choose_by="labels")
     assert plan.evidence["tail_share_by_layer"][0] == {"layer": 2, "tail_share": 0.8, "step": 150}
     assert plan.evidence["scores_at_step"] == 300  # the checkpoint the separation scores came from
-    # issue 43: the first pure tail cluster at ONE of the layers is the labels' warm-up (layer 3 at 100, 2 at 150)
+    # the first pure tail cluster at ONE of the layers is the labels' warm-up (layer 3 at 100, 2 at 150)
     early = labels.assign(n_pure_tail=[int(r.n_pure_tail or (r.layer == 3 and r.step == 100))
                                        for r in labels.itertuples()])
     assert make_plan(table, gc, persistence=persistence, labels=early, choose_by="labels").warmup_steps == 100
 
 
 def test_a_tie_among_zeros_is_no_choice_and_is_said():
-    """Issue 43: no layer holds a pure tail cluster (every tail share 0): the labels choose nothing,
+    """No layer holds a pure tail cluster (every tail share 0): the labels choose nothing,
     the evidence says so, and choose_by='labels' keeps the structure's layers, saying why."""
     table = pd.DataFrame({"step": [300] * 3, "layer": [0, 1, 2], "separation": [1.0, 3.0, 2.0]})
     labels = pd.DataFrame([{"step": s, "layer": k, "n_clusters": 2, "n_pure": 1, "n_pure_tail": 0, "tail_share": 0.0}
@@ -324,7 +324,7 @@ def test_plan_command_reports_the_labels_and_chooses_by_them_when_asked(tiny_run
 
 
 def test_a_run_directory_we_may_not_write_caches_elsewhere(tiny_run, monkeypatch, tmp_path):
-    """Issue 33, defect 9: gc/clusters over a read-only run directory wrote the cache into it."""
+    """gc/clusters over a read-only run directory wrote the cache into it."""
     run, batch, _ = tiny_run
     monkeypatch.setenv("NTKSCOPE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(dynamics.os, "access", lambda path, mode: False)  # as a read-only mount answers
@@ -335,7 +335,7 @@ def test_a_run_directory_we_may_not_write_caches_elsewhere(tiny_run, monkeypatch
 
 
 def test_someone_elses_run_and_cache_dir(tiny_run, monkeypatch, tmp_path):
-    """Issue 33: caches never go into someone else's run, even one we may write (root may write
+    """Caches never go into someone else's run, even one we may write (root may write
     anything); --cache-dir puts them where the user says, for a run, and is refused for one checkpoint."""
     from ntkscope.app.cli import main
 
@@ -350,13 +350,13 @@ def test_someone_elses_run_and_cache_dir(tiny_run, monkeypatch, tmp_path):
                  "--cache-dir", str(tmp_path / "mine")]) == 0
     assert {p for p in run.rglob("*")} == before and list((tmp_path / "mine").glob("*.json"))
     step = sorted(run.glob("checkpoints/step-*"))[-1]
-    with pytest.raises(SystemExit) as exited:  # a usage error for one checkpoint (issue 30)
+    with pytest.raises(SystemExit) as exited:  # a usage error for one checkpoint
         main(["-q", "gc", str(step), "--cache-dir", str(tmp_path / "mine")])
     assert exited.value.code == 2
 
 
 def test_plan_loads_each_checkpoint_once_and_unknown_steps_are_one_rule(tiny_run, monkeypatch, tmp_path):
-    """Issue 30: plan walks the run once (clusters, GC and router fits per checkpoint in one pass),
+    """plan walks the run once (clusters, GC and router fits per checkpoint in one pass),
     so each checkpoint is loaded once; a step the run lacks is refused by every analysis alike."""
     from collections import Counter
 

@@ -103,24 +103,28 @@ def test_gc_outputs_side_by_side_in_equal_count_bins(checkpoints, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-def test_gc_by_bins_takes_its_grouping_as_gc_options(checkpoints):
-    """Issue 44: the grouping is declared once (GCOptions); the keyword call it replaces gives the
-    same tables, and a keyword that says otherwise than gc= is one line naming both."""
+def test_gc_by_group_takes_its_grouping_as_gc_options(checkpoints):
+    """The grouping is declared once (GCOptions); the keyword call it replaces gives the same
+    tables, and a keyword that says otherwise than gc= is one line naming both. The old name,
+    gc_by_bins, gives the same tables with a DeprecationWarning."""
     model = load_checkpoint(checkpoints / "gpt")
     ad = load_analysis_data("default", ns.load_tokenizer(PACK_TOKENIZER), n=32, seq_len=16, seed=0)
     resampling = ns.Resampling(resamples=10, null_draws=10)
-    before = ns.gc_by_bins(model, ad, bins=3, binning="width", min_count=4, resampling=resampling)
-    now = ns.gc_by_bins(model, ad, gc=ns.GCOptions(bins=3, binning="width", min_count=4), resampling=resampling)
+    before = ns.gc_by_group(model, ad, bins=3, binning="width", min_count=4, resampling=resampling)
+    now = ns.gc_by_group(model, ad, gc=ns.GCOptions(bins=3, binning="width", min_count=4), resampling=resampling)
     pd.testing.assert_frame_equal(before[0], now[0])
     pd.testing.assert_frame_equal(before[1], now[1])
     assert before[2] == now[2] and len(now[0]) == 3
+    with pytest.warns(DeprecationWarning, match="gc_by_bins is now gc_by_group"):
+        old = ns.gc_by_bins(model, ad, gc=ns.GCOptions(bins=3, binning="width", min_count=4), resampling=resampling)
+    pd.testing.assert_frame_equal(old[0], now[0])
     refusals = {
-        "gc_by_bins: bins is also set by gc (gc.bins=3): give the grouping once, in gc=GCOptions(...) (got 4)":
-            lambda: ns.gc_by_bins(model, ad, gc=ns.GCOptions(bins=3), bins=4),
-        "gc_by_bins: homogeneous is also set by gc (gc.homogeneous_label='general'): give the homogeneous null "
-        "once (got 'legal')": lambda: ns.gc_by_bins(model, ad, gc=ns.GCOptions(homogeneous_label="general"),
+        "gc_by_group: bins is also set by gc (gc.bins=3): give the grouping once, in gc=GCOptions(...) (got 4)":
+            lambda: ns.gc_by_group(model, ad, gc=ns.GCOptions(bins=3), bins=4),
+        "gc_by_group: homogeneous is also set by gc (gc.homogeneous_label='general'): give the homogeneous null "
+        "once (got 'legal')": lambda: ns.gc_by_group(model, ad, gc=ns.GCOptions(homogeneous_label="general"),
                                                      homogeneous="legal"),
-        "gc_by_bins: gc must be a GCOptions or None (got 'dict')": lambda: ns.gc_by_bins(model, ad, gc={"bins": 3}),
+        "gc_by_group: gc must be a GCOptions or None (got 'dict')": lambda: ns.gc_by_group(model, ad, gc={"bins": 3}),
         "gc_sensitivity: outputs is also set by gc (gc.outputs=['loss']): give the outputs once (got ['true-logit'])":
             lambda: ns.gc_sensitivity(model, ad, outputs=["true-logit"], gc=ns.GCOptions(outputs=["loss"])),
     }

@@ -1,4 +1,4 @@
-"""cse-shuffled (issue 42): CSE's machinery, expert counts and cluster sizes without its clusters.
+"""cse-shuffled: CSE's machinery, expert counts and cluster sizes without its clusters.
 Each sequence goes to an expert drawn by a fixed hash of its tokens, in the proportions in which
 the clusters route the fitting sample, in training and in evaluation alike; the function is
 unchanged at conversion, and the routing carries no cluster information."""
@@ -143,7 +143,7 @@ def test_cse_train_converts_to_shuffled_mid_run(tmp_path):
 
 
 def test_a_fit_that_is_mostly_noise_is_said_in_one_warning(caplog):
-    """Issue 43: compare and cse-train warn when most fitting sequences are noise (here: two small
+    """compare and cse-train warn when most fitting sequences are noise (here: two small
     topics in a bulk of random token sequences, which the clustering leaves as noise)."""
     import logging
 

@@ -96,7 +96,7 @@ def test_groups_without_a_big_enough_group(gpt, lm_batch):
 
 
 def test_token_ids_outside_the_vocabulary_or_not_integers_are_one_line():
-    """Issue 33, defect 13: the library raised raw embedding errors for these."""
+    """The library raised raw embedding errors for these."""
     import ntkscope as ns
     from cse_models import GPT, GPTConfig
 
@@ -110,7 +110,7 @@ def test_token_ids_outside_the_vocabulary_or_not_integers_are_one_line():
 
 
 def test_the_default_loss_on_a_model_that_takes_no_token_ids_is_one_line():
-    """Issue 33, defect 13: a non-LM model with the default output raised a raw TypeError."""
+    """A non-LM model with the default output raised a raw TypeError."""
     import ntkscope as ns
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))

@@ -468,3 +468,49 @@ def test_a_trunk_model_is_checked_with_the_spec(tmp_path, change, message):
             **({} if change.get("data", {}) is None else {"data": data})}
     with pytest.raises(SpecError, match=message):
         load_spec(toy_file(tmp_path, **spec))
+
+
+@pytest.mark.parametrize("folder, name", [("figures/warmup-map", "warmup-map"),
+                                          ("figures/warmup-map/count", "warmup-map-count"),
+                                          ("figures/warmup-map/scale", "warmup-map-scale"),
+                                          ("figures/warmup-map/fresh/warmup-fresh-half", "warmup-fresh-half")])
+def test_the_committed_units_keep_their_keys(folder, name):
+    """The key of every committed unit is the one its shipped spec gives it today (the shipped pack):
+    a change to how arms are parsed, expanded or keyed cannot silently make finished units run again."""
+    from ntkscope.text.corpus.pack import load_pack
+
+    root = Path(__file__).resolve().parents[1] / folder
+    committed = {s["name"]: s["key"] for s in map(json.loads, map(Path.read_text, (root / "units").glob("*.json")))}
+    keys = {u.name: u.key for u in units(load_spec(name), load_pack().manifest["version"])}
+    assert committed and {n: keys.get(n) for n in committed} == committed
+
+
+def test_a_registered_arm_kind_runs_through_a_spec(tmp_path):
+    """The recipe in docs/architecture.md: one register_arm_kind call makes a kind a spec can
+    name; its units run, its key holds what the kind adds, its fields are checked."""
+    from ntkscope.reproduction import training
+    from ntkscope.reproduction.arm_kinds import ARM_KINDS, ArmKind, register_arm_kind
+
+    def train_same_order(sweep, arm, seed, at, every):  # the trunk continued from `at` in its own data order
+        return training.train_continued(sweep.settings, sweep.model_dir(arm.name, seed), sweep.pack_arg,
+                                        sweep.model_dir(sweep.trunk.name, seed), at, seed, checkpoint_every=every)
+
+    register_arm_kind(ArmKind("same-order", train_same_order, "the trunk again from the step",
+                              key=lambda trunk: {"order": "the trunk's"}))
+    try:
+        with pytest.raises(UserError, match="is registered already"):
+            register_arm_kind(ArmKind("same-order", train_same_order, "twice"))
+        arms = [{"name": "dense", "kind": "dense"}, {"name": "again", "kind": "same-order", "at": [20]}]
+        spec = load_spec(toy_file(tmp_path, seeds=[0], arms=arms, criteria={"arms": []},
+                                  settings={**TOY["settings"], "steps": 30, "eval_max_blocks": 8}))
+        unit = next(u for u in units(spec, "v") if u.name == "again-seed0")
+        assert unit.what["order"] == "the trunk's" and unit.what["kind"] == "same-order"
+        outcome = run_experiment(spec, tmp_path / "run", executor="inline", threads=0, poll=0.01)
+        assert not outcome.failed, outcome.failed
+        again = json.loads((tmp_path / "run" / "results" / "again-seed0.json").read_text())
+        trunk = json.loads((tmp_path / "run" / "results" / "dense-seed0.json").read_text())
+        assert again["kind"] == "same-order" and again["ppl"] == pytest.approx(trunk["ppl"], rel=1e-6)
+        with pytest.raises(SpecError, match=r"arms\[1\] \(again\).shuffled applies to kind 'cse' only"):
+            load_spec(toy_file(tmp_path, arms=[arms[0], {**arms[1], "shuffled": True}]))
+    finally:
+        ARM_KINDS.pop("same-order", None)

@@ -1,4 +1,4 @@
-"""The fair capacity control (issue 42): Switch upcycled so that the model's function is unchanged
+"""The fair capacity control: Switch upcycled so that the model's function is unchanged
 at conversion (the gate renormalised to 1, no token dropped in evaluation), with CSE's per-layer
 expert counts; the classic gate kept as an option, and shown to move the logits."""
 

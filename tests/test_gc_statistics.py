@@ -413,7 +413,7 @@ def test_a_verdict_needs_the_interval_to_clear_the_band():
 
     band = NullBand(0.91, 0.93, 0.95, 200)
     assert band.versus(0.89) == "below"  # a point alone
-    assert band.versus(0.89, (0.82, 0.96)) == "within"  # the interval reaches into the band (issue 42's bin 2)
+    assert band.versus(0.89, (0.82, 0.96)) == "within"  # the interval reaches into the band (a tail bin of the committed run)
     assert band.versus(0.84, (0.80, 0.88)) == "below" and band.versus(0.97, (0.96, 0.99)) == "above"
     assert band.versus(0.89, (float("nan"), float("nan"))) == "below"  # no interval: the point
     assert NullBand(float("nan"), float("nan"), float("nan"), 0).versus(0.5, (0.4, 0.6)) == "n/a"

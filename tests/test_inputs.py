@@ -130,7 +130,7 @@ def test_a_dataset_dict_names_its_splits(rows, tmp_path, capsys):
 
 
 def test_a_pipe_is_read_once(tmp_path):
-    """Issue 33, defect 7: a FIFO (or --data <(zcat ...)) works; it was opened twice and hung."""
+    """A FIFO (or --data <(zcat ...)) works; it was opened twice and hung."""
     import os
     import subprocess
     import sys
@@ -155,7 +155,7 @@ def test_a_pipe_is_read_once(tmp_path):
 
 
 def test_gzip_text_and_damaged_gzip_files(tmp_path):
-    """Issue 33, defects 9 and 13: a .txt.gz is read decompressed; a truncated .gz is one line."""
+    """A .txt.gz is read decompressed; a truncated .gz is one line."""
     import gzip
 
     from ntkscope.text.inputs import DataSource, as_source
@@ -183,7 +183,7 @@ def test_encode_refuses_a_single_string():
 
 
 def test_lines_of_a_text_file_are_rows_and_freq_scores_what_gc_analyses(tmp_path):
-    """Issue 33, defect 11: three unpunctuated lines were one row; a 40-line CJK/emoji file was one
+    """Three unpunctuated lines were one row; a 40-line CJK/emoji file was one
     sentence; freq split a table's rows into sentences while gc analysed them whole."""
     from ntkscope.app import commands
     from ntkscope.text.inputs import as_source
@@ -202,7 +202,7 @@ def test_lines_of_a_text_file_are_rows_and_freq_scores_what_gc_analyses(tmp_path
 
 
 def test_a_symlink_loop_is_named_as_one(tmp_path):
-    """Issue 33, defect 13: a symlink loop was reported as 'does not exist'."""
+    """A symlink loop was reported as 'does not exist'."""
     import os
 
     from ntkscope.runs.checkpoints import load_checkpoint

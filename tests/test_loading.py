@@ -1,4 +1,4 @@
-"""Loading checks what loaded (issue 33, defects 1, 4 and 12): HF weights that do not match their
+"""Loading checks what loaded: HF weights that do not match their
 config are refused in one line naming them, not filled with random values; a config's custom code
 (``auto_map``) never runs, not even when stdin says yes; a tied GPT-2 state dict saved the HF way
 (no ``lm_head.weight``) loads with its head tied."""
@@ -75,7 +75,7 @@ def test_a_tied_gpt2_state_dict_saved_the_hf_way_loads_tied(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_checkpoints_work_end_to_end(tmp_path, dtype, caplog):
-    """Issue 33, defect 2: a bf16/fp16 checkpoint is computed in float32 on a copy, and says so;
+    """A bf16/fp16 checkpoint is computed in float32 on a copy, and says so;
     the command line finishes too."""
     import ntkscope as ns
     from commandline import in_process
@@ -104,7 +104,7 @@ def test_half_precision_checkpoints_work_end_to_end(tmp_path, dtype, caplog):
 
 @pytest.mark.parametrize("value", [-1, "big", 2.5])
 def test_an_hf_config_with_impossible_sizes_is_one_line(tmp_path, value):
-    """Issue 33, defect 9: negative, text or fractional sizes gave tracebacks."""
+    """Negative, text or fractional sizes gave tracebacks."""
     _, path = gpt2(tmp_path)
     set_config(path, n_embd=value)
     with pytest.raises(ValueError, match=r"config.json is not a valid HF config \("):
@@ -112,7 +112,7 @@ def test_an_hf_config_with_impossible_sizes_is_one_line(tmp_path, value):
 
 
 def test_a_seq_len_beyond_the_models_context_is_one_line(tmp_path):
-    """Issue 33, defect 9: --seq-len above an HF model's n_positions was an IndexError."""
+    """--seq-len above an HF model's n_positions was an IndexError."""
     from commandline import in_process
     from ntkscope.text.corpus.pack import DEFAULT_PACK
 

@@ -156,7 +156,7 @@ def cli_checkpoint(tmp_path_factory):
        n=st.sampled_from(["1", "2", "8", "0", "-3", "x"]), seq_len=st.sampled_from(["4", "16", "0", "64"]))
 def test_the_command_line_never_shows_a_traceback_or_writes_nan(cli_checkpoint, tmp_path_factory, data, suffix,
                                                                command, n, seq_len):
-    """Issue 33: random bytes, sizes and option values through gc / ntk / freq in process: success, one
+    """random bytes, sizes and option values through gc / ntk / freq in process: success, one
     line and exit 1, or a usage error (exit 2); never a traceback, never a NaN in JSON."""
     import json
 

@@ -1,4 +1,4 @@
-"""Property test of the Python API's entry points (issue 44: the library at the command line's
+"""Property test of the Python API's entry points (the library at the command line's
 standard). Each function a user calls is given a wrong type or value for one of its main
 arguments (None, a string where a tensor, a model or a table is expected, a float where an int
 is, a negative count, NaN, a path that does not exist, a transformers tokenizer object where a
@@ -66,7 +66,7 @@ def _calls(w: World) -> dict:
 
     def by_bins(model=m, data=d, **kw):
         kw.setdefault("gc", ns.GCOptions(bins=2, min_count=2))
-        return ns.gc_by_bins(model, data, resampling=R, controls=None, **kw)
+        return ns.gc_by_group(model, data, resampling=R, controls=None, **kw)
 
     def data(data="default", tokenizer=w.tok, n=8, seq_len=8, **kw):
         return ns.load_analysis_data(data, tokenizer, n=n, seq_len=seq_len, **kw)
@@ -88,7 +88,7 @@ def _calls(w: World) -> dict:
                              ["model", "batch", "train", "max_memory"]),
         "kernel_gc": (lambda kernel=w.kernel, subsets=([0, 1, 2],), **kw: ns.kernel_gc(kernel, subsets, **kw),
                       ["kernel", "subsets", "resampling", "controls"]),
-        "gc_by_bins": (by_bins, ["model", "data", "gc", "homogeneous", "method"]),
+        "gc_by_group": (by_bins, ["model", "data", "gc", "homogeneous", "method"]),
         "gc_sensitivity": (lambda model=m, data=d, outputs=("loss",): ns.gc_sensitivity(
             model, data, outputs=outputs, gc=ns.GCOptions(bins=2, min_count=2), resampling=R, controls=None),
             ["model", "data", "outputs"]),
@@ -147,7 +147,7 @@ def calls(world):
 
 
 FUNCTIONS = ["gradient_consistency", "gradient_consistency_groups", "empirical_ntk", "per_sample_grads", "kernel_gc",
-             "gc_by_bins", "gc_sensitivity", "Probes.from_data", "Probes.load", "GCTracker", "DataSource",
+             "gc_by_group", "gc_sensitivity", "Probes.from_data", "Probes.load", "GCTracker", "DataSource",
              "as_source", "load_tokenizer", "count_tokens", "token_frequency", "sentence_scores",
              "load_analysis_data", "encode_texts", "score_histogram", "long_tail_subset", "sample_outputs",
              "load_checkpoint", "list_checkpoints", "load_pack", "load_model", "load_any_model"]

@@ -1,4 +1,4 @@
-"""Property test of the commands that train, evaluate and report (issue 46): random option values,
+"""Property test of the commands that train, evaluate and report: random option values,
 damaged inputs and reruns with changed options through ``compare``, ``eval``, ``report``, ``plan``
 and ``cse-train`` configs. Every outcome is a success, one line with exit 1, or a usage error
 (exit 2); never a traceback, and a rerun that changes what was asked never mixes two requests.

@@ -1,4 +1,4 @@
-"""Issue 46, round three of bad input: data through a pipe is sniffed, never read as text when it
+"""Round three of bad input: data through a pipe is sniffed, never read as text when it
 holds JSON; a rerun that changes what was asked is refused (or started over with --force), never
 mixed; one lock on every --out; options checked where they are parsed; a refused command leaves
 nothing behind. Each test failed on the main of 2026-11-26 (the row of the issue's table is named)."""

@@ -169,7 +169,7 @@ def test_a_run_that_trains_what_a_sweep_model_did_links_it_and_nothing_else_does
 
 
 def test_the_controls_branch_from_the_trunk_and_train(tmp_path):
-    """Issue 42's controls at toy size: cse-shuffled (CSE's counts, hash routing), the fair Switch
+    """The warm-up map's controls at toy size: cse-shuffled (CSE's counts, hash routing), the fair Switch
     (cse-late's count at each layer, function-preserving) and dense-null (the trunk, another data
     order; not "null", which CSV readers take for a missing value)."""
     from cse_models.model import load_model

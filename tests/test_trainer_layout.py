@@ -1,4 +1,4 @@
-"""A Hugging Face ``Trainer``'s run as the researcher has it (issue 43, item 3 in part): its
+"""A Hugging Face ``Trainer``'s run as the researcher has it: its
 ``output_dir`` of ``checkpoint-N`` folders, with the final model saved beside them, is a run
 directory to ``plan``, ``gc`` and ``compare``, each step read from ``trainer_state.json``."""
 

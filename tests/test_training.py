@@ -294,7 +294,7 @@ def test_stop_at_ends_early_on_the_full_schedule(tmp_path):
 
 
 def test_a_diverged_run_stops_at_the_first_non_finite_step_and_keeps_finite_checkpoints(tmp_path):
-    """Issue 33, defect 3."""
+    """A defect found by a user's trial, kept fixed."""
     torch.set_default_dtype(torch.float32)
     dense = {"n_layer": 1, "n_embd": 16, "n_head": 2}
     with pytest.raises(ValueError, match=r"train: the (loss|weights) (is|are) not finite (at|after) step \d+"):
@@ -325,7 +325,7 @@ def test_a_warmup_that_is_not_an_integer_is_refused():
 
 
 def test_command_line_overrides_are_checked_with_the_file_and_out_dir_must_be_a_directory(tmp_path, capsys):
-    """Issue 33, defects 9 and 13: --steps 2 rescues steps: 0; --out-dir naming a file is one line."""
+    """--steps 2 rescues steps: 0; --out-dir naming a file is one line."""
     from cse_models.train import main as cse_train
 
     torch.set_default_dtype(torch.float32)

@@ -22,6 +22,8 @@ import threading
 
 import matplotlib
 import pandas as pd
+import torch
+import torch.distributed as dist
 
 from ntkscope import __version__
 from ntkscope.app import commands, corpus_cli, experiment_cli, own_model, reproduce_cli
@@ -31,6 +33,7 @@ from ntkscope.app.parsing import print_table as _print_table
 from ntkscope.app.parsing import COUNT, FRACTION, POSITIVE_INT, ranged
 from ntkscope.app.parsing import source as _source
 from ntkscope.app.demo import perplexity, run_demo
+from ntkscope.app.report import report
 from ntkscope.gc.options import GROUPINGS, GCOptions
 from ntkscope.core.checks import InputError, UserError
 from ntkscope.kernel.grads import MEMORY_DEFAULT_TEXT
@@ -110,7 +113,6 @@ def _clusters(args) -> int:
 
 
 def _report(args) -> int:
-    from ntkscope.app.report import report
 
     made = report(args.path, args.out)
     print(f"{made['path']}: {len(made['sections'])} sections of the {made['kind']} in {args.path}")
@@ -227,7 +229,7 @@ def _ntk(args) -> int:
 
 def _add_data_args(parser, n_default: int) -> None:
     parser.add_argument("--data", "--pack", dest="data", default="default",
-                        help=_DATA_HELP + " (--pack is the old name)")
+                        help=_DATA_HELP + " (--pack: the same)")
     _add_column_args(parser)
     parser.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, its run's pack, else the "
                         "data pack's BPE (checked against the model's vocabulary)")
@@ -429,9 +431,6 @@ def _process_group(args) -> bool:
     if is_run_dir(args.target):
         raise InputError("target", "must be one checkpoint under torchrun (a run directory is analysed in one "
                          "process)", args.target)
-    import torch
-    import torch.distributed as dist
-
     gpu = str(args.device or "").startswith("cuda")
     if gpu:
         args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
@@ -458,8 +457,6 @@ def main(argv=None) -> int:
         return _run(args)
     finally:
         if joined:
-            import torch.distributed as dist
-
             dist.destroy_process_group()
 
 

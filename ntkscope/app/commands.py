@@ -39,7 +39,7 @@ from ntkscope.runs.dynamics import (cluster_dynamics, clusters_analysis, cluster
 from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.families import family_of
 from ntkscope.runs.signals import warmup_record
-from ntkscope.gc.groups import GC_OUTPUT, gc_by_bins, gc_sensitivity, homogeneous_pools
+from ntkscope.gc.groups import GC_OUTPUT, gc_by_group, gc_sensitivity, homogeneous_pools
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import Record
 from ntkscope.text.frequency import (count_tokens, domain_table, long_tail_subset, score_histogram,
@@ -137,7 +137,7 @@ def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),
     model, tok = load_model_and_tokenizer(checkpoint, sentences.tokenizer, data)
     ad = analysis_sentences(model, tok, data, sentences)
     log.info("%s", memory_note(model, kernel))
-    by_output = gc_sensitivity if gc.outputs else gc_by_bins  # gc.outputs: several side by side
+    by_output = gc_sensitivity if gc.outputs else gc_by_group  # gc.outputs: several side by side
     table, hist, skipped = by_output(model, ad, gc=gc, resampling=resampling, options=kernel)
     out = out if writes() else None
     result = {"key": key, "options": options, "data": ad.source, "n": sentences.n, "groups": table.to_dict("records"),

@@ -29,7 +29,7 @@ from cse_models.model import load_model
 from cse_models.train import TrainConfig, load_data, train
 from ntkscope.core.checks import InputError, check_positive_int, entry
 from ntkscope.kernel.uncertainty import Resampling
-from ntkscope.gc.groups import gc_by_bins
+from ntkscope.gc.groups import gc_by_group
 from ntkscope.gc.options import GCOptions
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import split_sentences
@@ -74,7 +74,7 @@ class DemoResult:
 def run_demo(*, steps: int = 800, n: int = 128, n_tail: int = 12, seq_len: int = 48, seed: int = 0,
              method: str = "auto", output: str = "centred-true-logit", pack=None) -> DemoResult:
     """Train a small GPT on the pack's training blocks (:func:`cse_models.train.train`, in a
-    temporary directory), then GC per domain and per frequency bin (:func:`~ntkscope.gc_by_bins`,
+    temporary directory), then GC per domain and per frequency bin (:func:`~ntkscope.gc_by_group`,
     the ``ntkscope gc`` table: "bin k" with its edges; ``output``: the centred true-token logit by
     default, the reproduction's choice: see docs/gc-outputs.md)."""
     check_positive_int("steps", steps)
@@ -102,7 +102,7 @@ def run_demo(*, steps: int = 800, n: int = 128, n_tail: int = 12, seq_len: int =
                         "the pack's validation sentences, stratified")
     frames = []
     for by, name in (("label", "domain"), ("frequency-bins", "frequency bin")):
-        frame, _, _ = gc_by_bins(model, data, gc=GCOptions(by=by, bins=3, min_count=2),
+        frame, _, _ = gc_by_group(model, data, gc=GCOptions(by=by, bins=3, min_count=2),
                                  resampling=Resampling(seed=seed), controls=None, method=method, output=output)
         frame.insert(0, "by", name)
         frames.append(frame)

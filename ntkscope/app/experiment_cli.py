@@ -9,7 +9,10 @@ from pathlib import Path
 
 from ntkscope.app.parsing import COUNT, POSITIVE_INT
 from ntkscope.core.checks import InputError, UserError
-from ntkscope.core.files import check_output
+from ntkscope.core.files import check_output, read_json_object
+from ntkscope.experiments import load_spec, parse_spec, run_experiment, shipped, status, summarise_experiment
+from ntkscope.experiments.map import summarise_map
+from ntkscope.experiments.spec import EXECUTORS
 
 
 def _seeds(text: str) -> list:
@@ -24,7 +27,6 @@ def _seeds(text: str) -> list:
 
 
 def _spec(args):
-    from ntkscope.experiments import load_spec
 
     changes = {"seeds": _seeds(args.seeds)} if args.seeds else {}
     if args.steps:
@@ -33,8 +35,6 @@ def _spec(args):
 
 
 def _map(args) -> int:
-    from ntkscope.experiments import load_spec
-    from ntkscope.experiments.map import summarise_map
 
     for run in args.run_dirs:
         if not (run / "results").is_dir():
@@ -51,7 +51,6 @@ def _map(args) -> int:
 
 
 def _run(args) -> int:
-    from ntkscope.experiments import run_experiment
 
     spec = _spec(args)
     slurm = dataclasses.replace(spec.slurm, **{k: v for k, v in {
@@ -77,7 +76,6 @@ def _run(args) -> int:
 
 
 def _status(args) -> int:
-    from ntkscope.experiments import status
 
     table = status(args.run_dir)
     counts = table["state"].value_counts()
@@ -88,8 +86,6 @@ def _status(args) -> int:
 
 
 def _tables(args) -> int:
-    from ntkscope.core.files import read_json_object
-    from ntkscope.experiments import parse_spec, summarise_experiment
 
     path = Path(args.run_dir) / "experiment.json"
     if not path.is_file():
@@ -104,7 +100,6 @@ def _tables(args) -> int:
 
 
 def _specs(args) -> int:
-    from ntkscope.experiments import load_spec, shipped
 
     for name, path in sorted(shipped().items()):
         spec = load_spec(path)
@@ -116,7 +111,6 @@ def _specs(args) -> int:
 
 def add_parsers(sub) -> None:
     """``ntkscope experiment run | status | tables | map | specs``."""
-    from ntkscope.experiments.spec import EXECUTORS
 
     exp = sub.add_parser("experiment", help="run an experiment spec's units (arms x seeds x steps) on local workers, "
                          "submitit or Slurm; resumable, with status and tables as units finish",

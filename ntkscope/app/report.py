@@ -63,7 +63,7 @@ class Section:
 
 
 def _png(fig) -> bytes:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the command has chosen matplotlib's backend
 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")

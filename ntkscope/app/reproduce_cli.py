@@ -3,28 +3,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+
+import torch
 
 from ntkscope.app.parsing import COUNT, POSITIVE_INT
 from ntkscope.core.checks import InputError
 from ntkscope.core.files import check_output
 from ntkscope.core.memory import trains_before_analysing
+from ntkscope.experiments import load_spec, parse_spec, run_experiment
 from ntkscope.reproduction import reproduce
 from ntkscope.reproduction.settings import settings_for
 
 
 def _spec(args):
     """The shipped spec of the mode (sweep, tables, tables-late), with --arms and --adopt applied."""
-    import dataclasses
-    import json
-
-    from ntkscope.experiments import load_spec, parse_spec
 
     spec = load_spec(args.mode)
     if args.arms:
         names = [a.strip() for a in args.arms.split(",")]
-        known = [a.name for a in spec.arms]
+        known = [a["name"] for a in json.loads(spec.text)["arms"]]  # as the spec names them
         unknown = sorted(set(names) - set(known))
         if unknown or "dense" not in names:
             raise InputError("--arms", f"must name arms of {known}, 'dense' among them (every arm branches from it)",
@@ -37,7 +37,6 @@ def _spec(args):
 
 def _units(args, out: Path):
     """Run the mode's spec through the experiment runner (resumable per unit, --workers at once)."""
-    from ntkscope.experiments import run_experiment
 
     outcome = run_experiment(_spec(args), out, workers=args.workers, threads=args.threads or (1 if args.workers > 1 else 0),
                              pack=args.data,
@@ -71,8 +70,6 @@ def _reproduce(args) -> int:
         raise InputError("--adopt", "must be a directory of trained model directories (e.g. a sweep's RUN/models)",
                          str(args.adopt), func=func)
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     trains_before_analysing()  # our own program: the heap left by training is handed back, not warned about
     if args.mode == "sweep":
@@ -145,5 +142,5 @@ def add_parsers(sub) -> None:
                      "RUN/models): a model this run would train is linked from there when one there trained exactly "
                      "the same (configuration compared field by field, a branch's start weights byte for byte)")
     rep.add_argument("--data", "--pack", dest="data", help="a corpus pack directory (default: the shipped one; "
-                     "--pack is the old name)")
+                     "--pack: the same)")
     rep.set_defaults(run=_reproduce)

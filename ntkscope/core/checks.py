@@ -17,6 +17,8 @@ import numbers
 import os
 from typing import Any
 
+import numpy as np
+
 _ENTERED = contextvars.ContextVar("ntkscope_entry", default=None)
 
 
@@ -123,8 +125,6 @@ def as_numbers(arg: str, value: Any, *, ndim: int | None = None, what: str | Non
     """``value`` as a float64 numpy array (of ``ndim`` dimensions where given); else the InputError
     naming ``arg`` and saying it must be ``what`` (``func``: the function to name, for one that is
     not an :func:`entry`)."""
-    import numpy as np
-
     what = what or ("a sequence of numbers" if ndim in (None, 1) else f"a {ndim}-dimensional array of numbers")
     try:
         out = np.asarray(value, dtype=np.float64)

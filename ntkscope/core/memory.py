@@ -112,7 +112,7 @@ _heap_checked = False
 def _glibc():
     """The C library when it has glibc's ``mallopt`` and ``malloc_trim``, else None (looked up once)."""
     try:
-        import ctypes
+        import ctypes  # glibc's malloc settings, looked up only where they are used (Linux)
 
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt, libc.malloc_trim  # noqa: B018 (glibc's)
@@ -214,7 +214,7 @@ def trains_before_analysing() -> None:
 
 def _heap_free_bytes(libc) -> int | None:
     """Bytes free inside malloc's heaps (glibc's ``mallinfo2().fordblks``), or None."""
-    import ctypes
+    import ctypes  # glibc's malloc settings, looked up only where they are used (Linux)
 
     class _MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

@@ -29,7 +29,7 @@ def set_command(argv) -> None:
 
 def environment() -> dict:
     """ntkscope's version and commit, torch, Python and the machine."""
-    import ntkscope
+    import ntkscope  # the package root: it imports the stages (and so this module) itself
 
     try:  # the code's commit, when ntkscope runs from a git checkout
         commit = subprocess.run(["git", "-C", str(Path(ntkscope.__file__).parent), "rev-parse", "HEAD"],

@@ -1,4 +1,4 @@
-"""The warm-up map's summary (issue 42): from the finished units of one or more run directories,
+"""The warm-up map's summary: from the finished units of one or more run directories,
 each a build of the trunks (its units paired with its own trunks), the paired gains with their block-bootstrap intervals, the pre-registered
 verdicts (figures/warmup-map/CRITERIA.md) and the controls' figure
 (:mod:`ntkscope.reproduction.map_tables` computes them, :mod:`ntkscope.reproduction.map_figures` draws them)."""

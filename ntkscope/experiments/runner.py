@@ -39,11 +39,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 from ntkscope.core.checks import UserError, fail
 from ntkscope.core.files import DirectoryLock, InUse, read_json_object, write_json, write_text
+from ntkscope.experiments.adopt import adopt_units, table_records
 from ntkscope.experiments.spec import EXECUTORS, SlurmSpec, Spec
 from ntkscope.experiments.units import Unit, execute, is_done, make_sweep, outputs, read_state, units, write_state
+from ntkscope.reproduction import paper
+from ntkscope.reproduction.sweep_tables import summarise
+from ntkscope.text.corpus.pack import load_pack
+from ntkscope.text.corpus.table_pack import table_digest, table_pack, tokenizer_file
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +71,6 @@ def run_unit(spec: Spec, run_dir, unit: Unit, pack=None, threads: int = 1) -> di
     RUN/stale first. A failure is recorded (state and RUN/logs/NAME.err) and raised; so is an
     interruption of this process (Ctrl-C, or SIGTERM where the command turns it into one: state
     ``interrupted``, its checkpoints kept for the rerun)."""
-    import torch
-
     if threads:
         torch.set_num_threads(threads)
     run_dir = Path(run_dir)
@@ -149,7 +153,7 @@ class _Submitit:
 
     def __init__(self, kind: str, folder: Path, slurm: SlurmSpec):
         try:
-            import submitit
+            import submitit  # optional: only the submitit and Slurm executors need it
         except ImportError:
             raise UserError("experiment: executor submitit-local and slurm need submitit: pip install submitit "
                             "(or ntkscope[cluster])") from None
@@ -211,7 +215,6 @@ def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int
     if device:
         spec = replace(spec, settings=spec.settings.replace(device=device))
     retries = spec.retries if retries is None else int(retries)
-    from ntkscope.text.corpus.pack import load_pack
 
     run_dir.mkdir(parents=True, exist_ok=True)
     pack = spec_pack(spec, run_dir, pack)
@@ -222,7 +225,6 @@ def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int
                                              "units": [{"name": u.name, "seed": u.seed, "needs": list(u.needs),
                                                         "key": u.key, "what": u.what} for u in todo]})
     if adopt is not None:
-        from ntkscope.experiments.adopt import adopt_units
 
         adopt_units(spec, run_dir, todo, Path(adopt))
     pool = make_executor(executor, run_dir, slurm or spec.slurm)
@@ -288,8 +290,6 @@ def spec_pack(spec: Spec, run_dir, pack=None, *, build: bool = True, func: str =
     if pack is not None and Path(pack).resolve() != target.resolve():
         raise fail(func, "pack", "must not be given for a spec that names its own table ([data] table = "
                    f"{spec.data.table})", str(pack))
-    from ntkscope.text.corpus.pack import load_pack
-    from ntkscope.text.corpus.table_pack import table_digest, table_pack, tokenizer_file
 
     if not build:
         if not (target / "manifest.json").is_file():
@@ -321,14 +321,11 @@ def summarise_experiment(spec: Spec, run_dir, *, pack=None) -> dict:
                if not is_done(read_state(run_dir, u["name"]), Unit(u["name"], u["seed"], u["what"], key=u["key"]),
                               run_dir)]
     if spec.kind == "sweep":
-        from ntkscope.reproduction.sweep_tables import summarise
 
         adopted = run_dir / "adopted" / "load.csv"
         found = summarise(make_sweep(spec, run_dir, pack), earlier_load=adopted if adopted.is_file() else None,
                           criteria=spec.criteria)
     else:
-        from ntkscope.experiments.adopt import table_records
-        from ntkscope.reproduction import paper
 
         runs = table_records(spec, run_dir)
         tables = paper.tables_from_runs(runs, spec.settings)

@@ -27,7 +27,7 @@ A spec is read and checked whole before any unit runs; a mistake is one line nam
 
     [[arms]]
     name = "cse-late"
-    kind = "cse"                 # dense | cse | switch | demix | encoder | null
+    kind = "cse"                 # dense | cse | switch | demix | encoder | null (reproduction.arm_kinds)
     at = "late"                  # "rule" | "gc-peak" | "late" | a step | a list of steps
 """
 
@@ -43,8 +43,10 @@ from pathlib import Path
 
 from cse_models.hf import block_count
 from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.reproduction.paper import ARCH_NAMES, row_keys
 from ntkscope.reproduction.settings import PRESETS, ReproduceSettings
-from ntkscope.reproduction.sweep import Rule, Structure
+from ntkscope.reproduction.arm_kinds import ARM_KINDS, OPTIONAL_FIELDS, TRUNK
+from ntkscope.reproduction.sweep import NAMED_STEPS, Arm, Rule, Structure
 from ntkscope.reproduction.sweep_tables import Criteria
 
 KINDS = ("sweep", "tables")
@@ -55,8 +57,6 @@ POSITIVE_SETTINGS = ("steps", "checkpoint_every", "batch_size", "lr", "finetune_
                      "n_perplexity", "proj_dim", "min_cluster_size", "min_samples", "max_experts", "switch_experts",
                      "sparse_layers", "bins", "min_count", "k_max", "projection_dim", "snapshots",
                      "max_warmup_fraction", "tail_fraction", "seeds")
-ARM_KINDS = ("dense", "cse", "switch", "demix", "encoder", "null")
-NAMED_STEPS = ("rule", "gc-peak", "late")
 EXECUTORS = ("local", "submitit-local", "slurm", "inline")
 
 
@@ -91,27 +91,6 @@ class TrunkSpec:
 
 
 @dataclass(frozen=True)
-class ArmSpec:
-    """One arm: ``name``, ``kind`` (ARM_KINDS), ``at`` (its conversion step or steps: "rule",
-    "gc-peak", "late" or steps; none for the trunk), ``layers`` (default the trunk's),
-    ``mean_rate`` (CSE drift handling), ``shuffled`` (cse-shuffled), ``fair`` (the
-    function-preserving Switch with a CSE arm's counts), ``what`` (a line for the tables),
-    ``seeds`` (default: every trunk's), ``counts_from`` (CSE: each layer's expert count fixed to
-    what CSE's fit makes at that trunk step, apart from the representation at ``at``)."""
-
-    name: str
-    kind: str
-    at: tuple = ()
-    layers: tuple = ()
-    mean_rate: float = 0.0
-    shuffled: bool = False
-    fair: bool = False
-    what: str = ""
-    seeds: tuple = ()
-    counts_from: int | None = None
-
-
-@dataclass(frozen=True)
 class SlurmSpec:
     """What each unit asks of Slurm (through submitit)."""
 
@@ -142,7 +121,9 @@ class DataSpec:
 @dataclass(frozen=True)
 class Spec:
     """A whole experiment. ``settings`` is the preset with the spec's changes; ``seeds`` the
-    trunks' seeds (initialisation and data order); ``tables`` (kind "tables"): ``archs`` and
+    trunks' seeds (initialisation and data order); ``arms`` (kind "sweep"): one
+    :class:`~ntkscope.reproduction.sweep.Arm` per conversion step (an ``[[arms]]`` entry of
+    several steps is one arm per step, ``NAME-atSTEP``); ``tables`` (kind "tables"): ``archs`` and
     ``rows``; ``retries``: how often a failed unit is tried again; ``source``: where it was read;
     ``text``: the spec's tables as canonical JSON (kept in RUN/experiment.json, read back by
     :func:`parse_spec`)."""
@@ -236,28 +217,28 @@ def parse_spec(data: dict, *, source: str = "<spec>") -> Spec:
     arms = data.get("arms")
     if not isinstance(arms, list) or not arms:
         raise SpecError(source, "arms", "must be one or more [[arms]] tables", arms)
-    arms = tuple(_arm(c, a, i, trunk, settings) for i, a in enumerate(arms))
-    for arm in arms:
-        if set(arm.seeds) - set(seeds):
-            raise SpecError(source, f"arms ({arm.name}).seeds", f"must be seeds of the spec {list(seeds)} (their "
-                            "trunks)", list(arm.seeds))
-    for arm in arms:
-        if len(set(arm.seeds)) != len(arm.seeds):
-            raise SpecError(source, f"arms ({arm.name}).seeds", "must not repeat a seed", list(arm.seeds))
-    names = [a.name for a in arms]
+    parsed = [_arm(c, a, i, trunk, settings) for i, a in enumerate(arms)]  # (name, its arms: one per step)
+    for name, group in parsed:
+        if set(group[0].seeds) - set(seeds):
+            raise SpecError(source, f"arms ({name}).seeds", f"must be seeds of the spec {list(seeds)} (their "
+                            "trunks)", list(group[0].seeds))
+        if len(set(group[0].seeds)) != len(group[0].seeds):
+            raise SpecError(source, f"arms ({name}).seeds", "must not repeat a seed", list(group[0].seeds))
+    names = [name for name, _ in parsed]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise SpecError(source, "arms", "must have distinct names", repeated)
-    expanded = [a.name if len(a.at) <= 1 else f"{a.name}-at{s}" for a in arms for s in a.at or (None,)]
+    arms = tuple(arm for _, group in parsed for arm in group)
+    expanded = [a.name for a in arms]
     repeated = sorted({n for n in expanded if expanded.count(n) > 1})
     if repeated:  # an arm of several steps becomes NAME-atSTEP: another arm may not be named so
         raise SpecError(source, "arms", "must have distinct names once an arm of several steps becomes one arm per "
                         "step (NAME-atSTEP)", repeated)
     if "plan" in expanded:
         raise SpecError(source, "arms", "must not name an arm 'plan' (the trunks' plan units are plan-seedK)", "plan")
-    if sum(a.kind == "dense" for a in arms) != 1:
-        raise SpecError(source, "arms", "must hold exactly one arm of kind 'dense' (the trunk every arm branches "
-                        "from)", [a.name for a in arms if a.kind == "dense"])
+    if sum(a.kind == TRUNK for a in arms) != 1:
+        raise SpecError(source, "arms", f"must hold exactly one arm of kind {TRUNK!r} (the trunk every arm branches "
+                        "from)", [a.name for a in arms if a.kind == TRUNK])
     criteria = _criteria(c, data.get("criteria", {}))
     if own is not None and "tail" not in data.get("criteria", {}):
         criteria = dataclasses.replace(criteria, tail=own.tail)
@@ -306,7 +287,6 @@ def _named_criteria(data) -> set:
 
 
 def _tables(c: "_Checker", data: dict, settings: ReproduceSettings, seeds: tuple) -> dict:
-    from ntkscope.reproduction.paper import ARCH_NAMES, row_keys
 
     c.only(data, "tables.", {"archs", "rows"})
     archs = tuple(c.choices(data, "archs", sorted(ARCH_NAMES), default=list(settings.table_archs), where="tables."))
@@ -383,19 +363,21 @@ def _own_model(c: "_Checker", model: str) -> tuple[str, int]:
     return str(path.resolve()), n_layer
 
 
-def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSettings) -> ArmSpec:
+def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSettings) -> tuple[str, tuple]:
+    """``[[arms]]`` entry ``i``, checked: its name and its :class:`~ntkscope.reproduction.sweep.Arm`s, one per
+    conversion step (``NAME-atSTEP`` for an arm of several steps; the trunk: one, with no step)."""
     where = f"arms[{i}]."
     if not isinstance(data, dict):
         raise SpecError(c.source, f"arms[{i}]", "must be a table ([[arms]])", data)
-    c.only(data, where, {f.name for f in dataclasses.fields(ArmSpec)})
+    c.only(data, where, {f.name for f in dataclasses.fields(Arm)})
     name = c.text(data, "name", required=True, where=where)
     if not name.replace("-", "").replace("_", "").isalnum():
         raise SpecError(c.source, f"{where}name", "must be letters, digits, '-' and '_' (it names folders)", name)
     where = f"arms[{i}] ({name})."
-    kind = c.choice(data, "kind", ARM_KINDS, required=True, where=where)
-    at = data.get("at", [] if kind == "dense" else None)
+    kind = c.choice(data, "kind", list(ARM_KINDS), required=True, where=where)
+    at = data.get("at", [] if kind == TRUNK else None)
     steps = at if isinstance(at, list) else [at]
-    if kind == "dense":
+    if kind == TRUNK:
         if steps:
             raise SpecError(c.source, f"{where}at", "must be left out: the trunk is not converted", at)
     elif at is None or not steps:
@@ -415,23 +397,23 @@ def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSetti
                           where=where))
     if len(set(layers)) != len(layers):
         raise SpecError(c.source, f"{where}layers", "must not repeat a layer", list(layers))
-    arm = ArmSpec(name=name, kind=kind, at=tuple(steps), layers=layers,
-                  mean_rate=c.number(data, "mean_rate", low=0.0, high=1.0, default=0.0, where=where),
-                  shuffled=c.flag(data, "shuffled", where=where), fair=c.flag(data, "fair", where=where),
-                  what=c.text(data, "what", default="", where=where),
-                  seeds=tuple(c.ints(data, "seeds", minimum=0, default=[], where=where)),
-                  counts_from=c.int(data, "counts_from", minimum=1, maximum=settings.steps - 1, default=None,
-                                    where=where))
-    if arm.counts_from is not None and kind != "cse":
-        raise SpecError(c.source, f"{where}counts_from", "applies to kind 'cse' only", kind)
+    arm = Arm(name=name, kind=kind, at=None, layers=layers,
+              mean_rate=c.number(data, "mean_rate", low=0.0, high=1.0, default=0.0, where=where),
+              shuffled=c.flag(data, "shuffled", where=where), fair=c.flag(data, "fair", where=where),
+              what=c.text(data, "what", default="", where=where),
+              seeds=tuple(c.ints(data, "seeds", minimum=0, default=[], where=where)),
+              counts_from=c.int(data, "counts_from", minimum=1, maximum=settings.steps - 1, default=None,
+                                where=where))
+    for field_name in OPTIONAL_FIELDS:  # each applies to the kinds that read it
+        if getattr(arm, field_name) not in (False, None) and field_name not in ARM_KINDS[kind].fields:
+            allowed = [k.name for k in ARM_KINDS.values() if field_name in k.fields]
+            raise SpecError(c.source, f"{where}{field_name}", f"applies to kind {' or '.join(map(repr, allowed))} "
+                            "only", kind)
     if arm.counts_from is not None and arm.counts_from % settings.checkpoint_every:
         raise SpecError(c.source, f"{where}counts_from", f"must be a step the trunk keeps (a multiple of "
                         f"checkpoint_every, {settings.checkpoint_every})", arm.counts_from)
-    if arm.shuffled and kind != "cse":
-        raise SpecError(c.source, f"{where}shuffled", "applies to kind 'cse' only", kind)
-    if arm.fair and kind != "switch":
-        raise SpecError(c.source, f"{where}fair", "applies to kind 'switch' only", kind)
-    return arm
+    return name, tuple(dataclasses.replace(arm, name=name if len(steps) <= 1 else f"{name}-at{step}", at=step)
+                       for step in steps or (None,))
 
 
 def _criteria(c: "_Checker", data: dict) -> Criteria:

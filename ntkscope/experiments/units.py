@@ -25,8 +25,11 @@ from pathlib import Path
 from ntkscope.core.checks import UserError
 from ntkscope.core.files import read_json_object, sha256_file, write_json
 from ntkscope.experiments.spec import Spec
+from ntkscope.reproduction import paper
+from ntkscope.reproduction.pipeline import Reproduction
 from ntkscope.reproduction.settings import RUN_LOCAL
-from ntkscope.reproduction.sweep import Arm
+from ntkscope.reproduction.arm_kinds import TRUNK, arm_kind
+from ntkscope.reproduction.sweep import Arm, Sweep, conversion_step
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +46,9 @@ class Unit:
     key: str = ""
 
 
-def _expanded(spec: Spec) -> list[tuple[Arm, tuple]]:
-    """(arm, its seeds): one :class:`~ntkscope.reproduction.sweep.Arm` per conversion step of
-    each of the spec's arms (an arm of several steps becomes ``NAME-atSTEP``; an arm of one
-    step keeps its name)."""
-    return [(Arm(a.name if len(a.at) <= 1 else f"{a.name}-at{at}", a.kind, at, a.mean_rate, a.what, a.shuffled,
-                 a.fair, tuple(a.layers), a.counts_from), a.seeds or spec.seeds)
-            for a in spec.arms for at in a.at or (None,)]
-
-
 def sweep_arms(spec: Spec) -> list[Arm]:
-    """The spec's arms, one per conversion step (:func:`_expanded`)."""
-    return [arm for arm, _ in _expanded(spec)]
+    """The spec's arms, one per conversion step."""
+    return list(spec.arms)
 
 
 # ---- a unit's state: RUN/units/NAME.json ----------------------------------------------------
@@ -125,16 +119,14 @@ def units(spec: Spec, pack_version) -> list[Unit]:
 
 
 def _sweep_units(spec: Spec) -> list:
-    expanded = _expanded(spec)
-    arms, seeds_of = [a for a, _ in expanded], {a.name: seeds for a, seeds in expanded}
-    trunk = next(a for a in arms if a.kind == "dense")
+    arms, seeds_of = list(spec.arms), {a.name: a.seeds or spec.seeds for a in spec.arms}
+    trunk = next(a for a in arms if a.kind == TRUNK)
     t = spec.trunk
     drafts = []
-    own = {"model": model_digest(t.model)} if t.model else {}  # the preset's GPT: not in the key (older runs)
+    own = {"model": model_digest(t.model)} if t.model else {}  # the preset's GPT: no key field (keys unchanged)
     for seed in spec.seeds:
         drafts.append((f"{trunk.name}-seed{seed}", seed, {"kind": "trunk", "arm": trunk.name,
                                                           "gc_peak_step": t.gc_peak_step, **own}, []))
-    encoder = {"encoder": t.encoder} if t.encoder else {}  # the shipped one: not in the key (older runs)
     rule_seeds = sorted({s for a in arms if a.at == "rule" for s in seeds_of[a.name]})
     structure = {} if t.structure is None else {"structure": dataclasses.asdict(t.structure)}
     for seed in spec.seeds if t.structure is not None else rule_seeds:  # the structure rule is judged in every trunk
@@ -145,15 +137,12 @@ def _sweep_units(spec: Spec) -> list:
         if arm is trunk:
             continue
         for seed in seeds_of[arm.name]:
-            what = {"kind": "arm", **dataclasses.asdict(arm), "layers": list(arm.layers or t.layers)}
-            del what["what"]  # the tables' line: not what the unit computes
+            what = {"kind": "arm", **dataclasses.asdict(arm), "layers": list(arm.layers or t.layers),
+                    "at": conversion_step(arm.at, steps=spec.settings.steps, gc_peak_step=t.gc_peak_step),
+                    **arm_kind(arm.kind).key(t)}
+            del what["what"], what["seeds"]  # the tables' line and where it runs: not what the unit computes
             if arm.counts_from is None:  # left out when unset, so that an arm without it keeps its key
                 del what["counts_from"]
-            what["at"] = {"gc-peak": t.gc_peak_step, "late": spec.settings.steps // 2}.get(arm.at, arm.at)
-            if arm.kind == "null":
-                what["null_order"] = t.null_order
-            if arm.kind == "encoder":
-                what.update(encoder)
             needs = [f"{trunk.name}-seed{seed}"] + ([f"plan-seed{seed}"] if arm.at == "rule" else [])
             drafts.append((f"{arm.name}-seed{seed}", seed, what, needs))
     return drafts
@@ -178,7 +167,6 @@ def _table_units(spec: Spec) -> list:
 
 def make_sweep(spec: Spec, run_dir, pack=None):
     """The :class:`~ntkscope.reproduction.sweep.Sweep` of a sweep spec in ``run_dir``."""
-    from ntkscope.reproduction.sweep import Sweep
 
     t = spec.trunk
     return Sweep(run_dir, spec.settings, sweep_arms(spec), seeds=spec.seeds, layers=t.layers,
@@ -188,7 +176,6 @@ def make_sweep(spec: Spec, run_dir, pack=None):
 
 def make_reproduction(spec: Spec, run_dir, pack=None):
     """The :class:`~ntkscope.reproduction.pipeline.Reproduction` of a tables spec in ``run_dir``."""
-    from ntkscope.reproduction.pipeline import Reproduction
 
     return Reproduction(run_dir, spec.settings.mode, settings=spec.settings, pack=pack)
 
@@ -197,7 +184,6 @@ def execute(spec: Spec, run_dir: Path, unit: Unit, pack=None) -> dict:
     """Do ``unit`` (its needs are done): train and evaluate; returns what the unit records."""
     what = unit.what
     if spec.kind == "tables":
-        from ntkscope.reproduction import paper
 
         rep = make_reproduction(spec, run_dir, pack)
         rep.timings_path = run_dir / "timings" / f"{unit.name}.json"  # one file per unit: workers run side by side
@@ -221,7 +207,6 @@ def execute(spec: Spec, run_dir: Path, unit: Unit, pack=None) -> dict:
 def outputs(spec: Spec, run_dir: Path, unit: Unit) -> list[Path]:
     """What ``unit`` writes in ``run_dir`` (moved aside when the unit must run again under another key)."""
     if spec.kind == "tables":
-        from ntkscope.reproduction import paper
 
         name = paper.model_name(unit.what["arch"], unit.what["row"], unit.seed)
         return [run_dir / "results" / f"{unit.name}.json", run_dir / "models" / name]

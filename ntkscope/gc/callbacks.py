@@ -9,7 +9,7 @@ import torch
 from ntkscope.core.checks import MissingPackage, fail
 from ntkscope.core.columns import batch_columns
 from ntkscope.gc.inrun import InRunTracker
-from ntkscope.gc.tracker import GCTracker, _check_model, _check_step
+from ntkscope.gc.tracker import GCTracker, check_model, check_step
 
 try:
     from transformers import TrainerCallback
@@ -73,7 +73,7 @@ class GCCallback(TrainerCallback):
                        "(measure a data-parallel run's checkpoints afterwards with ntkscope gc RUN_DIR)",
                        args.world_size)
         if self.in_run:
-            _check_model("GCCallback.on_train_begin", model)
+            check_model("GCCallback.on_train_begin", model)
             if getattr(args, "remove_unused_columns", False):
                 raise fail("GCCallback", "args.remove_unused_columns", "must be False for in-run GC: Trainer would "
                            f"drop the {self.label_column!r} column the batch's groups come from", True)
@@ -87,8 +87,8 @@ class GCCallback(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         """Probe, or read the step's in-run GC, on the main process at ``state.global_step``; the
         Trainer passes ``model=``, the module it trains."""
-        _check_model("GCCallback.on_step_end", model)
-        _check_step("GCCallback.on_step_end", getattr(state, "global_step", None), "state.global_step")
+        check_model("GCCallback.on_step_end", model)
+        check_step("GCCallback.on_step_end", getattr(state, "global_step", None), "state.global_step")
         if not state.is_world_process_zero:
             return control
         if self.in_run:  # the step's own factors first, then the probes (eval mode: never recorded)

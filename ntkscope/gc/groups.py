@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -98,12 +99,12 @@ def group_labels(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd
     return groups, hist
 
 
-#: the grouping keywords (GCOptions fields) gc_by_bins still takes beside ``gc``
+#: the grouping keywords (GCOptions fields) gc_by_group still takes beside ``gc``
 _LOOSE = ("by", "bins", "binning", "min_count")
 
 
-@entry("gc_by_bins")
-def gc_by_bins(model, data, *, gc: GCOptions | None = None, resampling: Resampling | None = Resampling(),
+@entry("gc_by_group")
+def gc_by_group(model, data, *, gc: GCOptions | None = None, resampling: Resampling | None = Resampling(),
                controls="auto", homogeneous=None, **options) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """GC of each subset of ``data`` (an :class:`~ntkscope.AnalysisData`) against the whole set.
 
@@ -122,14 +123,14 @@ def gc_by_bins(model, data, *, gc: GCOptions | None = None, resampling: Resampli
     :meth:`~ntkscope.GCResult.row` per group, with left and right for bins and
     mean_frequency_score; the histogram of the scores in the same bins; {skipped label: size}).
 
-    >>> table, hist, skipped = gc_by_bins(model, data, gc=GCOptions(bins=4, min_count=8))  # doctest: +SKIP
+    >>> table, hist, skipped = gc_by_group(model, data, gc=GCOptions(bins=4, min_count=8))  # doctest: +SKIP
     """
     if not isinstance(data, AnalysisData):
         raise InputError("data", "must be an AnalysisData (ntkscope.load_analysis_data)", type(data).__name__)
     _check_homogeneous(homogeneous)
     gc, homogeneous = given_once(gc, {k: options.pop(k) for k in list(options) if k in _LOOSE}, homogeneous)
     if gc.outputs:
-        raise InputError("gc", "must name no outputs here: gc_by_bins computes one output (output=...); several side "
+        raise InputError("gc", "must name no outputs here: gc_by_group computes one output (output=...); several side "
                          "by side are gc_sensitivity's", f"outputs={list(gc.outputs)}")
     labels, hist = group_labels(data, gc.by, gc.bins, gc.binning)
     scores = data.labels["score"].to_numpy()
@@ -148,12 +149,20 @@ def gc_by_bins(model, data, *, gc: GCOptions | None = None, resampling: Resampli
     return table, hist, {str(k): v for k, v in groups.skipped.items()}
 
 
+def gc_by_bins(model, data, **kwargs) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """The old name of :func:`gc_by_group` (which groups by frequency bins or by labels): the same
+    call, with a DeprecationWarning."""
+    warnings.warn("gc_by_bins is now gc_by_group (it groups by frequency bins or by labels); the old name will "
+                  "be removed", DeprecationWarning, stacklevel=2)
+    return gc_by_group(model, data, **kwargs)
+
+
 @entry("gc_sensitivity")
 def gc_sensitivity(model, data, *, outputs=None, **kwargs) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
-    """:func:`gc_by_bins` for each of ``outputs`` (built-in scalar output names; None:
+    """:func:`gc_by_group` for each of ``outputs`` (built-in scalar output names; None:
     ``gc.outputs`` when ``gc=`` names some, else every one of them), stacked with an ``output``
     column: does a conclusion depend on what ``f`` is? Same bins, same resampling seed for every
-    output. ``kwargs``: :func:`gc_by_bins`'s. Returns (table, histogram, {output: skipped})."""
+    output. ``kwargs``: :func:`gc_by_group`'s. Returns (table, histogram, {output: skipped})."""
     gc = kwargs.get("gc")
     named = tuple(gc.outputs or ()) if isinstance(gc, GCOptions) else ()
     if outputs is None:
@@ -175,7 +184,7 @@ def gc_sensitivity(model, data, *, outputs=None, **kwargs) -> tuple[pd.DataFrame
         kwargs["gc"] = dataclasses.replace(gc, outputs=None)
     tables, skipped, hist = [], {}, None
     for name in outputs:
-        table, hist, skipped[name] = gc_by_bins(model, data, output=name, **kwargs)
+        table, hist, skipped[name] = gc_by_group(model, data, output=name, **kwargs)
         table.insert(0, "output", name)
         tables.append(table)
     return pd.concat(tables, ignore_index=True), hist, skipped

@@ -1,5 +1,5 @@
 """In-run GC: the gradient consistency of the training batch's own subsets, from the factors the
-training step's backward already has (issue 45).
+training step's backward already has.
 
 For a linear map ``y = x W^T`` applied at every token, sample i's gradient is
 ``sum_t delta_it a_it^T`` (a: the layer's input, delta: the gradient of the loss at its output),

@@ -91,7 +91,7 @@ def _check_out(out) -> Path | None:
 PROBE_GROUPING = ("tail_fraction", "bins", "binning", "min_count")
 
 
-def _check_model(func: str, model) -> None:
+def check_model(func: str, model) -> None:
     """The model a probe measures: the module itself (a name or a path is not loaded here)."""
     if isinstance(model, torch.nn.Module):
         return
@@ -101,7 +101,7 @@ def _check_model(func: str, model) -> None:
     raise fail(func, "model", "must be the torch.nn.Module being trained (load a named model first)", shown)
 
 
-def _check_step(func: str, step, arg: str = "step") -> None:
+def check_step(func: str, step, arg: str = "step") -> None:
     """A step count: an integer >= 0 (a fraction is no step; it would never be a multiple of every)."""
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise fail(func, arg, "must be an integer >= 0 (the optimizer steps done)", step)
@@ -336,7 +336,7 @@ class GCTracker:
         write_json(made, {"made_by": self.describe(), "provenance": provenance(data_files=self._data_files())})
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard, only when asked for
             except ImportError:
                 log.warning("GCTracker: tensorboard is not installed; writing gc.csv only (pip install tensorboard)")
             else:
@@ -407,7 +407,7 @@ class GCTracker:
         most 16 probe sentences, scaled to the set by the cost model), plus the statistics: one
         eigendecomposition of a subset-sized kernel, timed, per jackknife replicate and null draw
         of every subset and band (per layer too with ``per_layer``)."""
-        _check_model("GCTracker.estimate", model)
+        check_model("GCTracker.estimate", model)
         self._n_params = sum(p.numel() for p in model.parameters())
         probes = self.probes
         with _training_untouched(model), functional_model(model, self.options) as fm:
@@ -459,8 +459,8 @@ class GCTracker:
         """Call after every optimizer step (``step`` = steps done): probes when ``step`` is a
         multiple of ``every`` and returns that probe's rows, else None. The time between calls
         counts as training time for the overhead it logs."""
-        _check_model("GCTracker.step", model)
-        _check_step("GCTracker.step", step)
+        check_model("GCTracker.step", model)
+        check_step("GCTracker.step", step)
         now = time.perf_counter()
         if self._last_call is not None:
             self.train_seconds += now - self._last_call
@@ -490,8 +490,8 @@ class GCTracker:
     @entry("GCTracker.probe")
     def probe(self, model, step: int) -> pd.DataFrame:
         """Measure now, at ``step``: one row per subset (and per layer with ``per_layer``)."""
-        _check_model("GCTracker.probe", model)
-        _check_step("GCTracker.probe", step)
+        check_model("GCTracker.probe", model)
+        check_step("GCTracker.probe", step)
         if distributed.active() and distributed.world()[1] > 1:  # its kernel would wait for ranks that train
             raise fail("GCTracker.probe", "world", "must be 1: the tracker runs in single-process training (measure "
                        "a data-parallel run's checkpoints afterwards with ntkscope gc RUN_DIR)", distributed.world()[1])

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ntkscope.core.progress import progress_bar
 from ntkscope.kernel.eigen import NTKOperator
 from ntkscope.kernel.grads import FunctionalModel, jacobian_rows, jvp_rows, vjp_rows
-from ntkscope.kernel.kernels import _gram, _place, kernel_bytes, projected_sketch
+from ntkscope.kernel.kernels import gram_block, place_block, kernel_bytes, projected_sketch
 from ntkscope.kernel.objectives import take
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.structured import Costs, accumulate, load_factors, setup
@@ -239,7 +239,7 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
 
     def product(JA, JB, rows, cols, mirror):
         for name, (s, e) in sel.blocks.items():
-            _place(out, name, _gram(JA, JB, slice(s, e), reduction), rows, cols, mirror)
+            place_block(out, name, gram_block(JA, JB, slice(s, e), reduction), rows, cols, mirror)
 
     row = K * P * fm.itemsize  # held: a sub-panel, one in flight, a chunk's rows and transient, the kernels
     free = budget - kernel_bytes(fm, n1, n2) - chunk * row - transient
@@ -273,7 +273,7 @@ def projected_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, reductio
         Z1 = sketch(data1, n1, bar)
         Z2 = Z1 if data2 is None else sketch(data2, n2, bar)
     log.info("projected across %d processes: %d samples sketched here", size, own)
-    return {b: _gram(Z1[b], Z2[b], slice(0, k), reduction) for b in sel.blocks}
+    return {b: gram_block(Z1[b], Z2[b], slice(0, k), reduction) for b in sel.blocks}
 
 
 def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budget: int,

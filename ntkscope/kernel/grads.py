@@ -38,7 +38,7 @@ from ntkscope.kernel.kept import kept
 from ntkscope.kernel.objectives import (
     CallableOutput,
     Objective,
-    _CallableModule,
+    CallableModule,
     batch_size,
     resolve_output,
     take,
@@ -86,7 +86,7 @@ class FunctionalModel:
     def prepare(self, batch, arg: str = "batch") -> dict:
         """Validate and prepare a batch once; returns prepared data with leading dim n."""
         batch_size(batch, arg)
-        model = self.module.model if isinstance(self.module, _CallableModule) else self.module
+        model = self.module.model if isinstance(self.module, CallableModule) else self.module
         batch = to_device_dtype(batch, self.device, self.dtype)
         data = self.objective.prepare(model, batch)
         if not self.scalar:
@@ -151,7 +151,7 @@ def functional_model(model, opts: KernelOptions, *, blocks=None, train=False):
         selection = select_parameters(target, opts.params, blocks)
         module, prefix = target, ""
         if isinstance(objective, CallableOutput):
-            module, prefix = _CallableModule(target, objective.fn), "model."
+            module, prefix = CallableModule(target, objective.fn), "model."
         fm = FunctionalModel(module, prefix, objective, selection, "different" if train else "error")
         with sdpa_kernel(SDPBackend.MATH):
             yield fm

@@ -53,7 +53,7 @@ def jl_error_bound(k: int, n_vectors: int, confidence: float = 0.95) -> float:
     return float(brentq(gap, 1e-12, 1.0))
 
 
-def _gram(A: torch.Tensor, B: torch.Tensor, cols: slice, reduction: str | None) -> torch.Tensor:
+def gram_block(A: torch.Tensor, B: torch.Tensor, cols: slice, reduction: str | None) -> torch.Tensor:
     """Rows of A (a, K, P) against rows of B (b, K, P) over columns ``cols``: (a, b) or (K, a, b)."""
     if A.shape[1] == 1:
         return A[:, 0, cols] @ B[:, 0, cols].T  # (a, Pb) @ (Pb, b) -> (a, b)
@@ -62,7 +62,9 @@ def _gram(A: torch.Tensor, B: torch.Tensor, cols: slice, reduction: str | None) 
     return torch.einsum("akp,bkp->kab", A[:, :, cols], B[:, :, cols])
 
 
-def _place(out: dict, name: str, G: torch.Tensor, r: slice, c: slice, mirror: bool) -> None:
+def place_block(out: dict, name: str, G: torch.Tensor, r: slice, c: slice, mirror: bool) -> None:
+    """Write the block ``G`` into kernel ``out[name]`` at rows ``r`` and columns ``c`` (and its
+    transpose at ``c, r`` when ``mirror``: a symmetric kernel's other half)."""
     out[name][..., r, c] = G
     if mirror:
         out[name][..., c, r] = G.transpose(-1, -2)
@@ -119,7 +121,7 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
         rows = slice(a0, a1)
         if symmetric:
             for name, (s, e) in sel.blocks.items():
-                _place(out, name, _gram(JA, JA, slice(s, e), reduction), rows, rows, False)
+                place_block(out, name, gram_block(JA, JA, slice(s, e), reduction), rows, rows, False)
             start, stop, src, offset = a1, n1, data1, 0
         else:
             start, stop, src, offset = 0, n2, data2, n1
@@ -130,7 +132,7 @@ def exact_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, budget, redu
             bar.update(b1 - b0)
             passes[offset + b0 : offset + b1] += 1
             for name, (s, e) in sel.blocks.items():
-                _place(out, name, _gram(JA, JB, slice(s, e), reduction), rows, slice(b0, b1), symmetric)
+                place_block(out, name, gram_block(JA, JB, slice(s, e), reduction), rows, slice(b0, b1), symmetric)
     bar.close()
     return out, int(passes.max())
 
@@ -174,7 +176,7 @@ def projected_kernels(fm: FunctionalModel, data1, data2, n1, n2, chunk, reductio
         Z1 = projected_sketch(fm, data1, slice(0, n1), chunk, opts, bar)
         Z2 = Z1 if data2 is None else projected_sketch(fm, data2, slice(0, n2), chunk, opts, bar)
     full = slice(0, opts.projection_dim)
-    return {b: _gram(Z1[b], Z2[b], full, reduction) for b in fm.selection.blocks}
+    return {b: gram_block(Z1[b], Z2[b], full, reduction) for b in fm.selection.blocks}
 
 
 def projected_sketch(fm: FunctionalModel, data, rows: slice, chunk: int, opts: KernelOptions, bar) -> dict:

@@ -295,7 +295,7 @@ class CallableOutput(Objective):
         return run(data["inputs"])
 
 
-class _CallableModule(nn.Module):
+class CallableModule(nn.Module):
     """``forward(batch) = fn(model, batch)``: lets ``functional_call`` swap the model's parameters."""
 
     def __init__(self, model: nn.Module, fn: Callable):

@@ -60,8 +60,8 @@ class KernelOptions:
         seed, and the probability at which its error bound is stated.
     tol, ncv
         Matrix-free method: the top Ritz pair's relative residual at which Lanczos stops
-        (ARPACK's criterion). ``ncv`` is no longer used: the single Lanczos run grows its
-        basis until both eigenvalues converge (kept so that saved options still load).
+        (ARPACK's criterion). ``ncv`` is accepted and ignored: the single Lanczos run grows its
+        basis until both eigenvalues converge (saved options that set it load).
     """
 
     output: Any = "loss"

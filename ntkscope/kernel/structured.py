@@ -292,7 +292,7 @@ _TRANSIENT_GUESS = 5
 #: a workload that fits the budget this many times over, with a chunk's transient read from its
 #: first (warm-up) run, is not measured again: the warm-up's peak holds more than the chunk's own
 #: (the library code a first call pages in), so it errs high; the two measured runs are a fixed
-#: cost that small workloads feel (issue 45)
+#: cost that small workloads feel
 CLEAR_FIT = 4
 
 

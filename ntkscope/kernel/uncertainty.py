@@ -221,9 +221,9 @@ class GCResult:
         The verdict is about the finite-n quantity, what another analysis set of these sizes
         would show, so the score's interval (:attr:`abs_interval`) must clear the band: "below"
         only when its upper end lies under the band's lower end ("above" the other way). A point
-        under the band with an interval reaching into it is "within" (issue 42: a point-only
-        verdict called bins below the null whose intervals covered the whole band). Without an
-        interval (no resamples) the point is compared."""
+        under the band with an interval reaching into it is "within" (a point alone would call a
+        bin below the null while its interval covers the whole band). Without an interval (no
+        resamples) the point is compared."""
         return self.null.versus(abs(self.score), self.abs_interval)
 
     def versus(self, control: str = "random") -> str:

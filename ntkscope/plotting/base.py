@@ -14,7 +14,7 @@ from ntkscope.core.names import block_of
 def pyplot():
     """matplotlib.pyplot, imported on first drawing (it costs half a second); the backend is the
     caller's: the command line chooses Agg, a notebook keeps its own."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # on the first figure: after the command chose the backend
 
     return plt
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cse_models.expert_report import layer_label
 from ntkscope.core.checks import fail
 from ntkscope.plotting.base import pyplot
 
@@ -14,7 +15,7 @@ def cse_schematic():
     embedding, centred and projected to the routing space ``z = normalise(M (v - mu))``, the
     nearest radius-scaled HDBSCAN cluster centre, the chosen expert (a copy of the warmed-up FFN)."""
     plt = pyplot()
-    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # matplotlib on the first figure
     fig, ax = plt.subplots(figsize=(8, 3.4))
     ax.set_xlim(0, 10)
     ax.set_ylim(0, 4.4)
@@ -143,7 +144,6 @@ def routing_shares(routing, *, title: str = ""):
     columns): one heatmap per sparse layer (columns) and per model (rows, named by arm and seed),
     domains (rows) x experts (columns), each cell the share of the domain's sequences (CSE) or
     tokens (Switch) sent to that expert, with the count."""
-    from cse_models.expert_report import layer_label
 
     plt = pyplot()
     by = [c for c in ("arm", "seed") if c in routing.columns]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ntkscope.plotting.base import NULLS, band_columns, flagged_rows, layer_name, lowest, pyplot
+from ntkscope.representation.plan import excess_series
 
 
 def _gc_panel(ax, strip, table, histogram):
@@ -43,7 +44,7 @@ def _gc_panel(ax, strip, table, histogram):
 
 
 def gc_vs_frequency(table, histogram, *, title: str = "", chosen: str | None = None):
-    """Figure 2(a). Per frequency bin (``table``: a :func:`ntkscope.gc_by_bins` table; with an
+    """Figure 2(a). Per frequency bin (``table``: a :func:`ntkscope.gc_by_group` table; with an
     ``output`` column, one panel per output, ``chosen`` marked as the one the text reads): |GC|
     with its finite-n interval beside the null bands of random and of homogeneous subsets of
     the bin's size, and the mean-gradient consistency; a strip below: % of sentences per bin
@@ -65,7 +66,7 @@ def gc_vs_frequency(table, histogram, *, title: str = "", chosen: str | None = N
 
 
 def gc_by_label(table, *, title: str = ""):
-    """GC of each labelled subset against the whole set (``table``: :func:`ntkscope.gc_by_bins`
+    """GC of each labelled subset against the whole set (``table``: :func:`ntkscope.gc_by_group`
     with ``by="label"``, or a :class:`ntkscope.GCTracker` step): |GC| with its interval, over
     the random null band (grey) and the homogeneous one (green) where measured."""
     plt = pyplot()
@@ -139,7 +140,6 @@ def gc_over_steps(frame, *, warmup: int | None = None, rule: str = "", title: st
     +-1.645 standard-error band (:func:`ntkscope.representation.plan.excess_series`), the null
     bands in the same coordinates (random; homogeneous where measured); hollow: flagged steps
     (left out of the peak test); the plan's warm-up (``warmup``, chosen by ``rule``) dashed."""
-    from ntkscope.representation.plan import excess_series
 
     plt = pyplot()
     fig, (top, ax) = plt.subplots(2, 1, figsize=(7.2, 5.6), sharex=True, gridspec_kw={"height_ratios": [2, 3]})

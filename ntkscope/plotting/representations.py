@@ -16,7 +16,7 @@ def layer_dynamics(table, router=None):
     router's clusters, the pure tail clusters, the tail share in them, and the tail domains' kNN
     lift), drawn as a second row when given. K is an integer: integer ticks, the layers' lines
     nudged apart so that equal values do not hide each other."""
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # matplotlib on the first figure
 
     plt = pyplot()
     rows_n = 2 if router is not None else 1

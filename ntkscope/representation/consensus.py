@@ -34,6 +34,7 @@ from scipy.spatial.distance import squareform
 
 from ntkscope.core.checks import entry, fail
 from ntkscope.representation.persistence import cluster_persistence
+from ntkscope.representation.router import NoClusterError, fit_router
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,6 @@ def resampled_fits(X, *, n_fits: int = 8, fraction: float = 0.8, seed: int = 0, 
     """``n_fits`` router fits (:func:`~ntkscope.fit_router` with ``router``) of X (n, d), each on
     a random ``fraction`` of the rows and with projection seed ``seed + b``: (n_fits, n) labels,
     -1 noise, -2 not drawn. A fit that finds no cluster labels its rows noise."""
-    from ntkscope.representation.router import NoClusterError, fit_router
 
     X = np.asarray(X, dtype=np.float64)
     if not 0 < fraction <= 1:

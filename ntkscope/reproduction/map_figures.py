@@ -1,4 +1,4 @@
-"""The warm-up map's figures (issue 42; docs/warmup-map.md), from
+"""The warm-up map's figures (docs/warmup-map.md), from
 :func:`ntkscope.reproduction.map_tables.gains` tables and the plans' structure evidence:
 
 - :func:`map_controls`: every arm at one conversion step, one point per seed;

@@ -1,4 +1,4 @@
-"""The warm-up map's tables and pre-registered verdicts (issue 42; figures/warmup-map/CRITERIA.md).
+"""The warm-up map's tables and pre-registered verdicts (figures/warmup-map/CRITERIA.md).
 
 From the units that finished (``RUN/results/*.json``, each with its per-block test losses):
 

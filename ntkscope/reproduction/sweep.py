@@ -31,11 +31,12 @@ import numpy as np
 import pandas as pd
 import torch
 
+from cse_models.evaluate import at_most_per_domain, block_losses, demix_prior, domain_table, is_demix
 from cse_models.experts import sequence_keys
-from cse_models.evaluate import _at_most, _is_demix, block_losses, demix_prior, domain_table
 from cse_models.hf import block_count, load_any_model
 from cse_models.routes import Routes, blocks_digest
-from cse_models.train import fitting_sample, load_data, TrainConfig
+from cse_models.train import TrainConfig, fitting_sample, load_data
+from ntkscope.core.checks import fail
 from ntkscope.core.files import atomic_path, write_json
 from ntkscope.representation.consensus import structure_step
 from ntkscope.representation.persistence import persistent_step
@@ -44,10 +45,12 @@ from ntkscope.representation.router import fit_router
 from ntkscope.representation.structure import cluster_purity
 from ntkscope.reproduction import training
 from ntkscope.reproduction.analyses import router_options
+from ntkscope.reproduction.arm_kinds import TRUNK, arm_kind
 from ntkscope.reproduction.settings import ReproduceSettings
-from ntkscope.core.checks import fail
-from ntkscope.runs.checkpoints import list_checkpoints
+from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
 from ntkscope.runs.dynamics import router_dynamics, router_persistence, router_structure
+from ntkscope.runs.embeddings import layer_embeddings
+from ntkscope.runs.encoder import SentenceEncoder
 from ntkscope.text.corpus.pack import load_pack
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class Structure:
-    """The consensus-structure rule that reads a trunk's warm-up (issue 42, docs/sweep.md;
+    """The consensus-structure rule that reads a trunk's warm-up (docs/sweep.md;
     :mod:`ntkscope.representation.consensus`). At each checkpoint of the window, ``n_fits``
     router fits, each on a random ``fraction`` of the first ``sample`` fitting blocks, vote
     (co-association, average linkage cut at ``level``; groups under ``min_size`` are noise);
@@ -86,13 +89,25 @@ class Structure:
     min_structure: float = 0.05
 
 
+#: the conversion steps an arm may name instead of a number
+NAMED_STEPS = ("rule", "gc-peak", "late")
+
+
+def conversion_step(at, *, steps: int, gc_peak_step: int):
+    """The step an arm's ``at`` names: a number as it is, "gc-peak" the sweep's ``gc_peak_step``,
+    "late" half the schedule of ``steps``; "rule" stays "rule" (each trunk's plan decides it)."""
+    return {"gc-peak": gc_peak_step, "late": steps // 2}.get(at, at)
+
+
 @dataclass(frozen=True)
 class Arm:
-    """One arm at one conversion step. name; kind "dense" (the trunk), "cse", "switch", "demix",
-    "encoder" (the frozen-encoder router: a fixed assignment of blocks to experts,
+    """One arm at one conversion step. name; kind: a registered arm kind
+    (:data:`~ntkscope.reproduction.arm_kinds.ARM_KINDS`): "dense" (the trunk), "cse", "switch",
+    "demix", "encoder" (the frozen-encoder router: a fixed assignment of blocks to experts,
     :meth:`Sweep.encoder_routes`) or "null" (the trunk continued from the branch with another
     data order: one arm's noise floor); at: the conversion step, an int or "rule" (the trunk's
-    small-cluster rule), "gc-peak" (the sweep's ``gc_peak_step``), "late" (half the schedule);
+    small-cluster rule), "gc-peak" (the sweep's ``gc_peak_step``), "late" (half the schedule),
+    :func:`conversion_step`; seeds: the trunks it branches from (empty: every one);
     layers: its sparse layers (empty: the sweep's); mean_rate: CSE drift handling; shuffled: CSE
     routed by a hash of each sequence in its clusters' proportions (``cse-shuffled``); fair:
     Switch upcycled with the count at each layer of the CSE arm converted at the same step, so
@@ -110,6 +125,7 @@ class Arm:
     fair: bool = False
     layers: tuple = ()
     counts_from: int | None = None
+    seeds: tuple = ()
 
 
 class Sweep:
@@ -127,7 +143,7 @@ class Sweep:
                  rule: Rule = Rule(), null_order: int = 1000, pack=None, encoder=None,
                  structure: Structure | None = None, model=None):
         arms = list(arms)
-        if [a.kind for a in arms].count("dense") != 1:
+        if [a.kind for a in arms].count(TRUNK) != 1:
             raise fail("Sweep", "arms", "must hold exactly one arm of kind 'dense' (every arm branches from it)",
                        [a.name for a in arms])
         self.model = None if model is None else Path(model)
@@ -141,7 +157,7 @@ class Sweep:
         self.rule, self.null_order, self.structure = rule, int(null_order), structure
         self.encoder = None if encoder is None else Path(encoder)
         self.arms = arms
-        self.trunk = next(a for a in arms if a.kind == "dense")
+        self.trunk = next(a for a in arms if a.kind == TRUNK)
         self.pack, self.pack_arg = load_pack(pack), pack
         self.seeds = [int(s) for s in seeds]
 
@@ -166,7 +182,7 @@ class Sweep:
 
     def test_blocks(self):
         """The test blocks every unit is evaluated on (at most ``eval_max_blocks`` per domain)."""
-        return _at_most(self.blocks("test"), self.settings.eval_max_blocks or None)
+        return at_most_per_domain(self.blocks("test"), self.settings.eval_max_blocks or None)
 
     def _routed_blocks(self, split: str):
         """The blocks of ``split`` that the frozen-encoder router routes (test: the evaluated ones)."""
@@ -283,15 +299,14 @@ class Sweep:
                     rule)
 
     def warmup(self, arm: Arm, seed: int) -> int:
-        if isinstance(arm.at, int):
-            return arm.at
-        if arm.at == "rule":
-            return int(self.plan(seed).warmup_steps)
-        return self.gc_peak_step if arm.at == "gc-peak" else self.settings.steps // 2
+        """``arm``'s conversion step in the trunk of ``seed`` (:func:`conversion_step`; "rule": that
+        trunk's plan)."""
+        step = conversion_step(arm.at, steps=self.settings.steps, gc_peak_step=self.gc_peak_step)
+        return int(self.plan(seed).warmup_steps) if step == "rule" else step
 
     def ready(self, arm: Arm, seed: int) -> bool:
         """Whether the unit can start: the trunk any time; an arm once its branch checkpoint exists."""
-        if arm.kind == "dense":
+        if arm.kind == TRUNK:
             return True
         if arm.at == "rule":
             return (self.run_dir / "plans" / f"seed{seed}.json").is_file() or self.plan_ready(seed)
@@ -300,34 +315,13 @@ class Sweep:
     # ---- one unit ---------------------------------------------------------------------------
 
     def train(self, arm: Arm, seed: int) -> tuple[Path, int | None]:
-        s, out, pack = self.settings, self.model_dir(arm.name, seed), self.pack_arg
-        trunk, layers = self.model_dir(self.trunk.name, seed), self.arm_layers(arm)
-        if arm.kind == "dense":
-            return training.train_dense(s, out, pack, seed=seed, checkpoints=(self.gc_peak_step,),
-                                        init_from=self.model), None
-        at, every = self.warmup(arm, seed), 4 * s.checkpoint_every  # a killed unit resumes from its last 400 steps
-        if arm.kind == "cse":
-            counts = None if arm.counts_from is None else self._cse_counts(seed, arm, arm.counts_from)
-            if counts is not None:
-                log.info("sweep: %s seed %d converts at %d with the experts of step %d: %s", arm.name, seed, at,
-                         arm.counts_from, counts)
-            return training.train_cse(s, out, pack, trunk, layers, at, seed, mean_rate=arm.mean_rate,
-                                      checkpoint_every=every, shuffled=arm.shuffled, n_clusters=counts), at
-        if arm.kind == "null":
-            return training.train_continued(s, out, pack, trunk, at, seed + self.null_order, checkpoint_every=every), at
-        if arm.kind == "switch" and arm.fair:  # the same step's CSE count at each layer, the function unchanged
-            return training.train_switch(s, out, pack, trunk, layers, at, seed, checkpoint_every=every,
-                                         experts=self._cse_counts(seed, arm, at), preserving=True), at
-        if arm.kind == "switch":  # the classic control, as the committed sweep ran it
-            experts = max(*self._cse_counts(seed, arm, at), 2)
-            return training.train_switch(s.replace(switch_experts=experts), out, pack, trunk, layers, at,
-                                         seed, checkpoint_every=every, preserving=False), at
-        if arm.kind == "encoder":
-            routes = self.encoder_routes(seed)
-            return training.train_routed(s, out, pack, trunk, layers, at, routes, Routes.load(routes).names,
-                                         seed, checkpoint_every=every), at
-        return training.train_demix(s, out, pack, trunk, layers, at, self.domain_names(), seed,
-                                    checkpoint_every=every), at
+        """``arm``'s unit of ``seed`` trained (or found, or adopted): its last checkpoint and its
+        conversion step (None for the trunk), through its kind (:data:`~ntkscope.reproduction.arm_kinds.ARM_KINDS`)."""
+        if arm.kind == TRUNK:
+            return training.train_dense(self.settings, self.model_dir(arm.name, seed), self.pack_arg, seed=seed,
+                                        checkpoints=(self.gc_peak_step,), init_from=self.model), None
+        at, every = self.warmup(arm, seed), 4 * self.settings.checkpoint_every  # a killed unit resumes from there
+        return arm_kind(arm.kind).train(self, arm, seed, at, every), at
 
     # ---- the frozen-encoder router ----------------------------------------------------------
 
@@ -339,7 +333,6 @@ class Sweep:
         path, stamp = folder / f"{split}.npy", folder / f"{split}.json"
         if path.is_file() and stamp.is_file() and json.loads(stamp.read_text())["digest"] == blocks_digest(blocks):
             return np.load(path, allow_pickle=False)
-        from ntkscope.runs.encoder import SentenceEncoder
 
         encoder = SentenceEncoder(self.encoder)
         tokenizer = self.pack.tokenizer()
@@ -375,7 +368,7 @@ class Sweep:
                  list(fit.sizes))
         return path
 
-    def _cse_counts(self, seed: int, arm: Arm, at: int) -> list:
+    def cse_counts(self, seed: int, arm: Arm, at: int) -> list:
         """The experts at each of ``arm``'s layers of this seed's CSE arm converted at step ``at``
         (``arm``'s own step, or its ``counts_from``; the first plain one: no drift handling, not
         shuffled, its count not fixed; its conversion's counts), or those its router would fit at
@@ -389,8 +382,6 @@ class Sweep:
             sparse = json.loads((path / "config.json").read_text()).get("sparse") or {}
             if all(sparse.get("n_experts", [0])):
                 return [int(k) for k in sparse["n_experts"]]
-        from ntkscope.runs.checkpoints import load_checkpoint
-        from ntkscope.runs.embeddings import layer_embeddings
         model = load_checkpoint(self.model_dir(self.trunk.name, seed) / "checkpoints" / f"step-{at:06d}")
         emb = layer_embeddings(model.to(self._analysis_device()), self.fitting(seed)["batch"], point="ffn_input",
                                layers=layers).embeddings
@@ -430,7 +421,7 @@ class Sweep:
                              Routes.load(self.encoder_routes(seed)) if arm.kind == "encoder" else None),
                   "seconds": time.perf_counter() - start}
         write_json(self.result_path(arm.name, seed), result)
-        if arm.kind != "dense":
+        if arm.kind != TRUNK:
             write_json(self.model_dir(arm.name, seed) / "plan.json",
                        {"arm": arm.name, "warmup_steps": at, "warmup_rule": result["warmup_rule"],
                         "layers": self.arm_layers(arm), "trunk_plan": f"plans/seed{seed}.json" if arm.at == "rule" else None})
@@ -451,7 +442,7 @@ def evaluate(model, blocks, held_out, special_ids=(), routes: Routes | None = No
     kw = {"special_ids": special_ids}
     if routes is not None:  # the frozen-encoder router: the test blocks' routes, made from their text alone
         kw["routes"] = routes.apply(blocks, "test").domains
-    elif _is_demix(model):
+    elif is_demix(model):
         kw["prior"] = demix_prior(model, held_out, special_ids=special_ids)
     sums, counts = block_losses(model, blocks, **kw)
     ppl = domain_table(blocks, sums, counts).set_index("domain")["perplexity"]

@@ -28,6 +28,7 @@ from ntkscope.core.checks import InputError, MissingInput, check_positive_int, e
 from ntkscope.core.lm import masked_mean
 from ntkscope.core.pretrained import from_pretrained
 from ntkscope.core.progress import progress_bar
+from ntkscope.runs.checkpoints import load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,8 @@ class SentenceEncoder:
     def __init__(self, path: str | Path | None = None, *, batch_size: int = 64, max_length: int = 128):
         check_positive_int("batch_size", batch_size)
         check_positive_int("max_length", max_length)
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # optional: the [hf] extra
 
-        from ntkscope.runs.checkpoints import load_checkpoint
 
         self.path = Path(path) if path is not None else shipped_encoder()
         if not (self.path / "tokenizer.json").is_file():

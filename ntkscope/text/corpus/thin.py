@@ -1,5 +1,5 @@
 """A second corpus mix from a pack: the same pack with some domains' training records thinned
-(issue 42's out-of-sample trunks: the long tail's training share halved). Validation, test,
+(e.g. out-of-sample trunks on another mix: the long tail's training share halved). Validation, test,
 probes and the tokenizer are the source pack's, so models trained on either are evaluated on the
 same test blocks; the manifest records what was thinned and the shares measured after it."""
 

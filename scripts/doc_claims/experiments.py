@@ -1,6 +1,6 @@
 """The claims about the experiments beside the paper's figures: the training-step and GPU
 benchmarks (benchmarks/), the small-cluster rule on the tail run, the sweep (figures/sweep) and
-the "your model, your data" walkthrough (figures/own-model). :mod:`ntkscope.reproduction.claims`
+the "your model, your data" walkthrough (figures/own-model). :mod:`doc_claims.claims`
 gathers them with the figures' and tables' claims."""
 
 from __future__ import annotations
@@ -12,28 +12,29 @@ import numpy as np
 import pandas as pd
 
 from ntkscope.representation.plan import gc_peak
-from ntkscope.reproduction.claim_values import Tables, _f, _range
+
+from doc_claims.values import Tables, fmt, fmt_range
 
 
-def _training_step(table: pd.DataFrame) -> dict:
+def claim_training_step(table: pd.DataFrame) -> dict:
     """benchmarks/README.md: the training step before and after, per thread count."""
     out = {}
     for threads, g in table.groupby("threads"):
         before = g[g["path"].str.startswith("before")].iloc[0]
         after = g[g["path"].str.startswith("after")].iloc[0]
         key = f"bench.train.{threads}t"
-        out.update({f"{key}.before": _f(before["s_per_step"]), f"{key}.after": _f(after["s_per_step"]),
-                    f"{key}.speedup": _f(after["speedup"], 2), f"{key}.diff": _f(after["max_abs_loss_diff"]),
-                    f"{key}.noise": f"{_f(before['same_path_1_vs_2_threads'])}–{_f(after['same_path_1_vs_2_threads'])}",
-                    f"{key}.first": _f(after["first_step_loss_diff"], 1)})
+        out.update({f"{key}.before": fmt(before["s_per_step"]), f"{key}.after": fmt(after["s_per_step"]),
+                    f"{key}.speedup": fmt(after["speedup"], 2), f"{key}.diff": fmt(after["max_abs_loss_diff"]),
+                    f"{key}.noise": f"{fmt(before['same_path_1_vs_2_threads'])}–{fmt(after['same_path_1_vs_2_threads'])}",
+                    f"{key}.first": fmt(after["first_step_loss_diff"], 1)})
     one = table[table["threads"] == 1]
     two_before = table[(table["threads"] == 2) & table["path"].str.startswith("before")].iloc[0]
-    out["bench.train.sweep_throughput"] = _f(2 * one[one["path"].str.startswith("after")].iloc[0]["steps_per_s"]
+    out["bench.train.sweep_throughput"] = fmt(2 * one[one["path"].str.startswith("after")].iloc[0]["steps_per_s"]
                                              / two_before["steps_per_s"], 2)
     return out
 
 
-def _gpu_gc(table: pd.DataFrame) -> dict:
+def claim_gpu_gc(table: pd.DataFrame) -> dict:
     """benchmarks/README.md: GC at GPT-2-small shape on one GPU, per method, budget and layout rule."""
     rows = ["| run | GPU | method | max_memory | seconds | kernel s | peak GB above the model | GC | \\|GC\\| interval "
             "| random null |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -65,7 +66,7 @@ def _gpu_gc(table: pd.DataFrame) -> dict:
     return out
 
 
-def _budget(table: pd.DataFrame) -> dict:
+def claim_budget(table: pd.DataFrame) -> dict:
     """benchmarks/README.md and README: peaks above the model against max_memory at GPT-2-small
     shape (benchmarks/budget.csv), per method, one process and two ranks."""
     runs = table[table["peak_GiB"].notna()]
@@ -83,7 +84,7 @@ def _budget(table: pd.DataFrame) -> dict:
     return out
 
 
-def _p7(table: pd.DataFrame) -> dict:
+def claim_p7(table: pd.DataFrame) -> dict:
     """benchmarks/README.md: P7 run (benchmarks/p7.csv): the exact NTK of n = 256 at GPT-2-small
     shape under 2 GiB beside a training step of the same batch, and the method table's estimate."""
     step = table[table["setting"] == "P7 training step"].iloc[0]
@@ -103,7 +104,7 @@ def _p7(table: pd.DataFrame) -> dict:
     return out
 
 
-def _p1(table: pd.DataFrame) -> dict:
+def claim_p1(table: pd.DataFrame) -> dict:
     """benchmarks/README.md: P1 again (benchmarks/structured_p1.csv), the small GPT (and its HF twin,
     case "hf") at n = 128 and 256, every row of the run side by side (training step, ntkscope's
     methods, the anchors)."""
@@ -139,7 +140,7 @@ def _p1(table: pd.DataFrame) -> dict:
     return out
 
 
-def _tail_rule(t: Tables) -> dict:
+def claim_tail_rule(t: Tables) -> dict:
     """figures/tail/plan_rule.json: the small-cluster rule on the tail run's checkpoints."""
     plan = t["plan_rule.json"]
     at = {r["layer"]: r for r in plan["evidence"]["labels_at_warmup"]}
@@ -149,7 +150,7 @@ def _tail_rule(t: Tables) -> dict:
                                           f"{at[k]['tail_share']:.2f}" for k in plan["layers"])}
 
 
-def _sweep(t: Tables) -> dict:
+def claim_sweep(t: Tables) -> dict:
     """The sweep's README lines (figures/sweep): per arm against dense, paired by seed, and the
     verdict of each pre-registered criterion; the plans' warm-ups."""
     pairs, verdict, arms = t["paired"], t["tables/verdict.json"], t["arms"]
@@ -207,15 +208,15 @@ def _sweep(t: Tables) -> dict:
             plans.append(f"{path.stem.replace('seed', 'seed ')}: step {plan['warmup_steps']} ({plan['warmup_rule']}; "
                          f"{at})")
         out[key] = "\n".join(f"- {p}" for p in plans)
-    out["sweep.first_tail"] = _range(first, 0)
+    out["sweep.first_tail"] = fmt_range(first, 0)
     out.update(_tail_experts(t["routing"]))
     out["sweep.units"] = str(len(arms))
     # a unit resumed after an interruption records only its last part: the whole trunks took over 20 minutes
     trunks = arms[(arms["kind"] == "dense") & (arms["seconds"] > 1200)]["seconds"] / 60
     out["sweep.whole_trunks"] = str(len(trunks))
     late = arms[(arms["kind"] == "cse") & (arms["warmup"] == 1200) & (arms["seconds"] > 0)]["seconds"] / 60
-    out["sweep.trunk_minutes"] = _range(trunks, 0)
-    out["sweep.late_arm_minutes"] = _range(late, 0)
+    out["sweep.trunk_minutes"] = fmt_range(trunks, 0)
+    out["sweep.late_arm_minutes"] = fmt_range(late, 0)
     for d in ("legal", "biomedical"):  # the largest difference between two trainings of one seed's trunk
         spread = max((abs(a / b - 1) for _, g in arms[arms["kind"] == "dense"].groupby("seed")
                       for a in g[f"ppl {d}"] for b in g[f"ppl {d}"]), default=np.nan)
@@ -223,7 +224,7 @@ def _sweep(t: Tables) -> dict:
         rule = pairs[(pairs["arm"] == "cse-rule") & (pairs["domain"] == d)]["pct"]
         if len(rule):
             out[f"sweep.cse-rule.{d}.over_remade"] = f"{abs(float(rule.iloc[0])) / (100 * spread):.1f}×"
-    out["sweep.hours"] = _f(arms["seconds"].sum() / 3600, 1)
+    out["sweep.hours"] = fmt(arms["seconds"].sum() / 3600, 1)
     return out
 
 
@@ -246,7 +247,7 @@ def _tail_experts(routing: pd.DataFrame, layer: int = 3) -> dict:
     return out
 
 
-def _own_model(folder: Path) -> dict:
+def claim_own_model(folder: Path) -> dict:
     """The README's "your model, your data" lines (figures/own-model): wall times, the plan, the
     comparison per domain."""
     times = json.loads((folder / "times.json").read_text())
@@ -271,10 +272,10 @@ def _own_model(folder: Path) -> dict:
     return out
 
 
-def _tracker(table: pd.DataFrame) -> dict:
+def claim_tracker(table: pd.DataFrame) -> dict:
     """README and benchmarks/README.md: the GC tracker's overhead inside training, per setting."""
     plain = table[table["n"].isna()].iloc[0]
-    out = {"bench.tracker.s_per_step": _f(plain["wall_s"] / plain["steps"], 2),
+    out = {"bench.tracker.s_per_step": fmt(plain["wall_s"] / plain["steps"], 2),
            "bench.tracker.steps": str(int(plain["steps"]))}
     trained = table["train_s"].dropna()
     out["bench.tracker.train_range"] = f"{trained.min():.1f}–{trained.max():.1f}"
@@ -287,35 +288,35 @@ def _tracker(table: pd.DataFrame) -> dict:
     for r in table[table["n"].notna()].itertuples():
         if r.arm == "in-run GC":  # every step, the training batch's domains: no estimate, no interval for 5 %
             key = "bench.tracker.inrun"
-            out.update({f"{key}.overhead": f"{100 * r.overhead:.1f} %", f"{key}.probe_s": _f(r.s_per_probe, 3),
+            out.update({f"{key}.overhead": f"{100 * r.overhead:.1f} %", f"{key}.probe_s": fmt(r.s_per_probe, 3),
                         f"{key}.same_losses": "identical" if r.same_losses else "different",
                         f"{key}.wall_excess": f"{100 * r.wall_excess:.1f} %"})
             continue
         key = f"bench.tracker.n{int(r.n)}.every{int(r.every)}" + (".per_layer" if r.arm.endswith("per layer") else "")
-        out.update({f"{key}.overhead": f"{100 * r.overhead:.1f} %", f"{key}.probe_s": _f(r.s_per_probe, 1),
-                    f"{key}.estimate_s": _f(r.estimate_s, 1), f"{key}.wall_excess": f"{100 * r.wall_excess:.1f} %",
+        out.update({f"{key}.overhead": f"{100 * r.overhead:.1f} %", f"{key}.probe_s": fmt(r.s_per_probe, 1),
+                    f"{key}.estimate_s": fmt(r.estimate_s, 1), f"{key}.wall_excess": f"{100 * r.wall_excess:.1f} %",
                     f"{key}.same_losses": "identical" if r.same_losses else "different", f"{key}.method": r.method,
                     f"{key}.every_for_5pct": str(int(np.ceil(r.every_for_5pct)))})
     layered, flat = (table[(table["n"] == 128) & (table["every"] == 100) & table["arm"].str.endswith(end)]
                      for end in ("per layer", "tracker"))
     if len(layered) and len(flat):  # the issue's "per_layer at most twice" the plain tracker's share
-        out["bench.tracker.per_layer_ratio"] = _f(layered["overhead"].iloc[0] / flat["overhead"].iloc[0], 2)
+        out["bench.tracker.per_layer_ratio"] = fmt(layered["overhead"].iloc[0] / flat["overhead"].iloc[0], 2)
     return out
 
 
-def _inrun(table: pd.DataFrame, key: str = "bench.inrun") -> dict:
+def claim_inrun(table: pd.DataFrame, key: str = "bench.inrun") -> dict:
     """docs/tracking.md and benchmarks/README.md: in-run GC's overhead every step (benchmarks/inrun.csv
     on the CPU; benchmarks/inrun_gpu.csv, ``key`` bench.inrun.gpu, on a GPU)."""
     plain = table[table["arm"] == "plain"].iloc[0]
     inrun = table[table["arm"] == "in-run GC"].iloc[0]
-    return {f"{key}.step_s": _f(plain["s_per_step"], 3), f"{key}.gc_s": _f(inrun["gc_s"], 3),
+    return {f"{key}.step_s": fmt(plain["s_per_step"], 3), f"{key}.gc_s": fmt(inrun["gc_s"], 3),
             f"{key}.overhead": f"{100 * inrun['overhead']:.0f} %",
             f"{key}.same_losses": "identical" if bool(inrun["same_losses"]) else "different",
             f"{key}.layers": str(int(inrun["layers_hooked"])), f"{key}.steps": str(int(inrun["steps"])),
             f"{key}.rounds": str(int(inrun["rounds"])), f"{key}.machine": str(inrun["machine"])}
 
 
-def _tracked(t) -> dict:
+def claim_tracked(t) -> dict:
     """README: Figure 3(a) from the tracker (figures/tail/tables/gc_tracked.csv) against the
     checkpoints' series (gc_over_steps.csv, draw 0) at the steps both measured."""
     tracked, walked = t["gc_tracked"], t["gc_over_steps"]
@@ -330,6 +331,6 @@ def _tracked(t) -> dict:
             "tracked.first_step": str(int(both["step"].iloc[0])),
             "tracked.early_diff": f"{diff[early].max():.0e}", "tracked.same_verdict": f"{int(same)} of {len(both)}",
             "tracked.peak": f"at step {peak['step']}" if peak["shown"] else "not shown",
-            "tracked.seconds": _f(float(tracked["seconds"].median()), 1),
-            "tracked.cka_min": _f(float(tracked["kernel_cka"].min()), 3),
+            "tracked.seconds": fmt(float(tracked["seconds"].median()), 1),
+            "tracked.cka_min": fmt(float(tracked["kernel_cka"].min()), 3),
             "tracked.cka_min_step": str(int(tracked.loc[tracked["kernel_cka"].idxmin(), "step"]))}

@@ -23,14 +23,14 @@ class Tables:
         return self._cache[name]
 
 
-def _f(value: float, digits: int = 3) -> str:
+def fmt(value: float, digits: int = 3) -> str:
     return f"{value:.{digits}f}"
 
 
-def _range(values, digits: int = 2, unit: str = "") -> str:
+def fmt_range(values, digits: int = 2, unit: str = "") -> str:
     """"a–b" of the rounded minimum and maximum (one value when they round equal; "a to b",
     with typographic minus signs, when a bound is negative)."""
-    low, high = _f(float(np.min(values)), digits), _f(float(np.max(values)), digits)
+    low, high = fmt(float(np.min(values)), digits), fmt(float(np.max(values)), digits)
     if low == high:
         return f"{low}{unit}".replace("-", "−")
     if low.startswith("-") or high.startswith("-"):
@@ -38,9 +38,9 @@ def _range(values, digits: int = 2, unit: str = "") -> str:
     return f"{low}–{high}{unit}"
 
 
-def _signed_range(values, digits: int = 1) -> str:
+def fmt_signed_range(values, digits: int = 1) -> str:
     return f"+{float(np.min(values)):.{digits}f} to +{float(np.max(values)):.{digits}f}"
 
 
-def _steps(values) -> str:
+def fmt_steps(values) -> str:
     return ", ".join(str(int(v)) for v in values) or "none"

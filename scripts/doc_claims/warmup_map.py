@@ -1,7 +1,7 @@
 """The warm-up map's claims (figures/warmup-map, docs/warmup-map.md and the README): the arms at
 step 1200, the map over conversion steps, the pre-registered verdicts, the rule in each trunk
 (in sample, out of sample, the second mix), the layer check and the two builds of the trunks.
-:mod:`ntkscope.reproduction.claims` gathers them with the others."""
+:mod:`doc_claims.claims` gathers them with the others."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from ntkscope.reproduction.claim_values import Tables
+from doc_claims.values import Tables
 
 IN_SAMPLE = (0, 1, 2)  # the seeds the sweep's rule was designed beside (CRITERIA.md)
 
@@ -244,7 +244,7 @@ def _seconds(folder, prefix: str = "map") -> dict:
             if (kind == k).any()}
 
 
-def _warmup_map(t: Tables) -> dict:
+def claim_warmup_map(t: Tables) -> dict:
     """The warm-up map's lines (figures/warmup-map and its second mix in mix/)."""
     gains, verdicts = t["gains"], t["tables/verdicts.json"]
     at = gains[gains["step"] == verdicts["step"]]
