@@ -113,7 +113,6 @@ def _clusters(args) -> int:
 
 
 def _report(args) -> int:
-
     made = report(args.path, args.out)
     print(f"{made['path']}: {len(made['sections'])} sections of the {made['kind']} in {args.path}")
     return 0

@@ -27,7 +27,6 @@ def _seeds(text: str) -> list:
 
 
 def _spec(args):
-
     changes = {"seeds": _seeds(args.seeds)} if args.seeds else {}
     if args.steps:
         changes["settings"] = {"steps": args.steps}
@@ -35,7 +34,6 @@ def _spec(args):
 
 
 def _map(args) -> int:
-
     for run in args.run_dirs:
         if not (run / "results").is_dir():
             raise InputError("RUN", "must be a run directory with results/", str(run), func="ntkscope experiment map")
@@ -51,7 +49,6 @@ def _map(args) -> int:
 
 
 def _run(args) -> int:
-
     spec = _spec(args)
     slurm = dataclasses.replace(spec.slurm, **{k: v for k, v in {
         "partition": args.partition, "time_min": args.time_min, "gpus": args.gpus, "cpus": args.cpus,
@@ -76,7 +73,6 @@ def _run(args) -> int:
 
 
 def _status(args) -> int:
-
     table = status(args.run_dir)
     counts = table["state"].value_counts()
     print(f"{args.run_dir}: " + ", ".join(f"{n} {state}" for state, n in counts.items()))
@@ -86,7 +82,6 @@ def _status(args) -> int:
 
 
 def _tables(args) -> int:
-
     path = Path(args.run_dir) / "experiment.json"
     if not path.is_file():
         raise UserError(f"ntkscope experiment tables: {args.run_dir} holds no experiment (no experiment.json)")
@@ -100,7 +95,6 @@ def _tables(args) -> int:
 
 
 def _specs(args) -> int:
-
     for name, path in sorted(shipped().items()):
         spec = load_spec(path)
         parts = [f"{len(spec.arms)} arms" if spec.kind == "sweep" else f"{len(spec.rows)} rows x {len(spec.archs)} "

@@ -225,7 +225,6 @@ def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int
                                              "units": [{"name": u.name, "seed": u.seed, "needs": list(u.needs),
                                                         "key": u.key, "what": u.what} for u in todo]})
     if adopt is not None:
-
         adopt_units(spec, run_dir, todo, Path(adopt))
     pool = make_executor(executor, run_dir, slurm or spec.slurm)
     tries, failed, inflight, held_until = {}, {}, {}, {}
@@ -321,12 +320,10 @@ def summarise_experiment(spec: Spec, run_dir, *, pack=None) -> dict:
                if not is_done(read_state(run_dir, u["name"]), Unit(u["name"], u["seed"], u["what"], key=u["key"]),
                               run_dir)]
     if spec.kind == "sweep":
-
         adopted = run_dir / "adopted" / "load.csv"
         found = summarise(make_sweep(spec, run_dir, pack), earlier_load=adopted if adopted.is_file() else None,
                           criteria=spec.criteria)
     else:
-
         runs = table_records(spec, run_dir)
         tables = paper.tables_from_runs(runs, spec.settings)
         for name, frame in tables.items():

@@ -287,7 +287,6 @@ def _named_criteria(data) -> set:
 
 
 def _tables(c: "_Checker", data: dict, settings: ReproduceSettings, seeds: tuple) -> dict:
-
     c.only(data, "tables.", {"archs", "rows"})
     archs = tuple(c.choices(data, "archs", sorted(ARCH_NAMES), default=list(settings.table_archs), where="tables."))
     rows = tuple(c.choices(data, "rows", row_keys(settings), default=row_keys(settings), where="tables."))

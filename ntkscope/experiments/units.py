@@ -184,7 +184,6 @@ def execute(spec: Spec, run_dir: Path, unit: Unit, pack=None) -> dict:
     """Do ``unit`` (its needs are done): train and evaluate; returns what the unit records."""
     what = unit.what
     if spec.kind == "tables":
-
         rep = make_reproduction(spec, run_dir, pack)
         rep.timings_path = run_dir / "timings" / f"{unit.name}.json"  # one file per unit: workers run side by side
         rep.timings_path.parent.mkdir(parents=True, exist_ok=True)
@@ -207,7 +206,6 @@ def execute(spec: Spec, run_dir: Path, unit: Unit, pack=None) -> dict:
 def outputs(spec: Spec, run_dir: Path, unit: Unit) -> list[Path]:
     """What ``unit`` writes in ``run_dir`` (moved aside when the unit must run again under another key)."""
     if spec.kind == "tables":
-
         name = paper.model_name(unit.what["arch"], unit.what["row"], unit.seed)
         return [run_dir / "results" / f"{unit.name}.json", run_dir / "models" / name]
     if unit.what["kind"] == "plan":
