@@ -373,3 +373,25 @@ def test_every_gc_option_is_honoured_for_a_run_or_refused_with_exit_2(tiny_gc_ru
         assert exited.value.code == 2, option
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "applies to one checkpoint" in err, (option, err)
+
+
+def test_every_command_that_writes_to_out_says_how_it_is_held():
+    """Each command declares its --out beside its parser (parsing.add_out): the command line's
+    lock on a file or a directory, or the command's own. One without it would skip the lock
+    silently, so every (sub)command with --out is found here and must say which."""
+    import argparse
+
+    from ntkscope.app.cli import build_parser
+    from ntkscope.app.parsing import OUT_KINDS
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, path + [name])
+        yield path, parser
+
+    with_out = {" ".join(path): parser.get_default("out_kind") for path, parser in walk(build_parser(), [])
+                if "--out" in parser._option_string_actions}
+    assert len(with_out) >= 12 and all(kind in OUT_KINDS for kind in with_out.values()), with_out
+    assert with_out["gc"] == "dir" and with_out["plan"] == "file" and with_out["compare"] == "own"

@@ -30,7 +30,7 @@ from ntkscope.app import commands, corpus_cli, experiment_cli, own_model, reprod
 from ntkscope.app.parsing import DATA_HELP as _DATA_HELP
 from ntkscope.app.parsing import add_column_args as _add_column_args
 from ntkscope.app.parsing import print_table as _print_table
-from ntkscope.app.parsing import COUNT, FRACTION, POSITIVE_INT, ranged
+from ntkscope.app.parsing import COUNT, FRACTION, POSITIVE_INT, add_out, ranged
 from ntkscope.app.parsing import source as _source
 from ntkscope.app.demo import perplexity, run_demo
 from ntkscope.app.report import report
@@ -260,7 +260,7 @@ def _add_model_args(parser, n_default: int, task: str, output: str = "loss") -> 
     parser.add_argument("--max-memory", type=float, metavar="GIB",
                         help=f"memory budget in GiB for the kernel computation (default: "
                         f"{MEMORY_DEFAULT_TEXT})".replace("%", "%%"))
-    parser.add_argument("--out", help="directory for the results (written atomically)")
+    add_out(parser, kind="dir", help="directory for the results (written atomically)")
     parser.set_defaults(task=task)
 
 
@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--n", type=POSITIVE_INT, default=128, help="sentences in the analysis batch (default 128)")
     demo.add_argument("--seed", type=int, default=0, help="seed for data sampling, init and training")
     _add_method_arg(demo, "eigen")
-    demo.add_argument("--out", help="also write the GC table to this CSV file")
+    add_out(demo, kind="file", help="also write the GC table to this CSV file")
     demo.set_defaults(run=_demo)
     corpus_cli.add_parsers(sub)
     gc = sub.add_parser("gc", help="gradient consistency of frequency bins or labels against the whole set",
@@ -344,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     freq.add_argument("--tokenizer", help="default: the pack's BPE")
     freq.add_argument("--normalisation", default="max", choices=NORMALISATIONS)
     freq.add_argument("--bins", type=int, default=10)
-    freq.add_argument("--out", help="directory for the tables")
+    add_out(freq, kind="dir", help="directory for the tables")
     freq.set_defaults(run=_freq)
     own_model.add_parsers(sub)
     clusters = sub.add_parser("clusters", help="how one model's sequence embeddings cluster, layer by layer",
@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     clusters.add_argument("model", help="a cse_models checkpoint, an HF model directory, or a training run "
                           "directory (then: elbow K and separation per checkpoint and layer)")
     _add_analysis_args(clusters)
-    clusters.add_argument("--out", help="write the table (.csv or .parquet)")
+    add_out(clusters, kind="file", help="write the table (.csv or .parquet)")
     clusters.set_defaults(run=_clusters)
     plan = sub.add_parser("plan", help="choose CSE layers and the warm-up length from a run's checkpoints",
                           description="Example: ntkscope plan runs/toy-dense --out plan.json")
@@ -380,13 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--schedule-steps", type=POSITIVE_INT, help="the run's schedule length in steps (default: "
                       "the run's train_config.json steps or trainer_state.json max_steps)")
     _add_method_arg(plan, "eigen")
-    plan.add_argument("--out", default="plan.json", help="the plan file (default plan.json)")
+    add_out(plan, kind="file", default="plan.json", help="the plan file (default plan.json)")
     plan.set_defaults(run=_plan)
     report = sub.add_parser("report", help="one self-contained HTML page of an analysis: a result directory, a run, "
                             "or a reproduction", description="Example: ntkscope report figures/tail --out tail.html")
     report.add_argument("path", help="a result directory (of gc, ntk, eval, plan), a training run (cse-train's "
                         "out_dir, with track/ when it tracked GC) or a reproduction (e.g. figures/tail)")
-    report.add_argument("--out", help="the HTML file (default PATH/report.html)")
+    add_out(report, kind="file", help="the HTML file (default PATH/report.html)")
     report.set_defaults(run=_report)
     reproduce_cli.add_parsers(sub)
     experiment_cli.add_parsers(sub)
@@ -507,19 +507,13 @@ def _terminated_as_interrupt():
         signal.signal(signal.SIGTERM, old)
 
 
-#: what each command's --out names (compare and reproduce hold their own lock on it; corpus build
-#: writes its pack under a temporary name and renames it, refusing an existing one without --force)
-_OUT_KINDS = {"demo": "file", "gc": "dir", "ntk": "dir", "freq": "dir", "clusters": "file", "plan": "file",
-              "report": "file", "eval": "dir", "info": "dir"}
-
-
 def _out_lock(args):
     """The one lock on the command's ``--out``, held from before the work to the last write: a
     second process writing the same output is refused in one line, never silently lost. Under
     torchrun, rank 0 holds it (it is the one that writes)."""
-    kind = _OUT_KINDS.get(getattr(args, "corpus_command", None) or args.command)
+    kind = getattr(args, "out_kind", None)  # declared beside the command's parser (parsing.add_out)
     out = getattr(args, "out", None)
-    if kind is None or out is None or os.environ.get("RANK", "0") != "0":
+    if kind in (None, "own") or out is None or os.environ.get("RANK", "0") != "0":
         return contextlib.nullcontext()
     check_output(args.command, out, kind=kind)
     return output_lock(out, args.command)

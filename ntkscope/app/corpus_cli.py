@@ -4,7 +4,7 @@ and a pack's tables (:mod:`ntkscope.app.cli` adds them to the command line)."""
 from __future__ import annotations
 
 from ntkscope.app import commands
-from ntkscope.app.parsing import print_table
+from ntkscope.app.parsing import add_out, print_table
 from ntkscope.text.corpus.pack import build_pack, load_pack
 from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
 from ntkscope.text.corpus.table_pack import table_pack
@@ -128,5 +128,5 @@ def add_parsers(sub) -> None:
     info.add_argument("--normalisation", default="max", choices=NORMALISATIONS)
     info.add_argument("--bins", type=int, default=10)
     info.add_argument("--top", type=int, default=20, help="rows of the domain table (default 20)")
-    info.add_argument("--out", help="directory for the tables (CSV and parquet)")
+    add_out(info, kind="dir", help="directory for the tables (CSV and parquet)")
     info.set_defaults(run=_corpus_info)

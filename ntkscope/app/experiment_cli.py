@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ntkscope.app.parsing import COUNT, POSITIVE_INT
+from ntkscope.app.parsing import COUNT, POSITIVE_INT, add_out
 from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import check_output, read_json_object
 from ntkscope.experiments import load_spec, parse_spec, run_experiment, shipped, status, summarise_experiment
@@ -114,7 +114,7 @@ def add_parsers(sub) -> None:
     ex = exp.add_subparsers(dest="experiment_command", required=True)
     run = ex.add_parser("run", help="run every unit not yet done, then write the tables")
     run.add_argument("spec", help="a spec file, or the name of a shipped spec (sweep, tables, tables-late)")
-    run.add_argument("--out", help="the run directory (default runs/NAME)")
+    add_out(run, kind="own", help="the run directory (default runs/NAME)")
     run.add_argument("--executor", choices=EXECUTORS, default="local",
                      help="local: worker processes (default); submitit-local: submitit's local executor; slurm: "
                      "sbatch through submitit; inline: this process, one unit at a time")
@@ -150,7 +150,7 @@ def add_parsers(sub) -> None:
     mp.add_argument("run_dirs", metavar="RUN", type=Path, nargs="+", help="run directories (a unit in several is "
                     "taken from the first)")
     mp.add_argument("--spec", default="warmup-map", help="the spec whose seeds the verdicts count (default warmup-map)")
-    mp.add_argument("--out", type=Path, required=True, help="where tables/ and controls.png go")
+    add_out(mp, kind="own", type=Path, required=True, help="where tables/ and controls.png go")
     mp.add_argument("--data", "--pack", dest="data", help="the corpus pack the runs used (default: the shipped one)")
     mp.set_defaults(run=_map)
     sp = ex.add_parser("specs", help="the specs that ship with ntkscope")

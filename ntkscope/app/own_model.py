@@ -9,7 +9,8 @@ import argparse
 from cse_models.data import LAYOUTS
 from ntkscope.app import commands
 from ntkscope.app.compare import compare_command
-from ntkscope.app.parsing import DATA_HELP, POSITIVE, POSITIVE_INT, add_column_args, print_table, ranged, source
+from ntkscope.app.parsing import (DATA_HELP, POSITIVE, POSITIVE_INT, add_column_args, add_out, print_table, ranged,
+                                   source)
 
 
 def _eval(args) -> int:
@@ -66,7 +67,7 @@ def add_parsers(sub) -> None:
     ev.add_argument("--batch-size", type=POSITIVE_INT, default=16)
     ev.add_argument("--n-boot", type=POSITIVE_INT, default=1000, help="bootstrap resamples of the intervals")
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--out", help="directory for perplexity.csv, routing.csv, routing.png, result.json, and for a "
+    add_out(ev, kind="dir", help="directory for perplexity.csv, routing.csv, routing.png, result.json, and for a "
                     "sparse model expert_layers.csv, experts.csv, ablation.csv")
     ev.add_argument("--no-ablation", action="store_true", help="skip ablating each expert (one pass over the data "
                     "per expert)")
@@ -101,7 +102,7 @@ def add_parsers(sub) -> None:
     cmp_.add_argument("--min-cluster-size", type=ranged(int, 2), default=15,
                       help="CSE router: HDBSCAN's smallest cluster")
     cmp_.add_argument("--tokenizer", help="default: init_from's tokenizer.json")
-    cmp_.add_argument("--out", default="compare", help="directory for the runs and tables/ (default compare)")
+    add_out(cmp_, kind="own", default="compare", help="directory for the runs and tables/ (default compare)")
     cmp_.add_argument("--force", action="store_true", help="OUT holds a comparison asked with other options: delete "
                       "its runs and tables and start over (without it, such a rerun is refused)")
     cmp_.set_defaults(run=_compare)

@@ -49,6 +49,21 @@ FRACTION = ranged(float, 0, 1, open_low=True, open_high=True)
 POSITIVE = ranged(float, 0, open_low=True)
 
 
+#: how a command's ``--out`` is held while it works: "dir" or "file" (the command line's one lock on
+#: it, from before the work to the last write, and its kind checked), or "own" (the command locks
+#: and stages it itself: compare, reproduce, experiment run and map)
+OUT_KINDS = ("dir", "file", "own")
+
+
+def add_out(parser, *, kind: str, **kwargs) -> None:
+    """``--out`` on ``parser`` (``kwargs`` as ``add_argument``'s), declaring how it is held
+    (:data:`OUT_KINDS`). Every command that writes to ``--out`` adds it this way."""
+    if kind not in OUT_KINDS:
+        raise ValueError(f"add_out: kind must be one of {OUT_KINDS} (got {kind!r})")
+    parser.add_argument("--out", **kwargs)
+    parser.set_defaults(out_kind=kind)
+
+
 def add_column_args(parser) -> None:
     """``--text-column``, ``--label-column`` and ``--frequency-from``."""
     parser.add_argument("--text-column", default="text", help="a table's text column (default text)")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ntkscope.app.parsing import COUNT, POSITIVE_INT
+from ntkscope.app.parsing import COUNT, POSITIVE_INT, add_out
 from ntkscope.core.checks import InputError
 from ntkscope.core.files import check_output
 from ntkscope.core.memory import trains_before_analysing
@@ -134,7 +134,7 @@ def add_parsers(sub) -> None:
     rep.add_argument("--workers", type=POSITIVE_INT, default=1,
                      help="--sweep, --tables, --tables-late: units at once, each in a process of its own (default 1: "
                      "one after another in this process)")
-    rep.add_argument("--out", help="the run directory (default runs/reproduce-MODE)")
+    add_out(rep, kind="own", help="the run directory (default runs/reproduce-MODE)")
     rep.add_argument("--track-every", type=COUNT, default=0, metavar="STEPS",
                      help="also train the dense model with a GC tracker on Figure 3(a)'s sentences every STEPS steps "
                      "and draw fig3a-tracked from it (default 0: off)")
