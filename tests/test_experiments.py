@@ -163,6 +163,29 @@ def test_ctrl_c_leaves_the_unit_interrupted_and_says_what_was_kept(tmp_path):
     assert (status(run)["state"] == "done").all()
 
 
+def test_sigterm_to_the_driver_alone_interrupts_its_workers_too(tmp_path):
+    """`kill PID` of `ntkscope experiment run` (local executor: the unit trains in a spawned
+    worker, which the signal does not reach): the driver passes the interruption on, so the worker
+    records the unit interrupted and ends with it; no process trains on orphaned."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "ntkscope", "experiment", "run", str(toy_file(tmp_path, seeds=[0], arms=KILL_ARMS)),
+               "--out", str(run), "--executor", "local"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder, deadline = run / "models" / "dense-seed0" / "checkpoints" / "step-000020", time.monotonic() + 240
+    while not folder.is_dir() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    worker = json.loads((run / "units" / "dense-seed0.json").read_text())["pid"]
+    assert worker != proc.pid
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "interrupted" in err, err[-2000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and Path(f"/proc/{worker}").exists():
+        time.sleep(0.1)
+    assert not Path(f"/proc/{worker}").exists(), "the worker trains on after the driver was stopped"
+    assert json.loads((run / "units" / "dense-seed0.json").read_text())["status"] == "interrupted"
+
+
 def test_a_failing_unit_is_retried_reported_and_the_others_finish(reference, tmp_path):
     """A unit whose trunk checkpoint is gone fails every try; it is reported with its error, and
     every other unit finishes."""

@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import time
 import traceback
@@ -141,11 +142,26 @@ class _Inline:
 class _Local:
     """Each unit in a fresh spawned process of its own pool: a unit that is killed breaks only its own."""
 
+    def __init__(self):
+        self.pools = []
+
     def submit(self, fn, *args):
         pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         future = pool.submit(fn, *args)
         future.add_done_callback(lambda _: pool.shutdown(wait=False))
+        self.pools = [p for p in self.pools if p._processes] + [pool]  # the pools whose unit may still run
         return future
+
+    def interrupt(self, timeout: float = 60.0) -> None:
+        """Pass an interruption of this process (Ctrl-C, or SIGTERM to it alone) on to the units
+        still running: each gets SIGINT, records itself interrupted with its checkpoints kept, and
+        ends while this process still reads its result, so that none trains on orphaned."""
+        workers = [w for pool in self.pools for w in list((pool._processes or {}).values())]  # no public handle
+        for worker in workers:
+            if worker.is_alive():
+                os.kill(worker.pid, signal.SIGINT)
+        for worker in workers:
+            worker.join(timeout)
 
 
 class _Submitit:
@@ -227,6 +243,17 @@ def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int
     if adopt is not None:
         adopt_units(spec, run_dir, todo, Path(adopt))
     pool = make_executor(executor, run_dir, slurm or spec.slurm)
+    try:
+        return _run_units(spec, run_dir, todo, pool, workers, threads, retries, pack, poll)
+    except KeyboardInterrupt:
+        if hasattr(pool, "interrupt"):
+            pool.interrupt()
+        raise
+
+
+def _run_units(spec: Spec, run_dir: Path, todo: list, pool, workers: int, threads: int, retries: int, pack,
+               poll: float) -> Outcome:
+    """:func:`run_experiment`'s loop: start what is ready, retry what failed, until nothing can start."""
     tries, failed, inflight, held_until = {}, {}, {}, {}
     while True:
         done = {u.name for u in todo if is_done(read_state(run_dir, u.name), u, run_dir)}
