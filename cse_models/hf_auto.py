@@ -31,6 +31,7 @@ import sys
 import torch
 
 from cse_models.hf import MODEL_TYPE, SparseHF, load_hf, require_transformers, saved_layout
+from ntkscope.core.checks import UserError
 from ntkscope.core.pretrained import from_config
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def classes() -> tuple:
             if sparse.config.masked != cls.masked:
                 kind, other = ("a masked LM", "AutoModelForMaskedLM") if sparse.config.masked else \
                     ("a causal LM", "AutoModelForCausalLM")
-                raise ValueError(f"{cls.__name__}.from_pretrained: {pretrained_model_name_or_path} holds {kind}; "
+                raise UserError(f"{cls.__name__}.from_pretrained: {pretrained_model_name_or_path} holds {kind}; "
                                  f"load it with transformers.{other}")
             model = cls(sparse_config(sparse), sparse)
             if dtype is not None:
@@ -174,7 +175,7 @@ def _dtype(value):
         return None if value == "auto" else value
     found = getattr(torch, str(value).removeprefix("torch."), None)
     if not isinstance(found, torch.dtype):
-        raise ValueError(f"SparseForCausalLM.from_pretrained: dtype must be a torch dtype or its name "
+        raise UserError(f"SparseForCausalLM.from_pretrained: dtype must be a torch dtype or its name "
                          f"(e.g. 'bfloat16'), not {value!r}")
     return found
 
@@ -188,7 +189,7 @@ def _device(device_map):
     if isinstance(device_map, dict):
         devices = {str(torch.device(v if not isinstance(v, int) else f"cuda:{v}")) for v in device_map.values()}
         if len(devices) != 1:
-            raise ValueError(f"SparseForCausalLM.from_pretrained: device_map must place the model on one device "
+            raise UserError(f"SparseForCausalLM.from_pretrained: device_map must place the model on one device "
                              f"(the sparse layers route whole sequences), not {sorted(devices)}")
         return torch.device(devices.pop())
     if device_map == "auto":
@@ -198,7 +199,7 @@ def _device(device_map):
     try:
         return torch.device(device_map)
     except (RuntimeError, TypeError):
-        raise ValueError(f"SparseForCausalLM.from_pretrained: device_map must be a device, a CUDA index, a dict "
+        raise UserError(f"SparseForCausalLM.from_pretrained: device_map must be a device, a CUDA index, a dict "
                          f"of one device or 'auto', not {device_map!r}") from None
 
 

@@ -141,17 +141,24 @@ def test_a_unit_killed_mid_run_is_retried_and_the_tables_equal_an_uninterrupted_
         assert mine == reference, unit
 
 
-def test_ctrl_c_leaves_the_unit_interrupted_and_says_what_was_kept(tmp_path):
-    """Ctrl-C in `ntkscope experiment run` (inline: the unit trains in the driver) once the trunk
-    has a checkpoint: exit 130, a message that says the checkpoints are kept, and status
-    `interrupted` (not `failed`); the same command then finishes the unit."""
+def _started(tmp_path, executor: str) -> tuple:
+    """`ntkscope experiment run` of the kill spec in a subprocess, once the trunk has its step-20
+    checkpoint: (run directory, command, process)."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "ntkscope", "experiment", "run", str(toy_file(tmp_path, seeds=[0], arms=KILL_ARMS)),
-               "--out", str(run), "--executor", "inline"]
+               "--out", str(run), "--executor", executor]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     folder, deadline = run / "models" / "dense-seed0" / "checkpoints" / "step-000020", time.monotonic() + 240
     while not folder.is_dir() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
+    return run, command, proc
+
+
+def test_ctrl_c_leaves_the_unit_interrupted_and_says_what_was_kept(tmp_path):
+    """Ctrl-C in `ntkscope experiment run` (inline: the unit trains in the driver) once the trunk
+    has a checkpoint: exit 130, a message that says the checkpoints are kept, and status
+    `interrupted` (not `failed`); the same command then finishes the unit."""
+    run, command, proc = _started(tmp_path, "inline")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
@@ -167,13 +174,7 @@ def test_sigterm_to_the_driver_alone_interrupts_its_workers_too(tmp_path):
     """`kill PID` of `ntkscope experiment run` (local executor: the unit trains in a spawned
     worker, which the signal does not reach): the driver passes the interruption on, so the worker
     records the unit interrupted and ends with it; no process trains on orphaned."""
-    run = tmp_path / "run"
-    command = [sys.executable, "-m", "ntkscope", "experiment", "run", str(toy_file(tmp_path, seeds=[0], arms=KILL_ARMS)),
-               "--out", str(run), "--executor", "local"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    folder, deadline = run / "models" / "dense-seed0" / "checkpoints" / "step-000020", time.monotonic() + 240
-    while not folder.is_dir() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.01)
+    run, _, proc = _started(tmp_path, "local")
     worker = json.loads((run / "units" / "dense-seed0.json").read_text())["pid"]
     assert worker != proc.pid
     proc.send_signal(signal.SIGTERM)
@@ -521,7 +522,7 @@ def test_a_registered_arm_kind_runs_through_a_spec(tmp_path):
     register_arm_kind(ArmKind("same-order", train_same_order, "the trunk again from the step",
                               key=lambda trunk: {"order": "the trunk's"}))
     try:
-        with pytest.raises(UserError, match="is registered already"):
+        with pytest.raises(UserError, match="is a registered arm kind already"):
             register_arm_kind(ArmKind("same-order", train_same_order, "twice"))
         arms = [{"name": "dense", "kind": "dense"}, {"name": "again", "kind": "same-order", "at": [20]}]
         spec = load_spec(toy_file(tmp_path, seeds=[0], arms=arms, criteria={"arms": []},

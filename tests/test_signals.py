@@ -104,9 +104,9 @@ def test_trunk_log_and_registry_refuse_bad_input():
         TrunkLog(good[good["domain"] != "all"], 2400)
     with pytest.raises(UserError, match="total_steps must be a positive int"):
         TrunkLog(good, 0)
-    with pytest.raises(UserError, match="a name not yet registered"):
+    with pytest.raises(UserError, match="register: name is a registered signal already"):
         register(SIGNALS["lr-fraction"])
-    with pytest.raises(UserError, match="get_signal: name must be one of"):
+    with pytest.raises(UserError, match="get_signal: name must be a registered signal"):
         get_signal("nope")
     with pytest.raises(UserError, match="TrunkLog.loss: domain must be logged"):
         planted().loss("code")

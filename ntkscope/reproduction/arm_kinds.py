@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cse_models.routes import Routes
 from ntkscope.core.checks import fail
+from ntkscope.core.registry import Registry
 from ntkscope.reproduction import training
 
 log = logging.getLogger(__name__)
@@ -47,31 +48,24 @@ class ArmKind:
 
 
 #: every registered kind, by name, in the order they were registered
-ARM_KINDS: dict[str, ArmKind] = {}
+ARM_KINDS = Registry("arm kind")
 
 
 def register_arm_kind(kind: ArmKind, *, replace: bool = False) -> ArmKind:
     """Add ``kind`` to :data:`ARM_KINDS` (``replace``: over a kind of the same name); returns it."""
     if not isinstance(kind, ArmKind):
         raise fail("register_arm_kind", "kind", "must be an ArmKind", type(kind).__name__)
-    if not kind.name or not kind.name.replace("-", "").replace("_", "").isalnum():
-        raise fail("register_arm_kind", "kind.name", "must be letters, digits, '-' and '_'", kind.name)
-    if kind.name in ARM_KINDS and not replace:
-        raise fail("register_arm_kind", "kind.name", "is registered already (replace=True to change it)", kind.name)
     if set(kind.fields) - set(OPTIONAL_FIELDS):
         raise fail("register_arm_kind", "kind.fields", f"must be among {list(OPTIONAL_FIELDS)}", list(kind.fields))
     if (kind.train is None) != (kind.name == TRUNK):
         raise fail("register_arm_kind", "kind.train", f"must be a function for every kind but the trunk ({TRUNK!r})",
                    kind.train)
-    ARM_KINDS[kind.name] = kind
-    return kind
+    return ARM_KINDS.add(kind.name, kind, replace=replace, func="register_arm_kind")
 
 
 def arm_kind(name: str) -> ArmKind:
     """The registered kind ``name``."""
-    if name not in ARM_KINDS:
-        raise fail("arm_kind", "name", f"must be a registered arm kind ({', '.join(ARM_KINDS)})", name)
-    return ARM_KINDS[name]
+    return ARM_KINDS.get_one(name, func="arm_kind")
 
 
 # ---- the shipped kinds ----------------------------------------------------------------------

@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from ntkscope.core.checks import fail
+from ntkscope.core.registry import Registry
 from ntkscope.representation.consensus import structure_step
 
 CURVE_COLUMNS = ("step", "domain", "loss", "lr")
@@ -106,21 +107,17 @@ class Signal:
         return self.fn(log, threshold)
 
 
-SIGNALS: dict[str, Signal] = {}
+SIGNALS = Registry("signal")
 
 
 def register(signal: Signal) -> Signal:
     """Add ``signal`` to :data:`SIGNALS` (a name is registered once)."""
-    if signal.name in SIGNALS:
-        raise fail("register", "signal", "must have a name not yet registered", signal.name)
-    SIGNALS[signal.name] = signal
-    return signal
+    return SIGNALS.add(signal.name, signal, func="register")
 
 
 def get_signal(name: str) -> Signal:
-    if name not in SIGNALS:
-        raise fail("get_signal", "name", f"must be one of {sorted(SIGNALS)}", name)
-    return SIGNALS[name]
+    """The signal registered as ``name``."""
+    return SIGNALS.get_one(name, func="get_signal")
 
 
 def _grid(start: float, stop: float, step: float) -> tuple:
