@@ -18,6 +18,7 @@ per logging step) and TensorBoard event files (:mod:`cse_models.metrics`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -355,7 +356,8 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
         if cfg.data.table or cfg.data.text_files:
             raise UserError(f"train: eval_every={cfg.eval_every} needs a corpus pack's validation split (data.pack, or "
                             "the shipped pack); data.table and data.text_files have none")
-        validation = ValidationLog(out_dir, load_data(cfg, "validation")[0], start,
+        packed = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, layout="packed"))  # scored whole
+        validation = ValidationLog(out_dir, load_data(packed, "validation")[0], start,
                                    special_ids=tuple(tokenizer.special_ids))
 
     def wrap(m):

@@ -37,7 +37,8 @@ class DataConfig:
     a :class:`~cse_models.routes.Routes` file whose experts label the blocks instead of their domains.
     ``layout``: "packed" (each domain's texts as one stream cut into full blocks) or "rows" (one
     text per row, cut at ``seq_len`` and padded; the padding neither attended to nor predicted),
-    :data:`cse_models.data.LAYOUTS`.
+    :data:`cse_models.data.LAYOUTS`; the validation curve (``eval_every``) is scored on packed
+    blocks either way.
 
     ``text_files`` is a list of paths, all one domain, ``"text"`` (as a table without
     ``label_column``), or a mapping ``{domain: [paths]}`` that labels them; paragraphs are

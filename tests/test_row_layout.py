@@ -97,3 +97,15 @@ def test_a_run_on_rows_trains_and_counts_only_their_tokens(tmp_path):
     assert len(losses) == 4 and all(0 < x < 20 for x in losses)
     with pytest.raises(Exception, match="data.layout must be one of packed, rows"):
         TrainConfig.from_dict({"out_dir": "x", "data": {"layout": "padded"}})
+
+
+def test_a_pack_run_on_rows_scores_its_validation_on_packed_blocks(tmp_path):
+    """layout rows on the shipped pack with eval_every: training reads rows, the validation curve
+    is scored on the pack's packed validation blocks (the same for every layout)."""
+    cfg = {"steps": 2, "batch_size": 4, "checkpoint_every": 2, "log_every": 1, "eval_every": 2,
+           "model": {"n_layer": 1, "n_head": 2, "n_embd": 16}}
+    rows = train(TrainConfig.from_dict({**cfg, "out_dir": str(tmp_path / "rows"),
+                                        "data": {"seq_len": 32, "layout": "rows"}}))
+    assert rows.name == "step-000002"
+    text = (tmp_path / "rows" / "validation.csv").read_text()
+    assert "all" in text and len(text.splitlines()) > 1

@@ -43,9 +43,9 @@ from pathlib import Path
 
 from cse_models.hf import block_count
 from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.reproduction.arm_kinds import ARM_KINDS, OPTIONAL_FIELDS, TRUNK
 from ntkscope.reproduction.paper import ARCH_NAMES, row_keys
 from ntkscope.reproduction.settings import PRESETS, ReproduceSettings
-from ntkscope.reproduction.arm_kinds import ARM_KINDS, OPTIONAL_FIELDS, TRUNK
 from ntkscope.reproduction.sweep import NAMED_STEPS, Arm, Rule, Structure
 from ntkscope.reproduction.sweep_tables import Criteria
 
@@ -344,8 +344,8 @@ def _own_model(c: "_Checker", model: str) -> tuple[str, int]:
     config.json (of a layout :mod:`cse_models.hf` supports), weights and tokenizer.json; its
     resolved path and block count. Loading it is :func:`cse_models.hf.load_hf`'s."""
     path = Path(model) if Path(model).is_absolute() else Path(c.source).parent / model
-    rule = ("must name an HF causal LM directory (config.json with architectures, model.safetensors, "
-            "tokenizer.json), relative to the spec's folder")
+    rule = ("must name an HF causal LM directory (config.json, model.safetensors, tokenizer.json), relative to the "
+            "spec's folder")
     if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file() or not any(
             (path / w).is_file() for w in ("model.safetensors", "pytorch_model.bin")):
         if any(path.glob("checkpoint-*")):
