@@ -136,8 +136,9 @@ class Sweep:
     null arm's data order after the branch is seed + null_order (the trunk's is seed);
     ``encoder``: the frozen-encoder arm's HF encoder directory (default: the shipped MiniLM-L6);
     ``structure``: the consensus-structure rule (:class:`Structure`) that reads each trunk's
-    warm-up and layers instead of the single-fit ``rule`` (which its plan then records beside it).
-    Experiments build it from a spec (:mod:`ntkscope.experiments`), which checks these first."""
+    warm-up and layers instead of the single-fit ``rule`` (which its plan then records beside it);
+    ``model``: an HF causal LM directory every trunk starts from, its architecture in place of the
+    settings' GPT (the pack then tokenized by its tokenizer). Experiments build it from a spec (:mod:`ntkscope.experiments`), which checks these first."""
 
     def __init__(self, run_dir, settings: ReproduceSettings, arms, *, seeds, layers=(2, 3), gc_peak_step: int = 75,
                  rule: Rule = Rule(), null_order: int = 1000, pack=None, encoder=None,
