@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ntkscope.experiments import parse_spec, run_experiment
-from ntkscope.experiments.units import make_sweep
+from ntkscope.experiments.kinds import make_sweep
 from ntkscope.reproduction.sweep import Arm
 
 SETTINGS = {"steps": 30, "checkpoint_every": 10, "early_every": 0, "cse_samples": 64, "min_cluster_size": 5,

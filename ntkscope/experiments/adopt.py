@@ -11,7 +11,6 @@ tables are built from every finished record, as the committed ones were.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -92,18 +91,3 @@ def _table_records_from(source: Path) -> dict:
             record = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
             out.setdefault(f"{row['arch']}-{row['key']}-seed{row['seed']}", record)
     return out
-
-
-def table_records(spec: Spec, run_dir: Path) -> pd.DataFrame:
-    """The finished rows of a tables experiment, one per model and seed, in the paper's order
-    (architecture, seed, row)."""
-    rows = []
-    for arch in spec.archs:
-        for seed in spec.seeds:
-            for row in spec.rows:
-                name = f"{arch}-{row}-seed{seed}"
-                path = run_dir / "results" / f"{name}.json"
-                if path.is_file() and (read_state(run_dir, name) or {}).get("status") == "done":
-                    rows.append(json.loads(path.read_text()))
-    return pd.DataFrame(rows)
-

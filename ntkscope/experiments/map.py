@@ -13,7 +13,8 @@ import pandas as pd
 from ntkscope.core.files import write_json, write_table
 from ntkscope.experiments.runner import spec_pack
 from ntkscope.experiments.spec import Spec
-from ntkscope.experiments.units import make_sweep, units
+from ntkscope.experiments.kinds import make_sweep
+from ntkscope.experiments.units import units
 from ntkscope.plotting import save_figure
 from ntkscope.reproduction.map_figures import map_controls, map_curve, trunk_curves
 from ntkscope.reproduction.map_tables import count_verdicts, gains, read_results, verdicts

@@ -44,11 +44,10 @@ import torch
 
 from ntkscope.core.checks import UserError, fail
 from ntkscope.core.files import DirectoryLock, InUse, read_json_object, write_json, write_text
-from ntkscope.experiments.adopt import adopt_units, table_records
+from ntkscope.experiments.adopt import adopt_units
+from ntkscope.experiments.kinds import EXPERIMENT_KINDS
 from ntkscope.experiments.spec import EXECUTORS, SlurmSpec, Spec
-from ntkscope.experiments.units import Unit, execute, is_done, make_sweep, outputs, read_state, units, write_state
-from ntkscope.reproduction import paper
-from ntkscope.reproduction.sweep_tables import summarise
+from ntkscope.experiments.units import Unit, execute, is_done, outputs, read_state, units, write_state
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.table_pack import table_digest, table_pack, tokenizer_file
 
@@ -346,17 +345,9 @@ def summarise_experiment(spec: Spec, run_dir, *, pack=None) -> dict:
     missing = [u["name"] for u in experiment["units"]
                if not is_done(read_state(run_dir, u["name"]), Unit(u["name"], u["seed"], u["what"], key=u["key"]),
                               run_dir)]
-    if spec.kind == "sweep":
-        adopted = run_dir / "adopted" / "load.csv"
-        found = summarise(make_sweep(spec, run_dir, pack), earlier_load=adopted if adopted.is_file() else None,
-                          criteria=spec.criteria)
-    else:
-        runs = table_records(spec, run_dir)
-        tables = paper.tables_from_runs(runs, spec.settings)
-        for name, frame in tables.items():
-            write_text(run_dir / "tables" / f"{name}.csv", frame.to_csv(index=False))
-        write_text(run_dir / "tables" / "paper.md", paper.markdown(tables, spec.settings))
-        found = {"rows": len(runs)}
+    finished = {u["name"] for u in experiment["units"]
+                if (read_state(run_dir, u["name"]) or {}).get("status") == "done"}
+    found = EXPERIMENT_KINDS.get_one(spec.kind, func="summarise_experiment").summarise(spec, run_dir, pack, finished)
     write_json(run_dir / "tables" / "status.json", {"partial": bool(missing), "missing": missing,
                                                      "units": len(experiment["units"])})
     return found

@@ -43,13 +43,13 @@ from pathlib import Path
 
 from cse_models.hf import block_count
 from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.experiments.kinds import EXPERIMENT_KINDS
 from ntkscope.reproduction.arm_kinds import ARM_KINDS, OPTIONAL_FIELDS, TRUNK
 from ntkscope.reproduction.paper import ARCH_NAMES, row_keys
 from ntkscope.reproduction.settings import PRESETS, ReproduceSettings
 from ntkscope.reproduction.sweep import NAMED_STEPS, Arm, Rule, Structure
 from ntkscope.reproduction.sweep_tables import Criteria
 
-KINDS = ("sweep", "tables")
 MAX_SETTING = 2**31 - 1  # the largest integer setting (steps, sizes, counts)
 MAX_SEED = 2**31 - 1 - 10**6  # a seed plus the offsets units add to it (null_order) stays a 32-bit seed
 #: numeric settings that must be above 0 (every other one is at least 0); all must be finite
@@ -181,7 +181,7 @@ def parse_spec(data: dict, *, source: str = "<spec>") -> Spec:
     c.only(data, "", {"name", "kind", "preset", "seeds", "settings", "trunk", "arms", "criteria", "tables", "run",
                       "data"})
     name = c.text(data, "name", required=True)
-    kind = c.choice(data, "kind", KINDS, required=True)
+    kind = c.choice(data, "kind", list(EXPERIMENT_KINDS), required=True)
     preset = c.choice(data, "preset", sorted(PRESETS), required=True)
     settings = c.settings(data.get("settings", {}), PRESETS[preset])
     seeds = tuple(c.ints(data, "seeds", minimum=0, maximum=MAX_SEED, required=True))

@@ -1,4 +1,5 @@
-"""A spec's units, what each one needs first, and what each one does.
+"""A spec's units, what each one needs first, their keys and their states; what each kind of
+experiment's units are and do is its :class:`~ntkscope.experiments.kinds.ExperimentKind`'s.
 
 A unit is the smallest piece of an experiment that runs on its own and leaves a result:
 
@@ -15,7 +16,6 @@ the corpus pack's version and its needs' keys. A unit is done when ``RUN/units/N
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -23,13 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ntkscope.core.checks import UserError
-from ntkscope.core.files import read_json_object, sha256_file, write_json
+from ntkscope.core.files import read_json_object, write_json
+from ntkscope.experiments.kinds import EXPERIMENT_KINDS
 from ntkscope.experiments.spec import Spec
-from ntkscope.reproduction import paper
-from ntkscope.reproduction.pipeline import Reproduction
 from ntkscope.reproduction.settings import RUN_LOCAL
-from ntkscope.reproduction.arm_kinds import TRUNK, arm_kind
-from ntkscope.reproduction.sweep import Arm, Sweep, conversion_step
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +41,6 @@ class Unit:
     what: dict
     needs: tuple = ()
     key: str = ""
-
-
-def sweep_arms(spec: Spec) -> list[Arm]:
-    """The spec's arms, one per conversion step."""
-    return list(spec.arms)
 
 
 # ---- a unit's state: RUN/units/NAME.json ----------------------------------------------------
@@ -95,18 +87,9 @@ def is_done(state: dict | None, unit: Unit, run_dir=None) -> bool:
     return run_dir is None or not isinstance(result, str) or (Path(run_dir) / result).is_file()
 
 
-def model_digest(directory) -> str:
-    """The sha256 of an HF model directory's config.json and weights: a trunk that starts from
-    another model (or the same one changed) has another key."""
-    files = {name: sha256_file(Path(directory) / name) for name in ("config.json", "model.safetensors",
-                                                                      "pytorch_model.bin")
-             if (Path(directory) / name).is_file()}
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
 def units(spec: Spec, pack_version) -> list[Unit]:
     """Every unit of ``spec`` in the order they are started (a unit after what it needs), keyed."""
-    drafts = _sweep_units(spec) if spec.kind == "sweep" else _table_units(spec)
+    drafts = EXPERIMENT_KINDS.get_one(spec.kind, func="units").drafts(spec)
     # where a unit runs (device) and where models may come from (RUN_LOCAL) are not what it computes
     settings = {k: v for k, v in spec.settings.to_dict().items() if k not in RUN_LOCAL + ("seed", "seeds", "device")}
     keys, out = {}, []
@@ -118,97 +101,11 @@ def units(spec: Spec, pack_version) -> list[Unit]:
     return out
 
 
-def _sweep_units(spec: Spec) -> list:
-    arms, seeds_of = list(spec.arms), {a.name: a.seeds or spec.seeds for a in spec.arms}
-    trunk = next(a for a in arms if a.kind == TRUNK)
-    t = spec.trunk
-    drafts = []
-    own = {"model": model_digest(t.model)} if t.model else {}  # the preset's GPT: no key field (keys unchanged)
-    for seed in spec.seeds:
-        drafts.append((f"{trunk.name}-seed{seed}", seed, {"kind": "trunk", "arm": trunk.name,
-                                                          "gc_peak_step": t.gc_peak_step, **own}, []))
-    rule_seeds = sorted({s for a in arms if a.at == "rule" for s in seeds_of[a.name]})
-    structure = {} if t.structure is None else {"structure": dataclasses.asdict(t.structure)}
-    for seed in spec.seeds if t.structure is not None else rule_seeds:  # the structure rule is judged in every trunk
-        drafts.append((f"plan-seed{seed}", seed, {"kind": "plan", "layers": list(t.layers),
-                                                  "rule": dataclasses.asdict(t.rule), **structure},
-                       [f"{trunk.name}-seed{seed}"]))
-    for arm in arms:
-        if arm is trunk:
-            continue
-        for seed in seeds_of[arm.name]:
-            what = {"kind": "arm", **dataclasses.asdict(arm), "layers": list(arm.layers or t.layers),
-                    "at": conversion_step(arm.at, steps=spec.settings.steps, gc_peak_step=t.gc_peak_step),
-                    **arm_kind(arm.kind).key(t)}
-            del what["what"], what["seeds"]  # the tables' line and where it runs: not what the unit computes
-            if arm.counts_from is None:  # left out when unset, so that an arm without it keeps its key
-                del what["counts_from"]
-            needs = [f"{trunk.name}-seed{seed}"] + ([f"plan-seed{seed}"] if arm.at == "rule" else [])
-            drafts.append((f"{arm.name}-seed{seed}", seed, what, needs))
-    return drafts
-
-
-def _table_units(spec: Spec) -> list:
-    drafts = []
-    for arch in spec.archs:
-        for seed in spec.seeds:
-            for row in spec.rows:
-                if row == "dense":
-                    needs = []
-                elif row.startswith(("dense-", "switch-")):
-                    needs = [f"{arch}-{row.split('-', 1)[0]}-seed{seed}"]
-                else:
-                    needs = [f"{arch}-dense-seed{seed}"]
-                drafts.append((f"{arch}-{row}-seed{seed}", seed, {"kind": "row", "arch": arch, "row": row}, needs))
-    return drafts
-
-
-# ---- doing a unit ---------------------------------------------------------------------------
-
-def make_sweep(spec: Spec, run_dir, pack=None):
-    """The :class:`~ntkscope.reproduction.sweep.Sweep` of a sweep spec in ``run_dir``."""
-
-    t = spec.trunk
-    return Sweep(run_dir, spec.settings, sweep_arms(spec), seeds=spec.seeds, layers=t.layers,
-                 gc_peak_step=t.gc_peak_step, rule=t.rule, null_order=t.null_order, pack=pack,
-                 encoder=t.encoder or None, structure=t.structure, model=t.model or None)
-
-
-def make_reproduction(spec: Spec, run_dir, pack=None):
-    """The :class:`~ntkscope.reproduction.pipeline.Reproduction` of a tables spec in ``run_dir``."""
-
-    return Reproduction(run_dir, spec.settings.mode, settings=spec.settings, pack=pack)
-
-
 def execute(spec: Spec, run_dir: Path, unit: Unit, pack=None) -> dict:
-    """Do ``unit`` (its needs are done): train and evaluate; returns what the unit records."""
-    what = unit.what
-    if spec.kind == "tables":
-        rep = make_reproduction(spec, run_dir, pack)
-        rep.timings_path = run_dir / "timings" / f"{unit.name}.json"  # one file per unit: workers run side by side
-        rep.timings_path.parent.mkdir(parents=True, exist_ok=True)
-        found = paper.evaluate_row(rep, what["arch"], what["row"], unit.seed)
-        record = {"arch": what["arch"], "key": what["row"], "model": paper.row_label(what["arch"], what["row"]),
-                  "seed": unit.seed, **found}
-        write_json(run_dir / "results" / f"{unit.name}.json", record)
-        return {"result": f"results/{unit.name}.json"}
-    sweep = make_sweep(spec, run_dir, pack)
-    if what["kind"] == "plan":
-        plan = sweep.plan(unit.seed)
-        return {"result": f"plans/seed{unit.seed}.json", "warmup": int(plan.warmup_steps),
-                "warmup_rule": plan.warmup_rule}
-    arm = sweep.arm(what["arm"] if what["kind"] == "trunk" else what["name"])
-    result = sweep.run_unit(arm, unit.seed)
-    return {"result": f"results/{arm.name}-seed{unit.seed}.json",
-            **{k: v for k, v in result.items() if k.startswith("ppl") or k in ("warmup", "same_as")}}
+    """Do ``unit`` (its needs are done) through its experiment's kind; returns what the unit records."""
+    return EXPERIMENT_KINDS.get_one(spec.kind, func="execute").execute(spec, Path(run_dir), unit, pack)
 
 
 def outputs(spec: Spec, run_dir: Path, unit: Unit) -> list[Path]:
     """What ``unit`` writes in ``run_dir`` (moved aside when the unit must run again under another key)."""
-    if spec.kind == "tables":
-        name = paper.model_name(unit.what["arch"], unit.what["row"], unit.seed)
-        return [run_dir / "results" / f"{unit.name}.json", run_dir / "models" / name]
-    if unit.what["kind"] == "plan":
-        return [run_dir / "plans" / f"seed{unit.seed}.json"]
-    arm = unit.what["arm"] if unit.what["kind"] == "trunk" else unit.what["name"]
-    return [run_dir / "results" / f"{arm}-seed{unit.seed}.json", run_dir / "models" / f"{arm}-seed{unit.seed}"]
+    return EXPERIMENT_KINDS.get_one(spec.kind, func="outputs").outputs(spec, Path(run_dir), unit)
