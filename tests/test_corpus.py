@@ -277,3 +277,29 @@ def test_a_pack_of_the_researchers_table_is_reproducible_and_checked(tmp_path):
         table_pack(tmp_path / "c", table, label_column="domain", tail=["poetry"])
     with pytest.raises(UserError, match="validation has none of"):
         table_pack(tmp_path / "d", table, label_column="domain", validation=0.001)
+
+
+def test_a_table_pack_takes_the_researchers_own_tokenizer(tmp_path):
+    """`corpus from-table --tokenizer`: the pack's tokenizer.json is the one given, byte for byte,
+    the manifest says so, and a path that holds none is one line."""
+    import json
+
+    from commandline import in_process
+
+    from ntkscope.text.corpus.pack import load_pack
+
+    records = load_pack().records("train")
+    rows = [{"text": r.text, "domain": "prose"} for r in records if r.domain == "general"][:200]
+    rows += [{"text": r.text, "domain": "licence"} for r in records if r.domain == "legal"][:60]
+    table = tmp_path / "rows.jsonl"
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    given = load_pack().path / "tokenizer.json"
+    made = in_process("corpus", "from-table", tmp_path / "pack", table, "--label-column", "domain", "--tokenizer",
+                      given)
+    assert made.returncode == 0, made.stderr[-2000:]
+    pack = load_pack(tmp_path / "pack")
+    assert (tmp_path / "pack" / "tokenizer.json").read_bytes() == given.read_bytes()
+    assert pack.manifest["tokenizer"]["kind"].startswith("given") and "tokenizer" in pack.manifest["options"]
+    bad = in_process("corpus", "from-table", tmp_path / "other", table, "--label-column", "domain", "--tokenizer",
+                     tmp_path)
+    assert bad.returncode == 1 and "tokenizer must be a tokenizer.json or a directory holding one" in bad.stderr

@@ -36,7 +36,7 @@ def _corpus_build(args) -> int:
 def _corpus_from_table(args) -> int:
     out = table_pack(args.out, args.table, text_column=args.text_column, label_column=args.label_column,
                      tail=args.tail.split(",") if args.tail else None, validation=args.validation, test=args.test,
-                     vocab_size=args.vocab_size, seed=args.seed, overwrite=args.force)
+                     vocab_size=args.vocab_size, seed=args.seed, tokenizer=args.tokenizer, overwrite=args.force)
     m = load_pack(out).manifest
     print(f"wrote {out} (version {m['version']}): {m['table']['rows_kept']} rows of {args.table}; domains "
           f"{sorted(m['domains'])}, the long tail {m['tail']} ({100 * m['share_measured']:.1f} % of the words); "
@@ -119,6 +119,8 @@ def add_parsers(sub) -> None:
     own.add_argument("--validation", type=float, default=0.1, help="share of the rows held out for validation")
     own.add_argument("--test", type=float, default=0.1, help="share of the rows held out for testing")
     own.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained on the train split")
+    own.add_argument("--tokenizer", help="your model's tokenizer.json (or its HF directory): the pack's tokenizer as "
+                     "it is, instead of a BPE trained here")
     own.add_argument("--seed", type=int, default=0, help="fixes the split")
     own.add_argument("--force", action="store_true", help="replace OUT if it exists")
     own.set_defaults(run=_corpus_from_table)

@@ -36,7 +36,7 @@ class ArmKind:
     """One kind of arm. ``name`` (what a spec's ``kind`` says); ``train(sweep, arm, seed, at,
     every)`` trains the arm of ``seed`` from its trunk's checkpoint at step ``at``, keeping a
     checkpoint every ``every`` steps to resume from, and returns its last checkpoint (None for
-    the trunk); ``what``: one line for the docs and the spec's errors; ``fields``: the
+    the trunk); ``what``: one line saying what the kind is; ``fields``: the
     :data:`OPTIONAL_FIELDS` it reads; ``key(trunk)``: what its units' keys hold beyond the arm
     (``trunk``: the spec's :class:`~ntkscope.experiments.spec.TrunkSpec`)."""
 
