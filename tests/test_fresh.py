@@ -66,3 +66,16 @@ def test_a_map_of_two_builds_is_not_judged():
     rule = trunks[(trunks["signal"].str.startswith("rule")) & (trunks["seed"] == 5) & (trunks["family"] == "warmup-fresh")]
     assert rule["verdict"].tolist() == ["not decided"] and found["rule_on_fresh_trunks"]["verdict"] == "not decided"
 
+
+
+def test_a_family_that_can_no_longer_reach_its_count_decides_not_shown_before_the_rest_runs():
+    """Verdict 1 needs 2 of 3 good trunks in the half family: once all three are judged with one
+    good, no other trunk can change it (not shown), while a map that can still pass stays not
+    decided."""
+    half = family("warmup-fresh-half", bad=(6, 7))
+    partial = [family("warmup-fresh", drop=(5, 1800)), half, family("warmup-fresh-mix", drop=(5, 1800))]
+    rule = fresh_verdicts(partial, THRESHOLDS)[0]["rule_on_fresh_trunks"]
+    assert rule["verdict"] == "not shown" and rule["judged"] == 9
+    assert rule["decided_by"] == ["warmup-fresh-half: 1 good of 3 trunks, below 2"]
+    only_half = fresh_verdicts([family("warmup-fresh-half", bad=(7,))], THRESHOLDS)[0]["rule_on_fresh_trunks"]
+    assert only_half["verdict"] == "not decided" and "decided_by" not in only_half

@@ -83,7 +83,9 @@ def trunk_rows(family: Family, thresholds: dict) -> list:
 
 
 def fresh_verdicts(families: list, thresholds: dict) -> tuple:
-    """(verdicts, trunks): CRITERIA.md's verdicts 1-5 over ``families``, and the per-trunk table."""
+    """(verdicts, trunks): CRITERIA.md's verdicts 1-5 over ``families``, and the per-trunk table.
+    Verdict 1 is "not shown" as soon as the trunks not yet judged can no longer make it hold
+    (``decided_by`` says which count fell short); "shown" waits for every trunk."""
     trunks = pd.DataFrame([r for f in families for r in trunk_rows(f, thresholds)])
     rule_name = "rule: " + CROSS_VALIDATED["signal"]
     out = {"rule": {"signal": CROSS_VALIDATED["signal"], "threshold": CROSS_VALIDATED["threshold"]},
@@ -97,12 +99,19 @@ def fresh_verdicts(families: list, thresholds: dict) -> tuple:
                   for f, n in FAMILIES.items()}
     entry = {"good": int(len(good)), "judged": int(len(decided)), "planned": planned, "per_family": per_family,
              "needs": f"{NEED_ALL} of {planned}, and {NEED_EACH} of 3 in each of warmup-fresh-half and warmup-fresh-mix"}
-    if len(decided) < planned:
-        entry["verdict"] = "not decided"
-    else:
-        shown = len(good) >= NEED_ALL and all(per_family[f]["good"] >= NEED_EACH
-                                              for f in ("warmup-fresh-half", "warmup-fresh-mix"))
+    each = ("warmup-fresh-half", "warmup-fresh-mix")
+    shown = len(good) >= NEED_ALL and all(per_family[f]["good"] >= NEED_EACH for f in each)
+    short = [f for f in each if per_family[f]["good"] + per_family[f]["trunks"] - per_family[f]["judged"] < NEED_EACH]
+    if len(good) + planned - len(decided) < NEED_ALL:
+        short.append(f"{len(good)} good of {len(decided)} judged: {NEED_ALL} of {planned} out of reach")
+    if len(decided) == planned:
         entry["verdict"] = "shown" if shown else "not shown"
+    elif not short:  # shown waits for every trunk
+        entry["verdict"] = "not decided"
+    else:  # whatever the trunks not yet judged give, the criterion can no longer be met
+        entry["verdict"] = "not shown"
+        entry["decided_by"] = [f"{f}: {per_family[f]['good']} good of {per_family[f]['trunks']} trunks, below "
+                               f"{NEED_EACH}" if f in per_family else f for f in short]
     out["rule_on_fresh_trunks"] = entry
     half = rule[rule["family"] == "warmup-fresh-half"] if len(rule) else rule
     out["step_or_position"] = {

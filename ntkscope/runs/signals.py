@@ -223,7 +223,8 @@ CROSS_VALIDATED = {
     "cv_record": {"schedule-fraction": 6, "lr-fraction": 2, "loss-plateau": 2, "tail-slope-ratio": 1,
                   "consensus-structure": 2, "cluster-count": 0},
     "on": "leave-one-trunk-out over the warm-up map's 7 trunks (4 x 128 GPT, 2400-step cosine, one H200 build)",
-    "fresh": "not decided: running on the CPU build, no trunk judged yet (figures/warmup-map/fresh)",
+    "fresh": "not shown: on the CPU build's 1200-step schedule it was good in 1 of 3 trunks (2 needed), the gain "
+             "peaking at step 900 in 2 of them (figures/warmup-map/fresh)",
 }
 
 

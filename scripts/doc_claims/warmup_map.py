@@ -297,8 +297,15 @@ def _signals(folder) -> dict:
     if fresh.is_file():
         v = json.loads(fresh.read_text())["rule_on_fresh_trunks"]
         done = sum(json.loads(p.read_text()).get("status") == "done" for p in fresh.parent.glob("*/units/*.json"))
-        out["map.fresh.verdict"] = (f"{v['verdict']} ({done} units done so far on the CPU build; the rule good in "
-                                    f"{v['good']} of the {v['judged']} trunks judged, of {v['planned']})")
+        decided = "".join(f"; {d}" for d in v.get("decided_by", []))
+        out["map.fresh.verdict"] = (f"{v['verdict']}{decided} ({done} units done so far on the CPU build; the rule "
+                                    f"good in {v['good']} of the {v['judged']} trunks judged, of {v['planned']})")
+        best = json.loads(fresh.read_text())["step_or_position"]["best_fraction"]
+        steps = sorted(round(1200 * f) for f in best.values() if f is not None)  # the half family's 1200 steps
+        if steps:
+            counts = {s: steps.count(s) for s in sorted(set(steps))}
+            out["map.fresh.half_best"] = " and ".join(f"{s} in {n}" for s, n in counts.items()) + \
+                f" of {len(best)} trunks"
     else:
         out["map.fresh.verdict"] = "not yet run"
     return out
