@@ -300,6 +300,17 @@ def _signals(folder) -> dict:
         decided = "".join(f"; {d}" for d in v.get("decided_by", []))
         out["map.fresh.verdict"] = (f"{v['verdict']}{decided} ({done} units done so far on the CPU build; the rule "
                                     f"good in {v['good']} of the {v['judged']} trunks judged, of {v['planned']})")
+        trunks = pd.read_csv(fresh.parent / "trunks.csv")
+        rule_rows = trunks[trunks["signal"].str.startswith("rule") & trunks["verdict"].isin(["good", "not good"])]
+        table = ["| family | seed | best step (tail gain) | the rule's step (tail gain) | share of the best | verdict |",
+                 "|---|---|---|---|---|---|"]
+        for r in rule_rows.itertuples():
+            table.append(f"| `{r.family}` | {r.seed} | {int(r.best_step)} ({_pct(r.best_gain)}) | {int(r.step)} "
+                         f"({_pct(r.gain)}) | {100 * r.gain / r.best_gain:.0f} % | {r.verdict} |")
+        out["map.fresh.table"] = "\n".join(table)
+        short = sorted(100 * r.gain / r.best_gain for r in rule_rows.itertuples() if r.verdict == "not good")
+        if short:
+            out["map.fresh.short_share"] = f"{short[0]:.0f}–{short[-1]:.0f} %" if len(short) > 1 else f"{short[0]:.0f} %"
         best = json.loads(fresh.read_text())["step_or_position"]["best_fraction"]
         steps = sorted(round(1200 * f) for f in best.values() if f is not None)  # the half family's 1200 steps
         if steps:
