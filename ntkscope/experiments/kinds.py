@@ -22,7 +22,7 @@ from ntkscope.core.registry import Registry
 from ntkscope.reproduction import paper
 from ntkscope.reproduction.arm_kinds import TRUNK, arm_kind
 from ntkscope.reproduction.pipeline import Reproduction
-from ntkscope.reproduction.sweep import Arm, Sweep, conversion_step
+from ntkscope.reproduction.sweep import Sweep, conversion_step
 from ntkscope.reproduction.sweep_tables import summarise
 
 
@@ -51,11 +51,6 @@ def model_digest(directory) -> str:
                                                                       "pytorch_model.bin")
              if (Path(directory) / name).is_file()}
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
-def sweep_arms(spec) -> list[Arm]:
-    """The spec's arms, one per conversion step."""
-    return list(spec.arms)
 
 
 def sweep_drafts(spec) -> list:
@@ -108,7 +103,7 @@ def table_drafts(spec) -> list:
 def make_sweep(spec, run_dir, pack=None):
     """The :class:`~ntkscope.reproduction.sweep.Sweep` of a sweep spec in ``run_dir``."""
     t = spec.trunk
-    return Sweep(run_dir, spec.settings, sweep_arms(spec), seeds=spec.seeds, layers=t.layers,
+    return Sweep(run_dir, spec.settings, list(spec.arms), seeds=spec.seeds, layers=t.layers,
                  gc_peak_step=t.gc_peak_step, rule=t.rule, null_order=t.null_order, pack=pack,
                  encoder=t.encoder or None, structure=t.structure, model=t.model or None)
 

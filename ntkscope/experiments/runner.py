@@ -43,7 +43,7 @@ import pandas as pd
 import torch
 
 from ntkscope.core.checks import UserError, fail
-from ntkscope.core.files import DirectoryLock, InUse, read_json_object, write_json, write_text
+from ntkscope.core.files import DirectoryLock, InUse, read_json_object, sha256_file, write_json, write_text
 from ntkscope.experiments.adopt import adopt_units
 from ntkscope.experiments.kinds import EXPERIMENT_KINDS
 from ntkscope.experiments.spec import EXECUTORS, SlurmSpec, Spec
@@ -323,7 +323,7 @@ def spec_pack(spec: Spec, run_dir, pack=None, *, build: bool = True, func: str =
         return target
     wanted = {"table": {"sha256": table_digest(d.table), "text_column": d.text_column, "label_column": d.label_column},
               "options": {"validation": d.validation, "test": d.test,
-                          **({"tokenizer": table_digest(tokenizer_file(spec.trunk.model))} if spec.trunk.model
+                          **({"tokenizer": sha256_file(tokenizer_file(spec.trunk.model))} if spec.trunk.model
                              else {"vocab_size": d.vocab_size})},
               "tail": list(d.tail)}
     if (target / "manifest.json").is_file():

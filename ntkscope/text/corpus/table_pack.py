@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from ntkscope.core.checks import check_fraction, check_positive_int, entry, fail
+from ntkscope.core.files import sha256_file
 from ntkscope.text.corpus.pack import (PACK_FORMAT, SPLITS, bpe_record, domain_records, jsonl_gz, sealed, split_of,
                                       write_atomic_dir)
 from ntkscope.text.corpus.text import Record, count_words
@@ -89,7 +90,7 @@ def table_pack(out, table, *, text_column: str = "text", label_column: str = "la
     else:
         given = tokenizer_file(tokenizer)
         files["tokenizer.json"] = given.read_bytes()
-        tokenizer_record = {"kind": "given (HF tokenizers)", "from": str(given), "sha256": table_digest(given),
+        tokenizer_record = {"kind": "given (HF tokenizers)", "from": str(given), "sha256": sha256_file(given),
                             "vocab_size": load_tokenizer(given).vocab_size}
         options = {"tokenizer": tokenizer_record["sha256"]}
     files["LICENSES.md"] = (f"# Licences\n\nEvery text of this pack is a row of `{name}` (sha256 "
