@@ -34,8 +34,9 @@ from cse_models.checkpointing import expert_source
 from cse_models.hf import LAYOUTS, SparseHF, child_module, layout_blocks, saved_layout
 from cse_models.hf_weights import named_tensors
 from cse_models.model import check_expert_copies
-from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.core.checks import MissingInput, UserError, fail, renamed_keys
 from ntkscope.core.files import read_json_object, write_json
+from ntkscope.representation.plan import plan_step
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +181,8 @@ def _check_fitting(fitting) -> None:
 
 
 class SparseCallback(_callback_base()):
-    """Convert the model at step ``at`` of ``Trainer.train()`` (``plan``: a plan JSON whose
-    ``warmup_steps`` and ``layers`` give ``at`` and the layers when they are not given), with
+    """Convert the model at step ``convert_at`` of ``Trainer.train()`` (``plan``: a plan JSON whose
+    ``convert_at`` and ``layers`` give the step and the layers when they are not given), with
     :func:`convert_in_training`'s ``kind``, ``module`` ("ffn", or "attn": MoA, CSE or DEMix),
     ``fitting`` ({"input_ids": (N, T)[, "attention_mask"]}, CSE), ``router``, ``n_experts`` and
     ``seed``; record the sparse layers in every checkpoint saved after it (module docstring).
@@ -190,19 +191,21 @@ class SparseCallback(_callback_base()):
     ``TrainingArguments(remove_unused_columns=False)``, so Trainer passes it), which the model
     takes off the call before the HF forward."""
 
-    def __init__(self, *, at: int | None = None, plan=None, kind: str = "cse", layers=None, fitting: dict | None = None,
-                 router: dict | None = None, n_experts: int = 2, seed: int = 0, module: str = "ffn",
-                 domains=None):
+    def __init__(self, *, convert_at: int | None = None, plan=None, kind: str = "cse", layers=None,
+                 fitting: dict | None = None, router: dict | None = None, n_experts: int = 2, seed: int = 0,
+                 module: str = "ffn", domains=None, at: int | None = None):
+        given = {k: v for k, v in (("convert_at", convert_at), ("at", at)) if v is not None}
+        at = renamed_keys(given, {"at": "convert_at"}, "SparseCallback").get("convert_at")  # at: the old name
         if plan is not None:
             if not Path(plan).is_file():
                 raise MissingInput(f"SparseCallback: plan {plan} does not exist (a plan JSON: ntkscope plan RUN --out "
                                    "plan.json)")
             data = read_json_object(Path(plan), "SparseCallback")
-            at = at if at is not None else data.get("warmup_steps")
+            at = at if at is not None else plan_step(data)
             layers = layers if layers is not None else data.get("layers")
         if not isinstance(at, int) or at < 1:
-            raise UserError(f"SparseCallback: at must be the step to convert at, a positive integer, or come from "
-                            f"plan's warmup_steps (got {at!r})")
+            raise fail("SparseCallback", "convert_at", "must be the step to convert at, a positive integer, or come "
+                       "from the plan's convert_at", at)
         if not layers:
             raise UserError("SparseCallback: layers must name the blocks to make sparse (or come from plan)")
         if kind not in ("cse", "switch", "demix"):
@@ -222,7 +225,7 @@ class SparseCallback(_callback_base()):
                             "({'input_ids': (N, T) token ids[, 'attention_mask']})")
         if fitting:
             _check_fitting(fitting)
-        self.at, self.kind, self.module, self.layers = at, kind, module, [int(i) for i in layers]
+        self.convert_at, self.kind, self.module, self.layers = at, kind, module, [int(i) for i in layers]
         self.domains = None if domains is None else list(domains)
         self.plan = None if plan is None else str(plan)
         self.fitting, self.router, self.n_experts, self.seed = fitting, router, n_experts, seed
@@ -238,7 +241,7 @@ class SparseCallback(_callback_base()):
         self.resumed = Path(checkpoint)
         if self.sparse is not None:
             saved = read_json_object(self.resumed / SIDECAR, "SparseCallback.restore")
-            self.converted_at = saved.get("converted_at", self.at)
+            self.converted_at = saved.get("converted_at", self.convert_at)
         return self.sparse
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -270,22 +273,23 @@ class SparseCallback(_callback_base()):
             blocks = layout_blocks(model, layout)
             check_expert_copies([(child_module(blocks[i], layout.ffn), self.n_experts) for i in self.layers],
                                 f"SparseCallback: n_experts {self.n_experts} at layers {self.layers}")
-        if self.at > args.max_steps > 0:
+        if self.convert_at > args.max_steps > 0:
             log.warning("SparseCallback: the run stops at step %d, before the conversion at step %d", args.max_steps,
-                        self.at)
+                        self.convert_at)
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         """A run resumed at or after the step from a checkpoint saved before the conversion (a
         dense one): convert before its first step, so that it trains as the uninterrupted run
         would from the step on (later than planned when the checkpoint is later: logged)."""
-        if self.sparse is None and state.global_step >= self.at:
-            if state.global_step > self.at:
+        if self.sparse is None and state.global_step >= self.convert_at:
+            if state.global_step > self.convert_at:
                 log.warning("SparseCallback: the run resumed at step %d, after the conversion step %d, from a dense "
-                            "checkpoint: converting now, at step %d", state.global_step, self.at, state.global_step)
+                            "checkpoint: converting now, at step %d", state.global_step, self.convert_at,
+                            state.global_step)
             self._convert(model, optimizer, state.global_step)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if self.sparse is None and state.global_step == self.at:
+        if self.sparse is None and state.global_step == self.convert_at:
             self._convert(model, optimizer, state.global_step)
 
     def _convert(self, model, optimizer, step: int) -> None:
@@ -309,12 +313,13 @@ class SparseCallback(_callback_base()):
             if not folder.is_dir():
                 return
             write_json(folder / SIDECAR, {**self.sparse.config.section(), "converted_at": self.converted_at,
-                                          "planned_at": self.at, "plan": self.plan})
+                                          "planned_at": self.convert_at, "plan": self.plan})
             write_json(folder / "config.json", self.sparse.config_json())
 
     def save(self, directory) -> Path:
         """The converted model in :meth:`~cse_models.SparseHF.save_pretrained`'s format."""
         if self.sparse is None:
-            raise UserError(f"SparseCallback.save: the model was not converted (the run did not reach step {self.at})")
+            raise UserError(f"SparseCallback.save: the model was not converted (the run did not reach step "
+                            f"{self.convert_at})")
         return self.sparse.save_pretrained(directory)
 

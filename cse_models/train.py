@@ -333,11 +333,11 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
     upcyclable = sparse is not None and sparse.kind in ("switch", "demix")
     if cfg.upcycle and (not upcyclable or (sparse.kind == "switch" and not cfg.upcycle.n_experts)):
         raise UserError(f"train: upcycle needs a Switch or DEMix model (n_experts 0 until then) and upcycle = "
-                        f"{{at: STEP, n_experts: K >= 1 (Switch)}} (got sparse "
+                        f"{{convert_at: STEP, n_experts: K >= 1 (Switch)}} (got sparse "
                         f"{None if sparse is None else sparse.kind!r}, upcycle {asdict(cfg.upcycle)!r})")
     if upcyclable and not cfg.upcycle and sparse.experts_at(sparse.layers[0]) == 0:
         raise UserError(f"train: a {sparse.kind} model with n_experts 0 is dense until upcycled; give upcycle = "
-                        "{at: STEP, n_experts: K} or n_experts >= 1")
+                        "{convert_at: STEP, n_experts: K} or n_experts >= 1")
     if sparse is not None and sparse.kind == "demix" and list(sparse.domains) != list(blocks.domain_names):
         raise UserError(f"train: a DEMix model's domains must be the data's domains in order "
                         f"{list(blocks.domain_names)} (expert j serves domain label j; got {sparse.domains!r})")
@@ -345,8 +345,8 @@ def _train(cfg: TrainConfig, callbacks) -> Path:
             len(cfg.cse.n_clusters) != len(sparse.layers) or cfg.cse.rule != "hdbscan"):
         raise UserError(f"train: cse.n_clusters needs one count per sparse layer {list(sparse.layers)} and rule "
                         f"'hdbscan' (got {cfg.cse.n_clusters!r} with rule {cfg.cse.rule!r})")
-    convert_at = (cfg.cse.warmup_steps if sparse is not None and sparse.kind == "cse" else
-                  cfg.upcycle.at if upcyclable else None)
+    convert_at = (cfg.cse.convert_at if sparse is not None and sparse.kind == "cse" else
+                  cfg.upcycle.convert_at if upcyclable else None)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_json(out_dir / "train_config.json", asdict(cfg))

@@ -20,7 +20,7 @@ import yaml
 from cse_models.config import from_fields
 from cse_models.data import LAYOUTS
 from cse_models.hf import architecture
-from ntkscope.core.checks import MissingInput, UserError, fail
+from ntkscope.core.checks import MissingInput, UserError, fail, renamed_keys
 from ntkscope.gc.options import GCOptions
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.representation.plan import Plan
@@ -67,11 +67,11 @@ class DataConfig:
 
 @dataclass
 class CSEConfig:
-    """When and how a CSE model's router is fitted: at step ``warmup_steps`` (an int, "auto": the
+    """When and how a CSE model's router is fitted: at step ``convert_at`` (an int, "auto": the
     plan's, or None: never), on ``n_samples`` training blocks, by
     :func:`~cse_models.cse.convert_to_cse` with the rest of the fields."""
 
-    warmup_steps: int | str | None = None
+    convert_at: int | str | None = None
     n_samples: int = 3000
     rule: str = "hdbscan"
     representation: str = "centred-cosine"
@@ -86,11 +86,11 @@ class CSEConfig:
     n_clusters: list | None = None  # each sparse layer's experts fixed (fit_router's n_clusters); None: the rule's
 
     def __post_init__(self):
-        if not (self.warmup_steps is None or self.warmup_steps == "auto" or (
-                isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool)
-                and self.warmup_steps >= 0)):
-            raise UserError(f"TrainConfig: cse.warmup_steps must be a step >= 0, 'auto' (the plan's) or null "
-                            f"(got {self.warmup_steps!r})")
+        if not (self.convert_at is None or self.convert_at == "auto" or (
+                isinstance(self.convert_at, int) and not isinstance(self.convert_at, bool)
+                and self.convert_at >= 0)):
+            raise fail("TrainConfig", "cse.convert_at", "must be a step >= 0, 'auto' (the plan's) or null",
+                       self.convert_at)
         _positive("cse.n_samples", self.n_samples)
         if not isinstance(self.shuffled, bool):
             raise UserError(f"TrainConfig: cse.shuffled must be true or false (got {self.shuffled!r})")
@@ -102,24 +102,25 @@ class CSEConfig:
 
     def router_options(self) -> dict:
         """The fields :func:`~cse_models.cse.convert_to_cse` takes."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("warmup_steps", "n_samples")}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("convert_at", "n_samples")}
 
 
 @dataclass
 class UpcycleConfig:
-    """Switch or DEMix from a dense run (sparse upcycling): at step ``at``, each dense module copied
+    """Switch or DEMix from a dense run (sparse upcycling): at step ``convert_at``, each dense module copied
     into ``n_experts`` experts (Switch: one count, or one per sparse layer, e.g. CSE's; DEMix: one
     per domain). ``preserving`` (Switch, default true): the gate renormalised to 1 and no token
     dropped in evaluation, so the model's function is unchanged at conversion (false: the classic
-    softmax-scaled gate). Empty (``at`` None): no upcycling."""
+    softmax-scaled gate). Empty (``convert_at`` None): no upcycling."""
 
-    at: int | None = None
+    convert_at: int | None = None
     n_experts: int | list | None = None
     preserving: bool = True
 
     def __post_init__(self):
-        if self.at is not None and (isinstance(self.at, bool) or not isinstance(self.at, int) or self.at < 0):
-            raise UserError(f"TrainConfig: upcycle.at must be a step >= 0 (got {self.at!r})")
+        at = self.convert_at
+        if at is not None and (isinstance(at, bool) or not isinstance(at, int) or at < 0):
+            raise fail("TrainConfig", "upcycle.convert_at", "must be a step >= 0", at)
         if isinstance(self.n_experts, (list, tuple)):
             if not self.n_experts:
                 raise UserError("TrainConfig: upcycle.n_experts must be a count, or one count per sparse layer "
@@ -131,11 +132,11 @@ class UpcycleConfig:
             _positive("upcycle.n_experts", self.n_experts)
         if not isinstance(self.preserving, bool):
             raise UserError(f"TrainConfig: upcycle.preserving must be true or false (got {self.preserving!r})")
-        if self.at is None and self.n_experts is not None:
-            raise UserError(f"TrainConfig: upcycle needs at: STEP (got n_experts {self.n_experts} alone)")
+        if self.convert_at is None and self.n_experts is not None:
+            raise UserError(f"TrainConfig: upcycle needs convert_at: STEP (got n_experts {self.n_experts} alone)")
 
     def __bool__(self) -> bool:
-        return self.at is not None
+        return self.convert_at is not None
 
 
 @dataclass
@@ -216,6 +217,11 @@ def _positive(name: str, value) -> None:
         raise UserError(f"TrainConfig: {name} must be a positive integer (got {value!r})")
 
 
+#: the conversion step's old names, per section, read as ``convert_at`` with a warning
+#: (:meth:`TrainConfig.from_record` reads a recorded config's silently)
+RENAMED = {"cse": {"warmup_steps": "convert_at"}, "upcycle": {"at": "convert_at"}}
+
+
 def _section(cls, name: str, value):
     """A sub-configuration from its mapping (or as it is), unknown keys refused in one line."""
     if isinstance(value, cls):
@@ -224,6 +230,7 @@ def _section(cls, name: str, value):
         value = {}
     if not isinstance(value, dict):
         raise UserError(f"TrainConfig: {name} must be a mapping (got {type(value).__name__})")
+    value = renamed_keys(value, RENAMED.get(name, {}), f"TrainConfig: {name}")
     return from_fields(cls, value, f"TrainConfig: {name} has")
 
 
@@ -243,13 +250,13 @@ class TrainConfig:
     #                                            LM directory (model.sparse then says what to convert)
     upcycle: UpcycleConfig = field(default_factory=UpcycleConfig)
     track: TrackConfig = field(default_factory=TrackConfig)  # GC during training (OUT/track/gc.csv)
-    plan: str | None = None                    # an ntkscope plan: sparse.layers / cse.warmup_steps "auto"
+    plan: str | None = None                    # an ntkscope plan: sparse.layers / cse.convert_at "auto"
     steps: int = 1000
     stop_at: int | None = None                # stop (with a checkpoint) after this many steps of the `steps` schedule
     batch_size: int = 32
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
+    warmup_steps: int = 50                    # the learning rate's linear warm-up (not the conversion step)
     lr_schedule: str = "cosine"               # after the warm-up, to min_lr_ratio at `steps`: cosine | linear | constant
     weight_decay: float = 0.1
     betas: tuple = (0.9, 0.95)
@@ -293,9 +300,10 @@ class TrainConfig:
         the value the run's own code had, where that is not today's default (an upcycling recorded
         before ``upcycle.preserving`` existed was the classic softmax gate), and every other one its
         default."""
-        data = dict(data)
+        data = {k: renamed_keys(v, RENAMED[k], f"TrainConfig: {k}", warn=False) if k in RENAMED else v
+                for k, v in data.items()}
         upcycle = data.get("upcycle")
-        if isinstance(upcycle, dict) and upcycle.get("at") is not None and "preserving" not in upcycle:
+        if isinstance(upcycle, dict) and upcycle.get("convert_at") is not None and "preserving" not in upcycle:
             data["upcycle"] = {**upcycle, "preserving": False}
         return cls.from_dict(data)
 
@@ -337,11 +345,11 @@ class TrainConfig:
 
 
 def apply_plan(cfg: TrainConfig) -> TrainConfig:
-    """Resolve ``sparse.layers: auto``, ``sparse.module: auto`` and ``cse.warmup_steps: auto``
+    """Resolve ``sparse.layers: auto``, ``sparse.module: auto`` and ``cse.convert_at: auto``
     from the plan file (written by ``ntkscope plan``)."""
     sparse = (cfg.model or {}).get("sparse") or {}
     wants = [k for k in ("layers", "module") if sparse.get(k) == "auto"] + \
-        (["warmup_steps"] if cfg.cse.warmup_steps == "auto" else [])
+        (["convert_at"] if cfg.cse.convert_at == "auto" else [])
     if not wants:
         return cfg
     if not cfg.plan:
@@ -355,17 +363,17 @@ def apply_plan(cfg: TrainConfig) -> TrainConfig:
         sparse["n_experts"] = [0] * len(plan.layers)
     if sparse.get("module") == "auto":
         sparse["module"] = plan.module
-    if cfg.cse.warmup_steps == "auto":
-        if plan.warmup_steps is None:
-            raise UserError(f"TrainConfig: cse.warmup_steps is 'auto' but plan {cfg.plan} has no warm-up "
+    if cfg.cse.convert_at == "auto":
+        if plan.convert_at is None:
+            raise UserError(f"TrainConfig: cse.convert_at is 'auto' but plan {cfg.plan} has no conversion step "
                             "(it was made without a GC series)")
-        cfg.cse.warmup_steps = warmup_after(cfg.init_from, int(plan.warmup_steps), cfg.plan)
-    said = (str(cfg.plan), tuple(sparse["layers"]), cfg.cse.warmup_steps)
-    warmup = cfg.cse.warmup_steps
+        cfg.cse.convert_at = warmup_after(cfg.init_from, int(plan.convert_at), cfg.plan)
+    said = (str(cfg.plan), tuple(sparse["layers"]), cfg.cse.convert_at)
+    warmup = cfg.cse.convert_at
     # info once per plan and outcome in a process (compare applies one plan to every arm), debug after
     log.log(logging.DEBUG if said in _PLANS_SAID else logging.INFO, "plan %s: CSE layers %s (%s), %s", cfg.plan,
             sparse["layers"], plan.chosen_by,
-            f"warm-up {warmup} steps" if isinstance(warmup, int) else "its warm-up not used (none asked)")
+            f"converting at step {warmup}" if isinstance(warmup, int) else "its conversion step not used (none asked)")
     _PLANS_SAID.add(said)
     return cfg
 
@@ -388,10 +396,10 @@ def check_plan(cfg: TrainConfig, model, tokenizer) -> None:
     """Refuse a plan measured on a model with another number of layers (its layer indices do not
     transfer), and warn, one line each, where the architecture or tokenizer differs from what the
     plan was measured on, or where the conversion falls at or after the run's last step."""
-    warmup, sparse = cfg.cse.warmup_steps, model.config.sparse
+    warmup, sparse = cfg.cse.convert_at, model.config.sparse
     if sparse is not None and sparse.kind == "cse" and isinstance(warmup, int) and warmup >= cfg.steps \
             and not any(sparse.n_experts):
-        log.warning("cse.warmup_steps %d is at or beyond the run's %d steps: this run stays dense (the CSE layers "
+        log.warning("cse.convert_at %d is at or beyond the run's %d steps: this run stays dense (the CSE layers "
                     "are never built)", warmup, cfg.steps)
     if not cfg.plan:
         return

@@ -3,7 +3,7 @@
 A GPT-NeoX (Pythia's architecture) trains with Hugging Face's ``Trainer`` on labelled text (the
 corpus pack that ships with ntkscope stands in for your table: a ``text`` and a ``domain``
 column). ``SparseCallback`` converts it to CSE at the warm-up step inside ``trainer.train()``
-(from ``--plan``, a plan that ``ntkscope plan`` wrote, or ``--warmup`` and ``--layers``). The
+(from ``--plan``, a plan that ``ntkscope plan`` wrote, or ``--convert-at`` and ``--layers``). The
 result is saved, read back with ``AutoModelForCausalLM.from_pretrained``, asked to
 ``generate``, and the expert report says what its experts learned of the domains::
 
@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--warmup", type=int, default=300, help="the step to convert at (default: half of --steps)")
+    parser.add_argument("--convert-at", type=int, default=300, help="the step to convert at (default: 300)")
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--plan", help="a plan.json from `ntkscope plan`: its warm-up and layers")
     parser.add_argument("--n-layer", type=int, default=4)
@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
     model = transformers.GPTNeoXForCausalLM(config)
 
     fitting = {"input_ids": train[torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:1000]]}
-    plan = {"plan": args.plan} if args.plan else {"at": args.warmup, "layers": args.layers}
+    plan = {"plan": args.plan} if args.plan else {"convert_at": args.convert_at, "layers": args.layers}
     callback = SparseCallback(**plan, kind="cse", fitting=fitting, router={"min_cluster_size": 15})
     training = transformers.TrainingArguments(
         output_dir=str(out), max_steps=args.steps, per_device_train_batch_size=32, learning_rate=1e-3,
@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
     (out / "findings.txt").write_text("\n".join(report.findings) + "\n")
     for finding in report.findings:
         log.info("finding: %s", finding)
-    return {"generated": text, "report": report, "converted_at": callback.at}
+    return {"generated": text, "report": report, "converted_at": callback.convert_at}
 
 
 if __name__ == "__main__":

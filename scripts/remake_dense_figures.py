@@ -43,7 +43,7 @@ def remake(committed: Path, work: Path) -> dict:
         written += [f"tables/{name}.{'npz' if name == 'kernels' else 'csv'}" for name in STAGES[stage].names]
     plan = rep.measured_plan()
     plan.save(work / "plan_rechecked.json")
-    log.info("plan re-made: layers %s, warm-up %s (%s)", plan.layers, plan.warmup_steps, plan.warmup_rule)
+    log.info("plan re-made: layers %s, warm-up %s (%s)", plan.layers, plan.convert_at, plan.warmup_rule)
     for path in written:
         shutil.copy(work / path, committed / path)
     shutil.copy(work / "plan_rechecked.json", committed / "plan_rechecked.json")

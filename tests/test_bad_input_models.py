@@ -78,7 +78,7 @@ def test_cse_train_from_a_bf16_init_from_finishes(tmp_path, texts):
     last = train(TrainConfig.from_dict({
         "out_dir": str(tmp_path / "run"), "init_from": str(_bf16_gpt2(tmp_path / "bf16")),
         "model": {"sparse": {"kind": "cse", "layers": [1], "n_experts": [0]}},
-        "cse": {"warmup_steps": 0, "n_samples": 40, "min_cluster_size": 5, "min_samples": 2},
+        "cse": {"convert_at": 0, "n_samples": 40, "min_cluster_size": 5, "min_samples": 2},
         "data": {"table": str(tmp_path / "train.jsonl"), "label_column": "domain", "seq_len": 16},
         "steps": 2, "batch_size": 4, "warmup_steps": 1, "tensorboard": False, "device": "cpu"}))
     assert last.name == "step-000002"

@@ -15,7 +15,7 @@ from ntkscope.experiments.units import Unit, is_done, read_state, write_state
 TOY = {"name": "toy", "kind": "sweep", "preset": "smoke", "seeds": [0, 1],
        "settings": {"steps": 60, "checkpoint_every": 10},
        "trunk": {"layers": [0, 1], "gc_peak_step": 10},
-       "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "at": [20, 40]}],
+       "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "convert_at": [20, 40]}],
        "criteria": {"arms": ["cse-at20"]}}
 
 
@@ -32,17 +32,17 @@ def _spec(**changes):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"arm": {"name": "cse-at20", "kind": "cse", "at": 30}},
+    ({"arm": {"name": "cse-at20", "kind": "cse", "convert_at": 30}},
      r"arms must have distinct names once an arm of several steps becomes one arm per step .*cse-at20"),
-    ({"arm": {"name": "plan", "kind": "cse", "at": 30}}, r"arms must not name an arm 'plan'"),
-    ({"arm": {"name": "more", "kind": "cse", "at": 30, "seeds": [0, 0]}}, r"arms \(more\)\.seeds must not repeat"),
+    ({"arm": {"name": "plan", "kind": "cse", "convert_at": 30}}, r"arms must not name an arm 'plan'"),
+    ({"arm": {"name": "more", "kind": "cse", "convert_at": 30, "seeds": [0, 0]}}, r"arms \(more\)\.seeds must not repeat"),
     ({"seeds": [2**32]}, r"seeds must be in \[0, \d+\] \(got \[4294967296\]\)"),
     ({"settings": {"lr": float("inf")}}, r"settings\.lr must be a finite number \(got Infinity\)"),
     ({"settings": {"batch_size": 0}}, r"settings\.batch_size must be above 0 \(got 0\)"),
     ({"settings": {"lr": 0.0}}, r"settings\.lr must be above 0"),
     ({"settings": {"model": {"n_layer": 2, "n_head": 0, "n_embd": 32}}}, r"settings\.model\.n_head must be a positive"),
     ({"trunk": {"layers": [0, 0]}}, r"trunk\.layers must not repeat a layer \(got \[0, 0\]\)"),
-    ({"arm": {"name": "x", "kind": "cse", "at": 30, "layers": [1, 1]}}, r"arms\[2\] \(x\)\.layers must not repeat"),
+    ({"arm": {"name": "x", "kind": "cse", "convert_at": 30, "layers": [1, 1]}}, r"arms\[2\] \(x\)\.layers must not repeat"),
     ({"criteria": {"arms": ["nope"]}}, r"criteria must name arms of the spec .* \(got \[\"nope\"\]\)"),
 ])
 def test_a_spec_that_passed_the_check_is_refused_whole(changes, message):

@@ -192,12 +192,12 @@ def test_a_billion_experts_are_refused_before_one_is_made(tmp_path):
 def test_a_switch_callback_of_a_billion_experts_is_refused_when_training_begins():
     from types import SimpleNamespace
 
-    callback = SparseCallback(at=2, kind="switch", layers=[1], n_experts=10**9)
+    callback = SparseCallback(convert_at=2, kind="switch", layers=[1], n_experts=10**9)
     with pytest.raises(UserError, match=r"SparseCallback: n_experts 1000000000 at layers \[1\] asks for"):
         callback.on_train_begin(SimpleNamespace(max_steps=4), None, None, model=_tiny_gpt2())
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(UserError, match=r"SparseCallback: n_experts must be a positive integer"):
-            SparseCallback(at=2, kind="switch", layers=[1], n_experts=bad)
+            SparseCallback(convert_at=2, kind="switch", layers=[1], n_experts=bad)
 
 
 # ---- SparseCallback's fitting and plan, checked when the callback is made --------------------------
@@ -215,14 +215,14 @@ def test_a_switch_callback_of_a_billion_experts_is_refused_when_training_begins(
 ])
 def test_a_bad_fitting_sample_is_refused_when_the_callback_is_made(fitting, message):
     with pytest.raises(UserError, match=r"^SparseCallback: fitting") as err:
-        SparseCallback(at=2, layers=[1], fitting=fitting)
+        SparseCallback(convert_at=2, layers=[1], fitting=fitting)
     assert re.search(message, str(err.value)) and "\n" not in str(err.value)
 
 
 def test_out_of_vocabulary_fitting_ids_and_a_missing_plan_are_refused_before_training(tmp_path):
     from types import SimpleNamespace
 
-    callback = SparseCallback(at=2, layers=[1], fitting={"input_ids": torch.full((4, 6), 70)})
+    callback = SparseCallback(convert_at=2, layers=[1], fitting={"input_ids": torch.full((4, 6), 70)})
     with pytest.raises(UserError, match=r"fitting\['input_ids'\] must be token ids of this model's vocabulary "
                                         r"\[0, 50\) \(got ids up to 70\)"):
         callback.on_train_begin(SimpleNamespace(max_steps=4), None, None, model=_tiny_gpt2())

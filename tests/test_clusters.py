@@ -171,20 +171,20 @@ def test_plan_takes_the_best_layers_and_the_gc_peak_and_training_accepts_it(tiny
     plan = make_plan(table, gc, top_k=2, stability=stability)
     peak = ns.gc_peak(gc)
     if peak["shown"]:
-        assert plan.warmup_steps == peak["step"] and plan.warmup_rule == "gc-peak"
+        assert plan.convert_at == peak["step"] and plan.warmup_rule == "gc-peak"
     else:
         stable = stable_step(stability, plan.layers)
-        assert plan.warmup_steps == (stable or 8) and plan.warmup_rule == ("stable-clusters" if stable else "window-end")
+        assert plan.convert_at == (stable or 8) and plan.warmup_rule == ("stable-clusters" if stable else "window-end")
     at = table[table.step == plan.evidence["scores_at_step"]].sort_values("separation", ascending=False)
     assert plan.layers == sorted(at["layer"].head(2).tolist())
     path = plan.save(tmp_path / "plan.json")
-    assert Plan.load(path) == plan and json.loads(path.read_text())["format"] == 2
+    assert Plan.load(path) == plan and json.loads(path.read_text())["format"] == 3
 
     from cse_models.train import TrainConfig, apply_plan
 
     cfg = apply_plan(TrainConfig.from_dict({"plan": str(path), "model": {"n_layer": 3, "sparse": {
-        "kind": "cse", "layers": "auto", "module": "auto"}}, "cse": {"warmup_steps": "auto"}}))
-    assert cfg.model["sparse"]["layers"] == plan.layers and cfg.cse.warmup_steps == plan.warmup_steps
+        "kind": "cse", "layers": "auto", "module": "auto"}}, "cse": {"convert_at": "auto"}}))
+    assert cfg.model["sparse"]["layers"] == plan.layers and cfg.cse.convert_at == plan.convert_at
     with pytest.raises(ValueError, match="are 'auto' but no plan file is given"):
         apply_plan(TrainConfig.from_dict({"model": {"sparse": {"kind": "cse", "layers": "auto"}}}))
     fraction = make_plan(table[table.step == 8], min_fraction=0.5)
@@ -198,7 +198,7 @@ def test_plan_on_a_known_series():
     gc = pd.DataFrame({"step": [100, 200, 300], "abs_gc": [0.2, 0.7, 0.4], "abs_gc_se": 0.05, "null_median": 0.5,
                        "flags": ""})
     plan = make_plan(table, gc)
-    assert plan.warmup_steps == 200 and plan.layers == [0, 2] and plan.chosen_by == "top-2 separation"
+    assert plan.convert_at == 200 and plan.layers == [0, 2] and plan.chosen_by == "top-2 separation"
     assert plan.warmup_rule == "gc-peak"
     assert make_plan(table).layers == [0, 1]  # no GC series: the last checkpoint, ties by layer
     assert make_plan(table, gc, min_fraction=0.75).layers == [0, 2]
@@ -222,12 +222,12 @@ def test_plan_small_cluster_rule_comes_first_and_labels_report_and_may_choose():
                             "n_pure_tail": int(k >= 2 and s >= 150), "tail_share": 0.8 if k >= 2 and s >= 150 else 0.0}
                            for s in steps for k in range(4)])
     plan = make_plan(table, gc, persistence=persistence, labels=labels)
-    assert plan.layers == [0, 1] and plan.warmup_steps == 250 and plan.warmup_rule == "small-clusters-persist"
+    assert plan.layers == [0, 1] and plan.convert_at == 250 and plan.warmup_rule == "small-clusters-persist"
     assert plan.evidence["gc_peak"]["shown"] and plan.evidence["gc_peak"]["step"] == 100  # evidence, not the rule
     assert plan.evidence["layers_by_labels"] == [2, 3] and plan.evidence["layers_by_separation"] == [0, 1]
     assert [r["n_pure_tail"] for r in plan.evidence["labels_at_warmup"]] == [0, 0, 1, 1]
     chosen = make_plan(table, gc, persistence=persistence, labels=labels, choose_by="labels")
-    assert chosen.layers == [2, 3] and chosen.warmup_steps == 150 and chosen.warmup_rule == "tail-clusters"
+    assert chosen.layers == [2, 3] and chosen.convert_at == 150 and chosen.warmup_rule == "tail-clusters"
     assert chosen.chosen_by == "top-2 tail share (labels)"
     assert make_plan(table, gc).warmup_rule == "gc-peak"  # without persistence, the shown peak decides
     with pytest.raises(ValueError, match="make_plan: labels must be given when choose_by='labels'"):
@@ -237,7 +237,7 @@ def test_plan_small_cluster_rule_comes_first_and_labels_report_and_may_choose():
     # the first pure tail cluster at ONE of the layers is the labels' warm-up (layer 3 at 100, 2 at 150)
     early = labels.assign(n_pure_tail=[int(r.n_pure_tail or (r.layer == 3 and r.step == 100))
                                        for r in labels.itertuples()])
-    assert make_plan(table, gc, persistence=persistence, labels=early, choose_by="labels").warmup_steps == 100
+    assert make_plan(table, gc, persistence=persistence, labels=early, choose_by="labels").convert_at == 100
 
 
 def test_a_tie_among_zeros_is_no_choice_and_is_said():
@@ -293,7 +293,7 @@ def test_plan_and_clusters_commands(tiny_run, tmp_path):
     proc = in_process("plan", str(run), *args, "--out", str(tmp_path / "plan.json"))
     assert proc.returncode == 0, proc.stderr
     plan = Plan.load(tmp_path / "plan.json")
-    assert len(plan.layers) == 2 and plan.warmup_steps in (2, 4, 6, 8) and "warm-up" in proc.stdout
+    assert len(plan.layers) == 2 and plan.convert_at in (2, 4, 6, 8) and "warm-up" in proc.stdout
     one = in_process("clusters", str(run / "checkpoints/step-000008"), *args, "--out", str(tmp_path / "sep.csv"))
     assert one.returncode == 0, one.stderr
     assert len(pd.read_csv(tmp_path / "sep.csv")) == 3 and "CSE layers by top-2 separation" in one.stdout

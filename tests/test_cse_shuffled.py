@@ -136,7 +136,7 @@ def test_cse_train_converts_to_shuffled_mid_run(tmp_path):
                                                     "sparse": {"kind": "cse", "layers": [1], "n_experts": [0]}},
         "data": {"seq_len": 16, "split": "validation"}, "steps": 4, "batch_size": 4, "checkpoint_every": 2,
         "warmup_steps": 1, "tensorboard": False, "device": "cpu",
-        "cse": {"warmup_steps": 2, "n_samples": 200, "min_cluster_size": 10, "shuffled": True}}))
+        "cse": {"convert_at": 2, "n_samples": 200, "min_cluster_size": 10, "shuffled": True}}))
     sparse = json.loads((last / "config.json").read_text())["sparse"]
     assert sparse["shuffled"] is True and sparse["n_experts"][0] >= 1
     assert np.isfinite(json.loads((last / "trainer_state.json").read_text())["step"])

@@ -49,7 +49,7 @@ def _sparse_trainer():
     """README's and own-model.md's Trainer conversion: a tiny GPT-2 on two planted domains, a plan."""
     g = torch.Generator().manual_seed(0)
     train_ids = torch.cat([torch.randint(0, 25, (48, 16), generator=g), torch.randint(25, 50, (48, 16), generator=g)])
-    Path("plan.json").write_text(json.dumps({"warmup_steps": 4, "layers": [0, 1]}))
+    Path("plan.json").write_text(json.dumps({"convert_at": 4, "layers": [0, 1]}))
     return {**_trainer_names(8), "model": _tiny_gpt2(), "train_ids": train_ids,
             "data": [{"input_ids": r, "labels": r} for r in train_ids]}
 
@@ -80,7 +80,7 @@ def _tracked_conversion():
         use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
     names["data"] = names.pop("train")
     names["train_ids"] = torch.stack([row["input_ids"] for row in names["data"]])
-    Path("plan.json").write_text(json.dumps({"warmup_steps": 4, "layers": [0, 1]}))
+    Path("plan.json").write_text(json.dumps({"convert_at": 4, "layers": [0, 1]}))
     return names
 
 

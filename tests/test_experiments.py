@@ -28,8 +28,8 @@ TOY = {
                  "min_samples": 3, "eval_max_blocks": 20},
     "trunk": {"layers": [0, 1], "gc_peak_step": 10},
     "arms": [{"name": "dense", "kind": "dense"},
-             {"name": "cse", "kind": "cse", "at": [20, 40]},
-             {"name": "null", "kind": "null", "at": [20, 40]}],
+             {"name": "cse", "kind": "cse", "convert_at": [20, 40]},
+             {"name": "null", "kind": "null", "convert_at": [20, 40]}],
     "criteria": {"arms": ["cse-at20", "cse-at40"]},
 }
 TABLES = ("arms", "paired", "load", "routing")
@@ -232,14 +232,14 @@ def test_two_drivers_on_one_directory_never_train_a_unit_twice(tmp_path):
     ({"settings": {"stpes": 60}}, "toy.toml: settings.stpes is not a field here"),
     ({"settings": {"steps": "60"}}, "toy.toml: settings.steps must be like the preset's value 40 (got '60')"),
     ({"trunk": {"layers": [0, 5]}}, "toy.toml: trunk.layers must be in [0, 1] (got [0, 5])"),
-    ({"arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "at": [25]}]},
-     "toy.toml: arms[1] (cse).at must be steps the trunk keeps: multiples of checkpoint_every (10) in (0, 60), or "
+    ({"arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "convert_at": [25]}]},
+     "toy.toml: arms[1] (cse).convert_at must be steps the trunk keeps: multiples of checkpoint_every (10) in (0, 60), or "
      "the gc_peak_step (got [25])"),
-    ({"arms": [{"name": "cse", "kind": "cse", "at": "late"}]},
+    ({"arms": [{"name": "cse", "kind": "cse", "convert_at": "late"}]},
      "toy.toml: arms must hold exactly one arm of kind 'dense'"),
-    ({"arms": [{"name": "dense", "kind": "dense"}, {"name": "x", "kind": "cse", "at": "late", "fair": True}]},
+    ({"arms": [{"name": "dense", "kind": "dense"}, {"name": "x", "kind": "cse", "convert_at": "late", "fair": True}]},
      "toy.toml: arms[1] (x).fair applies to kind 'switch' only (got 'cse')"),
-    ({"arms": [{"name": "dense", "kind": "dense"}, {"name": "x", "kind": "cse", "at": "late", "seeds": [7]}]},
+    ({"arms": [{"name": "dense", "kind": "dense"}, {"name": "x", "kind": "cse", "convert_at": "late", "seeds": [7]}]},
      "toy.toml: arms (x).seeds must be seeds of the spec [0, 1] (their trunks) (got [7])"),
     ({"run": {"retries": -1}}, "toy.toml: run.retries must be at least 0 (got -1)"),
     ({"trunk": {"structure": {"n_fits": 1}}}, "toy.toml: trunk.structure.n_fits must be at least 2 (got 1)"),
@@ -374,7 +374,7 @@ def test_a_spec_over_the_researchers_own_table_runs_and_follows_its_changes(tmp_
 
     _own_rows(tmp_path / "rows.jsonl")
     data = {**TOY, "seeds": [0], "settings": {**TOY["settings"], "steps": 30, "eval_max_blocks": 8},
-            "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "at": [20]}],
+            "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "convert_at": [20]}],
             "criteria": {"arms": ["cse"]},
             "data": {"table": "rows.jsonl", "label_column": "domain", "tail": ["licence"], "vocab_size": 1000}}
     path = tmp_path / "own.toml"
@@ -448,8 +448,8 @@ def test_a_spec_over_the_researchers_own_hf_model_and_table_runs(tmp_path):
     _own_model(tmp_path / "my-model")
     data = {**TOY, "seeds": [0], "settings": {**TOY["settings"], "steps": 30, "eval_max_blocks": 8},
             "trunk": {"layers": [1, 2], "gc_peak_step": 10, "model": "my-model"},
-            "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "at": [20]},
-                     {"name": "switch", "kind": "switch", "at": [20], "fair": True}],
+            "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "convert_at": [20]},
+                     {"name": "switch", "kind": "switch", "convert_at": [20], "fair": True}],
             "criteria": {"arms": ["cse"]},
             "data": {"table": "rows.jsonl", "label_column": "domain", "tail": ["licence"]}}
     path = tmp_path / "own.toml"
@@ -494,18 +494,22 @@ def test_a_trunk_model_is_checked_with_the_spec(tmp_path, change, message):
         load_spec(toy_file(tmp_path, **spec))
 
 
-@pytest.mark.parametrize("folder, name", [("figures/warmup-map", "warmup-map"),
-                                          ("figures/warmup-map/count", "warmup-map-count"),
-                                          ("figures/warmup-map/scale", "warmup-map-scale"),
-                                          ("figures/warmup-map/fresh/warmup-fresh-half", "warmup-fresh-half")])
-def test_the_committed_units_keep_their_keys(folder, name):
-    """The key of every committed unit is the one its shipped spec gives it today (the shipped pack):
-    a change to how arms are parsed, expanded or keyed cannot silently make finished units run again."""
+@pytest.mark.parametrize("folder, name, pack", [("figures/warmup-map", "warmup-map", None),
+                                                ("figures/warmup-map/count", "warmup-map-count", None),
+                                                ("figures/warmup-map/scale", "warmup-map-scale", None),
+                                                ("figures/warmup-map/fresh/warmup-fresh-half", "warmup-fresh-half", None),
+                                                # on packs/bio-quarter (corpus thin --keep biomedical=0.25)
+                                                ("figures/warmup-map/fresh/warmup-fresh-mix", "warmup-fresh-mix",
+                                                 "f09095a1b64b")])
+def test_the_committed_units_keep_their_keys(folder, name, pack):
+    """The key of every committed unit is the one its shipped spec gives it today (the shipped pack,
+    or the version ``pack`` the family ran on): a change to how arms are parsed, expanded or keyed
+    cannot silently make finished units run again."""
     from ntkscope.text.corpus.pack import load_pack
 
     root = Path(__file__).resolve().parents[1] / folder
     committed = {s["name"]: s["key"] for s in map(json.loads, map(Path.read_text, (root / "units").glob("*.json")))}
-    keys = {u.name: u.key for u in units(load_spec(name), load_pack().manifest["version"])}
+    keys = {u.name: u.key for u in units(load_spec(name), pack or load_pack().manifest["version"])}
     assert committed and {n: keys.get(n) for n in committed} == committed
 
 
@@ -524,7 +528,7 @@ def test_a_registered_arm_kind_runs_through_a_spec(tmp_path):
     try:
         with pytest.raises(UserError, match="is a registered arm kind already"):
             register_arm_kind(ArmKind("same-order", train_same_order, "twice"))
-        arms = [{"name": "dense", "kind": "dense"}, {"name": "again", "kind": "same-order", "at": [20]}]
+        arms = [{"name": "dense", "kind": "dense"}, {"name": "again", "kind": "same-order", "convert_at": [20]}]
         spec = load_spec(toy_file(tmp_path, seeds=[0], arms=arms, criteria={"arms": []},
                                   settings={**TOY["settings"], "steps": 30, "eval_max_blocks": 8}))
         unit = next(u for u in units(spec, "v") if u.name == "again-seed0")

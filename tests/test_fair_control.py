@@ -82,5 +82,5 @@ def test_a_saved_switch_model_keeps_its_gate(tmp_path, lm_batch):
                                        ({"preserving": "yes"}, "true or false")])
 def test_upcycle_settings_are_checked(bad, rule):
     with pytest.raises(ValueError, match=rule):
-        TrainConfig.from_dict({"upcycle": {"at": 2, "n_experts": 2, **bad}})
-    assert TrainConfig.from_dict({"upcycle": {"at": 2, "n_experts": [3, 2]}}).upcycle.preserving is True
+        TrainConfig.from_dict({"upcycle": {"convert_at": 2, "n_experts": 2, **bad}})
+    assert TrainConfig.from_dict({"upcycle": {"convert_at": 2, "n_experts": [3, 2]}}).upcycle.preserving is True

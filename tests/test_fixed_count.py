@@ -63,8 +63,8 @@ def test_a_sweep_arm_converts_with_another_steps_counts(tmp_path):
             "settings": {"steps": 40, "checkpoint_every": 10, "early_every": 0, "cse_samples": 128,
                          "min_cluster_size": 5, "min_samples": 3, "eval_max_blocks": 20},
             "trunk": {"layers": [0, 1], "gc_peak_step": 10},
-            "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "at": [10, 30]},
-                     {"name": "cse-at10-k30", "kind": "cse", "at": 10, "counts_from": 30}],
+            "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "convert_at": [10, 30]},
+                     {"name": "cse-at10-k30", "kind": "cse", "convert_at": 10, "counts_from": 30}],
             "criteria": {"arms": ["cse-at10"]}}
     path = tmp_path / "toy.toml"
     path.write_text(tomli_w.dumps(spec))
@@ -73,7 +73,7 @@ def test_a_sweep_arm_converts_with_another_steps_counts(tmp_path):
     config = lambda name: json.loads((run / "models" / f"{name}-seed0" / "train_config.json").read_text())  # noqa: E731
     own = json.loads(next((run / "models" / "cse-at30-seed0" / "checkpoints").glob("step-*/config.json")).read_text())
     fixed = config("cse-at10-k30")
-    assert fixed["cse"]["warmup_steps"] == 10 and fixed["cse"]["n_clusters"] == own["sparse"]["n_experts"]
+    assert fixed["cse"]["convert_at"] == 10 and fixed["cse"]["n_clusters"] == own["sparse"]["n_experts"]
     last = sorted((run / "models" / "cse-at10-k30-seed0" / "checkpoints").glob("step-*"))[-1]
     assert json.loads((last / "config.json").read_text())["sparse"]["n_experts"] == own["sparse"]["n_experts"]
     assert config("cse-at10")["cse"].get("n_clusters") is None

@@ -241,14 +241,14 @@ def test_plan_falls_back_to_stable_clusters_then_to_the_window_end():
     seen = []
     plan = ns.make_plan(separation, noisy, top_k=1, stability=lambda layers: (seen.append(layers), stability)[1])
     assert seen == [[1]] and plan.layers == [1] and plan.evidence["scores_at_step"] == 30
-    assert plan.warmup_steps == 20 and plan.warmup_rule == "stable-clusters"  # step 10: 2 clusters, then 3
+    assert plan.convert_at == 20 and plan.warmup_rule == "stable-clusters"  # step 10: 2 clusters, then 3
     assert plan.evidence["gc_peak"]["shown"] is False and plan.evidence["overlap"] == 0.8
     assert stable_step(stability, [1], overlap=0.88) is None
     loose = ns.make_plan(separation, noisy, top_k=1, stability=stability, overlap=0.95)
-    assert loose.warmup_steps == 30 and loose.warmup_rule == "window-end"
+    assert loose.convert_at == 30 and loose.warmup_rule == "window-end"
     clear = ns.make_plan(separation, _series([0.6, 0.9, 0.6]), top_k=1,
                          stability=lambda layers: pytest.fail("not needed when the peak is shown"))
-    assert clear.warmup_steps == 20 and clear.warmup_rule == "gc-peak" and clear.layers == [0]
+    assert clear.convert_at == 20 and clear.warmup_rule == "gc-peak" and clear.layers == [0]
 
 
 # ---- calibration against planted pools, and the controls ----------------------------------------

@@ -33,7 +33,7 @@ def _run(kind, sparse_kind, out, *, stop=None, resume=None, extra=()):
     model = dense(kind).train()
     fitting = {"input_ids": ROWS[:64]}
     kind_, _, module = sparse_kind.partition("-")
-    callback = SparseCallback(at=4, kind=kind_, layers=[1, 2], fitting=fitting, router={"min_cluster_size": 10},
+    callback = SparseCallback(convert_at=4, kind=kind_, layers=[1, 2], fitting=fitting, router={"min_cluster_size": 10},
                               n_experts=2, module=module or "ffn", domains=["a", "b"] if kind_ == "demix" else None)
     if resume is not None:
         assert callback.restore(model, resume) is not None

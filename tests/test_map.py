@@ -92,11 +92,11 @@ def test_the_rule_is_judged_against_each_trunks_map():
     table = _table([])
     table = pd.DataFrame([{"arm": "cse", "step": st, "seed": 0, "trunks": "", "domain": "tail", "gain": g, "low": g,
                            "high": g} for st, g in zip(steps, curve)])
-    plans = {0: {"warmup_steps": 900, "warmup_rule": "consensus-structure"}}
+    plans = {0: {"convert_at": 900, "warmup_rule": "consensus-structure"}}
     assert verdicts(table, [0], plans=plans)["rule"]["0"]["verdict"] == "good"  # 0.09 >= 0.8 x 0.10, before 1200
-    plans = {0: {"warmup_steps": 600, "warmup_rule": "consensus-structure"}}
+    plans = {0: {"warmup_steps": 600, "warmup_rule": "consensus-structure"}}  # a plan of format 2 reads alike
     assert verdicts(table, [0], plans=plans)["rule"]["0"]["verdict"] == "not good"  # 0.05 < 0.08
-    plans = {0: {"warmup_steps": 1200, "warmup_rule": "window-end"}}
+    plans = {0: {"convert_at": 1200, "warmup_rule": "window-end"}}
     assert verdicts(table, [0], plans=plans)["rule"]["0"]["verdict"] == "the rule chose nothing"
 
 
@@ -104,7 +104,7 @@ def test_the_layer_pair_ranked_by_structure_is_judged_against_the_map():
     table = _table([("cse", 0, -0.09), ("cse-l01", 0, -0.03), ("cse", 1, -0.05), ("cse-l01", 1, -0.10),
                     ("cse", 2, -0.05), ("cse-l01", 2, -0.01)]).assign(trunks="a")
     def plan(structure):
-        return {"warmup_steps": 900, "warmup_rule": "consensus-structure",
+        return {"convert_at": 900, "warmup_rule": "consensus-structure",
                 "evidence": {"structure_rule": {"min_structure": 0.05},
                              "structure_by_layer": [{"layer": L, "structure": x} for L, x in enumerate(structure)]}}
     plans = {0: plan([0.0, 0.1, 0.2, 0.2]), 1: plan([0.0, 0.1, 0.2, 0.2]), 2: plan([0.01, 0.0, 0.02, 0.0])}

@@ -47,7 +47,7 @@ def config(own, out, **kw):
     return TrainConfig.from_dict({
         "out_dir": str(out), "init_from": str(own / "model"),
         "model": {"sparse": {"kind": "cse", "layers": [1, 2], "n_experts": [0, 0]}},
-        "cse": {"warmup_steps": 0, "n_samples": 200, "min_cluster_size": 10},
+        "cse": {"convert_at": 0, "n_samples": 200, "min_cluster_size": 10},
         "data": {"table": str(own / "train.jsonl"), "label_column": "domain", "seq_len": 32},
         "steps": 6, "batch_size": 8, "checkpoint_every": 3, "warmup_steps": 2, "tensorboard": False,
         "device": "cpu", **kw})
@@ -262,8 +262,8 @@ def test_every_family_converts_trains_and_resumes_exactly(own, tmp_path, kind, s
     (tmp_path / "model" / "tokenizer.json").write_bytes((own / "model" / "tokenizer.json").read_bytes())
     spec = {"kind": sparse.split("-")[0], "module": "attn" if sparse.endswith("attn") else "ffn", "layers": [1],
             "n_experts": [0]}
-    extra = {"cse": {"warmup_steps": 0, "n_samples": 100, "min_cluster_size": 10}} if sparse != "switch" else \
-        {"cse": {}, "upcycle": {"at": 0, "n_experts": 2}}
+    extra = {"cse": {"convert_at": 0, "n_samples": 100, "min_cluster_size": 10}} if sparse != "switch" else \
+        {"cse": {}, "upcycle": {"convert_at": 0, "n_experts": 2}}
 
     def run(out, **kw):
         return train(TrainConfig.from_dict({
@@ -331,14 +331,14 @@ def test_the_plain_conversion_in_a_hand_loop_equals_cse_trains(own, tmp_path):
     torch.set_default_dtype(torch.float32)
     cfg = config(own, tmp_path / "cse-train", steps=4, checkpoint_every=4, warmup_steps=1,
                  model={"sparse": {"kind": "cse", "layers": [1], "n_experts": [0]}},
-                 cse={"warmup_steps": 2, "n_samples": 200, "min_cluster_size": 10})
+                 cse={"convert_at": 2, "n_samples": 200, "min_cluster_size": 10})
     reference = load_safetensors(train(cfg) / "model.safetensors", "test")
     blocks, _ = load_data(cfg)
     model = load_any_model(own / "model").train()
     opt = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     for step in range(cfg.steps):
-        if step == cfg.cse.warmup_steps:
+        if step == cfg.cse.convert_at:
             fitting = blocks.input_ids[fitting_sample(len(blocks), cfg.cse.n_samples, cfg.seed)]
             model = convert_in_training(model.hf, opt, {"kind": "cse", "layers": [1]}, fitting_ids=fitting,
                                         seed=cfg.seed, router=cfg.cse.router_options())

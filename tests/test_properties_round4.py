@@ -40,8 +40,8 @@ def test_a_spec_is_a_spec_or_one_spec_error(key, value, seeds, layers, arm_name)
     data = {"name": "toy", "kind": "sweep", "preset": "smoke", "seeds": seeds,
             "settings": {"steps": 60, "checkpoint_every": 10, key: value},
             "trunk": {"layers": layers, "gc_peak_step": 10},
-            "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "at": [20, 40]},
-                     {"name": arm_name, "kind": "cse", "at": 30}],
+            "arms": [{"name": "dense", "kind": "dense"}, {"name": "cse", "kind": "cse", "convert_at": [20, 40]},
+                     {"name": arm_name, "kind": "cse", "convert_at": 30}],
             "criteria": {"arms": ["cse-at20"]}}
     try:
         spec = parse_spec(data)

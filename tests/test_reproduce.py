@@ -42,7 +42,7 @@ def test_smoke_run_writes_every_figure_table_and_the_manifest(smoke):
     np.testing.assert_allclose(first["perplexity"], by_model.loc[first.index, "perplexity"])
     plan = manifest["plan"]
     s = manifest["settings"]
-    assert 0 < plan["warmup_steps"] <= s["max_warmup_fraction"] * s["steps"]
+    assert 0 < plan["convert_at"] <= s["max_warmup_fraction"] * s["steps"]
     assert len(plan["layers"]) == s["sparse_layers"]
     assert set(manifest["seconds_per_stage"]) >= {"train gpt-dense", "train gpt-cse", "train gpt-switch", "fig3",
                                                   "tables"}

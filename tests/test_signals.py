@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from ntkscope.core.checks import UserError
+from ntkscope.representation.plan import plan_step
 from ntkscope.reproduction import signal_cv
 from ntkscope.runs.checkpoints import schedule_length
 from ntkscope.runs.signals import (CROSS_VALIDATED, LOSS_WINDOW, SIGNALS, Signal, TrunkLog, cluster_count, consensus_structure,
@@ -91,7 +92,7 @@ def test_the_registered_rule_is_reproduced_from_the_committed_plans():
         plan = json.loads((ROOT / folder / "plans" / f"seed{seed}.json").read_text())
         step = consensus_structure(trunk.log, 0.05)
         if plan["warmup_rule"] == "consensus-structure":
-            assert step == plan["warmup_steps"], name
+            assert step == plan_step(plan), name
         else:
             assert step is None, name
 

@@ -30,8 +30,8 @@ def run_toy(run, data):
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     return run_toy(tmp_path_factory.mktemp("sweep"), toy([
-        {"name": "cse-rule", "kind": "cse", "at": "rule"}, {"name": "demix", "kind": "demix", "at": "rule"},
-        {"name": "switch-rule", "kind": "switch", "at": "rule"}]))
+        {"name": "cse-rule", "kind": "cse", "convert_at": "rule"}, {"name": "demix", "kind": "demix", "convert_at": "rule"},
+        {"name": "switch-rule", "kind": "switch", "convert_at": "rule"}]))
 
 
 def test_every_unit_finishes_with_its_plan_and_tables(swept):
@@ -40,7 +40,7 @@ def test_every_unit_finishes_with_its_plan_and_tables(swept):
     assert sorted(map(tuple, arms[["arm", "seed"]].to_numpy())) == sorted(
         (a.name, s) for a in sweep.arms for s in (0, 1))
     plan = json.loads((sweep.run_dir / "plans" / "seed0.json").read_text())
-    assert plan["warmup_rule"] in ("small-clusters-persist", "window-end") and plan["warmup_steps"] == 10
+    assert plan["warmup_rule"] in ("small-clusters-persist", "window-end") and plan["convert_at"] == 10
     assert (arms.loc[arms.arm != "dense", "warmup"] == 10).all() and arms.loc[arms.arm == "dense", "warmup"].isna().all()
     paired = pd.read_csv(sweep.run_dir / "tables" / "paired.csv")
     assert set(paired.arm) == {"cse-rule", "demix", "switch-rule"} and (paired.seeds == 2).all()
@@ -54,7 +54,7 @@ def test_a_finished_sweep_resumes_without_work(swept):
     sweep, verdict = swept
     before = {p: p.stat().st_mtime_ns for p in (sweep.run_dir / "results").glob("*.json")}
     text = (sweep.run_dir / "tables" / "verdict.json").read_text()
-    run_toy(sweep.run_dir, toy([{"name": a.name, "kind": a.kind, "at": a.at} for a in sweep.arms[1:]]))
+    run_toy(sweep.run_dir, toy([{"name": a.name, "kind": a.kind, "convert_at": a.convert_at} for a in sweep.arms[1:]]))
     assert (sweep.run_dir / "tables" / "verdict.json").read_text() == text
     assert {p: p.stat().st_mtime_ns for p in (sweep.run_dir / "results").glob("*.json")} == before
 
@@ -123,7 +123,7 @@ def test_the_frozen_encoder_arm_routes_by_its_clusters(tmp_path):
     BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                          max_position_embeddings=64)).save_pretrained(encoder)
     shutil.copy(shipped_encoder() / "tokenizer.json", encoder)
-    sweep, verdict = run_toy(tmp_path / "run", toy([{"name": "cse-encoder", "kind": "encoder", "at": "rule"}],
+    sweep, verdict = run_toy(tmp_path / "run", toy([{"name": "cse-encoder", "kind": "encoder", "convert_at": "rule"}],
                                                     seeds=[0], encoder=str(encoder)))
     settings = sweep.settings
     routes = Routes.load(sweep.run_dir / "routes" / "seed0.json")
@@ -174,10 +174,10 @@ def test_the_controls_branch_from_the_trunk_and_train(tmp_path):
     order; not "null", which CSV readers take for a missing value)."""
     from cse_models.model import load_model
 
-    data = toy([{"name": "cse-late", "kind": "cse", "at": "late"},
-                {"name": "cse-shuffled", "kind": "cse", "at": "late", "shuffled": True},
-                {"name": "switch-fair", "kind": "switch", "at": "late", "fair": True},
-                {"name": "dense-null", "kind": "null", "at": "late"}], seeds=[0])
+    data = toy([{"name": "cse-late", "kind": "cse", "convert_at": "late"},
+                {"name": "cse-shuffled", "kind": "cse", "convert_at": "late", "shuffled": True},
+                {"name": "switch-fair", "kind": "switch", "convert_at": "late", "fair": True},
+                {"name": "dense-null", "kind": "null", "convert_at": "late"}], seeds=[0])
     data["settings"]["steps"] = 20
     sweep, _ = run_toy(tmp_path / "run", data)
     arms = pd.read_csv(sweep.run_dir / "tables" / "arms.csv").set_index("arm")

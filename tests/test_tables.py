@@ -42,7 +42,7 @@ def test_cse_on_attention_routes_and_trains(tmp_path, model_type):
     train(config(tmp_path, "dense", model=arch))
     sparse = {"kind": "cse", "module": "attn", "layers": [1], "n_experts": [0], "proj_dim": 8, "router_format": 2}
     branch_from(tmp_path / "dense" / "checkpoints" / "step-000006", tmp_path / "moa", sparse=sparse)
-    cse = {"warmup_steps": 6, "n_samples": 256, "rule": "dbscan-percentile", "min_samples": 3, "percentile": 30}
+    cse = {"convert_at": 6, "n_samples": 256, "rule": "dbscan-percentile", "min_samples": 3, "percentile": 30}
     last = train(config(tmp_path, "moa", model={**arch, "sparse": sparse}, cse=cse))
     model = load_model(last)
     layer = model.transformer.h[1].attn
@@ -64,7 +64,7 @@ def test_demix_upcycled_from_a_dense_run(tmp_path):
     sparse = {"kind": "demix", "layers": [1], "n_experts": [0], "domains": domains}
     start = branch_from(tmp_path / "dense" / "checkpoints" / "step-000006", tmp_path / "demix", sparse=sparse)
     assert load_model(start).config.sparse.n_experts == [0]
-    last = train(config(tmp_path, "demix", model={**TINY, "sparse": sparse}, upcycle={"at": 6}))
+    last = train(config(tmp_path, "demix", model={**TINY, "sparse": sparse}, upcycle={"convert_at": 6}))
     model = load_model(last)
     assert isinstance(model.transformer.h[1].mlp, DEMixLayer) and model.config.sparse.n_experts == [3]
     loads = [json.loads(line)["load"] for line in (tmp_path / "demix" / "metrics.jsonl").read_text().splitlines()
@@ -76,7 +76,7 @@ def test_demix_upcycled_from_a_dense_run(tmp_path):
     assert np.sum([load["transformer.h.1.mlp"] for load in loads], axis=0).tolist() == seen.tolist()
     with pytest.raises(ValueError, match=r"DEMix model's domains must be the data's domains in order"):
         bad = {**sparse, "domains": ["legal", "general", "biomedical"]}
-        train(config(tmp_path, "bad", model={**TINY, "sparse": bad}, upcycle={"at": 6}))
+        train(config(tmp_path, "bad", model={**TINY, "sparse": bad}, upcycle={"convert_at": 6}))
     with pytest.raises(ValueError, match=r"dense until upcycled"):
         train(config(tmp_path, "bad2", model={**TINY, "sparse": sparse}))
 

@@ -21,7 +21,7 @@ ROWS, DOMAINS = planted_domains(n_per=48, T=16)
 
 
 def callback(**changes):
-    return SparseCallback(**{"at": 4, "kind": "cse", "layers": [1, 2], "fitting": {"input_ids": ROWS[:64]},
+    return SparseCallback(**{"convert_at": 4, "kind": "cse", "layers": [1, 2], "fitting": {"input_ids": ROWS[:64]},
                              "router": {"min_cluster_size": 10}, **changes})
 
 
@@ -107,9 +107,9 @@ def test_key_padding_mask_reads_a_4d_mask_back_to_its_padding(causal):
 def test_a_resume_at_the_plans_step_from_a_dense_checkpoint_converts(whole, tmp_path):
     _, model, _ = whole
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"warmup_steps": 4, "layers": [1, 2]}))
+    plan.write_text(json.dumps({"convert_at": 4, "layers": [1, 2]}))
     train("gpt_neox", tmp_path / "dense", [StopAt(4)])  # the first run: dense, checkpoint-4
-    cb = callback(at=None, plan=plan)
+    cb = callback(convert_at=None, plan=plan)
     resumed = train("gpt_neox", tmp_path / "dense", [cb], resume=tmp_path / "dense" / "checkpoint-4")
     assert cb.converted_at == 4
     assert_same_weights(model, resumed)  # as if it had converted at step 4 without stopping

@@ -65,7 +65,7 @@ def test_plan_gc_and_compare_on_a_trainer_run(trainer_run, tmp_path):
     assert made["source"]["steps"] == [2, 4, 6] and made["source"]["model_type"] == "gpt_neox"
     record = made["evidence"]["warmup_record"]  # the schedule's length from trainer_state.json's max_steps
     assert record["schedule_steps"] == 6 and record["cross_validated"]["step"] == 3
-    assert record["measured_step"] == made["warmup_steps"] and "half the schedule is step 3" in plan.stdout
+    assert record["measured_step"] == made["convert_at"] and "half the schedule is step 3" in plan.stdout
     by_fraction = in_process("plan", run, *common, "--top-k", 1, "--warmup-by", "schedule-fraction",
                              "--schedule-steps", 10, "--out", tmp_path / "plan-fraction.json")
     assert by_fraction.returncode == 0, by_fraction.stderr[-2000:]
@@ -77,7 +77,7 @@ def test_plan_gc_and_compare_on_a_trainer_run(trainer_run, tmp_path):
     assert page.returncode == 0, page.stderr[-2000:]
     text = (tmp_path / "run.html").read_text()
     assert ">Training</h2>" in text and "6 steps; final training loss" in text
-    assert (fraction["warmup_steps"], fraction["warmup_rule"]) == (5, "schedule-fraction")
+    assert (fraction["convert_at"], fraction["warmup_rule"]) == (5, "schedule-fraction")
     assert fraction["layers"] == made["layers"]
     gc = in_process("gc", run, *common[:2], "--n", 24, "--seq-len", 16, "--resamples", 0, "--null-draws", 0,
                     "--out", tmp_path / "gc")
@@ -99,6 +99,6 @@ def test_plan_gc_and_compare_on_a_trainer_run(trainer_run, tmp_path):
         in " ".join(rows_cmp.stdout.split())
     arm = json.loads((tmp_path / "cmp-rows" / "runs" / "cse-seed0" / "train_config.json").read_text())
     assert (arm["data"]["layout"], arm["batch_size"]) == ("rows", 8)
-    warmup = made["warmup_steps"]
+    warmup = made["convert_at"]
     start = json.loads((tmp_path / "cmp" / "compare.json").read_text())["init_from"]
     assert start.endswith(f"checkpoint-{max(s for s in (2, 4, 6) if s <= warmup)}")

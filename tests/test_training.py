@@ -29,7 +29,7 @@ def config(tmp_path, name="run", **overrides):
         "model": {"n_layer": 2, "n_embd": 32, "n_head": 2,
                   "sparse": {"kind": "cse", "layers": [1], "n_experts": [0], "proj_dim": 8}},
         "data": {"seq_len": 32, "split": "validation"},
-        "cse": {"warmup_steps": 6, "n_samples": 128, "min_samples": 3, "eps": 0.11, "rule": "dbscan-knee",
+        "cse": {"convert_at": 6, "n_samples": 128, "min_samples": 3, "eps": 0.11, "rule": "dbscan-knee",
                 "representation": "raw"},  # 3 experts at step 6 (turn 1's rule and representation)
         "steps": 14, "batch_size": 8, "checkpoint_every": 4, "log_every": 2, "warmup_steps": 3, "lr": 3e-3,
     }
@@ -134,14 +134,14 @@ def test_errors_are_clear(tmp_path):
     for section, message in [({"data": {"seqlen": 32}}, r"TrainConfig: data has unknown keys \['seqlen'\]"),
                              ({"data": {"seq_len": 0}}, r"TrainConfig: data.seq_len must be a positive integer"),
                              ({"data": {"text_files": ["a.txt"]}}, r"data.text_files needs data.tokenizer"),
-                             ({"cse": {"warmup_steps": "soon"}}, r"cse.warmup_steps must be a step >= 0, 'auto'"),
-                             ({"upcycle": {"n_experts": 4}}, r"upcycle needs at: STEP \(got n_experts 4 alone\)"),
+                             ({"cse": {"convert_at": "soon"}}, r"cse.convert_at must be a step >= 0, 'auto'"),
+                             ({"upcycle": {"n_experts": 4}}, r"upcycle needs convert_at: STEP \(got n_experts 4 alone\)"),
                              ({"upcycle": [1]}, r"TrainConfig: upcycle must be a mapping \(got list\)"),
                              ({"model": [1]}, r"TrainConfig: model must be a mapping of GPTConfig fields")]:
         with pytest.raises(ValueError, match=message):
             TrainConfig.from_dict(section)
-    cfg = TrainConfig.from_dict({"data": {"seq_len": 32}, "cse": {"warmup_steps": 5, "rule": "kmeans"}})
-    assert (cfg.data.seq_len, cfg.data.split, cfg.cse.warmup_steps, cfg.cse.router_options()["rule"]) == (
+    cfg = TrainConfig.from_dict({"data": {"seq_len": 32}, "cse": {"convert_at": 5, "rule": "kmeans"}})
+    assert (cfg.data.seq_len, cfg.data.split, cfg.cse.convert_at, cfg.cse.router_options()["rule"]) == (
         32, "train", 5, "kmeans") and not cfg.upcycle
     with pytest.raises(ValueError, match=r"pack_blocks: domains \['medieval'\] have no records"):
         train(config(tmp_path, data={"seq_len": 32, "domains": ["medieval"]}))
@@ -224,7 +224,7 @@ def test_cse_branched_from_a_dense_run_shares_its_warm_up_exactly(tmp_path):
     sparse = {"kind": "cse", "layers": [1], "n_experts": [0], "proj_dim": 8}
     for name, eps in (("one", 1e9), ("three", 0.11)):
         branch_from(tmp_path / "dense" / "checkpoints" / "step-000006", tmp_path / name, sparse=sparse)
-        last = train(config(tmp_path, name, steps=10, cse={"warmup_steps": 6, "n_samples": 128, "min_samples": 3,
+        last = train(config(tmp_path, name, steps=10, cse={"convert_at": 6, "n_samples": 128, "min_samples": 3,
                                                            "eps": eps, "rule": "dbscan-knee", "representation": "raw"}))
         if name == "one":
             assert load_model(last).config.sparse.n_experts == [1]
@@ -256,7 +256,7 @@ def test_switch_upcycled_from_a_dense_run(tmp_path):
     model = {**dense_model, "sparse": sparse}
     start = branch_from(tmp_path / "dense" / "checkpoints" / "step-000006", tmp_path / "switch", sparse=sparse)
     assert load_model(start).config.sparse.n_experts == [0]  # dense until the upcycling step
-    upcycle = {"at": 6, "n_experts": 3}
+    upcycle = {"convert_at": 6, "n_experts": 3}
     last = train(config(tmp_path, "switch", model=model, steps=7, checkpoint_every=7, upcycle=upcycle))
     switched = load_model(last)
     layer = switched.transformer.h[1].mlp

@@ -144,7 +144,7 @@ def _plan(args) -> int:
               f"share {by_labels} (best share per layer: {shares})")
     print(f"\nthe warm-up's record: {plan.evidence['warmup_record']['summary']}")
     print(f"plan: CSE layers {plan.layers} ({plan.chosen_by}; separation scores from the checkpoint at step {at}), "
-          f"warm-up {plan.warmup_steps} steps (rule: {plan.warmup_rule}) -> {args.out}")
+          f"warm-up {plan.convert_at} steps (rule: {plan.warmup_rule}) -> {args.out}")
     return 0
 
 

@@ -414,9 +414,9 @@ def plan_command(run_dir, data="default", *, sentences: Sentences = Sentences(),
                      labels=(lambda layers: routers) if labelled else None,
                      stability=lambda layers: routers.query("layer in @layers"))
     steps = [step for step, _ in checkpoints]
-    record = warmup_record(plan.warmup_steps, plan.warmup_rule, total)
+    record = warmup_record(plan.convert_at, plan.warmup_rule, total)
     if warmup_by == "schedule-fraction":
-        plan = dataclasses.replace(plan, warmup_steps=record["cross_validated"]["step"],
+        plan = dataclasses.replace(plan, convert_at=record["cross_validated"]["step"],
                                    warmup_rule="schedule-fraction")
     plan = dataclasses.replace(plan, evidence={**plan.evidence, "warmup_record": record})
     plan = dataclasses.replace(plan, source={

@@ -61,21 +61,21 @@ def _config(arm: str, run: Path, common: dict, cse: dict, sparse_layers, switch_
     zeros = [0] * len(sparse_layers) if isinstance(sparse_layers, list) else [0]
     spec = {"dense": {},
             "cse": {"model": {"sparse": {"kind": "cse", "layers": sparse_layers, "n_experts": zeros}},
-                    "cse": {"warmup_steps": at, **cse}},
+                    "cse": {"convert_at": at, **cse}},
             "switch": {"model": {"sparse": {"kind": "switch", "layers": sparse_layers, "n_experts": zeros}},
-                       "upcycle": {"at": at, "n_experts": switch_experts}},
+                       "upcycle": {"convert_at": at, "n_experts": switch_experts}},
             "demix": {"model": {"sparse": {"kind": "demix", "layers": sparse_layers, "n_experts": zeros,
                                            "domains": list(domains)}},
-                      "upcycle": {"at": at}}}[arm]
+                      "upcycle": {"convert_at": at}}}[arm]
     return TrainConfig.from_dict({**common, **spec, "out_dir": str(run)})
 
 
 def _warmup_checkpoint(run_dir, plan) -> Path:
     """The checkpoint of ``run_dir`` at the plan's warm-up (the latest one at or before it)."""
-    if plan is None or Plan.load(plan).warmup_steps is None:
+    if plan is None or Plan.load(plan).convert_at is None:
         raise InputError("init_from", "a run directory needs a plan with a warm-up (else name a checkpoint)",
                          str(run_dir), func="ntkscope compare")
-    warmup = int(Plan.load(plan).warmup_steps)
+    warmup = int(Plan.load(plan).convert_at)
     before = [(step, path) for step, path in list_checkpoints(run_dir) if step <= warmup]
     if not before:
         raise InputError("init_from", f"must hold a checkpoint at or before the plan's warm-up step {warmup}",
@@ -90,7 +90,7 @@ def _warmup_checkpoint(run_dir, plan) -> Path:
 
 def _check_warmup(init_from, plan) -> None:
     """init_from is the warm-up: say so when the plan's warm-up is another step."""
-    warmup = Plan.load(plan).warmup_steps
+    warmup = Plan.load(plan).convert_at
     if warmup is not None and warmup_after(str(init_from), int(warmup), str(plan)) != 0:
         log.warning("plan %s: its warm-up is step %d of the measured run; every arm starts from %s and converts at "
                     "once (pass that run's step-%d checkpoint to follow the plan)", plan, warmup, init_from, warmup)

@@ -22,7 +22,7 @@ from ntkscope.core.files import read_json_object, strict_json, write_text
 from ntkscope.core.provenance import environment
 from ntkscope.plotting import (expert_layers, gc_by_label, gc_over_steps, gc_per_layer, gc_vs_frequency, inrun_series,
                                layer_dynamics, routing_shares, score_histogram_bars, training_curve)
-from ntkscope.representation.plan import gc_peak
+from ntkscope.representation.plan import gc_peak, plan_step
 from ntkscope.runs.checkpoints import trainer_checkpoints
 
 log = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ def _plan(files: _Files) -> Section | None:
                       "sections below measure again from the tables).")
     section.notes.append(f"CSE layers {plan['layers']} ({plan.get('module', 'ffn')}), chosen by "
                          f"{plan.get('chosen_by', 'unknown')}.")
-    warmup = plan.get("warmup_steps")
+    warmup = plan_step(plan)
     section.notes.append(f"Dense warm-up: {warmup} steps" + (f", by the rule '{plan['warmup_rule']}'"
                                                               if plan.get("warmup_rule") else "") + "." if warmup
                          is not None else "No warm-up was chosen (no GC series or router dynamics).")

@@ -15,6 +15,7 @@ from ntkscope.core.files import check_output
 from ntkscope.core.memory import trains_before_analysing
 from ntkscope.experiments import load_spec, parse_spec, run_experiment
 from ntkscope.reproduction import reproduce
+from ntkscope.representation.plan import plan_step
 from ntkscope.reproduction.settings import settings_for
 
 
@@ -84,7 +85,7 @@ def _reproduce(args) -> int:
     settings = manifest["settings"]
     print(f"reproduced {manifest['mode']} mode in {out}: {manifest['seconds_total'] / 60:.1f} min of work in all, "
           f"{manifest['seconds_this_call'] / 60:.1f} min this call, on {manifest['environment']['machine']}")
-    print(f"CSE layers {plan['layers']}, warm-up {plan['warmup_steps']} steps ({plan['chosen_by']})")
+    print(f"CSE layers {plan['layers']}, conversion at step {plan_step(plan)} ({plan['chosen_by']})")
     if settings["figures"]:
         print(f"\nTables 1-2 analogue, the figures' GPT slice ({out}/tables/results.md):\n")
         print((out / "tables" / "results.md").read_text())

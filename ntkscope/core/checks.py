@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 import numbers
 import os
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger("ntkscope")
 
 _ENTERED = contextvars.ContextVar("ntkscope_entry", default=None)
 
@@ -139,3 +142,22 @@ def check_fraction(arg: str, value: Any) -> None:
     """0 < value < 1."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) < 1.0:
         raise InputError(arg, "must be a number strictly between 0 and 1", value)
+
+
+def renamed_keys(data: dict, renames: dict, where: str, *, warn: bool = True) -> dict:
+    """``data`` (a mapping of settings) with each old key of ``renames`` (old -> new) read under its
+    new name; ``warn``: one warning line per old key met (a record written before the rename is
+    read silently with ``warn=False``). Both names at once are refused: ``where: old and new ...``."""
+    if not isinstance(data, dict) or not any(old in data for old in renames):
+        return data
+    out = dict(data)
+    for old, new in renames.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise UserError(f"{where}: {old} and {new} are the same setting (the old name and the new); give {new} "
+                            "only")
+        out[new] = out.pop(old)
+        if warn:
+            log.warning("%s: %s is deprecated, read as %s; write %s", where, old, new, new)
+    return out

@@ -63,7 +63,7 @@ def sweep_drafts(spec) -> list:
     for seed in spec.seeds:
         drafts.append((f"{trunk.name}-seed{seed}", seed, {"kind": "trunk", "arm": trunk.name,
                                                           "gc_peak_step": t.gc_peak_step, **own}, []))
-    rule_seeds = sorted({s for a in arms if a.at == "rule" for s in seeds_of[a.name]})
+    rule_seeds = sorted({s for a in arms if a.convert_at == "rule" for s in seeds_of[a.name]})
     structure = {} if t.structure is None else {"structure": dataclasses.asdict(t.structure)}
     for seed in spec.seeds if t.structure is not None else rule_seeds:  # the structure rule is judged in every trunk
         drafts.append((f"plan-seed{seed}", seed, {"kind": "plan", "layers": list(t.layers),
@@ -74,12 +74,14 @@ def sweep_drafts(spec) -> list:
             continue
         for seed in seeds_of[arm.name]:
             what = {"kind": "arm", **dataclasses.asdict(arm), "layers": list(arm.layers or t.layers),
-                    "at": conversion_step(arm.at, steps=spec.settings.steps, gc_peak_step=t.gc_peak_step),
+                    "at": conversion_step(arm.convert_at, steps=spec.settings.steps, gc_peak_step=t.gc_peak_step),
                     **arm_kind(arm.kind).key(t)}
-            del what["what"], what["seeds"]  # the tables' line and where it runs: not what the unit computes
+            # the tables' line and where it runs are not what the unit computes; the step is keyed as
+            # "at", the name units were first keyed under (a key must not change with a field's name)
+            del what["what"], what["seeds"], what["convert_at"]
             if arm.counts_from is None:  # left out when unset, so that an arm without it keeps its key
                 del what["counts_from"]
-            needs = [f"{trunk.name}-seed{seed}"] + ([f"plan-seed{seed}"] if arm.at == "rule" else [])
+            needs = [f"{trunk.name}-seed{seed}"] + ([f"plan-seed{seed}"] if arm.convert_at == "rule" else [])
             drafts.append((f"{arm.name}-seed{seed}", seed, what, needs))
     return drafts
 
@@ -121,7 +123,7 @@ def execute_sweep_unit(spec, run_dir: Path, unit, pack=None) -> dict:
     sweep = make_sweep(spec, run_dir, pack)
     if what["kind"] == "plan":
         plan = sweep.plan(unit.seed)
-        return {"result": f"plans/seed{unit.seed}.json", "warmup": int(plan.warmup_steps),
+        return {"result": f"plans/seed{unit.seed}.json", "warmup": int(plan.convert_at),
                 "warmup_rule": plan.warmup_rule}
     arm = sweep.arm(what["arm"] if what["kind"] == "trunk" else what["name"])
     result = sweep.run_unit(arm, unit.seed)

@@ -16,6 +16,7 @@ from ntkscope.experiments.spec import Spec
 from ntkscope.experiments.kinds import make_sweep
 from ntkscope.experiments.units import units
 from ntkscope.plotting import save_figure
+from ntkscope.representation.plan import plan_step
 from ntkscope.reproduction.map_figures import map_controls, map_curve, trunk_curves
 from ntkscope.reproduction.map_tables import count_verdicts, gains, read_results, verdicts
 
@@ -65,7 +66,7 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     write_table(table, out / "tables" / "gains.csv")
     write_json(out / "tables" / "verdicts.json", found)
     save_figure(map_controls(table), out / "controls.png")
-    rule = {s: p["warmup_steps"] for s, p in plans.items() if p.get("warmup_rule") == "consensus-structure"}
+    rule = {s: plan_step(p) for s, p in plans.items() if p.get("warmup_rule") == "consensus-structure"}
     if len(table) and table.groupby("arm")["step"].nunique().max() > 1:  # a curve needs two conversion steps
         save_figure(map_curve(table, plan_structure(plans), rule), out / "map.png")
     else:

@@ -28,7 +28,7 @@ A spec is read and checked whole before any unit runs; a mistake is one line nam
     [[arms]]
     name = "cse-late"
     kind = "cse"                 # dense | cse | switch | demix | encoder | null (reproduction.arm_kinds)
-    at = "late"                  # "rule" | "gc-peak" | "late" | a step | a list of steps
+    convert_at = "late"          # "rule" | "gc-peak" | "late" | a step | a list of steps
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from importlib import resources
 from pathlib import Path
 
 from cse_models.hf import block_count
-from ntkscope.core.checks import MissingInput, UserError
+from ntkscope.core.checks import MissingInput, UserError, renamed_keys
 from ntkscope.experiments.kinds import EXPERIMENT_KINDS
 from ntkscope.reproduction.arm_kinds import ARM_KINDS, OPTIONAL_FIELDS, TRUNK
 from ntkscope.reproduction.paper import ARCH_NAMES, row_keys
-from ntkscope.reproduction.settings import PRESETS, ReproduceSettings
+from ntkscope.reproduction.settings import PRESETS, RENAMED_SETTINGS, ReproduceSettings
 from ntkscope.reproduction.sweep import NAMED_STEPS, Arm, Rule, Structure
 from ntkscope.reproduction.sweep_tables import Criteria
 
@@ -296,9 +296,10 @@ def _tables(c: "_Checker", data: dict, settings: ReproduceSettings, seeds: tuple
         raise SpecError(c.source, "tables.rows", "must include 'dense' (every row starts from it)", list(rows))
     if list(seeds) != list(range(seeds[0], seeds[0] + len(seeds))):
         raise SpecError(c.source, "seeds", "must be consecutive for kind 'tables'", list(seeds))
-    if not settings.table_layers or not settings.table_warmup:
-        raise SpecError(c.source, "settings.table_layers", "and settings.table_warmup must be set: the rows' layers "
-                        "and warm-up are part of the spec", [list(settings.table_layers), settings.table_warmup])
+    if not settings.table_layers or not settings.table_convert_at:
+        raise SpecError(c.source, "settings.table_layers", "and settings.table_convert_at must be set: the rows' "
+                        "layers and conversion step are part of the spec",
+                        [list(settings.table_layers), settings.table_convert_at])
     return {"archs": archs, "rows": rows,
             "settings": settings.replace(table_archs=archs, seed=seeds[0], seeds=len(seeds))}
 
@@ -368,35 +369,37 @@ def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSetti
     where = f"arms[{i}]."
     if not isinstance(data, dict):
         raise SpecError(c.source, f"arms[{i}]", "must be a table ([[arms]])", data)
+    data = renamed_keys(data, {"at": "convert_at"}, f"{c.source}: arms[{i}]")
     c.only(data, where, {f.name for f in dataclasses.fields(Arm)})
     name = c.text(data, "name", required=True, where=where)
     if not name.replace("-", "").replace("_", "").isalnum():
         raise SpecError(c.source, f"{where}name", "must be letters, digits, '-' and '_' (it names folders)", name)
     where = f"arms[{i}] ({name})."
     kind = c.choice(data, "kind", list(ARM_KINDS), required=True, where=where)
-    at = data.get("at", [] if kind == TRUNK else None)
+    at = data.get("convert_at", [] if kind == TRUNK else None)
     steps = at if isinstance(at, list) else [at]
     if kind == TRUNK:
         if steps:
-            raise SpecError(c.source, f"{where}at", "must be left out: the trunk is not converted", at)
+            raise SpecError(c.source, f"{where}convert_at", "must be left out: the trunk is not converted", at)
     elif at is None or not steps:
-        raise SpecError(c.source, f"{where}at", f"must be {' | '.join(NAMED_STEPS)}, a step or a list of steps", at)
+        raise SpecError(c.source, f"{where}convert_at", f"must be {' | '.join(NAMED_STEPS)}, a step or a list of "
+                        "steps", at)
     for step in steps:
         if isinstance(step, str) and step in NAMED_STEPS:
             continue
         if isinstance(step, bool) or not isinstance(step, int):
-            raise SpecError(c.source, f"{where}at", f"must be {' | '.join(NAMED_STEPS)}, a step or a list of steps",
+            raise SpecError(c.source, f"{where}convert_at", f"must be {' | '.join(NAMED_STEPS)}, a step or a list of steps",
                             at)
         if not (0 < step < settings.steps and (step % settings.checkpoint_every == 0 or step == trunk.gc_peak_step)):
-            raise SpecError(c.source, f"{where}at", f"must be steps the trunk keeps: multiples of checkpoint_every "
+            raise SpecError(c.source, f"{where}convert_at", f"must be steps the trunk keeps: multiples of checkpoint_every "
                             f"({settings.checkpoint_every}) in (0, {settings.steps}), or the gc_peak_step", at)
     if len(set(steps)) != len(steps):
-        raise SpecError(c.source, f"{where}at", "must not repeat a step", at)
+        raise SpecError(c.source, f"{where}convert_at", "must not repeat a step", at)
     layers = tuple(c.ints(data, "layers", minimum=0, maximum=trunk.n_layer - 1, default=list(trunk.layers),
                           where=where))
     if len(set(layers)) != len(layers):
         raise SpecError(c.source, f"{where}layers", "must not repeat a layer", list(layers))
-    arm = Arm(name=name, kind=kind, at=None, layers=layers,
+    arm = Arm(name=name, kind=kind, convert_at=None, layers=layers,
               mean_rate=c.number(data, "mean_rate", low=0.0, high=1.0, default=0.0, where=where),
               shuffled=c.flag(data, "shuffled", where=where), fair=c.flag(data, "fair", where=where),
               what=c.text(data, "what", default="", where=where),
@@ -411,7 +414,7 @@ def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSetti
     if arm.counts_from is not None and arm.counts_from % settings.checkpoint_every:
         raise SpecError(c.source, f"{where}counts_from", f"must be a step the trunk keeps (a multiple of "
                         f"checkpoint_every, {settings.checkpoint_every})", arm.counts_from)
-    return name, tuple(dataclasses.replace(arm, name=name if len(steps) <= 1 else f"{name}-at{step}", at=step)
+    return name, tuple(dataclasses.replace(arm, name=name if len(steps) <= 1 else f"{name}-at{step}", convert_at=step)
                        for step in steps or (None,))
 
 
@@ -516,6 +519,7 @@ class _Checker:
 
     def settings(self, data, base: ReproduceSettings) -> ReproduceSettings:
         fields = {f.name: f for f in dataclasses.fields(ReproduceSettings)}
+        data = renamed_keys(data, RENAMED_SETTINGS, f"{self.source}: settings")
         self.only(data, "settings.", set(fields) - {"mode", "adopt_from", "seed", "seeds"})
         changes = {}
         for key, value in data.items():

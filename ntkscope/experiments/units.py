@@ -26,7 +26,7 @@ from ntkscope.core.checks import UserError
 from ntkscope.core.files import read_json_object, write_json
 from ntkscope.experiments.kinds import EXPERIMENT_KINDS
 from ntkscope.experiments.spec import Spec
-from ntkscope.reproduction.settings import RUN_LOCAL
+from ntkscope.reproduction.settings import RUN_LOCAL, keyed_settings
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def units(spec: Spec, pack_version) -> list[Unit]:
     """Every unit of ``spec`` in the order they are started (a unit after what it needs), keyed."""
     drafts = EXPERIMENT_KINDS.get_one(spec.kind, func="units").drafts(spec)
     # where a unit runs (device) and where models may come from (RUN_LOCAL) are not what it computes
-    settings = {k: v for k, v in spec.settings.to_dict().items() if k not in RUN_LOCAL + ("seed", "seeds", "device")}
+    settings = {k: v for k, v in keyed_settings(spec.settings).items() if k not in RUN_LOCAL + ("seed", "seeds", "device")}
     keys, out = {}, []
     for name, seed, what, needs in drafts:
         payload = {"experiment": spec.kind, "unit": what, "seed": seed, "settings": settings, "pack": pack_version,

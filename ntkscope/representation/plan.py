@@ -23,7 +23,8 @@
   cluster at every chosen layer) comes first.
 
 A plan is a small JSON file that ``cse_models`` training reads directly: a config with
-``plan: PLAN.json`` and ``sparse.layers: auto`` / ``cse.warmup_steps: auto`` takes both.
+``plan: PLAN.json`` and ``sparse.layers: auto`` / ``cse.convert_at: auto`` takes both. The warm-up
+ends at the conversion step, which every config, spec and plan names ``convert_at``.
 """
 
 from __future__ import annotations
@@ -35,18 +36,18 @@ from pathlib import Path
 
 import pandas as pd
 
-from ntkscope.core.checks import MissingInput, check_positive_int, entry, fail
+from ntkscope.core.checks import MissingInput, check_positive_int, entry, fail, renamed_keys
 from ntkscope.core.files import write_json
 from ntkscope.representation.persistence import persistent_step
 
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3  # 3: the conversion step is convert_at (formats 1 and 2 named it warmup_steps)
 GC_COLUMNS = ("step", "abs_gc", "abs_gc_se", "null_median", "flags")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """layers: chosen block indices; module: "ffn" or "attn"; warmup_steps (None without a GC
-    series or a stability table); chosen_by: the layer rule; warmup_rule:
+    """layers: chosen block indices; module: "ffn" or "attn"; convert_at: the step the warm-up ends
+    and the layers are converted (None without a GC series or a stability table); chosen_by: the layer rule; warmup_rule:
     "small-clusters-persist", "tail-clusters", "gc-peak", "stable-clusters", "window-end" or
     None; evidence: {"separation": [{"layer", "separation"}], "scores_at_step", "gc": [per
     checkpoint: step, abs_gc, interval, null band, ...], "gc_peak": {"step", "shown", "why"},
@@ -59,7 +60,7 @@ class Plan:
 
     layers: list
     module: str
-    warmup_steps: int | None
+    convert_at: int | None
     chosen_by: str
     evidence: dict = field(default_factory=dict)
     warmup_rule: str | None = None
@@ -74,9 +75,15 @@ class Plan:
         if not path.is_file():
             raise MissingInput(f"Plan.load: {path} does not exist")
         data = json.loads(path.read_text())
-        if data.pop("format", None) not in (1, PLAN_FORMAT):
-            raise fail("Plan.load", "path", f"must hold a plan of format 1 or {PLAN_FORMAT}", str(path))
-        return cls(**data)
+        if not isinstance(data, dict) or data.pop("format", None) not in (1, 2, PLAN_FORMAT):
+            raise fail("Plan.load", "path", f"must hold a plan of format 1 to {PLAN_FORMAT}", str(path))
+        return cls(**renamed_keys(data, {"warmup_steps": "convert_at"}, "Plan.load", warn=False))
+
+
+def plan_step(record: dict):
+    """The conversion step of a plan read as JSON (a :class:`Plan` file of any format, or a run's
+    plan.json): ``convert_at``, or ``warmup_steps`` in one written before format 3; None if neither."""
+    return record.get("convert_at", record.get("warmup_steps"))
 
 
 def excess_series(gc: pd.DataFrame) -> pd.DataFrame:

@@ -24,6 +24,7 @@ import pandas as pd
 
 from ntkscope.core.checks import UserError
 from ntkscope.core.files import read_json_object
+from ntkscope.representation.plan import plan_step
 
 TAIL = ("legal", "biomedical")
 GAIN_COLUMNS = ["arm", "step", "seed", "trunks", "domain", "gain", "low", "high", "ppl", "ppl_dense"]
@@ -217,7 +218,7 @@ def _rule_verdicts(tail: pd.DataFrame, plans: dict) -> dict:
     for seed, plan in sorted(plans.items()):
         rows = cse[cse["seed"] == seed].set_index("step").sort_index()
         curve = rows["gain"]
-        entry = {"rule_step": plan.get("warmup_steps"), "warmup_rule": plan.get("warmup_rule"),
+        entry = {"rule_step": plan_step(plan), "warmup_rule": plan.get("warmup_rule"),
                  "map_steps": [int(s) for s in curve.index],
                  "map_trunks": {str(int(s)): str(t) for s, t in rows["trunks"].items()}}
         if plan.get("warmup_rule") != "consensus-structure":
@@ -226,7 +227,7 @@ def _rule_verdicts(tail: pd.DataFrame, plans: dict) -> dict:
         if len(curve) < 5:
             out[str(seed)] = {**entry, "verdict": "not decided", "why": "the trunk's CSE map is incomplete"}
             continue
-        step = int(plan["warmup_steps"])
+        step = int(plan_step(plan))
         out[str(seed)] = {**entry, **judge_step(curve, step)}
         own = rows["trunks"] == plan.get("trunks", rows["trunks"].iloc[0])
         if not own.all() and own.sum() >= 2:

@@ -102,11 +102,11 @@ PANELS: dict[str, Panel] = {
         "title": lambda rep, t: f"dense GPT ({rep.settings.mode}): GC against sentence frequency, three outputs"}),
     "fig2b": Panel("fig2", "cluster_view", ("fit_points",), {"colour_by": "cluster"}, computed={
         "title": lambda rep, t: f"layer {rep.plan().layers[0]}'s FFN input at the warm-up (step "
-                                f"{rep.plan().warmup_steps}): {rep.settings.router_rule} on "
+                                f"{rep.plan().convert_at}): {rep.settings.router_rule} on "
                                 f"{rep.settings.router_representation} finds "
                                 f"{_n(int((t['fit_points']['cluster'].unique() >= 0).sum()), 'cluster')}"}),
     "fig3a": Panel("fig3", "gc_over_steps", ("gc_over_steps",), computed={
-        "warmup": lambda rep, t: rep.plan().warmup_steps,
+        "warmup": lambda rep, t: rep.plan().convert_at,
         "rule": lambda rep, t: f"{rep.plan().warmup_rule}, plan.json: the CSE runs'",
         "title": lambda rep, t: f"dense GPT ({rep.settings.mode}): |GC| of the long tail ({rep.settings.gc_output})"}),
     "fig3bc": Panel("fig3", "layer_dynamics", ("dynamics", "router_dynamics")),

@@ -65,10 +65,10 @@ def model_name(arch: str, key: str, seed: int) -> str:
 
 
 def layout(rep) -> tuple[list, int]:
-    """(sparse layers, warm-up step): the settings' ``table_layers``/``table_warmup``, else the plan's."""
+    """(sparse layers, conversion step): the settings' ``table_layers``/``table_convert_at``, else the plan's."""
     s = rep.settings
     layers = list(s.table_layers) or list(rep.plan().layers)
-    warmup = int(s.table_warmup) or int(rep.plan().warmup_steps)
+    warmup = int(s.table_convert_at) or int(rep.plan().convert_at)
     return layers, warmup
 
 

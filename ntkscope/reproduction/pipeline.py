@@ -139,7 +139,7 @@ class Reproduction:
             return Plan.load(path)
         plan = self.measured_plan()
         plan.save(path)
-        log.info("plan: CSE layers %s, warm-up %s steps (%s: %s)", plan.layers, plan.warmup_steps, plan.warmup_rule,
+        log.info("plan: CSE layers %s, warm-up %s steps (%s: %s)", plan.layers, plan.convert_at, plan.warmup_rule,
                  plan.evidence.get("gc_peak", {}).get("why", ""))
         return plan
 
@@ -156,7 +156,7 @@ class Reproduction:
 
     def warmup_checkpoint(self) -> Path:
         """The dense checkpoint at the planned warm-up (where CSE's router is fitted)."""
-        return self.dense_run() / "checkpoints" / f"step-{int(self.plan().warmup_steps):06d}"
+        return self.dense_run() / "checkpoints" / f"step-{int(self.plan().convert_at):06d}"
 
     def _seed(self, seed: int | None) -> int:
         return self.settings.seed if seed is None else seed
@@ -171,14 +171,14 @@ class Reproduction:
         """CSE from the warm-up, data order ``seed`` (default the settings' seed), to the end or ``stop_at``."""
         plan, dense, name = self.plan(), self.dense_run(), self._name("gpt-cse", seed, stop_at)
         return self._timed(f"train {name}", lambda: training.train_cse(
-            self.settings, self.model_dir(name), self.pack_path, dense, plan.layers, plan.warmup_steps,
+            self.settings, self.model_dir(name), self.pack_path, dense, plan.layers, plan.convert_at,
             self._seed(seed), stop_at))
 
     def switch(self, seed: int | None = None, stop_at: int | None = None) -> Path:
         """Switch, upcycled from the warm-up, data order ``seed``, to the end or ``stop_at``."""
         plan, dense, name = self.plan(), self.dense_run(), self._name("gpt-switch", seed, stop_at)
         return self._timed(f"train {name}", lambda: training.train_switch(
-            self.settings, self.model_dir(name), self.pack_path, dense, plan.layers, plan.warmup_steps,
+            self.settings, self.model_dir(name), self.pack_path, dense, plan.layers, plan.convert_at,
             self._seed(seed), stop_at))
 
     def continued(self, seed: int | None = None, stop_at: int | None = None) -> Path:
@@ -190,7 +190,7 @@ class Reproduction:
                 return at
         plan, dense, name = self.plan(), self.dense_run(), self._name("gpt-dense", seed, stop_at)
         return self._timed(f"train {name}", lambda: training.train_continued(
-            self.settings, self.model_dir(name), self.pack_path, dense, plan.warmup_steps, self._seed(seed), stop_at))
+            self.settings, self.model_dir(name), self.pack_path, dense, plan.convert_at, self._seed(seed), stop_at))
 
     def finetuned(self, domain: str) -> Path:
         last = self.dense()
@@ -256,7 +256,7 @@ class Reproduction:
         """The step the seeds comparison stops at: ``settings.compare_until`` when it lies after the
         warm-up and before the end, else None (the full schedule)."""
         end = self.settings.compare_until
-        return end if end and self.plan().warmup_steps < end < self.settings.steps else None
+        return end if end and self.plan().convert_at < end < self.settings.steps else None
 
     def seed_runs(self) -> dict:
         """{(model, seed): last checkpoint} of CSE, upcycled Switch and the dense continuation,
@@ -325,7 +325,7 @@ def _reproduce(rep: Reproduction, start: float) -> dict:
         plan = json.loads(plan.read_text())
     else:  # a tables-only run: the settings' layers and warm-up
         layers, warmup = paper.layout(rep)
-        plan = {"layers": layers, "warmup_steps": warmup, "chosen_by": "settings (table_layers, table_warmup)"}
+        plan = {"layers": layers, "convert_at": warmup, "chosen_by": "settings (table_layers, table_convert_at)"}
     manifest = {
         "mode": rep.settings.mode, "settings": rep.settings.to_dict(), "pack": rep.pack_path,
         "pack_version": rep.pack.manifest.get("version"),

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ntkscope.core.checks import UserError, fail
+from ntkscope.core.checks import UserError, fail, renamed_keys
 from ntkscope.core.files import write_json
 from ntkscope.core.requests import differences, listed
 from ntkscope.gc.options import GCOptions
@@ -52,7 +52,7 @@ class ReproduceSettings:
     clusters above which they count as stable (the warm-up's fallback rule).
     Paper tables (docs/tables.md): ``table_archs`` ("gpt", "bert"; empty: none) each train, per
     pretraining seed ``seed .. seed + seeds - 1``, a dense model from scratch and from its
-    checkpoint at ``table_warmup`` (0: the plan's warm-up) Switch, CSE/MoF, CSE/MoA and DEMix at
+    checkpoint at ``table_convert_at`` (0: the plan's conversion step) Switch, CSE/MoF, CSE/MoA and DEMix at
     ``table_layers`` (empty: the plan's layers) to ``steps`` (CSE with drift handling
     ``table_mean_rate``, :class:`cse_models.config.SparseConfig`; 0: Algorithm 1 as written); dense and Switch are then tuned for
     ``finetune_steps`` on each of ``finetune_domains``; each model is evaluated on at most
@@ -116,7 +116,7 @@ class ReproduceSettings:
     probe_seeds: int = 5
     table_archs: tuple = ()
     table_layers: tuple = ()
-    table_warmup: int = 0
+    table_convert_at: int = 0
     table_mean_rate: float = 0.0
     eval_max_blocks: int = 0
     eval_max_items: int = 0
@@ -169,14 +169,14 @@ PRESETS = {
         early_every=25, early_until=300, seeds=3, figures=False, eval_every=50),
     "tables": ReproduceSettings(
         mode="tables", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=400, checkpoint_every=400,
-        finetune_steps=40, seeds=3, table_archs=("gpt", "bert"), table_layers=(2, 3), table_warmup=75,
+        finetune_steps=40, seeds=3, table_archs=("gpt", "bert"), table_layers=(2, 3), table_convert_at=75,
         figures=False),
     # the GPT rows of the tables as the sweep chose (figures/sweep/README.md): every seed's small-cluster
     # rule fell back to step 1200, CSE with drift handling, to step 2400, past the tail's clusters
     "tables-late": ReproduceSettings(
         mode="tables-late", model={"n_layer": 4, "n_head": 4, "n_embd": 128}, seq_len=48, steps=2400,
         checkpoint_every=400, finetune_steps=40, seeds=3, table_archs=("gpt",), table_layers=(2, 3),
-        table_warmup=1200, table_mean_rate=0.1, figures=False),
+        table_convert_at=1200, table_mean_rate=0.1, figures=False),
     "full": ReproduceSettings(
         mode="full", model={"n_layer": 12, "n_head": 12, "n_embd": 768}, seq_len=128, steps=20000,
         checkpoint_every=1000, batch_size=64, lr=6e-4, warmup_steps=1000, finetune_steps=1000, finetune_lr=1e-4,
@@ -195,6 +195,17 @@ def settings_for(mode: str, **changes) -> ReproduceSettings:
     return PRESETS[mode].replace(**changes)
 
 
+#: settings renamed, old name -> new: a spec's old name is read with a warning, a run's settings.json
+#: silently, and a unit's key holds the old name (a key must not change with a field's name)
+RENAMED_SETTINGS = {"table_warmup": "table_convert_at"}
+
+
+def keyed_settings(settings: "ReproduceSettings") -> dict:
+    """``settings`` as a dict under the names units were first keyed under (:data:`RENAMED_SETTINGS`)."""
+    old = {new: old for old, new in RENAMED_SETTINGS.items()}
+    return {old.get(k, k): v for k, v in settings.to_dict().items()}
+
+
 #: settings that say where a run may take results from, or what it logs besides, not what it is: not
 #: bound to the run, not in a unit's key
 RUN_LOCAL = ("adopt_from", "track_every", "eval_every")
@@ -210,6 +221,7 @@ def bind_settings(run_dir, settings: ReproduceSettings, pack, func: str, what: s
     saved = run_dir / "settings.json"
     if saved.is_file():
         have = json.loads(saved.read_text())
+        have["settings"] = renamed_keys(have["settings"], RENAMED_SETTINGS, "bind_settings", warn=False)
         defaults = {f.name: f.default for f in dataclasses.fields(ReproduceSettings)
                     if f.default is not dataclasses.MISSING}
         have["settings"] = json.loads(json.dumps({k: v for k, v in {**defaults, **have["settings"]}.items()

@@ -93,10 +93,11 @@ class Structure:
 NAMED_STEPS = ("rule", "gc-peak", "late")
 
 
-def conversion_step(at, *, steps: int, gc_peak_step: int):
-    """The step an arm's ``at`` names: a number as it is, "gc-peak" the sweep's ``gc_peak_step``,
-    "late" half the schedule of ``steps``; "rule" stays "rule" (each trunk's plan decides it)."""
-    return {"gc-peak": gc_peak_step, "late": steps // 2}.get(at, at)
+def conversion_step(convert_at, *, steps: int, gc_peak_step: int):
+    """The step an arm's ``convert_at`` names: a number as it is, "gc-peak" the sweep's
+    ``gc_peak_step``, "late" half the schedule of ``steps``; "rule" stays "rule" (each trunk's plan
+    decides it)."""
+    return {"gc-peak": gc_peak_step, "late": steps // 2}.get(convert_at, convert_at)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class Arm:
     (:data:`~ntkscope.reproduction.arm_kinds.ARM_KINDS`): "dense" (the trunk), "cse", "switch",
     "demix", "encoder" (the frozen-encoder router: a fixed assignment of blocks to experts,
     :meth:`Sweep.encoder_routes`) or "null" (the trunk continued from the branch with another
-    data order: one arm's noise floor); at: the conversion step, an int or "rule" (the trunk's
+    data order: one arm's noise floor); convert_at: the conversion step, an int or "rule" (the trunk's
     small-cluster rule), "gc-peak" (the sweep's ``gc_peak_step``), "late" (half the schedule),
     :func:`conversion_step`; seeds: the trunks it branches from (empty: every one);
     layers: its sparse layers (empty: the sweep's); mean_rate: CSE drift handling; shuffled: CSE
@@ -114,11 +115,11 @@ class Arm:
     that the function is unchanged at conversion (else the classic control: softmax gate, the
     largest CSE count at every layer); what: a line for the tables; counts_from: CSE with each
     layer's expert count fixed to what CSE's fit makes at that trunk step (the count apart from
-    the representation at ``at``)."""
+    the representation at ``convert_at``)."""
 
     name: str
     kind: str
-    at: str | int | None = None
+    convert_at: str | int | None = None
     mean_rate: float = 0.0
     what: str = ""
     shuffled: bool = False
@@ -299,19 +300,19 @@ class Sweep:
         return Plan(layers, "ffn", int(step), "top-2 consensus structure at the warm-up (label-free)", evidence,
                     rule)
 
-    def warmup(self, arm: Arm, seed: int) -> int:
+    def convert_at(self, arm: Arm, seed: int) -> int:
         """``arm``'s conversion step in the trunk of ``seed`` (:func:`conversion_step`; "rule": that
         trunk's plan)."""
-        step = conversion_step(arm.at, steps=self.settings.steps, gc_peak_step=self.gc_peak_step)
-        return int(self.plan(seed).warmup_steps) if step == "rule" else step
+        step = conversion_step(arm.convert_at, steps=self.settings.steps, gc_peak_step=self.gc_peak_step)
+        return int(self.plan(seed).convert_at) if step == "rule" else step
 
     def ready(self, arm: Arm, seed: int) -> bool:
         """Whether the unit can start: the trunk any time; an arm once its branch checkpoint exists."""
         if arm.kind == TRUNK:
             return True
-        if arm.at == "rule":
+        if arm.convert_at == "rule":
             return (self.run_dir / "plans" / f"seed{seed}.json").is_file() or self.plan_ready(seed)
-        return self.warmup(arm, seed) in self._trunk_steps(seed)
+        return self.convert_at(arm, seed) in self._trunk_steps(seed)
 
     # ---- one unit ---------------------------------------------------------------------------
 
@@ -321,7 +322,7 @@ class Sweep:
         if arm.kind == TRUNK:
             return training.train_dense(self.settings, self.model_dir(arm.name, seed), self.pack_arg, seed=seed,
                                         checkpoints=(self.gc_peak_step,), init_from=self.model), None
-        at, every = self.warmup(arm, seed), 4 * self.settings.checkpoint_every  # a killed unit resumes from there
+        at, every = self.convert_at(arm, seed), 4 * self.settings.checkpoint_every  # a killed unit resumes from there
         return arm_kind(arm.kind).train(self, arm, seed, at, every), at
 
     # ---- the frozen-encoder router ----------------------------------------------------------
@@ -375,8 +376,8 @@ class Sweep:
         shuffled, its count not fixed; its conversion's counts), or those its router would fit at
         step ``at`` when it has not converted yet."""
         layers = self.arm_layers(arm)
-        step = arm.at if arm.counts_from is None else arm.counts_from
-        source = next((o for o in self.arms if o.kind == "cse" and o.at == step and not o.shuffled
+        step = arm.convert_at if arm.counts_from is None else arm.counts_from
+        source = next((o for o in self.arms if o.kind == "cse" and o.convert_at == step and not o.shuffled
                        and not o.mean_rate and o.counts_from is None and self.arm_layers(o) == layers), None)
         folder = self.model_dir(source.name, seed) if source is not None else None
         for _, path in list_checkpoints(folder) if folder is not None and (folder / "checkpoints").is_dir() else []:
@@ -397,9 +398,9 @@ class Sweep:
             if (other.name != arm.name and other.kind == arm.kind and other.mean_rate == arm.mean_rate
                     and other.shuffled == arm.shuffled and other.counts_from == arm.counts_from
                     and self.arm_layers(other) == self.arm_layers(arm)
-                    and self.done(other.name, seed) and (other.at == arm.at or (
+                    and self.done(other.name, seed) and (other.convert_at == arm.convert_at or (
                         self.ready(other, seed) and self.ready(arm, seed)
-                        and self.warmup(other, seed) == self.warmup(arm, seed)))):
+                        and self.convert_at(other, seed) == self.convert_at(arm, seed)))):
                 return other
         return None
 
@@ -415,7 +416,8 @@ class Sweep:
         start = time.perf_counter()
         last, at = self.train(arm, seed)
         result = {"arm": arm.name, "seed": seed, "warmup": at, "kind": arm.kind, "mean_rate": arm.mean_rate,
-                  "warmup_rule": None if at is None else (self.plan(seed).warmup_rule if arm.at == "rule" else arm.at),
+                  "warmup_rule": None if at is None else (self.plan(seed).warmup_rule if arm.convert_at == "rule" else
+                                                   arm.convert_at),
                   "checkpoint": str(last.relative_to(self.run_dir)),
                   **evaluate(load_any_model(last), self.test_blocks(),
                              self.blocks("validation"), tuple(self.pack.tokenizer().special_ids),
@@ -424,8 +426,8 @@ class Sweep:
         write_json(self.result_path(arm.name, seed), result)
         if arm.kind != TRUNK:
             write_json(self.model_dir(arm.name, seed) / "plan.json",
-                       {"arm": arm.name, "warmup_steps": at, "warmup_rule": result["warmup_rule"],
-                        "layers": self.arm_layers(arm), "trunk_plan": f"plans/seed{seed}.json" if arm.at == "rule" else None})
+                       {"arm": arm.name, "convert_at": at, "warmup_rule": result["warmup_rule"], "layers":
+                        self.arm_layers(arm), "trunk_plan": f"plans/seed{seed}.json" if arm.convert_at == "rule" else None})
         log.info("sweep: %s seed %d done in %.0f s: %s", arm.name, seed, result["seconds"],
                  {k: round(v, 1) for k, v in result.items() if k.startswith("ppl")})
         return result

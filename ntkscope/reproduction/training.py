@@ -161,7 +161,7 @@ def train_switch(settings: ReproduceSettings, out_dir: Path, pack: str | None, d
     differ only in routing. ``preserving``: the model's function unchanged at conversion
     (:func:`cse_models.cse.upcycle`); False: the classic softmax gate."""
     sparse = {"kind": "switch", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers)}
-    upcycle = {"at": int(warmup), "n_experts": list(experts) if experts else settings.switch_experts,
+    upcycle = {"convert_at": int(warmup), "n_experts": list(experts) if experts else settings.switch_experts,
                "preserving": bool(preserving)}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
                    stop_at, base, checkpoint_every, upcycle=upcycle)
@@ -176,7 +176,7 @@ def train_demix(settings: ReproduceSettings, out_dir: Path, pack: str | None, de
     sparse = {"kind": "demix", "module": "ffn", "layers": list(layers), "n_experts": [0] * len(layers),
               "domains": list(domains)}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, settings.seed if seed is None else seed,
-                   None, base, checkpoint_every, upcycle={"at": int(warmup)})
+                   None, base, checkpoint_every, upcycle={"convert_at": int(warmup)})
 
 
 def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, layers: list,
@@ -192,7 +192,7 @@ def train_cse(settings: ReproduceSettings, out_dir: Path, pack: str | None, dens
     each layer's expert count fixed (e.g. another step's), the rest of the fit as usual."""
     sparse = {"kind": "cse", "module": module, "layers": list(layers), "n_experts": [0] * len(layers),
               "proj_dim": settings.proj_dim, "router_format": 2, "mean_rate": float(mean_rate)}
-    cse = {"warmup_steps": int(warmup), "n_samples": settings.cse_samples, "rule": settings.router_rule,
+    cse = {"convert_at": int(warmup), "n_samples": settings.cse_samples, "rule": settings.router_rule,
            "representation": settings.router_representation, "min_cluster_size": settings.min_cluster_size,
            "min_samples": settings.min_samples, "max_experts": settings.max_experts, "on_no_cluster": "single",
            **({"shuffled": True} if shuffled else {}), **({"n_clusters": list(n_clusters)} if n_clusters else {})}
@@ -222,4 +222,4 @@ def train_routed(settings: ReproduceSettings, out_dir: Path, pack: str | None, d
               "domains": list(names)}
     data = {"pack": pack, "seq_len": settings.seq_len, "routes": str(routes)}
     return _branch(settings, out_dir, pack, dense_dir, warmup, sparse, seed, None, None, checkpoint_every,
-                   upcycle={"at": int(warmup)}, data=data)
+                   upcycle={"convert_at": int(warmup)}, data=data)

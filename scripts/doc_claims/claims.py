@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from ntkscope.core.files import write_text
-from ntkscope.representation.plan import gc_peak, stable_step
+from ntkscope.representation.plan import gc_peak, plan_step, stable_step
 from ntkscope.runs.dynamics import STABILITY_COLUMNS as STABILITY
 
 from doc_claims.experiments import (claim_budget, claim_gpu_gc, claim_inrun, claim_own_model, claim_p1, claim_p7,
@@ -95,7 +95,7 @@ def _fig3a(t: Tables) -> dict:
     if rechecked.is_file():
         plan = t["plan_rechecked.json"]
         out["tail.plan_rechecked.rule"] = str(plan["warmup_rule"])
-        out["tail.plan_rechecked.warmup"] = str(plan["warmup_steps"])
+        out["tail.plan_rechecked.warmup"] = str(plan_step(plan))
         out["tail.plan_rechecked.layers"] = ", ".join(str(x) for x in plan["layers"])
     if "versus_homogeneous" in gc:
         below = gc.groupby("step")["versus_homogeneous"].apply(lambda v: (v == "below").all())

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ntkscope.representation.plan import gc_peak
+from ntkscope.representation.plan import gc_peak, plan_step
 
 from doc_claims.values import Tables, fmt, fmt_range
 
@@ -144,7 +144,7 @@ def claim_tail_rule(t: Tables) -> dict:
     """figures/tail/plan_rule.json: the small-cluster rule on the tail run's checkpoints."""
     plan = t["plan_rule.json"]
     at = {r["layer"]: r for r in plan["evidence"]["labels_at_warmup"]}
-    return {"tail.rule.step": str(plan["warmup_steps"]), "tail.rule.rule": plan["warmup_rule"],
+    return {"tail.rule.step": str(plan_step(plan)), "tail.rule.rule": plan["warmup_rule"],
             "tail.rule.layers": "–".join(map(str, plan["layers"])),
             "tail.rule.labels": "; ".join(f"layer {k}: {at[k]['n_pure_tail']} pure tail cluster, tail share "
                                           f"{at[k]['tail_share']:.2f}" for k in plan["layers"])}
@@ -205,7 +205,7 @@ def claim_sweep(t: Tables) -> dict:
                              default=np.nan))
             at = "; ".join(f"layer {r['layer']}: {r['n_pure_tail']} pure tail, tail share {r['tail_share']:.2f}"
                            for r in plan["evidence"]["labels_at_step"])
-            plans.append(f"{path.stem.replace('seed', 'seed ')}: step {plan['warmup_steps']} ({plan['warmup_rule']}; "
+            plans.append(f"{path.stem.replace('seed', 'seed ')}: step {plan_step(plan)} ({plan['warmup_rule']}; "
                          f"{at})")
         out[key] = "\n".join(f"- {p}" for p in plans)
     out["sweep.first_tail"] = fmt_range(first, 0)
@@ -255,7 +255,7 @@ def claim_own_model(folder: Path) -> dict:
     table = pd.read_csv(folder / "comparison.csv")
     steps = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in times["seconds"].items())
     out = {"own.times": f"{steps}; {sum(times['seconds'].values()) / 60:.1f} min in all ({times['machine']})",
-           "own.plan": f"layers {plan['layers']} and the warm-up at step {plan['warmup_steps']} "
+           "own.plan": f"layers {plan['layers']} and the warm-up at step {plan_step(plan)} "
                        f"(rule: {plan['warmup_rule']}; checkpoints {plan['source']['steps'][0]}–"
                        f"{plan['source']['steps'][-1]})"}
     arms = list(dict.fromkeys(table["arm"]))
