@@ -96,14 +96,14 @@ def read_training_args(path: Path) -> dict:
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
             name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
             if name is None:
-                raise ValueError(f"{path} is a torch archive without data.pkl")
+                raise UserError(f"{path} is a torch archive without data.pkl")
             raw = archive.read(name)
     if any(op.name.startswith("EXT") for op, _, _ in pickletools.genops(raw)):  # copyreg's registry, not find_class
-        raise ValueError(f"{path} uses pickle extension codes, which are not read")
+        raise UserError(f"{path} uses pickle extension codes, which are not read")
     record = _InertUnpickler(io.BytesIO(raw)).load()
     state = record.state if isinstance(record, _Inert) else None
     if not isinstance(state, dict):
-        raise ValueError(f"{path} does not hold TrainingArguments")
+        raise UserError(f"{path} does not hold TrainingArguments")
     return {k: (v.args[0] if isinstance(v, _Inert) and len(v.args) == 1 else v) for k, v in state.items()}
 
 
@@ -274,18 +274,18 @@ def _trainer_adam(checkpoint: Path, model: SparseHF) -> dict:
     try:
         saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
     except UNREADABLE as err:
-        raise ValueError(f"its optimizer.pt could not be read ({' '.join(str(err).split())[:120]})") from None
+        raise UserError(f"its optimizer.pt could not be read ({' '.join(str(err).split())[:120]})") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
             or not isinstance(saved.get("state"), dict):
-        raise ValueError("its optimizer.pt does not hold an optimizer's state_dict (param_groups and state)")
+        raise UserError("its optimizer.pt does not hold an optimizer's state_dict (param_groups and state)")
     decay = set(Trainer.get_decay_parameter_names(None, model.hf))
     named = [(n, p) for n, p in model.hf.named_parameters() if p.requires_grad]
     differ = [n for n, p in named if (n in decay) != (p.dim() >= 2)]
     if differ:  # cse_models decays the matrices only
-        raise ValueError(f"Trainer's weight-decay grouping differs from cse_models' (matrices) at {differ[:3]}")
+        raise UserError(f"Trainer's weight-decay grouping differs from cse_models' (matrices) at {differ[:3]}")
     groups = [[(n, p) for n, p in named if n in decay], [(n, p) for n, p in named if n not in decay]]
     if [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in groups]:
-        raise ValueError(f"its optimizer groups hold {[len(g['params']) for g in saved['param_groups']]} parameters, "
+        raise UserError(f"its optimizer groups hold {[len(g['params']) for g in saved['param_groups']]} parameters, "
                          f"Trainer's grouping of this model {[len(g) for g in groups]}")
     state = {}
     for group, ours in zip(saved["param_groups"], groups):
@@ -298,7 +298,7 @@ def _trainer_adam(checkpoint: Path, model: SparseHF) -> dict:
                                                   for k in ("exp_avg", "exp_avg_sq")):
                 shapes = {k: tuple(found[k].shape) for k in ("exp_avg", "exp_avg_sq")
                           if isinstance(found, dict) and isinstance(found.get(k), torch.Tensor)}
-                raise ValueError(f"its state for {name} has shapes {shapes}, the parameter {tuple(param.shape)}")
+                raise UserError(f"its state for {name} has shapes {shapes}, the parameter {tuple(param.shape)}")
             state["hf." + name] = found
     return state
 

@@ -58,6 +58,7 @@ _EXPORTS = {
     "ParameterSelection": "ntkscope.kernel.params",
     "select_parameters": "ntkscope.kernel.params",
     "LMLoss": "ntkscope.kernel.objectives",
+    "register_token_value": "ntkscope.core.lm",
     "sample_outputs": "ntkscope.kernel.objectives",
     "PerSampleGrads": "ntkscope.kernel.grads",
     "per_sample_grads": "ntkscope.kernel.grads",

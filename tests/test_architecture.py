@@ -119,3 +119,14 @@ def test_imports_sit_at_the_top_and_make_no_cycle():
         if m not in state:
             visit(m, [m])
     assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_a_users_error_is_raised_one_way():
+    """A mistake in what the user gave is a UserError (core/checks.py: InputError through `fail` or
+    an `@entry`, SpecError for a spec, MissingInput, OutputExists, MissingPackage, or UserError's
+    own one line), never a bare ValueError: both command lines print a UserError as one line and
+    keep the traceback of anything else, a bug."""
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for name, path, tree in _modules() for node in ast.walk(tree)
+             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+             and getattr(node.exc.func, "id", None) == "ValueError"]
+    assert not found, found

@@ -152,3 +152,36 @@ def test_hidden_mean_of_an_encoder_without_head(lm_batch):
     ref = sum((lambda J: J @ J.T)(jacobian_loop(bert, 4, lambda i: pooled(i, k))) for k in range(8))
     torch.testing.assert_close(res.matrix, ref, rtol=1e-9, atol=1e-12)
     assert np.allclose(res.numpy(), ref.detach().numpy())
+
+
+def test_a_registered_token_value_is_an_output_by_name(gpt, lm_batch):
+    """The recipe in docs/architecture.md: one register_token_value call makes an output the kernel
+    takes by name; its NTK, by every method "auto" may pick, equals the per-sample autograd loop's."""
+    from ntkscope.core.checks import UserError
+    from ntkscope.core.lm import TOKEN_VALUES, register_token_value
+    from ntkscope.kernel.objectives import OUTPUTS
+
+    def true_prob(logits, targets):  # the probability of the true token
+        return torch.softmax(logits, dim=-1).gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+
+    register_token_value("true-prob", true_prob)
+    try:
+        ids, mask = lm_batch["input_ids"], lm_batch["attention_mask"]
+
+        def f(i):  # the mean over predicted positions of one sequence, its padding cut off
+            x = ids[i : i + 1, : int(mask[i].sum())]
+            return F.softmax(gpt(input_ids=x)[0, :-1], dim=-1).gather(1, x[0, 1:, None]).mean()
+
+        J = jacobian_loop(gpt, ids.shape[0], f)
+        for method in ("exact", "auto"):
+            res = ns.empirical_ntk(gpt, lm_batch, output="true-prob", method=method)
+            torch.testing.assert_close(res.matrix, J @ J.T, rtol=1e-10, atol=1e-12)
+        assert OUTPUTS["true-prob"] is True and "true-prob" in list(OUTPUTS)
+        with pytest.raises(UserError, match="is a registered token value already"):
+            register_token_value("true-prob", true_prob)
+        with pytest.raises(UserError, match="register_token_value: fn must be a function"):
+            register_token_value("other", 3)
+    finally:
+        TOKEN_VALUES.pop("true-prob", None)
+    with pytest.raises(UserError, match="output must be one of"):
+        ns.empirical_ntk(gpt, lm_batch, output="true-prob")

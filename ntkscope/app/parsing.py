@@ -7,6 +7,7 @@ import argparse
 import math
 from pathlib import Path
 
+from ntkscope.core.checks import fail
 from ntkscope.text.inputs import FORMATS, DataSource, as_source
 
 DATA_HELP = ("a corpus pack directory, 'default' (the shipped pack), a table with a text column (.jsonl, .csv, .tsv, "
@@ -59,7 +60,7 @@ def add_out(parser, *, kind: str, **kwargs) -> None:
     """``--out`` on ``parser`` (``kwargs`` as ``add_argument``'s), declaring how it is held
     (:data:`OUT_KINDS`). Every command that writes to ``--out`` adds it this way."""
     if kind not in OUT_KINDS:
-        raise ValueError(f"add_out: kind must be one of {OUT_KINDS} (got {kind!r})")
+        raise fail("add_out", "kind", f"must be one of {list(OUT_KINDS)}", kind)
     parser.add_argument("--out", **kwargs)
     parser.set_defaults(out_kind=kind)
 

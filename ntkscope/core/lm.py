@@ -9,19 +9,61 @@ the demo. Shapes: ``logits`` (B, T, V), ``targets`` (B, T) token ids, ``keep`` (
 - Masked LM: the masked positions count; targets elsewhere may be ``-100``
   (``F.cross_entropy``'s ignore index), as :func:`cse_models.data.mask_tokens` writes them.
 
-Per token, a language model gives three scalars of the true token (:data:`TOKEN_VALUES`):
-its cross-entropy (``"loss"``), its logit (``"true-logit"``), and its logit minus the mean
-logit over the vocabulary (``"centred-true-logit"``). Softmax ignores a shift of every logit
-by the same amount; the centred logit removes that direction, the plain logit keeps it.
+Per token, a language model gives a scalar of the true token, one registered function each in
+:data:`TOKEN_VALUES` (:func:`register_token_value`): its cross-entropy (``"loss"``), its logit
+(``"true-logit"``), and its logit minus the mean logit over the vocabulary
+(``"centred-true-logit"``). Softmax ignores a shift of every logit by the same amount; the
+centred logit removes that direction, the plain logit keeps it. Each registered value is an
+output every kernel and GC function takes by name (``output="NAME"``), and ``--output NAME`` on
+the command line (recipe: docs/architecture.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from ntkscope.core.checks import fail
+from ntkscope.core.registry import Registry
+
 REDUCTIONS = ("none", "sequence", "sequence-sum", "sum", "mean")
-TOKEN_VALUES = ("loss", "true-logit", "centred-true-logit")
+
+#: the per-token values of the true token, by name: ``fn(logits (B, T, V), targets (B, T)) -> (B, T)``,
+#: where a target may be -100 (ignored: its value is set to 0 after the call)
+TOKEN_VALUES = Registry("token value")
+
+
+def register_token_value(name: str, fn: Callable, *, replace: bool = False) -> Callable:
+    """Add the per-token value ``fn(logits, targets) -> (B, T)`` to :data:`TOKEN_VALUES` as ``name``
+    (``replace``: over one of that name). It must be differentiable in the logits and work under
+    ``torch.func.vmap`` (no ``.item()``, no data-dependent shapes). Returns ``fn``."""
+    if not callable(fn):
+        raise fail("register_token_value", "fn", "must be a function (logits, targets) -> (B, T)", type(fn).__name__)
+    return TOKEN_VALUES.add(name, fn, replace=replace, func="register_token_value")
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T) cross-entropy of each target, 0 where it is -100. Over rows of (B*T, V): over a
+    transposed (B, V, T) the class dimension is strided and the softmax three times slower."""
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return nll.reshape(targets.shape)
+
+
+def true_logit(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T) logit of each target (an ignored -100 gathers token 0)."""
+    return logits.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+
+
+def centred_true_logit(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T) logit of each target minus the mean logit over the vocabulary."""
+    return true_logit(logits, targets) - logits.mean(dim=-1)
+
+
+register_token_value("loss", token_cross_entropy)
+register_token_value("true-logit", true_logit)
+register_token_value("centred-true-logit", centred_true_logit)
 
 
 def causal_pairs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None):
@@ -59,29 +101,20 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor | No
         if keep is None:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
         return F.cross_entropy(logits[keep], targets[keep], reduction=reduction)
-    # (B, T), 0 where the target is -100; rows of (B*T, V): over a transposed (B, V, T) the class
-    # dimension is strided and the softmax three times slower
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-    nll = nll.reshape(targets.shape)
-    return _reduce(nll, targets, keep, reduction)
+    return _reduce(token_cross_entropy(logits, targets), targets, keep, reduction)
 
 
 def token_values(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor | None = None, *,
                  value: str = "loss", reduction: str = "sequence") -> torch.Tensor:
-    """One of :data:`TOKEN_VALUES` of the true token at the ``keep`` positions, reduced as
-    :func:`lm_loss` reduces (``"none"``, ``"sequence"`` or ``"sequence-sum"``).
+    """The registered value ``value`` (:data:`TOKEN_VALUES`) of the true token at the ``keep``
+    positions, reduced as :func:`lm_loss` reduces (``"none"``, ``"sequence"`` or ``"sequence-sum"``).
 
     ``"loss"`` is :func:`lm_loss`; ``"true-logit"`` is ``logits[b, t, targets[b, t]]``;
     ``"centred-true-logit"`` subtracts ``logits[b, t].mean()``. Shapes as for :func:`lm_loss`.
     """
-    if value == "loss":
-        return lm_loss(logits, targets, keep, reduction=reduction)
-    index = targets.clamp_min(0).unsqueeze(-1)  # -100 (ignored) gathers token 0, zeroed below
-    true = logits.gather(-1, index).squeeze(-1)  # (B, T)
-    if value == "centred-true-logit":
-        true = true - logits.mean(dim=-1)
-    true = torch.where(targets == -100, torch.zeros((), dtype=true.dtype, device=true.device), true)
-    return _reduce(true, targets, keep, reduction)
+    values = TOKEN_VALUES.get_one(value, func="token_values")(logits, targets)  # (B, T)
+    values = torch.where(targets == -100, torch.zeros((), dtype=values.dtype, device=values.device), values)
+    return _reduce(values, targets, keep, reduction)
 
 
 def _reduce(values: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor | None, reduction: str) -> torch.Tensor:

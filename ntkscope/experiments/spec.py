@@ -42,7 +42,7 @@ from importlib import resources
 from pathlib import Path
 
 from cse_models.hf import block_count
-from ntkscope.core.checks import MissingInput, UserError, renamed_keys
+from ntkscope.core.checks import InputError, MissingInput, UserError, renamed_keys
 from ntkscope.experiments.kinds import EXPERIMENT_KINDS
 from ntkscope.reproduction.arm_kinds import ARM_KINDS, OPTIONAL_FIELDS, TRUNK
 from ntkscope.reproduction.paper import ARCH_NAMES, row_keys
@@ -60,12 +60,18 @@ POSITIVE_SETTINGS = ("steps", "checkpoint_every", "batch_size", "lr", "finetune_
 EXECUTORS = ("local", "submitit-local", "slurm", "inline")
 
 
-class SpecError(UserError):
-    """A spec that cannot run: ``FILE: FIELD RULE (got VALUE)``, one line."""
+class SpecError(InputError):
+    """A spec that cannot run: ``FILE: FIELD RULE (got VALUE)``, one line: an :class:`InputError`
+    whose function is the spec's file and whose argument is the field, the value shown as TOML
+    would write it (JSON's spelling)."""
 
     def __init__(self, source: str, where: str, rule: str, value):
-        shown = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
-        super().__init__(f"{source}: {where} {rule} (got {shown})")
+        super().__init__(where, rule, value, str(source))
+        self.args = (source, where, rule, value)  # what pickling calls the class with
+
+    def __str__(self) -> str:
+        shown = json.dumps(self.value, default=str) if not isinstance(self.value, str) else repr(self.value)
+        return f"{self.func}: {self.arg} {self.rule} (got {shown})"
 
 
 @dataclass(frozen=True)

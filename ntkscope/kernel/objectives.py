@@ -19,8 +19,9 @@ Outputs (docs/design.md §1):
   chosen by a seeded RNG keyed on the sample's tokens, so ``f`` is a function of
   the sample. Padding never counts. Shape ``(n,)``.
 - ``"true-logit"`` / ``"centred-true-logit"``: the same positions and mean, of the true
-  token's logit (minus the mean logit over the vocabulary, for the centred one);
-  :data:`ntkscope.core.lm.TOKEN_VALUES`. Shape ``(n,)``.
+  token's logit (minus the mean logit over the vocabulary, for the centred one). Every
+  per-token value registered in :data:`ntkscope.core.lm.TOKEN_VALUES`
+  (:func:`~ntkscope.core.lm.register_token_value`) is such an output. Shape ``(n,)``.
 - ``"logits"``: the model's output; ``(n, K)`` as is, ``(n, T, V)`` averaged over
   real tokens to ``(n, V)``. ``"hidden-mean"``: the last hidden state averaged
   over real tokens, ``(n, d)`` (encoders without a head).
@@ -42,10 +43,30 @@ from ntkscope.core.checks import InputError, check_choice, check_fraction, check
 from ntkscope.core.lm import TOKEN_VALUES, causal_targets, masked_mean, token_values
 
 _NON_MODEL_KEYS = ("labels", "label")
-SCALAR_OUTPUTS = TOKEN_VALUES
+SCALAR_OUTPUTS = TOKEN_VALUES  # the registry itself: a value registered later is an output too
 VECTOR_OUTPUTS = ("logits", "hidden-mean")
-#: The built-in outputs by name: True for scalar (one value per sample), False for vector.
-OUTPUTS = {**{name: True for name in SCALAR_OUTPUTS}, **{name: False for name in VECTOR_OUTPUTS}}
+
+
+class _Outputs(Mapping):
+    """The outputs by name, read when asked (so a token value registered after import is one):
+    True for scalar (one value per sample: :data:`SCALAR_OUTPUTS`), False for vector."""
+
+    def __getitem__(self, name):
+        if name in SCALAR_OUTPUTS:
+            return True
+        if name in VECTOR_OUTPUTS:
+            return False
+        raise KeyError(name)
+
+    def __iter__(self):
+        return iter([*SCALAR_OUTPUTS, *VECTOR_OUTPUTS])
+
+    def __len__(self):
+        return len(SCALAR_OUTPUTS) + len(VECTOR_OUTPUTS)
+
+
+#: the outputs by name: True for scalar (one value per sample), False for vector
+OUTPUTS = _Outputs()
 
 
 @dataclass(frozen=True)
@@ -55,7 +76,7 @@ class LMLoss:
 
     Parameters
     ----------
-    value : {"loss", "true-logit", "centred-true-logit"}
+    value : {"loss", "true-logit", "centred-true-logit"} or another registered token value
         The per-token value averaged over the sequence's predicted positions
         (``output="true-logit"`` is ``LMLoss(value="true-logit")``).
     objective : {"auto", "causal", "masked"}
