@@ -63,7 +63,7 @@ def test_an_arm_that_trains_what_a_finished_one_did_takes_its_result(swept, monk
     sweep, _ = swept
     late = Arm("cse-late", "cse", "late")
     rule = json.loads(sweep.result_path("cse-rule", 0).read_text())
-    monkeypatch.setattr(sweep, "warmup", lambda arm, seed: rule["warmup"])  # the late step = the rule's fallback
+    monkeypatch.setattr(sweep, "convert_at", lambda arm, seed: rule["warmup"])  # the late step = the rule's fallback
     result = sweep.run_unit(late, 0)
     assert result["same_as"] == "cse-rule" and result["ppl"] == rule["ppl"]
     assert not sweep.model_dir("cse-late", 0).exists() and sweep.done("cse-late", 0)

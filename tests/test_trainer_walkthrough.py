@@ -16,7 +16,7 @@ def test_the_trainer_walkthrough_runs(tmp_path):
     spec = importlib.util.spec_from_file_location("trainer_cse", path)
     walkthrough = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(walkthrough)
-    out = walkthrough.main(["--out", str(tmp_path / "run"), "--steps", "12", "--warmup", "6", "--layers", "0", "1",
+    out = walkthrough.main(["--out", str(tmp_path / "run"), "--steps", "12", "--convert-at", "6", "--layers", "0", "1",
                             "--n-layer", "2", "--width", "32", "--seq-len", "32", "--test-per-domain", "10"])
     assert out["converted_at"] == 6 and out["generated"].startswith("The licence")
     assert (tmp_path / "run" / "checkpoint-12" / "cse_sparse.json").is_file()

@@ -394,11 +394,12 @@ def _arm(c: "_Checker", data, i: int, trunk: TrunkSpec, settings: ReproduceSetti
         if isinstance(step, str) and step in NAMED_STEPS:
             continue
         if isinstance(step, bool) or not isinstance(step, int):
-            raise SpecError(c.source, f"{where}convert_at", f"must be {' | '.join(NAMED_STEPS)}, a step or a list of steps",
-                            at)
+            raise SpecError(c.source, f"{where}convert_at", f"must be {' | '.join(NAMED_STEPS)}, a step or a list of "
+                            "steps", at)
         if not (0 < step < settings.steps and (step % settings.checkpoint_every == 0 or step == trunk.gc_peak_step)):
-            raise SpecError(c.source, f"{where}convert_at", f"must be steps the trunk keeps: multiples of checkpoint_every "
-                            f"({settings.checkpoint_every}) in (0, {settings.steps}), or the gc_peak_step", at)
+            raise SpecError(c.source, f"{where}convert_at", "must be steps the trunk keeps: multiples of "
+                            f"checkpoint_every ({settings.checkpoint_every}) in (0, {settings.steps}), or the "
+                            "gc_peak_step", at)
     if len(set(steps)) != len(steps):
         raise SpecError(c.source, f"{where}convert_at", "must not repeat a step", at)
     layers = tuple(c.ints(data, "layers", minimum=0, maximum=trunk.n_layer - 1, default=list(trunk.layers),

@@ -91,7 +91,8 @@ def units(spec: Spec, pack_version) -> list[Unit]:
     """Every unit of ``spec`` in the order they are started (a unit after what it needs), keyed."""
     drafts = EXPERIMENT_KINDS.get_one(spec.kind, func="units").drafts(spec)
     # where a unit runs (device) and where models may come from (RUN_LOCAL) are not what it computes
-    settings = {k: v for k, v in keyed_settings(spec.settings).items() if k not in RUN_LOCAL + ("seed", "seeds", "device")}
+    settings = {k: v for k, v in keyed_settings(spec.settings).items()
+                if k not in RUN_LOCAL + ("seed", "seeds", "device")}
     keys, out = {}, []
     for name, seed, what, needs in drafts:
         payload = {"experiment": spec.kind, "unit": what, "seed": seed, "settings": settings, "pack": pack_version,

@@ -426,8 +426,9 @@ class Sweep:
         write_json(self.result_path(arm.name, seed), result)
         if arm.kind != TRUNK:
             write_json(self.model_dir(arm.name, seed) / "plan.json",
-                       {"arm": arm.name, "convert_at": at, "warmup_rule": result["warmup_rule"], "layers":
-                        self.arm_layers(arm), "trunk_plan": f"plans/seed{seed}.json" if arm.convert_at == "rule" else None})
+                       {"arm": arm.name, "convert_at": at, "warmup_rule": result["warmup_rule"],
+                        "layers": self.arm_layers(arm),
+                        "trunk_plan": f"plans/seed{seed}.json" if arm.convert_at == "rule" else None})
         log.info("sweep: %s seed %d done in %.0f s: %s", arm.name, seed, result["seconds"],
                  {k: round(v, 1) for k, v in result.items() if k.startswith("ppl")})
         return result
