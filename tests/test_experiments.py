@@ -142,11 +142,15 @@ def test_a_unit_killed_mid_run_is_retried_and_the_tables_equal_an_uninterrupted_
 
 
 def _started(tmp_path, executor: str) -> tuple:
-    """`ntkscope experiment run` of the kill spec in a subprocess, once the trunk has its step-20
-    checkpoint: (run directory, command, process)."""
+    """`ntkscope experiment run` of a trunk alone in a subprocess, once it has its step-20
+    checkpoint: (run directory, command, process). The trunk trains 240 steps, so that the signal
+    reaches it training even on a loaded machine (at 60 steps it could finish before the test
+    process was scheduled again)."""
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "ntkscope", "experiment", "run", str(toy_file(tmp_path, seeds=[0], arms=KILL_ARMS)),
-               "--out", str(run), "--executor", executor]
+    spec = toy_file(tmp_path, seeds=[0], arms=KILL_ARMS[:1], criteria={"arms": []},
+                    settings={**TOY["settings"], "steps": 240})
+    command = [sys.executable, "-m", "ntkscope", "experiment", "run", str(spec), "--out", str(run),
+               "--executor", executor]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     folder, deadline = run / "models" / "dense-seed0" / "checkpoints" / "step-000020", time.monotonic() + 240
     while not folder.is_dir() and time.monotonic() < deadline and proc.poll() is None:
@@ -523,8 +527,11 @@ def test_a_registered_arm_kind_runs_through_a_spec(tmp_path):
         return training.train_continued(sweep.settings, sweep.model_dir(arm.name, seed), sweep.pack_arg,
                                         sweep.model_dir(sweep.trunk.name, seed), at, seed, checkpoint_every=every)
 
+    def one_expert(sweep, arm, seed):  # its load rows: every block to one expert, at the last step
+        return [{"arm": arm.name, "seed": seed, "step": sweep.settings.steps, "layer": 0, "expert": 0, "n": 7}]
+
     register_arm_kind(ArmKind("same-order", train_same_order, "the trunk again from the step",
-                              key=lambda trunk: {"order": "the trunk's"}))
+                              key=lambda trunk: {"order": "the trunk's"}, load_rows=one_expert))
     try:
         with pytest.raises(UserError, match="is a registered arm kind already"):
             register_arm_kind(ArmKind("same-order", train_same_order, "twice"))
@@ -538,6 +545,8 @@ def test_a_registered_arm_kind_runs_through_a_spec(tmp_path):
         again = json.loads((tmp_path / "run" / "results" / "again-seed0.json").read_text())
         trunk = json.loads((tmp_path / "run" / "results" / "dense-seed0.json").read_text())
         assert again["kind"] == "same-order" and again["ppl"] == pytest.approx(trunk["ppl"], rel=1e-6)
+        load = pd.read_csv(tmp_path / "run" / "tables" / "load.csv")
+        assert load[["arm", "step", "layer", "expert", "n", "share"]].values.tolist() == [["again", 30, 0, 0, 7, 1.0]]
         with pytest.raises(SpecError, match=r"arms\[1\] \(again\).shuffled applies to kind 'cse' only"):
             load_spec(toy_file(tmp_path, arms=[arms[0], {**arms[1], "shuffled": True}]))
     finally:

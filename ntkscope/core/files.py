@@ -190,6 +190,24 @@ class Staging:
 CONTENT_HASHED = 64 * 2**20  # files up to this size enter a key by their contents, larger ones by size and time
 
 
+def copy_linked(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """``src`` (a file or a directory tree) copied to ``dst``, each file hard-linked where the file
+    system allows (nothing duplicated, the source untouched); nothing is done when ``dst`` exists."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_dir():
+        def link(a, b):
+            try:
+                os.link(a, b)
+            except OSError:
+                shutil.copy2(a, b)
+        shutil.copytree(src, dst, copy_function=link)
+    else:
+        shutil.copy2(src, dst)
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     """The sha256 of a file's bytes, read in 1 MiB blocks (a manifest's ``files`` entries; weights
     compared byte for byte; ``provenance``)."""

@@ -1,8 +1,8 @@
 """The kinds of experiment a spec can be (``kind = "sweep"`` or ``"tables"``): one registered
 :class:`ExperimentKind` each, in :data:`EXPERIMENT_KINDS`, holding what the runner asks of it:
 its units before their keys (``drafts``), how one unit is done (``execute``), what a unit
-writes (``outputs``) and how the tables are built from the units that finished
-(``summarise``). :mod:`ntkscope.experiments.units` keys the drafts and keeps each unit's state;
+writes (``outputs``), how the tables are built from the units that finished (``summarise``)
+and what an earlier run's folder gives to adopt (``adopt``). :mod:`ntkscope.experiments.units` keys the drafts and keeps each unit's state;
 the runner starts, retries and summarises through this table.
 """
 
@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from ntkscope.core.files import sha256_file, write_json, write_text
+from ntkscope.core.files import copy_linked, read_json_object, sha256_file, write_json, write_text
 from ntkscope.core.registry import Registry
 from ntkscope.reproduction import paper
 from ntkscope.reproduction.arm_kinds import TRUNK, arm_kind
@@ -31,13 +32,17 @@ class ExperimentKind:
     """One kind of experiment: ``drafts(spec)`` its units as (name, seed, what, needs);
     ``execute(spec, run_dir, unit, pack)`` does one (its needs done) and returns what its state
     records; ``outputs(spec, run_dir, unit)`` the paths it writes; ``summarise(spec, run_dir, pack,
-    finished)`` writes RUN/tables from the units named in ``finished`` and returns a summary."""
+    finished)`` writes RUN/tables from the units named in ``finished`` and returns a summary;
+    ``adopt(source, run_dir)`` takes what an earlier run's folder ``source`` holds beside its units'
+    results into ``run_dir`` and returns {unit name: record} for units whose result is a record
+    rather than a file of ``source`` (``ntkscope experiment run --adopt``)."""
 
     name: str
     drafts: Callable
     execute: Callable
     outputs: Callable
     summarise: Callable
+    adopt: Callable
 
 
 #: every kind of experiment, by name
@@ -145,6 +150,17 @@ def summarise_sweep(spec, run_dir: Path, pack, finished: set) -> dict:
                      criteria=spec.criteria)
 
 
+def adopt_sweep(source: Path, run_dir: Path) -> dict:
+    """Every result record in ``source`` (the spec's units and others, e.g. re-made trunks: the
+    tables are built from every finished record, as the committed ones were) and its load table
+    (for units whose training logs are not there) copied into ``run_dir``; no records by name."""
+    for path in sorted((source / "results").glob("*.json")):
+        copy_linked(path, run_dir / "results" / path.name)
+    if (source / "tables" / "load.csv").is_file():
+        copy_linked(source / "tables" / "load.csv", run_dir / "adopted" / "load.csv")
+    return {}
+
+
 # ---- the paper's tables -------------------------------------------------------------------------
 
 def execute_table_row(spec, run_dir: Path, unit, pack=None) -> dict:
@@ -189,7 +205,21 @@ def summarise_tables(spec, run_dir: Path, pack, finished: set) -> dict:
     return {"rows": len(runs)}
 
 
+def adopt_tables(source: Path, run_dir: Path) -> dict:
+    """{unit name: record} from a tables run's results (RUN/results/*.json) or its committed
+    ``tables/paper_runs.csv`` (floats read back exactly; an absent measurement stays absent)."""
+    out = {p.stem: read_json_object(p, "experiment") for p in sorted((source / "results").glob("*.json"))}
+    csv = source / "tables" / "paper_runs.csv"
+    if csv.is_file():
+        frame = pd.read_csv(csv)  # pandas reads floats back exactly (round trip)
+        frame["experts"] = frame["experts"].fillna("")
+        for row in frame.to_dict("records"):
+            record = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
+            out.setdefault(f"{row['arch']}-{row['key']}-seed{row['seed']}", record)
+    return out
+
+
 EXPERIMENT_KINDS.add("sweep", ExperimentKind("sweep", sweep_drafts, execute_sweep_unit, sweep_outputs,
-                                             summarise_sweep), func="EXPERIMENT_KINDS")
+                                             summarise_sweep, adopt_sweep), func="EXPERIMENT_KINDS")
 EXPERIMENT_KINDS.add("tables", ExperimentKind("tables", table_drafts, execute_table_row, table_outputs,
-                                              summarise_tables), func="EXPERIMENT_KINDS")
+                                              summarise_tables, adopt_tables), func="EXPERIMENT_KINDS")

@@ -2,10 +2,12 @@
 
 An arm kind holds everything the experiment machinery asks of it: how one of its arms trains from
 its trunk's checkpoint at the conversion step (``train``), which of the arm's optional fields
-apply to it (``fields``: a spec that sets another is refused in one line), and what its units'
-keys hold beyond the arm itself (``key``: e.g. the null arm's data-order offset). The spec checks
-kinds against this table, the sweep trains through it and the units are keyed by it, so a new
-kind is one :func:`register_arm_kind` call and its test (recipe: docs/architecture.md).
+apply to it (``fields``: a spec that sets another is refused in one line), what its units'
+keys hold beyond the arm itself (``key``: e.g. the null arm's data-order offset), and its rows of
+the sweep's load table (``load_rows``: the sequences each expert received). The spec checks
+kinds against this table, the sweep trains through it, the units are keyed by it and the load
+table is read through it, so a new kind is one :func:`register_arm_kind` call and its test
+(recipe: docs/architecture.md).
 
 The trunk (kind "dense") is the one kind without a training function of its own here: every
 other arm branches from it, and the sweep trains it first.
@@ -13,12 +15,13 @@ other arm branches from it, and the sweep trains it first.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cse_models.routes import Routes
+from cse_models.routes import Routes, window_loads
 from ntkscope.core.checks import fail
 from ntkscope.core.registry import Registry
 from ntkscope.reproduction import training
@@ -38,13 +41,17 @@ class ArmKind:
     checkpoint every ``every`` steps to resume from, and returns its last checkpoint (None for
     the trunk); ``what``: one line saying what the kind is; ``fields``: the
     :data:`OPTIONAL_FIELDS` it reads; ``key(trunk)``: what its units' keys hold beyond the arm
-    (``trunk``: the spec's :class:`~ntkscope.experiments.spec.TrunkSpec`)."""
+    (``trunk``: the spec's :class:`~ntkscope.experiments.spec.TrunkSpec`); ``load_rows(sweep, arm,
+    seed)``: its rows of the sweep's load table (load.csv: per logged window, layer and expert, the
+    sequences received, in all and per domain ``n DOMAIN``) for a finished unit, or None for a kind
+    that routes nothing to count."""
 
     name: str
     train: Callable | None
     what: str
     fields: tuple = ()
     key: Callable = field(default=lambda trunk: {})
+    load_rows: Callable | None = None
 
 
 #: every registered kind, by name, in the order they were registered
@@ -113,13 +120,42 @@ def train_null(sweep, arm, seed: int, at: int, every: int) -> Path:
     return training.train_continued(s, out, pack, trunk, at, seed + sweep.null_order, checkpoint_every=every)
 
 
+def logged_load_rows(sweep, arm, seed: int) -> list:
+    """The load rows an arm's training logged (``load_domains`` in its metrics.jsonl: CSE's routing)."""
+    path = sweep.model_dir(arm.name, seed) / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        m = json.loads(line)
+        for layer, counts in (m.get("load_domains") or {}).items():
+            for expert, per_domain in enumerate(counts):
+                row = {"arm": arm.name, "seed": seed, "step": m["step"], "layer": layer, "expert": expert,
+                       "n": int(sum(per_domain))}
+                row.update({f"n {d}": int(c) for d, c in zip(sweep.domain_names(), per_domain)})
+                rows.append(row)
+    return rows
+
+
+def routed_load_rows(sweep, arm, seed: int) -> list:
+    """The frozen-encoder arm's load rows, replayed exactly from its routes and the batches
+    (:func:`cse_models.routes.window_loads`): the same routes at every sparse layer. No rows when
+    the seed's routes are not in the run (an adopted unit: its rows come from the adopted load.csv)."""
+    if not (sweep.run_dir / "routes" / f"seed{seed}.json").is_file():
+        return []
+    result = json.loads(sweep.result_path(arm.name, seed).read_text())
+    frame = window_loads(Routes.load(sweep.encoder_routes(seed)), sweep.blocks(), seed=seed,
+                         batch_size=sweep.settings.batch_size, start=int(result["warmup"]), end=sweep.settings.steps)
+    return [{"arm": arm.name, "seed": seed, "layer": int(layer), **row}
+            for layer in sweep.layers for row in frame.to_dict("records")]
+
+
 register_arm_kind(ArmKind(TRUNK, None, "the trunk: the dense model over the whole schedule, every checkpoint kept"))
 register_arm_kind(ArmKind("cse", train_cse, "CSE: experts from the clusters of the trunk's representations at the "
-                          "conversion step", fields=("shuffled", "counts_from")))
+                          "conversion step", fields=("shuffled", "counts_from"), load_rows=logged_load_rows))
 register_arm_kind(ArmKind("switch", train_switch, "Switch upcycled at the conversion step (fair: with CSE's count at "
                           "each layer, the function unchanged)", fields=("fair",)))
 register_arm_kind(ArmKind("demix", train_demix, "DEMix: one expert per domain, routed by the label in training"))
 register_arm_kind(ArmKind("encoder", train_encoder, "experts routed by a frozen sentence encoder's clusters",
-                          key=lambda trunk: {"encoder": trunk.encoder} if trunk.encoder else {}))  # shipped: no key
+                          key=lambda trunk: {"encoder": trunk.encoder} if trunk.encoder else {},  # shipped: no key
+                          load_rows=routed_load_rows))
 register_arm_kind(ArmKind("null", train_null, "the trunk continued from the conversion step with another data order",
                           key=lambda trunk: {"null_order": trunk.null_order}))

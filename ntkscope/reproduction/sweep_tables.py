@@ -31,11 +31,11 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from cse_models.routes import Routes, window_loads
 from ntkscope.core.checks import fail
 from ntkscope.core.files import write_json, write_text
 from ntkscope.core.names import block_of
 from ntkscope.plotting import expert_loads, save_figure
+from ntkscope.reproduction.arm_kinds import ARM_KINDS
 
 
 
@@ -102,38 +102,16 @@ def paired(arms: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _routed_loads(sweep, arm, seed: int) -> list:
-    """The frozen-encoder arm's rows of :func:`loads`, replayed exactly from its routes and the
-    batches (:func:`cse_models.routes.window_loads`): the same routes at every sparse layer."""
-    result = json.loads(sweep.result_path(arm.name, seed).read_text())
-    routes = Routes.load(sweep.encoder_routes(seed))
-    frame = window_loads(routes, sweep.blocks(), seed=seed, batch_size=sweep.settings.batch_size,
-                         start=int(result["warmup"]), end=sweep.settings.steps)
-    return [{"arm": arm.name, "seed": seed, "layer": int(layer), **row}
-            for layer in sweep.layers for row in frame.to_dict("records")]
-
-
 def loads(sweep) -> pd.DataFrame:
-    """Per CSE (or routed) arm, seed, logged window, layer, expert: sequences received, in all and
-    per domain."""
+    """Per routed arm, seed, logged window, layer, expert: sequences received, in all and per domain;
+    the rows of each finished unit are its kind's (:attr:`~ntkscope.reproduction.arm_kinds.ArmKind.load_rows`),
+    kind by kind in the order they were registered."""
     rows = []
-    for arm in [a for a in sweep.arms if a.kind == "encoder"]:
-        for seed in sweep.seeds:  # an adopted unit without its routes: its rows come from the adopted load.csv
-            if sweep.done(arm.name, seed) and (sweep.run_dir / "routes" / f"seed{seed}.json").is_file():
-                rows.extend(_routed_loads(sweep, arm, seed))
-    for arm in [a for a in sweep.arms if a.kind == "cse"]:
-        for seed in sweep.seeds:
-            path = sweep.model_dir(arm.name, seed) / "metrics.jsonl"
-            if not sweep.done(arm.name, seed) or not path.is_file():
-                continue
-            for line in path.read_text().splitlines():
-                m = json.loads(line)
-                for layer, counts in (m.get("load_domains") or {}).items():
-                    for expert, per_domain in enumerate(counts):
-                        row = {"arm": arm.name, "seed": seed, "step": m["step"], "layer": layer, "expert": expert,
-                               "n": int(sum(per_domain))}
-                        row.update({f"n {d}": int(c) for d, c in zip(sweep.domain_names(), per_domain)})
-                        rows.append(row)
+    for kind in ARM_KINDS.values():
+        for arm in [a for a in sweep.arms if a.kind == kind.name] if kind.load_rows is not None else []:
+            for seed in sweep.seeds:
+                if sweep.done(arm.name, seed):
+                    rows.extend(kind.load_rows(sweep, arm, seed))
     frame = pd.DataFrame(rows)
     if len(frame):
         frame["share"] = frame["n"] / frame.groupby(["arm", "seed", "step", "layer"])["n"].transform("sum")
