@@ -551,3 +551,22 @@ def test_a_registered_arm_kind_runs_through_a_spec(tmp_path):
             load_spec(toy_file(tmp_path, arms=[arms[0], {**arms[1], "shuffled": True}]))
     finally:
         ARM_KINDS.pop("same-order", None)
+
+
+def test_the_trunk_probe_measures_a_runs_trunk_at_every_checkpoint(reference_seed0, tmp_path):
+    """`ntkscope experiment probe` over a finished toy run: one table per trunk, a row group per
+    kept checkpoint, the domains' rows the same probe blocks at every step; a second call keeps
+    the table it finds."""
+    from ntkscope.experiments.probe import probe_trunks
+    from ntkscope.kernel.uncertainty import Resampling
+
+    spec = parse_spec({**TOY, "seeds": [0], "arms": KILL_ARMS})
+    out = tmp_path / "probe" / "nested"
+    [path] = probe_trunks(spec, reference_seed0, out, per_domain=6, resampling=Resampling(resamples=0, null_draws=0))
+    table = pd.read_csv(path)
+    assert path == out / "trunk-seed0.csv" and sorted(set(table.step)) == list(range(10, 70, 10))
+    domains = table[table.kind == "domain"]
+    assert set(domains.group) == {"general", "legal", "biomedical"} and (domains.n == 6).all()
+    assert table.lr.notna().all() and set(table.layer.dropna()) == {0, 1}
+    before = path.stat().st_mtime_ns
+    assert probe_trunks(spec, reference_seed0, out, per_domain=6) == [path] and path.stat().st_mtime_ns == before

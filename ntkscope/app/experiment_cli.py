@@ -12,7 +12,9 @@ from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import check_output, read_json_object
 from ntkscope.experiments import load_spec, parse_spec, run_experiment, shipped, status, summarise_experiment
 from ntkscope.experiments.map import summarise_map
+from ntkscope.experiments.probe import probe_trunks
 from ntkscope.experiments.spec import EXECUTORS
+from ntkscope.kernel.uncertainty import Resampling
 
 
 def _seeds(text: str) -> list:
@@ -94,6 +96,17 @@ def _tables(args) -> int:
     return 0
 
 
+def _probe(args) -> int:
+    if not (args.run_dir / "models").is_dir():
+        raise InputError("RUN", "must be a sweep's run directory with models/ (its trunks' checkpoints)",
+                         str(args.run_dir), func="ntkscope experiment probe")
+    written = probe_trunks(load_spec(args.spec), args.run_dir, args.out, pack=args.data,
+                           seeds=_seeds(args.seeds) if args.seeds else None, per_domain=args.per_domain,
+                           resampling=Resampling(resamples=args.resamples, null_draws=args.null_draws))
+    print(f"trunk probe tables: {', '.join(str(p) for p in written)}")
+    return 0
+
+
 def _specs(args) -> int:
     for name, path in sorted(shipped().items()):
         spec = load_spec(path)
@@ -153,5 +166,21 @@ def add_parsers(sub) -> None:
     add_out(mp, kind="own", type=Path, required=True, help="where tables/ and controls.png go")
     mp.add_argument("--data", "--pack", dest="data", help="the corpus pack the runs used (default: the shipped one)")
     mp.set_defaults(run=_map)
+    pr = ex.add_parser("probe", help="measure a sweep's dense trunks at every kept checkpoint: per domain, per "
+                       "expert of the router CSE would fit there and for the small experts together, the validation "
+                       "loss, GC against the whole probe (interval, null), tail share, expert count (one table per "
+                       "trunk, OUT/trunk-seedK.csv)")
+    pr.add_argument("run_dir", metavar="RUN", type=Path, help="the sweep's run directory")
+    pr.add_argument("--spec", required=True, help="the spec the run ran (its layers, settings and seeds)")
+    add_out(pr, kind="own", type=Path, required=True, help="where the tables go")
+    pr.add_argument("--data", "--pack", dest="data", help="the corpus pack the run used (default: the shipped one)")
+    pr.add_argument("--seeds", help="comma-separated seeds (default: the spec's)")
+    pr.add_argument("--per-domain", type=POSITIVE_INT, default=64,
+                    help="validation blocks of each domain in the probe (default 64)")
+    pr.add_argument("--resamples", type=COUNT, default=100, help="GC's jackknife deletions at most (default 100; 0: "
+                    "no interval)")
+    pr.add_argument("--null-draws", type=COUNT, default=0, help="GC's random-null draws per group size (default 0: "
+                    "none; each draw costs about a kernel's statistics)")
+    pr.set_defaults(run=_probe)
     sp = ex.add_parser("specs", help="the specs that ship with ntkscope")
     sp.set_defaults(run=_specs)

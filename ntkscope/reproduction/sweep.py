@@ -230,7 +230,7 @@ class Sweep:
         s, trunk, fitting = self.settings, self.model_dir(self.trunk.name, seed), self.fitting(seed)
         steps = self._window() + [self._window()[-1] + h * s.checkpoint_every for h in range(1, self.rule.horizon + 1)]
         kw = dict(domains=fitting["domains"], tail=s.finetune_domains, router={**router_options(s), "seed": seed},
-                  steps=steps, layers=self.layers, device=self._analysis_device())
+                  steps=steps, layers=self.layers, device=self.analysis_device())
         persistence = router_persistence(trunk, fitting["batch"], horizon=self.rule.horizon,
                                          threshold=self.rule.threshold, **kw)
         window = {L: t[t["step"].isin(self._window())] for L, t in persistence.items()}
@@ -257,7 +257,7 @@ class Sweep:
                  verdict[keep].to_dict("records"))
         return plan
 
-    def _analysis_device(self) -> str:
+    def analysis_device(self) -> str:
         """Where the plan's checkpoints embed their blocks: the GPU when units train there."""
         device = self.settings.device
         return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -272,7 +272,7 @@ class Sweep:
         tables, labels = router_structure(
             trunk, batch, every, router=router_options(s), steps=steps, n_fits=st.n_fits, fraction=st.fraction,
             seed=seed, horizon=self.rule.horizon, threshold=self.rule.threshold, level=st.level, min_size=st.min_size,
-            n_boot=st.n_boot, confidence=st.confidence, device=self._analysis_device())
+            n_boot=st.n_boot, confidence=st.confidence, device=self.analysis_device())
         step = structure_step({L: tables[L] for L in self.layers}, min_structure=st.min_structure,
                               window=self._window())
         rule = "consensus-structure" if step is not None else "window-end"
@@ -385,7 +385,7 @@ class Sweep:
             if all(sparse.get("n_experts", [0])):
                 return [int(k) for k in sparse["n_experts"]]
         model = load_checkpoint(self.model_dir(self.trunk.name, seed) / "checkpoints" / f"step-{at:06d}")
-        emb = layer_embeddings(model.to(self._analysis_device()), self.fitting(seed)["batch"], point="ffn_input",
+        emb = layer_embeddings(model.to(self.analysis_device()), self.fitting(seed)["batch"], point="ffn_input",
                                layers=layers).embeddings
         return [fit_router(emb[L], **{**router_options(self.settings), "seed": seed + L}).n_clusters for L in layers]
 
