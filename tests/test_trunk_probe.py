@@ -83,3 +83,22 @@ def test_the_probe_command_refuses_a_directory_without_trunks(tmp_path):
                       "--seeds", "5")
     assert proc.returncode == 1 and "holds no checkpoints (the trunk of seed 5 has not trained" in proc.stderr
     assert not (tmp_path / "probe" / "trunk-seed5.csv").exists()
+
+
+def test_the_tail_expert_step_is_the_first_with_a_pure_tail_expert_at_every_layer():
+    from ntkscope.runs.trunk_probe import tail_expert_step
+
+    def rows(step, layer, group, n, tail_share):
+        return {"step": step, "layer": layer, "kind": "expert", "group": group, "n": n, "tail_share": tail_share}
+
+    table = pd.DataFrame([
+        rows(50, 2, "1", 9, 1.0), rows(50, 3, "1", 9, 1.0),  # before from_step
+        rows(100, 2, "0", 90, 0.95), rows(100, 3, "0", 90, 0.95),  # the bulk never counts
+        rows(200, 2, "1", 9, 0.95), rows(200, 3, "2", 4, 1.0),  # layer 3's is too small
+        rows(300, 2, "1", 9, 0.95), rows(300, 3, "2", 6, 0.85),  # layer 3's is not pure
+        rows(400, 2, "3", 5, 0.9), rows(400, 3, "1", 8, 1.0),
+        rows(500, 2, "1", 9, 1.0), rows(500, 3, "1", 9, 1.0),
+        {"step": 400, "layer": None, "kind": "domain", "group": "legal", "n": 64, "tail_share": 1.0}])
+    assert tail_expert_step(table, [2, 3]) == 400
+    assert tail_expert_step(table, [2]) == 200 and tail_expert_step(table, [2, 3], from_step=0) == 50
+    assert tail_expert_step(table, [2, 3], purity=0.99) == 500 and tail_expert_step(table, [4]) is None

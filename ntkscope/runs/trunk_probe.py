@@ -104,3 +104,17 @@ def probe_trunk(checkpoints: list, fitting_ids: torch.Tensor, probe_ids: torch.T
         rows += [{"step": int(step), "lr": (lrs or {}).get(int(step)), **row} for row in found]
         log.info("trunk probe: step %d, %d groups", step, len(found))
     return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def tail_expert_step(table: pd.DataFrame, layers, *, purity: float = 0.9, min_blocks: int = 5,
+                     from_step: int = 100) -> int | None:
+    """The earliest probed step, at or after ``from_step``, at which every one of ``layers`` has
+    an expert other than the bulk (expert 0) that receives at least ``min_blocks`` probe blocks,
+    at least ``purity`` of them from the tail's domains: the router CSE would fit there has a
+    tail expert. None when no step has one. Labelled: it reads the domains (``tail_share``)."""
+    experts = table[(table["kind"] == "expert") & (table["group"].astype(str) != "0") & (table["step"] >= from_step)]
+    pure = experts[(experts["n"] >= min_blocks) & (experts["tail_share"] >= purity)]
+    for step in sorted(set(table.loc[table["step"] >= from_step, "step"])):
+        if {int(v) for v in pure.loc[pure["step"] == step, "layer"]} >= {int(v) for v in layers}:
+            return int(step)
+    return None
