@@ -189,7 +189,8 @@ class SparseCallback(_callback_base()):
     DEMix (``kind="demix"``, ``domains``: the label names, one expert each) routes each sequence
     by its label: the batches must carry a ``domains`` column of label indices (and
     ``TrainingArguments(remove_unused_columns=False)``, so Trainer passes it), which the model
-    takes off the call before the HF forward."""
+    takes off the call before the HF forward. ``at`` is the old name of ``convert_at``: read with
+    a warning, and ``callback.at`` reads ``callback.convert_at``."""
 
     def __init__(self, *, convert_at: int | None = None, plan=None, kind: str = "cse", layers=None,
                  fitting: dict | None = None, router: dict | None = None, n_experts: int = 2, seed: int = 0,
@@ -232,6 +233,11 @@ class SparseCallback(_callback_base()):
         self.sparse: SparseHF | None = None
         self.converted_at: int | None = None
         self.resumed: Path | None = None
+
+    @property
+    def at(self) -> int:
+        """The old name of :attr:`convert_at`."""
+        return self.convert_at
 
     def restore(self, model, checkpoint) -> SparseHF | None:
         """Before ``trainer.train(resume_from_checkpoint=checkpoint)``: the sparse layers of the
