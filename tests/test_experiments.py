@@ -141,17 +141,19 @@ def test_a_unit_killed_mid_run_is_retried_and_the_tables_equal_an_uninterrupted_
         assert mine == reference, unit
 
 
-def _started(tmp_path, executor: str) -> tuple:
+def _started(tmp_path, executor: str, sigint=signal.SIG_DFL) -> tuple:
     """`ntkscope experiment run` of a trunk alone in a subprocess, once it has its step-20
     checkpoint: (run directory, command, process). The trunk trains 240 steps, so that the signal
     reaches it training even on a loaded machine (at 60 steps it could finish before the test
-    process was scheduled again)."""
+    process was scheduled again). ``sigint``: the disposition of SIGINT it starts with (a terminal's
+    foreground job: the default; a job started in the background, ``nohup ... &``: ignored)."""
     run = tmp_path / "run"
     spec = toy_file(tmp_path, seeds=[0], arms=KILL_ARMS[:1], criteria={"arms": []},
                     settings={**TOY["settings"], "steps": 240})
     command = [sys.executable, "-m", "ntkscope", "experiment", "run", str(spec), "--out", str(run),
                "--executor", executor]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
     folder, deadline = run / "models" / "dense-seed0" / "checkpoints" / "step-000020", time.monotonic() + 240
     while not folder.is_dir() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
@@ -177,8 +179,10 @@ def test_ctrl_c_leaves_the_unit_interrupted_and_says_what_was_kept(tmp_path):
 def test_sigterm_to_the_driver_alone_interrupts_its_workers_too(tmp_path):
     """`kill PID` of `ntkscope experiment run` (local executor: the unit trains in a spawned
     worker, which the signal does not reach): the driver passes the interruption on, so the worker
-    records the unit interrupted and ends with it; no process trains on orphaned."""
-    run, _, proc = _started(tmp_path, "local")
+    records the unit interrupted and ends with it; no process trains on orphaned. Started as a
+    background job (SIGINT ignored, which the workers inherit): the workers hear the driver's
+    SIGINT all the same."""
+    run, _, proc = _started(tmp_path, "local", sigint=signal.SIG_IGN)
     worker = json.loads((run / "units" / "dense-seed0.json").read_text())["pid"]
     assert worker != proc.pid
     proc.send_signal(signal.SIGTERM)

@@ -138,6 +138,13 @@ class _Inline:
         return future
 
 
+def listen_for_interrupts() -> None:
+    """In a worker process: SIGINT raises KeyboardInterrupt, whatever the process inherited. A run
+    started in the background (``nohup ... &``) has SIGINT ignored, and its workers inherit that;
+    the driver interrupts them with SIGINT (:meth:`_Local.interrupt`), so they must hear it."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class _Local:
     """Each unit in a fresh spawned process of its own pool: a unit that is killed breaks only its own."""
 
@@ -145,7 +152,8 @@ class _Local:
         self.pools = []
 
     def submit(self, fn, *args):
-        pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                      initializer=listen_for_interrupts)
         future = pool.submit(fn, *args)
         future.add_done_callback(lambda _: pool.shutdown(wait=False))
         self.pools = [p for p in self.pools if p._processes] + [pool]  # the pools whose unit may still run
