@@ -2,8 +2,9 @@
 :class:`ExperimentKind` each, in :data:`EXPERIMENT_KINDS`, holding what the runner asks of it:
 its units before their keys (``drafts``), how one unit is done (``execute``), what a unit
 writes (``outputs``), how the tables are built from the units that finished (``summarise``)
-and what an earlier run's folder gives to adopt (``adopt``). :mod:`ntkscope.experiments.units` keys the drafts and keeps each unit's state;
-the runner starts, retries and summarises through this table.
+and what an earlier run's folder gives to adopt (``adopt``). :mod:`ntkscope.experiments.units`
+keys the drafts and keeps each unit's state; the runner starts, retries and summarises through
+this table.
 """
 
 from __future__ import annotations

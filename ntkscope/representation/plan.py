@@ -48,8 +48,8 @@ GC_COLUMNS = ("step", "abs_gc", "abs_gc_se", "null_median", "flags")
 class Plan:
     """layers: chosen block indices; module: "ffn" or "attn"; convert_at: the step the warm-up ends
     and the layers are converted (None without a GC series or a stability table); chosen_by: the
-    layer rule; warmup_rule: "small-clusters-persist", "tail-clusters", "gc-peak", "stable-clusters", "window-end" or
-    None; evidence: {"separation": [{"layer", "separation"}], "scores_at_step", "gc": [per
+    layer rule; warmup_rule: "small-clusters-persist", "tail-clusters", "gc-peak",
+    "stable-clusters", "window-end" or None; evidence: {"separation": [{"layer", "separation"}], "scores_at_step", "gc": [per
     checkpoint: step, abs_gc, interval, null band, ...], "gc_peak": {"step", "shown", "why"},
     "persistence": {layer: [per step: n_small, small_share, persisting_share, ...]},
     "min_persisting", "labels": [per step and layer: n_pure_tail, tail_share, ...],
