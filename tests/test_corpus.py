@@ -303,3 +303,61 @@ def test_a_table_pack_takes_the_researchers_own_tokenizer(tmp_path):
     bad = in_process("corpus", "from-table", tmp_path / "other", table, "--label-column", "domain", "--tokenizer",
                      tmp_path)
     assert bad.returncode == 1 and "tokenizer must be a tokenizer.json or a directory holding one" in bad.stderr
+
+
+# --- a grown pack: more training text, the held-out files as they are ----------------------------
+
+
+@pytest.fixture(scope="module")
+def small_excerpt_pack(tmp_path_factory):
+    out = tmp_path_factory.mktemp("packs") / "small"
+    return load_pack(build_pack(out, share=0.1, seed=3, validation=0.1, test=0.1, probe_per_class=3,
+                                probe_min_docs=2, vocab_size=400, max_tokens=3000, root=ROOT, data_dir=DATA))
+
+
+def _grow(small, out, **kw):
+    from ntkscope.text.corpus.grow import grow_pack
+    return load_pack(grow_pack(out, **{"train_tokens": 5000, "pack": small.path, "seed": 1, "root": ROOT,
+                                       "data_dir": DATA, **kw}))
+
+
+def test_grown_pack_keeps_held_out_files_and_adds_only_unseen_training_text(small_excerpt_pack, tmp_path):
+    small = small_excerpt_pack
+    grown = _grow(small, tmp_path / "grown")
+    for name in ("validation.jsonl.gz", "test.jsonl.gz", "probe.jsonl.gz", "tokenizer.json", "LICENSES.md"):
+        assert (grown.path / name).read_bytes() == (small.path / name).read_bytes(), name
+    before, after = small.records("train"), grown.records("train")
+    assert set(before) < set(after) and len(after) > 1.5 * len(before)
+    held = small.records("validation") + small.records("test")
+    held_docs = {r.doc for r in held} | set(small.probes()["doc"])
+    held_texts = {r.text.casefold() for r in held} | {t.casefold() for t in small.probes()["text"]}
+    added = set(after) - set(before)
+    assert not {r.doc for r in added} & held_docs
+    assert not {r.text.casefold() for r in added} & held_texts
+    words = {d: sum(count_words(r.text) for r in after if r.domain == d) for d in ("general", "legal", "biomedical")}
+    assert sum(words.values()) == pytest.approx(5000, rel=0.02)
+    m = grown.manifest
+    assert m["share_measured_train"] == pytest.approx((words["legal"] + words["biomedical"]) / sum(words.values()))
+    assert abs(m["share_measured_train"] - small.manifest["share_measured"]) < 0.01  # the pack's share by default
+    assert m["derived_from"]["version"] == small.manifest["version"]
+    card = (grown.path / "CARD.md").read_text()
+    assert "ntkscope corpus grow" in card and "GPL" in card and f"{m['splits']['train']['bpe_tokens']:,}" in card
+
+
+def test_grown_pack_rebuilds_byte_for_byte_and_another_seed_differs(small_excerpt_pack, tmp_path):
+    one = _grow(small_excerpt_pack, tmp_path / "a")
+    again = _grow(small_excerpt_pack, tmp_path / "b")
+    for name in one.manifest["files"]:
+        assert (again.path / name).read_bytes() == (one.path / name).read_bytes(), name
+    assert _grow(small_excerpt_pack, tmp_path / "c", seed=2).manifest["version"] != one.manifest["version"]
+
+
+def test_grown_pack_refuses_sizes_it_cannot_reach_and_writes_nothing(small_excerpt_pack, tmp_path):
+    from ntkscope.text.corpus.grow import grow_pack
+    with pytest.raises(ValueError, match=r"grow_pack: train_tokens must exceed the pack's training words \(\d+\) "
+                                         r"\(got 100\)"):
+        grow_pack(tmp_path / "x", train_tokens=100, pack=small_excerpt_pack.path, root=ROOT, data_dir=DATA)
+    with pytest.raises(ValueError, match=r"grow_pack: train_tokens asks \d+ general words of training text; the pack "
+                                         r"and the installed sources hold \d+ .*\(got 10000000\)"):
+        grow_pack(tmp_path / "x", train_tokens=10_000_000, pack=small_excerpt_pack.path, root=ROOT, data_dir=DATA)
+    assert not (tmp_path / "x").exists()

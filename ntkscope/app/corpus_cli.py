@@ -8,6 +8,7 @@ from ntkscope.app.parsing import add_out, print_table
 from ntkscope.text.corpus.pack import build_pack, load_pack
 from ntkscope.text.corpus.sources import SOURCES, SourceMissingError
 from ntkscope.text.corpus.table_pack import table_pack
+from ntkscope.text.corpus.grow import grow_pack
 from ntkscope.text.corpus.thin import thin_pack
 from ntkscope.text.frequency import NORMALISATIONS
 
@@ -59,6 +60,17 @@ def _corpus_thin(args) -> int:
     return 0
 
 
+def _corpus_grow(args) -> int:
+    out = grow_pack(args.out, train_tokens=args.train_tokens, pack=args.pack, share=args.share, seed=args.seed,
+                    sources=args.sources, root=args.root, data_dir=args.data_dir, overwrite=args.force)
+    m = load_pack(out).manifest
+    train = m["splits"]["train"]
+    print(f"wrote {out} (version {m['version']}): train {train['records']} records, {train['tokens']} words, "
+          f"{train['bpe_tokens']} BPE tokens, long-tail share {m['share_measured_train_bpe']:.2%} of the BPE tokens; "
+          f"validation, test, probes and tokenizer those of {m['derived_from']['version']}")
+    return 0
+
+
 def _corpus_info(args) -> int:
     r = commands.corpus_info(args.pack, tokenizer=args.tokenizer, normalisation=args.normalisation, bins=args.bins,
                              top=args.top, out=args.out)
@@ -81,7 +93,7 @@ def _add_source_args(parser) -> None:
 
 
 def add_parsers(sub) -> None:
-    """``ntkscope corpus sources|build|from-table|thin|info``."""
+    """``ntkscope corpus sources|build|from-table|thin|grow|info``."""
     corpus = sub.add_parser("corpus", help="list sources, build a corpus pack, show a pack's tables")
     csub = corpus.add_subparsers(dest="corpus_command", required=True)
     sources = csub.add_parser("sources", help="which text sources are installed, and how to install the others")
@@ -106,6 +118,20 @@ def add_parsers(sub) -> None:
     thin.add_argument("--seed", type=int, default=0)
     thin.add_argument("--force", action="store_true", help="replace OUT if it exists")
     thin.set_defaults(run=_corpus_thin)
+    grow = csub.add_parser("grow", help="a larger pack: more training text from the installed sources, the pack's "
+                           "validation, test, probes and tokenizer as they are",
+                           description="Example: ntkscope corpus grow packs/grown --train-tokens 9000000")
+    grow.add_argument("out", help="directory to create")
+    grow.add_argument("--train-tokens", type=int, required=True,
+                      help="training words wanted (the pack's word unit; the card gives the BPE tokens)")
+    grow.add_argument("--pack", help="the pack to grow (default: the small pack shipped with ntkscope)")
+    grow.add_argument("--share", type=float, help="legal + biomedical share of the training words "
+                      "(default: the pack's measured share)")
+    grow.add_argument("--sources", nargs="+", help="source names (default: the pack's)")
+    grow.add_argument("--seed", type=int, default=0)
+    grow.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    _add_source_args(grow)
+    grow.set_defaults(run=_corpus_grow)
     own = csub.add_parser("from-table", help="a pack of your own table's rows (a text and a label column): "
                           "every command and experiment that reads a pack reads it",
                           description="Example: ntkscope corpus from-table packs/mine rows.jsonl --label-column "
