@@ -217,3 +217,23 @@ def test_the_committed_count_question_is_its_committed_results(tmp_path):
         for layer in (2, 3):
             assert experts[("cse-at1200-k300", seed, layer)] == experts[("cse-at300", seed, layer)]
             assert experts[("cse-at300-k1200", seed, layer)] == experts[("cse-at1200", seed, layer)]
+
+
+def test_cse_is_judged_against_the_mixture_of_experts_from_scratch_when_the_spec_has_one():
+    seeds = [0, 1, 2]
+    null = [("dense-null", s, g) for s, g in zip(seeds, [-0.01, 0.01, 0.0])]  # spread 0.01
+    cse = [("cse", s, -0.05) for s in seeds]
+    found = verdicts(_table(null + cse + [("scratch", s, g) for s, g in zip(seeds, [0.02, -0.03, 0.01])]), seeds)
+    v = found["cse_vs_scratch"]
+    assert v["verdict"] == "shown" and v["wins"] == 3 and v["mean_difference"] == pytest.approx(-0.05)
+    close = verdicts(_table(null + cse + [("scratch", s, g) for s, g in zip(seeds, [-0.06, -0.04, -0.045])]), seeds)
+    assert close["cse_vs_scratch"]["verdict"] == "not shown"  # lower in 2 of 3 only
+    assert "cse_vs_scratch" not in verdicts(_table(null + cse), seeds)  # the map's specs have no such arm
+
+
+def test_the_verdicts_pair_arms_at_the_criteria_arms_step():
+    from ntkscope.experiments.map import verdict_step
+    from ntkscope.experiments.spec import load_spec
+    assert verdict_step(load_spec("warmup-map")) == 1200
+    assert verdict_step(load_spec("warmup-fresh-half")) == 600  # half the 1200-step schedule
+    assert verdict_step(load_spec("scale-grown")) == 600

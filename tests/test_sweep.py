@@ -177,11 +177,12 @@ def test_the_controls_branch_from_the_trunk_and_train(tmp_path):
     data = toy([{"name": "cse-late", "kind": "cse", "convert_at": "late"},
                 {"name": "cse-shuffled", "kind": "cse", "convert_at": "late", "shuffled": True},
                 {"name": "switch-fair", "kind": "switch", "convert_at": "late", "fair": True},
-                {"name": "dense-null", "kind": "null", "convert_at": "late"}], seeds=[0])
+                {"name": "dense-null", "kind": "null", "convert_at": "late"},
+                {"name": "moe-scratch", "kind": "scratch", "convert_at": "late"}], seeds=[0])
     data["settings"]["steps"] = 20
     sweep, _ = run_toy(tmp_path / "run", data)
     arms = pd.read_csv(sweep.run_dir / "tables" / "arms.csv").set_index("arm")
-    assert set(arms.index) == {"dense", "cse-late", "cse-shuffled", "switch-fair", "dense-null"}
+    assert set(arms.index) == {"dense", "cse-late", "cse-shuffled", "switch-fair", "dense-null", "moe-scratch"}
     assert (arms.drop("dense")["warmup"] == 10).all()
     config = {name: json.loads((sweep.run_dir / json.loads(sweep.result_path(name, 0).read_text())["checkpoint"]
                                  / "config.json").read_text()) for name in arms.index}
@@ -189,6 +190,14 @@ def test_the_controls_branch_from_the_trunk_and_train(tmp_path):
     assert config["cse-shuffled"]["sparse"]["shuffled"] and config["cse-shuffled"]["sparse"]["n_experts"] == counts
     assert config["switch-fair"]["sparse"]["n_experts"] == counts and config["switch-fair"]["sparse"]["preserving"]
     assert config["dense-null"]["sparse"] is None
+    scratch = config["moe-scratch"]["sparse"]  # a mixture of experts from step 0 with CSE's counts
+    assert scratch["kind"] == "switch" and scratch["n_experts"] == counts and not scratch["preserving"]
+    logged = [json.loads(line)["step"] for line in (sweep.model_dir("moe-scratch", 0) / "metrics.jsonl").open()]
+    assert min(logged) < 10  # trained from step 0, not branched at the conversion step
+    moe = load_model(sweep.run_dir / json.loads(sweep.result_path("moe-scratch", 0).read_text())["checkpoint"])
+    layer = moe.transformer.h[moe.config.sparse.layers[0]].mlp
+    first = [p.detach() for p in layer.experts[0].parameters()]
+    assert all(any(not torch.allclose(a, b) for a, b in zip(first, e.parameters())) for e in layer.experts[1:])
     seeds = {name: json.loads((sweep.model_dir(name, 0) / "train_config.json").read_text())["seed"]
              for name in ("dense", "cse-late", "dense-null")}
     assert seeds["dense-null"] != seeds["dense"] == seeds["cse-late"]  # only the null's data order differs

@@ -33,6 +33,14 @@ def trunks_label(run: Path) -> str:
     return str(json.loads(path.read_text())["gpu"]) if path.is_file() else Path(run).name
 
 
+def verdict_step(spec: Spec) -> int:
+    """The step the verdicts pair arms at: the conversion step of the spec's first criteria arm
+    (``cse-at1200`` in the map's specs), or 1200 when that arm's step is not a number."""
+    named = {a.name: a for a in spec.arms}
+    first = named.get(spec.criteria.arms[0]) if spec.criteria.arms else None
+    return first.convert_at if first is not None and isinstance(first.convert_at, int) else 1200
+
+
 def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     """The map's tables from the finished units of ``runs`` (run directories of ``spec``'s
     experiment and of its companions; a unit name found in several is taken from the first): each
@@ -55,7 +63,7 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     for run in reversed(runs):  # the first run's, as for results
         for p in sorted((run / "plans").glob("seed*.json")):
             plans[int(p.stem.removeprefix("seed"))] = {**json.loads(p.read_text()), "trunks": trunks_label(run)}
-    found = verdicts(table, spec.seeds, plans=plans)
+    found = verdicts(table, spec.seeds, step=verdict_step(spec), plans=plans)
     if {"cse-at1200-k300", "cse-at300-k1200"} <= {a.name for a in spec.arms}:  # the count question, its margin
         found["count"] = count_verdicts(table, spec.seeds, COUNT_MARGIN)
     planned = {u.name for u in units(spec, "")}

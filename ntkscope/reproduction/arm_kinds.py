@@ -120,6 +120,14 @@ def train_null(sweep, arm, seed: int, at: int, every: int) -> Path:
     return training.train_continued(s, out, pack, trunk, at, seed + sweep.null_order, checkpoint_every=every)
 
 
+def train_scratch(sweep, arm, seed: int, at: int, every: int) -> Path:
+    s, out, pack, _, layers = _where(sweep, arm, seed)
+    experts = sweep.cse_counts(seed, arm, at)  # the count CSE converted at this step made at each layer
+    log.info("sweep: %s seed %d trains from scratch with the experts of CSE at step %d: %s", arm.name, seed, at,
+             experts)
+    return training.train_scratch(s, out, pack, layers, experts, seed, checkpoint_every=every)
+
+
 def logged_load_rows(sweep, arm, seed: int) -> list:
     """The load rows an arm's training logged (``load_domains`` in its metrics.jsonl: CSE's routing)."""
     path = sweep.model_dir(arm.name, seed) / "metrics.jsonl"
@@ -157,5 +165,8 @@ register_arm_kind(ArmKind("demix", train_demix, "DEMix: one expert per domain, r
 register_arm_kind(ArmKind("encoder", train_encoder, "experts routed by a frozen sentence encoder's clusters",
                           key=lambda trunk: {"encoder": trunk.encoder} if trunk.encoder else {},  # shipped: no key
                           load_rows=routed_load_rows))
+register_arm_kind(ArmKind("scratch", train_scratch, "a mixture of experts trained from scratch (Switch layers, "
+                          "every expert its own init) with the expert counts of CSE at the conversion step, on the "
+                          "trunk's tokens from step 0; its conversion step only names whose counts it takes"))
 register_arm_kind(ArmKind("null", train_null, "the trunk continued from the conversion step with another data order",
                           key=lambda trunk: {"null_order": trunk.null_order}))

@@ -140,6 +140,9 @@ def verdicts(table: pd.DataFrame, seeds, *, step: int = 1200, plans: dict | None
 
     out["clusters_vs_shuffled"] = against("cse", "cse-shuffled", "CSE below cse-shuffled on the tail")
     out["cse_vs_fair"] = against("cse", "switch-fair", "CSE below the fair capacity control on the tail")
+    if (tail["arm"] == "scratch").any():  # a spec with the mixture of experts trained from scratch
+        out["cse_vs_scratch"] = against("cse", "scratch", "CSE below the mixture of experts trained from scratch "
+                                        "(CSE's counts, the same tokens) on the tail")
     floor = {}
     for arm in sorted(set(tail.loc[tail["step"] == step, "arm"]) - {"dense-null"}):
         gain = tail[(tail["arm"] == arm) & (tail["step"] == step)].set_index("seed")["gain"]

@@ -125,6 +125,17 @@ def train_dense(settings: ReproduceSettings, out_dir: Path, pack: str | None, *,
                 settings.adopt_from, callbacks)
 
 
+def train_scratch(settings: ReproduceSettings, out_dir: Path, pack: str | None, layers: list, experts: list,
+                  seed: int, checkpoint_every: int | None = None) -> Path:
+    """A mixture of experts trained from scratch (the sparse-upcycling literature's control):
+    Switch layers (learned top-1 token routing, load-balancing loss, the classic softmax gate) at
+    ``layers`` with ``experts`` per layer, every expert initialised on its own, and the dense
+    model's init, data order ``seed`` and whole schedule; nothing is shared with a trunk."""
+    sparse = {"kind": "switch", "module": "ffn", "layers": list(layers), "n_experts": [int(k) for k in experts]}
+    return _run(_config(settings, out_dir, pack, model={**settings.model, "sparse": sparse}, seed=seed,
+                        checkpoint_every=checkpoint_every or settings.steps), settings.adopt_from)
+
+
 def _branch(settings: ReproduceSettings, out_dir: Path, pack: str | None, dense_dir: Path, warmup: int,
             sparse: dict | None, seed: int, stop_at: int | None = None, base: dict | None = None,
             checkpoint_every: int | None = None, **changes) -> Path:
