@@ -79,3 +79,42 @@ def test_a_family_that_can_no_longer_reach_its_count_decides_not_shown_before_th
     assert rule["decided_by"] == ["warmup-fresh-half: 1 good of 3 trunks, below 2"]
     only_half = fresh_verdicts([family("warmup-fresh-half", bad=(7,))], THRESHOLDS)[0]["rule_on_fresh_trunks"]
     assert only_half["verdict"] == "not decided" and "decided_by" not in only_half
+
+
+def probe(fires_at):
+    """A trunk probe's expert rows at the sparse layers {2, 3}: a pure tail expert of 8 blocks at
+    both layers from ``fires_at`` on (None: never; before it the tail expert is mixed, 60 % tail)."""
+    rows = []
+    for step in (50, 100, 300, 600, 900, 1200, 1500, 1800):
+        pure = fires_at is not None and step >= fires_at
+        for layer in (2, 3):
+            rows.append({"step": step, "layer": layer, "kind": "expert", "group": "0", "n": 100, "tail_share": 0.05})
+            rows.append({"step": step, "layer": layer, "kind": "expert", "group": "1", "n": 8,
+                         "tail_share": 1.0 if pure else 0.6})
+    return pd.DataFrame(rows)
+
+
+def with_probes(fam, fires):
+    return Family(fam.name, fam.gains, fam.plans, fam.total_steps, fam.seeds, probes={s: probe(fires.get(s, 1200))
+                                                                                     for s in fam.seeds})
+
+
+def test_the_probe_rule_is_judged_on_the_mix_and_main_trunks_and_reported_on_the_half():
+    """The addendum's tail-expert rule: good where it fires at or before the best step with 80 %
+    of its gain (the planted best is half the schedule: step 1200), not good where it fires late or
+    never; shown at 6 of the 8 trunks of warmup-fresh-mix and warmup-fresh."""
+    main = with_probes(family("warmup-fresh"), {8: 1800, 9: None})  # late, never
+    mix = with_probes(family("warmup-fresh-mix"), {})
+    half = with_probes(family("warmup-fresh-half"), {5: 600})
+    found, trunks = fresh_verdicts([main, half, mix], THRESHOLDS)
+    v = found["tail_expert"]
+    assert (v["good"], v["judged"], v["planned"], v["verdict"]) == (6, 8, 8, "shown")
+    assert v["reported"]["warmup-fresh-half seed 5"] == {"step": 600, "verdict": "good"}
+    rows = trunks[trunks["signal"] == "tail-expert"].set_index(["family", "seed"])
+    assert rows.loc[("warmup-fresh", 9), "why"] == "the rule never fired"
+    assert rows.loc[("warmup-fresh", 8), "verdict"] == "not good" and rows.loc[("warmup-fresh", 5), "step"] == 1200
+    worse = with_probes(family("warmup-fresh"), {7: 1800, 8: 1800, 9: None})
+    found, _ = fresh_verdicts([worse, with_probes(family("warmup-fresh-mix", drop=(5, 300)), {})], THRESHOLDS)
+    assert found["tail_expert"]["verdict"] == "not shown"  # 2 + 2 good of 7 judged: 6 of 8 out of reach
+    assert "out of reach" in found["tail_expert"]["decided_by"]
+    assert found["tail_expert"]["rule_on_the_same_trunks"] == {"good": 7, "judged": 7}

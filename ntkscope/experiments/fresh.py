@@ -25,7 +25,8 @@ THRESHOLDS = Path("figures/warmup-map/signals/rule.json")
 
 def load_family(folder: Path) -> Family:
     """A summarised fresh family: FOLDER/tables/gains.csv, FOLDER/plans/seedN.json,
-    FOLDER/tables/curves.csv (optional) and the ``device`` (or ``gpu``) of FOLDER/device.json,
+    FOLDER/tables/curves.csv (optional), FOLDER/probe/trunk-seedN.csv (the trunk probe's tables,
+    optional) and the ``device`` (or ``gpu``) of FOLDER/device.json,
     else of the fresh set's device.json beside it (optional); its spec is the folder's name."""
     folder = Path(folder)
     spec = load_spec(folder.name)
@@ -35,9 +36,11 @@ def load_family(folder: Path) -> Family:
     curves = folder / "tables" / "curves.csv"
     device = next((p for p in (folder / "device.json", folder.parent / "device.json") if p.is_file()),
                   folder / "device.json")  # the family's own record, else the fresh set's (CRITERIA.md)
+    probes = {int(p.stem.removeprefix("trunk-seed")): pd.read_csv(p)
+              for p in sorted((folder / "probe").glob("trunk-seed*.csv"))}
     return Family(spec.name, gains, plans, int(spec.settings.steps), tuple(spec.seeds),
                   pd.read_csv(curves) if curves.is_file() else None,
-                  _device(json.loads(device.read_text())) if device.is_file() else "")
+                  _device(json.loads(device.read_text())) if device.is_file() else "", probes or None)
 
 
 def _device(record: dict) -> str:
@@ -55,6 +58,7 @@ def main(argv=None) -> None:
     write_table(trunks, args.out / "trunks.csv")
     write_json(args.out / "verdicts.json", found)
     print(json.dumps(found["rule_on_fresh_trunks"], indent=1))
+    print(json.dumps({k: found["tail_expert"][k] for k in ("verdict", "good", "judged", "planned")}))
 
 
 if __name__ == "__main__":

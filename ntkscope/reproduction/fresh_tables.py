@@ -14,12 +14,16 @@ import pandas as pd
 
 from ntkscope.reproduction.map_tables import judge_step, layer_verdicts
 from ntkscope.runs.signals import CROSS_VALIDATED, SIGNALS, TrunkLog, schedule_fraction_step, trunk_log
+from ntkscope.runs.trunk_probe import tail_expert_step
 
 #: the registered families: name -> their trunks (seeds)
 FAMILIES = {"warmup-fresh": 5, "warmup-fresh-half": 3, "warmup-fresh-mix": 3}
 NEED_ALL, NEED_EACH = 9, 2  # verdict 1: good in 9 of the 11 trunks and 2 of 3 of each of half and mix
 CSE_STEPS = 5
 STRUCTURE_SIGNALS = ("consensus-structure", "cluster-count")  # they read the plan's consensus structure
+#: the probe rule of CRITERIA.md's addendum (seventeenth session), registered before its judges existed
+TAIL_EXPERT = {"signal": "tail-expert", "purity": 0.9, "min_blocks": 5, "from_step": 100, "layers": (2, 3),
+               "judged_by": ("warmup-fresh-mix", "warmup-fresh"), "needs": 6, "reported": ("warmup-fresh-half",)}
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class Family:
     seeds: tuple
     curves: pd.DataFrame | None = None
     device: str = ""
+    probes: dict | None = None  # {seed: the trunk probe's table}, when the trunks were probed
 
 
 def _log(family: Family, seed: int) -> TrunkLog | None:
@@ -82,6 +87,66 @@ def trunk_rows(family: Family, thresholds: dict) -> list:
     return rows
 
 
+def tail_expert_rows(family: Family) -> list:
+    """A row per trunk for the addendum's probe rule: its step (:func:`tail_expert_step` on the
+    trunk's probe table at the registered settings), the gain there on the trunk's CSE map, the
+    best step, and the map's verdict 4 (a rule that never fires is "not good")."""
+    tail = family.gains[family.gains["domain"] == "tail"]
+    rows = []
+    for seed in family.seeds:
+        mine = tail[(tail["arm"] == "cse") & (tail["seed"] == seed)]
+        curve = mine.set_index("step")["gain"].sort_index() if mine["trunks"].nunique() <= 1 else pd.Series()
+        row = {"family": family.name, "seed": seed, "signal": TAIL_EXPERT["signal"], "map_steps": len(curve)}
+        probe = (family.probes or {}).get(seed)
+        if probe is None:
+            rows.append({**row, "verdict": "not probed"})
+            continue
+        step = tail_expert_step(probe, TAIL_EXPERT["layers"], purity=TAIL_EXPERT["purity"],
+                                min_blocks=TAIL_EXPERT["min_blocks"], from_step=TAIL_EXPERT["from_step"])
+        row["step"] = step
+        if len(curve) < CSE_STEPS:
+            rows.append({**row, "verdict": "not decided"})
+            continue
+        best = int(curve.idxmin())
+        row.update(best_step=best, best_gain=float(curve[best]))
+        if step is None:
+            rows.append({**row, "verdict": "not good", "why": "the rule never fired"})
+            continue
+        j = judge_step(curve, int(step))
+        rows.append({**row, "gain": j["gain_at_rule"], "verdict": j["verdict"]})
+    return rows
+
+
+def tail_expert_verdict(families: list) -> tuple:
+    """(verdict, rows): the addendum's verdict: good in at least 6 of the 8 trunks of
+    warmup-fresh-mix and warmup-fresh ("not shown" as soon as the trunks left cannot reach 6),
+    the half family's trunks reported beside it, and the same count for the cross-validated rule."""
+    rows = pd.DataFrame([r for f in families for r in tail_expert_rows(f)])
+    judged_by = TAIL_EXPERT["judged_by"]
+    planned = sum(FAMILIES[f] for f in judged_by)
+    counted = rows[rows["family"].isin(judged_by)] if len(rows) else rows
+    decided = counted[counted["verdict"].isin(["good", "not good"])] if len(counted) else counted
+    good = int((decided["verdict"] == "good").sum()) if len(decided) else 0
+    entry = {**{k: list(v) if isinstance(v, tuple) else v for k, v in TAIL_EXPERT.items()},
+             "good": good, "judged": int(len(decided)), "planned": planned}
+    if len(decided) == planned:
+        entry["verdict"] = "shown" if good >= TAIL_EXPERT["needs"] else "not shown"
+    elif good + planned - len(decided) < TAIL_EXPERT["needs"]:
+        entry["verdict"] = "not shown"
+        entry["decided_by"] = f"{good} good of {len(decided)} judged: {TAIL_EXPERT['needs']} of {planned} out of reach"
+    else:
+        entry["verdict"] = "not decided"
+    half = rows[rows["family"].isin(TAIL_EXPERT["reported"])] if len(rows) else rows
+    entry["reported"] = {f"{r['family']} seed {int(r['seed'])}": {"step": _int(r.get("step")),
+                                                                     "verdict": r["verdict"]}
+                         for _, r in half.iterrows()}
+    return entry, rows
+
+
+def _int(value):
+    return None if value is None or pd.isna(value) else int(value)
+
+
 def fresh_verdicts(families: list, thresholds: dict) -> tuple:
     """(verdicts, trunks): CRITERIA.md's verdicts 1-5 over ``families``, and the per-trunk table.
     Verdict 1 is "not shown" as soon as the trunks not yet judged can no longer make it hold
@@ -121,6 +186,13 @@ def fresh_verdicts(families: list, thresholds: dict) -> tuple:
     out["signals"] = {f"{name} {th:g}": {"good": int((g["verdict"] == "good").sum()),
                                          "judged": int(g["verdict"].isin(["good", "not good", "chose nothing"]).sum())}
                       for (name, th), g in others.groupby(["signal", "threshold"], sort=False)} if len(others) else {}
+    out["tail_expert"], probe_rows = tail_expert_verdict(families)
+    if len(probe_rows):  # the same count for the cross-validated rule on the addendum's trunks
+        rule_there = rule[rule["family"].isin(TAIL_EXPERT["judged_by"])] if len(rule) else rule
+        out["tail_expert"]["rule_on_the_same_trunks"] = {
+            "good": int((rule_there["verdict"] == "good").sum()) if len(rule_there) else 0,
+            "judged": int(rule_there["verdict"].isin(["good", "not good"]).sum()) if len(rule_there) else 0}
+        trunks = pd.concat([trunks, probe_rows], ignore_index=True)
     out["layers"], out["gain_at_rule"] = {}, {}
     for f in families:
         step = schedule_fraction_step(f.total_steps, CROSS_VALIDATED["threshold"])
