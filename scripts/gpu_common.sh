@@ -28,7 +28,8 @@ gpu_mps_start() {
   fi
 }
 
-gpu_mps_stop() {
-  [ -n "${mps:-}" ] && echo quit | nvidia-cuda-mps-control
+gpu_mps_stop() {  # bounded: the daemon waits for its clients, and a worker left behind would hold the call
+  pkill -9 -f "multiprocessing.spawn" 2>/dev/null
+  [ -n "${mps:-}" ] && { echo quit | timeout 20 nvidia-cuda-mps-control || echo "MPS did not stop within 20 s"; }
   return 0
 }

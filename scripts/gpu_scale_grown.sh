@@ -6,7 +6,7 @@
 # validation curve; no checkpoints), with device.json naming the build.
 #   scripts/gpu_scale_grown.sh SECONDS [WORKERS]   (from the repository root, $OUT set)
 set -u
-LIMIT=${1:-520}
+LIMIT=${1:-480}
 WORKERS=${2:-14}
 . "$(dirname "$0")/gpu_common.sh"
 export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1  # every worker process inherits it
@@ -26,10 +26,10 @@ PY
 cat "$OUT/device.json"
 gpu_mps_start
 t0=$(date +%s)
-timeout "$LIMIT" python3 -m ntkscope experiment run scale-grown --data packs/scale --out runs/scale-grown \
+timeout -k 15 "$LIMIT" python3 -m ntkscope experiment run scale-grown --data packs/scale --out runs/scale-grown \
   --workers "$WORKERS" --device cuda >"$OUT/scale.log" 2>&1
 echo "rc $? after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/scale.log"
-gpu_mps_stop
-python3 -m ntkscope experiment status runs/scale-grown 2>&1 | tail -30
+# the archive first: on 2026-11-28 stopping MPS hung past the call's limit and nothing came back
 tar czf "$OUT/scale-grown.tgz" --exclude='checkpoints' --exclude='tensorboard' --exclude='analysis' runs/scale-grown
+gpu_mps_stop
 ls -la "$OUT"

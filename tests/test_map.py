@@ -237,3 +237,33 @@ def test_the_verdicts_pair_arms_at_the_criteria_arms_step():
     assert verdict_step(load_spec("warmup-map")) == 1200
     assert verdict_step(load_spec("warmup-fresh-half")) == 600  # half the 1200-step schedule
     assert verdict_step(load_spec("scale-grown")) == 600
+
+
+def test_trunks_are_compared_per_domain_on_the_same_blocks():
+    from ntkscope.reproduction.map_tables import fits_its_data, trunk_perplexities
+    domains = ["general"] * 4 + ["legal"] * 2
+
+    def trunk(seed, nats):  # per-block losses of 10 tokens at ``nats`` per token, by domain
+        loss = [10 * nats[d] for d in domains]
+        return {"arm": "dense", "seed": seed, "blocks": {"loss": loss, "tokens": [10] * len(domains)}}
+
+    big = {f"dense-seed{s}": trunk(s, {"general": 4.0 + s / 100, "legal": 4.5}) for s in (0, 1)}
+    small = {f"dense-seed{s}": trunk(s, {"general": 5.0, "legal": 4.4 + s}) for s in (0, 1)}
+    table = pd.concat([trunk_perplexities(big, domains, "big"), trunk_perplexities(small, domains, "small")])
+    row = table[(table["model"] == "big") & (table["seed"] == 1) & (table["domain"] == "general")].iloc[0]
+    assert row["ppl"] == pytest.approx(math.exp(4.01)) and row["blocks"] == 4 and row["tokens"] == 40
+    found = fits_its_data(table, "big", "small")
+    assert found["domains"]["general"]["below"] and not found["domains"]["legal"]["below"]  # 4.5 > small seed 0's 4.4
+    assert found["verdict"] == "not shown"
+    with pytest.raises(ValueError, match="has 6 test blocks, not the 5 of this pack"):
+        trunk_perplexities(big, domains[:5], "big")
+
+
+def test_the_map_figures_name_the_schedule_and_the_logging_interval():
+    from ntkscope.reproduction.map_figures import map_curve, trunk_curves
+    table = _table([("cse", 0, -0.05)])
+    table = pd.concat([table, table.assign(step=600, gain=-0.02)])
+    assert map_curve(table, total_steps=1200).axes[0].get_xlabel() == "conversion step (of 1200)"
+    curves = pd.DataFrame([{"arm": "dense", "seed": 0, "domain": "general", "step": s, "loss": 5 - s / 1000, "lr": 1e-3}
+                           for s in (100, 200, 300)])
+    assert trunk_curves(curves).axes[0].get_title().endswith("every 100 steps")

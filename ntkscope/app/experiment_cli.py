@@ -39,8 +39,15 @@ def _map(args) -> int:
     for run in args.run_dirs:
         if not (run / "results").is_dir():
             raise InputError("RUN", "must be a run directory with results/", str(run), func="ntkscope experiment map")
-    found = summarise_map(args.run_dirs, args.out, load_spec(args.spec), pack=args.data)
-    for name in ("clusters_vs_shuffled", "cse_vs_fair"):
+    if args.against is not None and not (args.against / "results").is_dir():
+        raise InputError("--against", "must be a run directory with results/", str(args.against),
+                         func="ntkscope experiment map")
+    found = summarise_map(args.run_dirs, args.out, load_spec(args.spec), pack=args.data, against=args.against)
+    if "fits_its_data" in found:
+        print(f"fits_its_data: {found['fits_its_data']['verdict']} ({found['fits_its_data']['what']})")
+    for name in ("clusters_vs_shuffled", "cse_vs_fair", "cse_vs_scratch"):
+        if name not in found:
+            continue
         v = found[name]
         print(f"{name}: {v['verdict']}" + (f" ({v['why']})" if "why" in v else "")
               + f"; seeds ran {v['seeds_ran']}, wins {v['wins']}")
@@ -165,6 +172,8 @@ def add_parsers(sub) -> None:
     mp.add_argument("--spec", default="warmup-map", help="the spec whose seeds the verdicts count (default warmup-map)")
     add_out(mp, kind="own", type=Path, required=True, help="where tables/ and controls.png go")
     mp.add_argument("--data", "--pack", dest="data", help="the corpus pack the runs used (default: the shipped one)")
+    mp.add_argument("--against", type=Path, help="another run directory whose dense trunks were tested on the same "
+                    "blocks (e.g. a smaller model's): per-domain perplexities side by side in tables/trunks.csv")
     mp.set_defaults(run=_map)
     pr = ex.add_parser("probe", help="measure a sweep's dense trunks at every kept checkpoint: per domain, per "
                        "expert of the router CSE would fit there and for the small experts together, the validation "

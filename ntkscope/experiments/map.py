@@ -18,7 +18,8 @@ from ntkscope.experiments.units import units
 from ntkscope.plotting import save_figure
 from ntkscope.representation.plan import plan_step
 from ntkscope.reproduction.map_figures import map_controls, map_curve, trunk_curves
-from ntkscope.reproduction.map_tables import count_verdicts, gains, read_results, verdicts
+from ntkscope.reproduction.map_tables import (count_verdicts, fits_its_data, gains, read_results, trunk_perplexities,
+                                              verdicts)
 
 
 #: the count question's margin, registered before its units ran (figures/warmup-map/count/CRITERIA.md):
@@ -41,14 +42,16 @@ def verdict_step(spec: Spec) -> int:
     return first.convert_at if first is not None and isinstance(first.convert_at, int) else 1200
 
 
-def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
+def summarise_map(runs, out, spec: Spec, *, pack=None, against=None) -> dict:
     """The map's tables from the finished units of ``runs`` (run directories of ``spec``'s
     experiment and of its companions; a unit name found in several is taken from the first): each
     unit is paired with the trunks of its own run directory (``trunks`` in the table: its build,
     :func:`trunks_label`), the verdicts say which pairs crossed builds. Writes
     OUT/tables/gains.csv, OUT/tables/verdicts.json, OUT/controls.png, when an arm converted at
     several steps OUT/map.png, and when OUT/tables/curves.csv holds the trunks' validation curves
-    OUT/curves.png; returns the verdicts."""
+    OUT/curves.png; ``against``: another run directory whose dense trunks were tested on the same
+    blocks (e.g. a smaller model's), compared trunk by trunk per domain in OUT/tables/trunks.csv
+    and the verdict ``fits_its_data``; returns the verdicts."""
     runs = [Path(r) for r in runs]
     blocks = make_sweep(spec, runs[0], spec_pack(spec, runs[0], pack, build=False, func="summarise_map")).test_blocks()
     domains = [blocks.domain_names[int(d)] for d in blocks.domains]
@@ -66,6 +69,11 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     found = verdicts(table, spec.seeds, step=verdict_step(spec), plans=plans)
     if {"cse-at1200-k300", "cse-at300-k1200"} <= {a.name for a in spec.arms}:  # the count question, its margin
         found["count"] = count_verdicts(table, spec.seeds, COUNT_MARGIN)
+    if against is not None:
+        trunk_table = pd.concat([trunk_perplexities(read_results(runs[0]), domains, spec.name),
+                                 trunk_perplexities(read_results(against), domains, Path(against).name)],
+                                ignore_index=True)
+        found["fits_its_data"] = fits_its_data(trunk_table, spec.name, Path(against).name)
     planned = {u.name for u in units(spec, "")}
     done = taken | {f"plan-seed{s}" for s in plans}
     found["units"] = {"spec": spec.name, "planned": len(planned), "done": len(planned & done)}
@@ -73,10 +81,13 @@ def summarise_map(runs, out, spec: Spec, *, pack=None) -> dict:
     (out / "tables").mkdir(parents=True, exist_ok=True)
     write_table(table, out / "tables" / "gains.csv")
     write_json(out / "tables" / "verdicts.json", found)
-    save_figure(map_controls(table), out / "controls.png")
+    if against is not None:
+        write_table(trunk_table, out / "tables" / "trunks.csv")
+    save_figure(map_controls(table, step=found["step"]), out / "controls.png")
     rule = {s: plan_step(p) for s, p in plans.items() if p.get("warmup_rule") == "consensus-structure"}
     if len(table) and table.groupby("arm")["step"].nunique().max() > 1:  # a curve needs two conversion steps
-        save_figure(map_curve(table, plan_structure(plans), rule), out / "map.png")
+        save_figure(map_curve(table, plan_structure(plans), rule, total_steps=spec.settings.steps),
+                    out / "map.png")
     else:
         (out / "map.png").unlink(missing_ok=True)  # an earlier summary's curve is not this one's
     curves = out / "tables" / "curves.csv"  # the trunks' validation curves, when a run logged them

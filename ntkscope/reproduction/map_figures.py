@@ -42,7 +42,7 @@ def map_controls(gains, *, step: int = 1200, title: str = ""):
 
 
 def map_curve(gains: pd.DataFrame, structure: pd.DataFrame | None = None, rule_steps: dict | None = None,
-              *, title: str = ""):
+              *, title: str = "", total_steps: int = 2400):
     """Tail gain (Δ log perplexity over the trunk, legal and biomedical averaged) against the
     conversion step for each arm mapped at several steps: the mean over seeds as a line, each
     seed as a dot; the null arm's spread at its step as a grey band. ``structure``: columns
@@ -66,7 +66,7 @@ def map_curve(gains: pd.DataFrame, structure: pd.DataFrame | None = None, rule_s
         for seed, step in sorted(rule_steps.items()):
             ax.axvline(step, color="0.3", lw=0.6, ls=":")
         ax.plot([], [], color="0.3", lw=0.6, ls=":", label="a trunk's rule step")
-    ax.set_xlabel("conversion step (of 2400)")
+    ax.set_xlabel(f"conversion step (of {total_steps})")
     ax.set_ylabel("tail gain over the trunk (Δ log ppl); < 0 is better")
     if structure is not None and len(structure):
         right = ax.twinx()
@@ -109,6 +109,8 @@ def trunk_curves(curves: pd.DataFrame, *, arm: str = "dense", best_steps=(), tit
     right.set_ylabel("learning rate (dashed)", color="0.4")
     right.set_ylim(bottom=0)
     ax.legend(fontsize=7, loc="upper right")
-    ax.set_title(title or "the trunks' validation loss by domain, every 50 steps", fontsize=9)
+    steps = sorted(set(part["step"]))
+    every = f", every {steps[1] - steps[0]} steps" if len(steps) > 1 else ""
+    ax.set_title(title or f"the trunks' validation loss by domain{every}", fontsize=9)
     fig.tight_layout()
     return fig

@@ -239,6 +239,41 @@ def _rule_verdicts(tail: pd.DataFrame, plans: dict) -> dict:
     return out
 
 
+TRUNK_COLUMNS = ["model", "seed", "domain", "ppl", "blocks", "tokens"]
+
+
+def trunk_perplexities(results: dict, domains, model: str) -> pd.DataFrame:
+    """TRUNK_COLUMNS: each dense trunk's (``dense-seedK``) test perplexity per domain of
+    ``domains`` (each test block's domain, in the results' block order), from its per-block losses."""
+    domains = np.asarray(domains)
+    rows = []
+    for name, result in sorted(results.items()):
+        if not name.startswith("dense-seed") or "blocks" not in result:
+            continue
+        loss, tokens = (np.asarray(result["blocks"][k], dtype=np.float64) for k in ("loss", "tokens"))
+        if len(loss) != len(domains):
+            raise UserError(f"experiment map: {name} of {model} has {len(loss)} test blocks, not the {len(domains)} "
+                            "of this pack: the two sets of trunks were not measured on the same blocks")
+        for d in sorted(set(domains.tolist())):
+            idx = domains == d
+            rows.append({"model": model, "seed": int(result["seed"]), "domain": d,
+                         "ppl": float(np.exp(loss[idx].sum() / tokens[idx].sum())), "blocks": int(idx.sum()),
+                         "tokens": int(tokens[idx].sum())})
+    return pd.DataFrame(rows, columns=TRUNK_COLUMNS)
+
+
+def fits_its_data(table: pd.DataFrame, model: str, other: str) -> dict:
+    """The trunks' verdict (a model that fits its data better than ``other``): shown when every seed
+    of ``model`` has a lower test perplexity than every seed of ``other`` on each domain."""
+    out = {"what": f"every {model} trunk below every {other} trunk on each domain", "domains": {}}
+    for d, rows in table.groupby("domain"):
+        mine, theirs = rows.loc[rows["model"] == model, "ppl"], rows.loc[rows["model"] == other, "ppl"]
+        out["domains"][d] = {model: [round(float(x), 2) for x in mine], other: [round(float(x), 2) for x in theirs],
+                             "below": bool(len(mine) and len(theirs) and mine.max() < theirs.min())}
+    out["verdict"] = "shown" if out["domains"] and all(v["below"] for v in out["domains"].values()) else "not shown"
+    return out
+
+
 def read_results(run_dir) -> dict:
     """{unit name: result} of a run directory's finished units; a result that is not what a unit
     writes (an arm, a seed, and per-block test losses and token counts of one length) is one
