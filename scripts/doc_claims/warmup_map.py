@@ -57,14 +57,16 @@ def _at_step(at: pd.DataFrame, verdicts: dict, prefix: str = "map") -> dict:
     return out
 
 
-def _verdict_lines(verdicts: dict, prefix: str = "map") -> dict:
+def _verdict_lines(verdicts: dict, prefix: str = "map", written_for: int = 5) -> dict:
     out = {}
-    for name in ("clusters_vs_shuffled", "cse_vs_fair"):
+    for name in ("clusters_vs_shuffled", "cse_vs_fair", "cse_vs_scratch"):
+        if name not in verdicts:
+            continue
         v = verdicts[name]
         text = v["verdict"]
-        few = len(v["seeds_ran"]) < 5 and text in ("shown", "not shown")  # the criteria were written for 5 seeds
+        few = len(v["seeds_ran"]) < written_for and text in ("shown", "not shown")  # the criteria's seeds
         if few:
-            text += f" on {len(v['seeds_ran'])} seeds only (a hint: the criteria were written for 5)"
+            text += f" on {len(v['seeds_ran'])} seeds only (a hint: the criteria were written for {written_for})"
         if "why" in v:
             text += f": {v['why']}"
         hint = v.get("on_seeds_ran")
@@ -79,6 +81,7 @@ def _verdict_lines(verdicts: dict, prefix: str = "map") -> dict:
         text += (f"; both arms branched from the same build of the trunk at seeds {_seeds(same)} only" if
                  len(same) < len(v["seeds_ran"]) else "; every pair on one build of the trunk")
         out[f"{prefix}.{name}"] = text
+        out[f"{prefix}.{name}.short"] = f"{v['verdict']}, lower in {v['wins']} of {len(v['seeds_ran'])} seeds"
         strict = v.get("strict")
         if strict:
             line = (f"{strict['verdict']}{' (a hint)' if few else ''} against the spread of a difference of two arms "
@@ -264,6 +267,7 @@ def claim_warmup_map(t: Tables) -> dict:
     out.update(_flicker(t.folder))
     out.update(_curves(t.folder))
     out.update(_scale(t.folder / "scale"))
+    out.update(_scale_grown(t.folder / "scale-grown"))
     out.update(_count(t.folder / "count"))
     out.update(_signals(t.folder))
     return out
@@ -359,6 +363,53 @@ def _count(folder) -> dict:
     if len(both):
         out["map.count.rerun_max"] = f"{float((mine[both] - theirs[both]).abs().max()):.1e}".replace("e-0", " × 10^-")
     return out
+
+
+def _scale_grown(folder) -> dict:
+    """Issue 60's run (figures/warmup-map/scale-grown: 8 layers x 512 on the grown pack, step 600,
+    three seeds): its arms and registered verdicts, the trunks against the map's small ones per
+    domain, CSE at a quarter of the schedule against half, and the units' times."""
+    if not (folder / "tables" / "verdicts.json").is_file():
+        return {}
+    verdicts = json.loads((folder / "tables" / "verdicts.json").read_text())
+    gains = pd.read_csv(folder / "tables" / "gains.csv")
+    out = {**_at_step(gains[gains["step"] == verdicts["step"]], verdicts, "grown"),
+           **_verdict_lines(verdicts, "grown", written_for=len(verdicts["seeds"])), **_seconds(folder, "grown")}
+    fits = verdicts.get("fits_its_data")
+    if fits:
+        rows = ["| domain | 8 × 512 on the grown pack (seeds) | 4 × 128 on the shipped pack (seeds) | every seed lower |",
+                "|---|---|---|---|"]
+        mine, theirs = (k for k in next(iter(fits["domains"].values())) if k != "below")
+        for d, v in fits["domains"].items():
+            rows.append(f"| {d} | {_range(v[mine])} ({len(v[mine])}) | {_range(v[theirs])} ({len(v[theirs])}) | "
+                        f"{'yes' if v['below'] else 'no'} |")
+        out["grown.trunks.table"] = "\n".join(rows)
+        out["grown.fits"] = fits["verdict"]
+    pack = folder / "pack" / "manifest.json"
+    if pack.is_file():
+        train = json.loads(pack.read_text())["splits"]["train"]
+        out["grown.pack.tokens"] = f"{train['bpe_tokens'] / 1e6:.2f} M"
+        out["grown.pack.tokens_short"] = f"{train['bpe_tokens'] / 1e6:.1f} M"
+        out["grown.pack.tail_share"] = f"{100 * (1 - train['by_domain']['general']['bpe_tokens'] / train['bpe_tokens']):.1f} %"
+    trunks = folder / "tables" / "trunks.csv"
+    if trunks.is_file():
+        blocks = pd.read_csv(trunks).groupby("domain")["blocks"].first()
+        out["grown.test_blocks"] = (f"{int(blocks.sum())} test blocks are the map's (the tail's share of them is "
+                                    f"small: {int(blocks['legal'])} legal and {int(blocks['biomedical'])} biomedical "
+                                    "blocks)")
+    tail = gains[(gains["domain"] == "tail") & (gains["arm"] == "cse")].pivot_table(index="seed", columns="step",
+                                                                                      values="gain")
+    if tail.shape[1] == 2:
+        early, late = tail.columns
+        lower = int((tail[early] < tail[late]).sum())
+        out["grown.early"] = (f"{_pct(tail[early].mean())} at step {early} against {_pct(tail[late].mean())} at step "
+                              f"{late} on average; lower at {early} in {lower} of {len(tail)} seeds")
+    return out
+
+
+def _range(values) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}–{high:.1f}"
 
 
 def _scale(folder) -> dict:
