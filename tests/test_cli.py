@@ -131,6 +131,17 @@ def test_corpus_build_from_real_excerpts_and_its_errors(tmp_path):
                                   "between 0 and 1 (got 1.2)")
     listing = in_process("corpus", "sources", "--root", str(tmp_path), "--data-dir", str(tmp_path))
     assert listing.returncode == 0 and "missing: apt-get update && apt-get install -y dict-gcide" in listing.stdout
+    small = in_process("corpus", "build", str(tmp_path / "small"), "--vocab-size", "400", "--share", "0.1",
+                       "--max-tokens", "3000", *args)
+    assert small.returncode == 0, small.stderr
+    grown = in_process("corpus", "grow", str(tmp_path / "grown"), "--pack", str(tmp_path / "small"),
+                       "--train-tokens", "5000", *args)
+    assert grown.returncode == 0, grown.stderr
+    assert "validation, test, probes and tokenizer those of" in grown.stdout
+    short = in_process("corpus", "grow", str(tmp_path / "nope"), "--pack", str(tmp_path / "small"),
+                       "--train-tokens", "10", *args)
+    assert short.returncode == 1 and "grow_pack: train_tokens must exceed the pack's training words" in short.stderr
+    assert not (tmp_path / "nope").exists()
 
 
 def test_ctrl_c_is_one_line_with_exit_130_and_no_partial_output(capsys, monkeypatch, tmp_path):

@@ -341,7 +341,8 @@ def test_every_shipped_spec_reads_and_expands():
     tables' rows, the warm-up map's 84 units (5 trunks, a plan per trunk for the structure rule,
     the arms), its second mix's 14, the controls re-run on re-made trunks (13) and the medium-scale
     hint's 12 (2 trunks, 5 arms each), the count question's 15 (3 trunks, CSE at 300 and 1200 with
-    its own and the other step's counts) and the calibration's one dense model; the device is not
+    its own and the other step's counts), the calibration's one dense model and issue 60's 24 (3 trunks,
+    7 arms each, the mixture of experts from scratch among them); the device is not
     part of a unit's key."""
     import dataclasses
 
@@ -350,12 +351,12 @@ def test_every_shipped_spec_reads_and_expands():
     counts = {name: len(units(load_spec(name), "v")) for name in shipped()}
     assert counts == {"sweep": 28, "tables": 54, "tables-late": 27, "warmup-map": 84, "warmup-map-mix": 14,
                       "warmup-map-b": 13, "warmup-map-scale": 12, "warmup-map-count": 15, "tail-dense": 1,
-                      "warmup-fresh": 40, "warmup-fresh-half": 24, "warmup-fresh-mix": 24}
+                      "warmup-fresh": 40, "warmup-fresh-half": 24, "warmup-fresh-mix": 24, "scale-grown": 24}
     spec = load_spec("sweep")
     on_gpu = dataclasses.replace(spec, settings=spec.settings.replace(device="cuda"))
     assert [u.key for u in units(spec, "v")] == [u.key for u in units(on_gpu, "v")]
     proc = subprocess.run([sys.executable, "-m", "ntkscope", "experiment", "specs"], capture_output=True, text=True)
-    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 12 and "warmup-map-count" in proc.stdout
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 13 and "warmup-map-count" in proc.stdout
 
 
 # ---- a spec over the researcher's own table -----------------------------------------------------
@@ -508,7 +509,9 @@ def test_a_trunk_model_is_checked_with_the_spec(tmp_path, change, message):
                                                 ("figures/warmup-map/fresh/warmup-fresh-half", "warmup-fresh-half", None),
                                                 # on packs/bio-quarter (corpus thin --keep biomedical=0.25)
                                                 ("figures/warmup-map/fresh/warmup-fresh-mix", "warmup-fresh-mix",
-                                                 "f09095a1b64b")])
+                                                 "f09095a1b64b"),
+                                                # on packs/scale (corpus grow --train-tokens 9000000)
+                                                ("figures/warmup-map/scale-grown", "scale-grown", "025152843bef")])
 def test_the_committed_units_keep_their_keys(folder, name, pack):
     """The key of every committed unit is the one its shipped spec gives it today (the shipped pack,
     or the version ``pack`` the family ran on): a change to how arms are parsed, expanded or keyed
