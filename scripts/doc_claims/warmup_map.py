@@ -315,6 +315,14 @@ def _signals(folder) -> dict:
         short = sorted(100 * r.gain / r.best_gain for r in rule_rows.itertuples() if r.verdict == "not good")
         if short:
             out["map.fresh.short_share"] = f"{short[0]:.0f}–{short[-1]:.0f} %" if len(short) > 1 else f"{short[0]:.0f} %"
+        probe = json.loads(fresh.read_text()).get("tail_expert")
+        if probe:
+            half = "; ".join(f"{k.split(' seed ')[1]}: step {v['step']}, {v['verdict']}"
+                             for k, v in probe["reported"].items())
+            out["map.fresh.tail_expert"] = (
+                f"{probe['verdict']}" + (f" ({probe['decided_by']})" if "decided_by" in probe else "")
+                + f"; good in {probe['good']} of the {probe['judged']} trunks judged so far, of {probe['planned']}"
+                + (f"; on the half family's trunks, reported only (seed: its step, verdict): {half}" if half else ""))
         best = json.loads(fresh.read_text())["step_or_position"]["best_fraction"]
         steps = sorted(round(1200 * f) for f in best.values() if f is not None)  # the half family's 1200 steps
         if steps:
