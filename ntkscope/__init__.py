@@ -113,6 +113,7 @@ _EXPORTS = {
     "GCCallback": "ntkscope.gc.callbacks",
     "InRunGC": "ntkscope.gc.inrun",
     "InRunTracker": "ntkscope.gc.inrun",
+    "token_scores": "ntkscope.gc.tokens",
     # the reproduction
     "ReproduceSettings": "ntkscope.reproduction",
     "Reproduction": "ntkscope.reproduction",
