@@ -103,6 +103,39 @@ def test_gc_outputs_side_by_side_in_equal_count_bins(checkpoints, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_gc_writes_each_groups_extreme_tokens_when_asked(checkpoints, tmp_path):
+    """``gc --tokens K``: each bin's K highest- and lowest-scoring tokens against its primary
+    direction, decoded, beside the GC table; they are the extremes of token_scores' table."""
+    from ntkscope.app import commands
+    from ntkscope.gc.options import GCOptions
+    from ntkscope.gc.groups import group_labels
+    from ntkscope.text.inputs import as_source
+    from ntkscope.text.sentences import Sentences
+
+    out = tmp_path / "tokens"
+    sentences = Sentences(n=24, seq_len=16)
+    commands.gc_command(checkpoints / "gpt", sentences=sentences, gc=GCOptions(bins=2),
+                        resampling=ns.Resampling(resamples=0, null_draws=0), tokens=3, out=out)
+    table = pd.read_csv(out / "tokens.csv", keep_default_na=False)
+    gc_table = pd.read_csv(out / "gc.csv")
+    assert set(table["group"]) == set(gc_table["label"])
+    assert table.groupby(["group", "end"]).size().tolist() == [3] * 4
+    model, tok = commands.load_model_and_tokenizer(checkpoints / "gpt", None, as_source(None))
+    ad = commands.analysis_sentences(model, tok, as_source(None), sentences)
+    labels, _ = group_labels(ad, "frequency-bins", 2, "count")
+    scores = ns.token_scores(model, ad.batch, {str(b): np.flatnonzero(labels == b) for b in set(labels)},
+                             output=commands.GC_OUTPUT)
+    for group, part in scores.groupby("group"):
+        mine = table[table["group"] == group]
+        top = mine[mine["end"] == "top"]["score"].to_numpy()
+        np.testing.assert_allclose(top, np.sort(part["score"].to_numpy())[::-1][:3], rtol=1e-5)
+        assert (mine[mine["end"] == "bottom"]["score"].to_numpy() <= top.min()).all()
+    with pytest.raises(ValueError, match=r"gc: tokens must be 0 with several outputs side by side"):
+        commands.gc_command(checkpoints / "gpt", sentences=sentences, gc=GCOptions(outputs=["loss", "true-logit"]),
+                            tokens=2, out=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_gc_by_group_takes_its_grouping_as_gc_options(checkpoints):
     """The grouping is declared once (GCOptions); the keyword call it replaces gives the same
     tables, and a keyword that says otherwise than gc= is one line naming both. The old name,

@@ -166,6 +166,7 @@ def _resampling(args) -> Resampling:
 GC_ONE = {k: getattr(GCOptions(), k) for k in ("bins", "binning", "min_count")}  # GCOptions' defaults: one
 GC_RUN = {"tail_fraction": GCOptions().tail_fraction}                             # checkpoint only; a run only
 _GC_ONE_CHECKPOINT = {"--by label": lambda a: a.by == "label", "--outputs": lambda a: a.outputs,
+                      "--tokens": lambda a: a.tokens,
                       **{f"--{k.replace('_', '-')}": (lambda a, k=k: getattr(a, k) is not None) for k in GC_ONE}}
 _GC_RUN_ONLY = {"--cache-dir": lambda a: a.cache_dir,
                 **{f"--{k.replace('_', '-')}": (lambda a, k=k: getattr(a, k) is not None) for k in GC_RUN}}
@@ -192,7 +193,7 @@ def _gc(args) -> int:
         peak = result["peak"]
         print(f"\n|GC| peaks at step {peak['step']}: {'shown' if peak['shown'] else 'not shown'} ({peak['why']})")
     else:
-        result = commands.gc_command(args.target, _source(args), **common)
+        result = commands.gc_command(args.target, _source(args), tokens=args.tokens, **common)
         table = pd.DataFrame(result["groups"])
         cols = [c for c in ("output", "label", "left", "right", *GC_COLUMNS) if c in table]
         _print_table(f"GC of each {'frequency bin' if args.by == 'frequency-bins' else 'label'} against the whole "
@@ -327,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--interval", default="jackknife", choices=INTERVALS,
                     help="jackknife (default: the finite-n interval, its bias and the large-sample estimate; "
                     "docs/gc-calibration.md), or the bootstrap's basic or bca, kept for comparison")
+    gc.add_argument("--tokens", type=COUNT, default=0, metavar="K",
+                    help="also write each group's K highest- and lowest-scoring tokens against its primary gradient "
+                    "direction to tokens.csv (one checkpoint, a causal language model; default 0: none)")
     gc.add_argument("--homogeneous-label", metavar="LABEL",
                     help="the label of ordinary text the homogeneous null draws from (default: the nearest "
                     "neighbours of random sentences in gradient space)")

@@ -39,7 +39,8 @@ from ntkscope.runs.dynamics import (cluster_dynamics, clusters_analysis, cluster
 from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.families import family_of
 from ntkscope.runs.signals import warmup_record
-from ntkscope.gc.groups import GC_OUTPUT, gc_by_group, gc_sensitivity, homogeneous_pools
+from ntkscope.gc.groups import GC_OUTPUT, gc_by_group, gc_sensitivity, group_labels, homogeneous_pools
+from ntkscope.gc.tokens import extreme_tokens, token_scores
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import Record
 from ntkscope.text.frequency import (count_tokens, domain_table, long_tail_subset, score_histogram,
@@ -114,7 +115,7 @@ def _key_options(data, sentences: Sentences, kernel: KernelOptions, resampling: 
 
 def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),
                kernel: KernelOptions = KernelOptions(output=GC_OUTPUT), gc: GCOptions = GCOptions(),
-               resampling: Resampling = Resampling(), out=None) -> dict:
+               resampling: Resampling = Resampling(), tokens: int = 0, out=None) -> dict:
     """GC of each subset (frequency bin or label: ``gc``) against the whole set of the ``sentences``,
     with intervals, bias, sign confidence, conditioning and the null bands (``resampling``: random,
     homogeneous: ``gc.homogeneous_label``'s sentences or gradient-space neighbours, matched on length
@@ -122,11 +123,20 @@ def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),
     them side by side with an ``output`` column. A table whose every row is flagged is kept, with a
     warning in ``result["warnings"]``.
 
+    ``tokens`` > 0: each group's ``tokens`` highest- and lowest-scoring tokens against its primary
+    direction (:func:`~ntkscope.gc.tokens.token_scores`, one output) in ``tokens.csv``.
+
     Writes ``gc.csv``, ``histogram.csv``, ``result.json`` and ``gc_vs_frequency.png`` to ``out``.
     """
     check_output("gc", out)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise InputError("tokens", "must be a count of tokens, 0 or more", tokens, func="gc")
+    if tokens and gc.outputs:
+        raise InputError("tokens", "must be 0 with several outputs side by side (token scores take one output)",
+                         tokens, func="gc")
     data = as_source(data)
-    options = {"checkpoint": str(checkpoint), **_key_options(data, sentences, kernel, resampling, gc=gc.to_dict())}
+    options = {"checkpoint": str(checkpoint), **_key_options(data, sentences, kernel, resampling, gc=gc.to_dict()),
+               **({"tokens": tokens} if tokens else {})}
     tok = checkpoint_tokenizer(checkpoint, sentences.tokenizer, data)  # its file is an input: retrained, a new key
     tokenizer_files = [Path(tok.name)] if Path(tok.name).exists() else []
     key = digest(options, paths=[checkpoint, *data.files, *tokenizer_files])
@@ -139,6 +149,12 @@ def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),
     log.info("%s", memory_note(model, kernel))
     by_output = gc_sensitivity if gc.outputs else gc_by_group  # gc.outputs: several side by side
     table, hist, skipped = by_output(model, ad, gc=gc, resampling=resampling, options=kernel)
+    extremes = None
+    if tokens:
+        labels, _ = group_labels(ad, gc.by, gc.bins, gc.binning)
+        members = {str(lab): np.flatnonzero(labels == lab) for lab in table["label"]}
+        extremes = extreme_tokens(token_scores(model, ad.batch, members, output=kernel.output, params=kernel.params,
+                                               method=kernel.method), tok, tokens)
     out = out if writes() else None
     result = {"key": key, "options": options, "data": ad.source, "n": sentences.n, "groups": table.to_dict("records"),
               "skipped": skipped, "warnings": flag_warnings(table),
@@ -148,6 +164,8 @@ def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),
     with Staging(out) as files:
         table.to_csv(files.path("gc.csv"), index=False)
         hist.to_csv(files.path("histogram.csv"), index=False)
+        if extremes is not None:
+            extremes.to_csv(files.path("tokens.csv"), index=False)
         if gc.by == "frequency-bins":
             save_figure(gc_vs_frequency(table, hist, title=f"{Path(checkpoint).name}: GC against sentence "
                                         f"frequency (n={sentences.n})"), files.path("gc_vs_frequency.png"),

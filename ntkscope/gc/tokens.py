@@ -95,3 +95,22 @@ def token_scores(model: torch.nn.Module, batch, groups: dict, *, output: str = "
     finally:
         model.train(was_training)
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+EXTREME_COLUMNS = ["group", "end", "rank", "score", "token_text", "target_text", "sample", "position"]
+
+
+def extreme_tokens(scores: pd.DataFrame, tokenizer, k: int) -> pd.DataFrame:
+    """The ``k`` highest ("top") and lowest ("bottom") of each group's :func:`token_scores`, with
+    the token and the token it predicts decoded by ``tokenizer`` (a
+    :class:`~ntkscope.text.tokenization.Tokenizer`): EXTREME_COLUMNS."""
+    rows = []
+    for group, part in scores.groupby("group", sort=False):
+        ranked = part.sort_values(["score", "sample", "position"], ascending=[False, True, True], kind="stable")
+        for end, chosen in (("top", ranked.head(k)), ("bottom", ranked.iloc[::-1].head(k))):
+            for rank, r in enumerate(chosen.itertuples(), 1):
+                rows.append({"group": group, "end": end, "rank": rank, "score": r.score,
+                             "token_text": tokenizer.decode([int(r.token)]), "target_text": tokenizer.decode([int(r.target)]),
+                             "sample": r.sample, "position": r.position})
+    return pd.DataFrame(rows, columns=EXTREME_COLUMNS)
+
