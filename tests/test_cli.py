@@ -359,7 +359,7 @@ def test_every_gc_option_is_honoured_for_a_run_or_refused_with_exit_2(tiny_gc_ru
         "--cache-dir": (["--cache-dir", str(tiny_gc_run / "cache")], lambda r: (tiny_gc_run / "cache").is_dir()),
     }
     refused = {"--by": ["--by", "label"], "--outputs": ["--outputs", "loss,true-logit"], "--bins": ["--bins", "3"],
-               "--binning": ["--binning", "width"], "--min-count": ["--min-count", "2"]}
+               "--binning": ["--binning", "width"], "--min-count": ["--min-count", "2"], "--tokens": ["--tokens", "3"]}
     options = {s for a in build_parser()._subparsers._group_actions[0].choices["gc"]._actions
                for s in a.option_strings if s.startswith("--") and s not in ("--help", "--pack")}
     assert options == set(honoured) | set(refused), sorted(options ^ (set(honoured) | set(refused)))
