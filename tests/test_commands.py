@@ -113,7 +113,7 @@ def test_gc_writes_each_groups_extreme_tokens_when_asked(checkpoints, tmp_path):
     from ntkscope.text.sentences import Sentences
 
     out = tmp_path / "tokens"
-    sentences = Sentences(n=24, seq_len=16)
+    sentences = Sentences(n=16, seq_len=12)
     commands.gc_command(checkpoints / "gpt", sentences=sentences, gc=GCOptions(bins=2),
                         resampling=ns.Resampling(resamples=0, null_draws=0), tokens=3, out=out)
     table = pd.read_csv(out / "tokens.csv", keep_default_na=False)

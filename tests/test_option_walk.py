@@ -110,6 +110,7 @@ def test_every_gc_option_reaches_its_object(monkeypatch, tmp_path):
         "--binning": (["width"], lambda s: s["gc"].binning, "width"),
         "--min-count": (["2"], lambda s: s["gc"].min_count, 2),
         "--outputs": (["loss,true-logit"], lambda s: s["gc"].outputs, ("loss", "true-logit")),
+        "--tokens": (["3"], lambda s: s["tokens"], 3),
     }
     run = {
         "--tail-fraction": (["0.2"], lambda s: s["gc"].tail_fraction, 0.2),
