@@ -26,7 +26,9 @@ print(json.dumps({"gpu": name, "driver": driver, "torch": torch.__version__,
 PY
 cat "$OUT/device.json"
 # the units committed from this GPU kind count as done (--adopt), except the trunks: their checkpoints
-# were not brought back, so they are re-made for the arms still to run, and compared with the committed
+# were not brought back, so they are re-made for the arms still to run, and compared with the committed.
+# Commit only the missing arms' results: the committed trunks stay the ones every committed arm
+# branched from (a re-made trunk's results would pair the adopted arms with a trunk they did not branch from)
 D=figures/warmup-map/scale-grown
 mkdir -p /tmp/adopt/results /tmp/adopt-trunks
 kind=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['gpu'])" "$D/device.json" 2>/dev/null)

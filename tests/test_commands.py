@@ -130,6 +130,9 @@ def test_gc_writes_each_groups_extreme_tokens_when_asked(checkpoints, tmp_path):
         top = mine[mine["end"] == "top"]["score"].to_numpy()
         np.testing.assert_allclose(top, np.sort(part["score"].to_numpy())[::-1][:3], rtol=1e-5)
         assert (mine[mine["end"] == "bottom"]["score"].to_numpy() <= top.min()).all()
+    with pytest.raises(ValueError, match=r"gc: tokens needs a per-token output of a causal language model"):
+        commands.gc_command(checkpoints / "gpt", sentences=sentences, kernel=ns.KernelOptions(output="logits"),
+                            tokens=2, out=tmp_path / "bad")
     with pytest.raises(ValueError, match=r"gc: tokens must be 0 with several outputs side by side"):
         commands.gc_command(checkpoints / "gpt", sentences=sentences, gc=GCOptions(outputs=["loss", "true-logit"]),
                             tokens=2, out=tmp_path / "bad")

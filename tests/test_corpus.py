@@ -361,3 +361,15 @@ def test_grown_pack_refuses_sizes_it_cannot_reach_and_writes_nothing(small_excer
                                          r"and the installed sources hold \d+ .*\(got 10000000\)"):
         grow_pack(tmp_path / "x", train_tokens=10_000_000, pack=small_excerpt_pack.path, root=ROOT, data_dir=DATA)
     assert not (tmp_path / "x").exists()
+
+
+def test_a_pack_of_ones_own_table_is_not_grown(tmp_path):
+    from ntkscope.text.corpus.grow import grow_pack
+    from ntkscope.text.corpus.table_pack import table_pack
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"text": "sentence number {i} of the {d} rows", "label": "{d}"}}\n'
+                            for i in range(40) for d in ("bulk", "tail")))
+    own = table_pack(tmp_path / "own", rows, label_column="label", tail=["tail"], vocab_size=300)
+    with pytest.raises(ValueError, match=r"grow_pack: pack must be a pack built from the installed sources"):
+        grow_pack(tmp_path / "x", train_tokens=10_000, pack=own, root=ROOT, data_dir=DATA)

@@ -27,6 +27,7 @@ from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.core.provenance import provenance
 from ntkscope.kernel.distributed import from_rank0, writes
 from ntkscope.kernel.ntk import empirical_ntk
+from ntkscope.kernel.objectives import CausalLMLoss, resolve_output
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.plotting import gc_over_steps, gc_vs_frequency, ntk_heatmap, routing_shares, save_figure
@@ -145,6 +146,9 @@ def gc_command(checkpoint, data=None, *, sentences: Sentences = Sentences(),
         log.info("gc: reusing the result in %s (same options and inputs)", out)
         return cached
     model, tok = load_model_and_tokenizer(checkpoint, sentences.tokenizer, data)
+    if tokens and not isinstance(resolve_output(kernel.output, model), CausalLMLoss):  # before the GC's minutes
+        raise InputError("tokens", "needs a per-token output of a causal language model (--output loss, true-logit "
+                         f"or centred-true-logit), not {kernel.output!r}", tokens, func="gc")
     ad = analysis_sentences(model, tok, data, sentences)
     log.info("%s", memory_note(model, kernel))
     by_output = gc_sensitivity if gc.outputs else gc_by_group  # gc.outputs: several side by side

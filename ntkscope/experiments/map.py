@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ntkscope.core.checks import UserError
 from ntkscope.core.files import write_json, write_table
 from ntkscope.experiments.runner import spec_pack
 from ntkscope.experiments.spec import Spec
@@ -70,9 +71,10 @@ def summarise_map(runs, out, spec: Spec, *, pack=None, against=None) -> dict:
     if {"cse-at1200-k300", "cse-at300-k1200"} <= {a.name for a in spec.arms}:  # the count question, its margin
         found["count"] = count_verdicts(table, spec.seeds, COUNT_MARGIN)
     if against is not None:
-        trunk_table = pd.concat([trunk_perplexities(read_results(runs[0]), domains, spec.name),
-                                 trunk_perplexities(read_results(against), domains, Path(against).name)],
-                                ignore_index=True)
+        mine, theirs = read_results(runs[0]), read_results(against)
+        check_same_blocks(mine, theirs, against)
+        trunk_table = pd.concat([trunk_perplexities(mine, domains, spec.name),
+                                 trunk_perplexities(theirs, domains, Path(against).name)], ignore_index=True)
         found["fits_its_data"] = fits_its_data(trunk_table, spec.name, Path(against).name)
     planned = {u.name for u in units(spec, "")}
     done = taken | {f"plan-seed{s}" for s in plans}
@@ -97,6 +99,17 @@ def summarise_map(runs, out, spec: Spec, *, pack=None, against=None) -> dict:
         best = cse.loc[cse.groupby("seed")["gain"].idxmin(), "step"].tolist() if len(cse) else []
         save_figure(trunk_curves(trunk, best_steps=best), out / "curves.png")
     return found
+
+
+def check_same_blocks(mine: dict, theirs: dict, against) -> None:
+    """Refuse to compare trunks whose results were not measured on the same test blocks (their
+    per-block token counts differ)."""
+    tokens = [next((r["blocks"]["tokens"] for n, r in sorted(res.items()) if n.startswith("dense-seed")
+                    and "blocks" in r), None) for res in (mine, theirs)]
+    if None in tokens or tokens[0] != tokens[1]:
+        raise UserError(f"experiment map: --against {against}: its dense trunks were not tested on the same blocks "
+                        "as this run's (their per-block token counts differ, or one has no trunk with per-block "
+                        "losses)")
 
 
 def plan_structure(plans: dict) -> pd.DataFrame:

@@ -8,8 +8,8 @@ on the unit direction, ``grad f_(i,t) . u / |u|``: positive where the token's gr
 with the group's consensus direction, negative where it opposes it. With the sequence mean as the sample's
 value, a sample's scores average to its own gradient's projection, ``(K w)_i / |u|``.
 
-All of a batch's token scores come from one backward (``u``, weighted by ``w``) and one
-forward-mode product along ``u`` (:func:`torch.func.jvp`): no per-token gradient is formed.
+A group's token scores come from one backward (``u``, weighted by ``w``) and one forward-mode
+product along ``u`` (:func:`torch.func.jvp`) over the batch: no per-token gradient is formed.
 """
 
 from __future__ import annotations

@@ -58,6 +58,9 @@ def grow_pack(out, *, train_tokens: int, pack=None, share: float | None = None, 
     check_positive_int("train_tokens", train_tokens)
     source = load_pack(pack)
     m = source.manifest
+    if not isinstance(m.get("sources"), dict):  # a pack of a researcher's own table has no sources to grow from
+        raise fail(func, "pack", "must be a pack built from the installed sources (ntkscope corpus build), not one "
+                   "of your own table", str(source.path))
     share = float(m["share_measured"]) if share is None else share
     check_fraction("share", share)
     names = list(sources) if sources is not None else [n for n in m["sources"] if n in SOURCES]
@@ -78,14 +81,14 @@ def grow_pack(out, *, train_tokens: int, pack=None, share: float | None = None, 
         for r in source._rows(name):
             held_docs.add(r["doc"])
             held_texts.add(_fold(r["text"]))
-    taken = {(r["doc"], _fold(r["text"])) for r in train}
+    taken = {_fold(r["text"]) for r in train}  # a text the pack trains on already, under any document
 
     records: list[Record] = []
     for name in names:
         records.extend(load_source(name, root=root, data_dir=data_dir))
     pools: dict[str, list[Record]] = defaultdict(list)
     for r in dedupe(records):
-        if r.doc not in held_docs and _fold(r.text) not in held_texts and (r.doc, _fold(r.text)) not in taken:
+        if r.doc not in held_docs and _fold(r.text) not in held_texts and _fold(r.text) not in taken:
             pools[r.domain].append(r)
     rng = np.random.default_rng(seed)
     added: list[Record] = []
