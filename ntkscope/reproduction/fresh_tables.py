@@ -95,7 +95,8 @@ def tail_expert_rows(family: Family) -> list:
     rows = []
     for seed in family.seeds:
         mine = tail[(tail["arm"] == "cse") & (tail["seed"] == seed)]
-        curve = mine.set_index("step")["gain"].sort_index() if mine["trunks"].nunique() <= 1 else pd.Series()
+        crossed = mine["trunks"].nunique() > 1  # one build per comparison: a map of two builds is not judged
+        curve = pd.Series(dtype=float) if crossed else mine.set_index("step")["gain"].sort_index()
         row = {"family": family.name, "seed": seed, "signal": TAIL_EXPERT["signal"], "map_steps": len(curve)}
         probe = (family.probes or {}).get(seed)
         if probe is None:
@@ -105,7 +106,8 @@ def tail_expert_rows(family: Family) -> list:
                                 min_blocks=TAIL_EXPERT["min_blocks"], from_step=TAIL_EXPERT["from_step"])
         row["step"] = step
         if len(curve) < CSE_STEPS:
-            rows.append({**row, "verdict": "not decided"})
+            why = "its CSE map crosses builds" if crossed else f"{len(curve)} of {CSE_STEPS} CSE steps finished"
+            rows.append({**row, "verdict": "not decided", "why": why})
             continue
         best = int(curve.idxmin())
         row.update(best_step=best, best_gain=float(curve[best]))
@@ -187,8 +189,11 @@ def fresh_verdicts(families: list, thresholds: dict) -> tuple:
                                          "judged": int(g["verdict"].isin(["good", "not good", "chose nothing"]).sum())}
                       for (name, th), g in others.groupby(["signal", "threshold"], sort=False)} if len(others) else {}
     out["tail_expert"], probe_rows = tail_expert_verdict(families)
-    if len(probe_rows):  # the same count for the cross-validated rule on the addendum's trunks
-        rule_there = rule[rule["family"].isin(TAIL_EXPERT["judged_by"])] if len(rule) else rule
+    if len(probe_rows):  # the same count for the cross-validated rule on the trunks the probe rule judged
+        judged = probe_rows[probe_rows["family"].isin(TAIL_EXPERT["judged_by"])
+                            & probe_rows["verdict"].isin(["good", "not good"])]
+        pairs = set(zip(judged["family"], judged["seed"]))
+        rule_there = rule[[(f, s) in pairs for f, s in zip(rule["family"], rule["seed"])]] if len(rule) else rule
         out["tail_expert"]["rule_on_the_same_trunks"] = {
             "good": int((rule_there["verdict"] == "good").sum()) if len(rule_there) else 0,
             "judged": int(rule_there["verdict"].isin(["good", "not good"]).sum()) if len(rule_there) else 0}
