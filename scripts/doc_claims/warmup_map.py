@@ -312,7 +312,8 @@ def _signals(folder) -> dict:
             table.append(f"| `{r.family}` | {r.seed} | {int(r.best_step)} ({_pct(r.best_gain)}) | {int(r.step)} "
                          f"({_pct(r.gain)}) | {100 * r.gain / r.best_gain:.0f} % | {r.verdict} |")
         out["map.fresh.table"] = "\n".join(table)
-        short = sorted(100 * r.gain / r.best_gain for r in rule_rows.itertuples() if r.verdict == "not good")
+        short = sorted(100 * r.gain / r.best_gain for r in rule_rows.itertuples()  # the half schedule's trunks
+                       if r.verdict == "not good" and r.family == "warmup-fresh-half")
         if short:
             out["map.fresh.short_share"] = f"{short[0]:.0f}–{short[-1]:.0f} %" if len(short) > 1 else f"{short[0]:.0f} %"
         probe = json.loads(fresh.read_text()).get("tail_expert")
@@ -323,6 +324,7 @@ def _signals(folder) -> dict:
                 f"{probe['verdict']}" + (f" ({probe['decided_by']})" if "decided_by" in probe else "")
                 + f"; good in {probe['good']} of the {probe['judged']} trunks judged so far, of {probe['planned']}"
                 + (f"; on the half family's trunks, reported only (seed: its step, verdict): {half}" if half else ""))
+            out["map.fresh.tail_expert.short"] = f"{probe['verdict']}, good in {probe['good']} of {probe['judged']}"
         best = json.loads(fresh.read_text())["step_or_position"]["best_fraction"]
         steps = sorted(round(1200 * f) for f in best.values() if f is not None)  # the half family's 1200 steps
         if steps:
