@@ -255,9 +255,9 @@ def trunk_perplexities(results: dict, domains, model: str) -> pd.DataFrame:
             raise UserError(f"experiment map: {name} of {model} has {len(loss)} test blocks, not the {len(domains)} "
                             "of this pack: the two sets of trunks were not measured on the same blocks")
         for d in sorted(set(domains.tolist())):
-            idx = domains == d
+            idx = np.flatnonzero(domains == d)
             rows.append({"model": model, "seed": int(result["seed"]), "domain": d,
-                         "ppl": float(np.exp(loss[idx].sum() / tokens[idx].sum())), "blocks": int(idx.sum()),
+                         "ppl": float(np.exp(_log_ppl(loss, tokens, idx))), "blocks": int(idx.size),
                          "tokens": int(tokens[idx].sum())})
     return pd.DataFrame(rows, columns=TRUNK_COLUMNS)
 

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from doc_claims.values import Tables
+from doc_claims.values import Tables, fmt_range
 
 IN_SAMPLE = (0, 1, 2)  # the seeds the sweep's rule was designed beside (CRITERIA.md)
 
@@ -391,7 +391,7 @@ def _scale_grown(folder) -> dict:
                 "|---|---|---|---|"]
         mine, theirs = (k for k in next(iter(fits["domains"].values())) if k != "below")
         for d, v in fits["domains"].items():
-            rows.append(f"| {d} | {_range(v[mine])} ({len(v[mine])}) | {_range(v[theirs])} ({len(v[theirs])}) | "
+            rows.append(f"| {d} | {fmt_range(v[mine], 1)} ({len(v[mine])}) | {fmt_range(v[theirs], 1)} ({len(v[theirs])}) | "
                         f"{'yes' if v['below'] else 'no'} |")
         out["grown.trunks.table"] = "\n".join(rows)
         out["grown.fits"] = fits["verdict"]
@@ -415,11 +415,6 @@ def _scale_grown(folder) -> dict:
         out["grown.early"] = (f"{_pct(tail[early].mean())} at step {early} against {_pct(tail[late].mean())} at step "
                               f"{late} on average; lower at {early} in {lower} of {len(tail)} seeds")
     return out
-
-
-def _range(values) -> str:
-    low, high = min(values), max(values)
-    return f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}–{high:.1f}"
 
 
 def _scale(folder) -> dict:

@@ -23,26 +23,13 @@ from typing import Sequence
 import numpy as np
 
 from ntkscope.core.checks import check_fraction, check_positive_int, entry, fail
-from ntkscope.text.corpus.pack import DOMAINS, jsonl_gz, load_pack, sealed, write_atomic_dir
+from ntkscope.text.corpus.pack import DOMAINS, closest_prefix, jsonl_gz, load_pack, sealed, write_atomic_dir
 from ntkscope.text.corpus.sources import SOURCES, load_source
 from ntkscope.text.corpus.text import Record, count_words, dedupe
 
 log = logging.getLogger(__name__)
 
 HELD_OUT = ("validation.jsonl.gz", "test.jsonl.gz", "probe.jsonl.gz")
-
-
-def _fold(text: str) -> str:
-    return text.casefold()
-
-
-def _prefix(sizes: np.ndarray, need: float) -> int:
-    """How many of ``sizes`` (in order) make the sum closest to ``need``."""
-    cumulative = np.cumsum(sizes)
-    k = int(np.searchsorted(cumulative, need))
-    if k < len(sizes) and (k == 0 or abs(cumulative[k] - need) < abs(cumulative[k - 1] - need)):
-        k += 1
-    return k
 
 
 @entry("grow_pack")
@@ -80,15 +67,15 @@ def grow_pack(out, *, train_tokens: int, pack=None, share: float | None = None, 
     for name in HELD_OUT:
         for r in source._rows(name):
             held_docs.add(r["doc"])
-            held_texts.add(_fold(r["text"]))
-    taken = {_fold(r["text"]) for r in train}  # a text the pack trains on already, under any document
+            held_texts.add(r["text"].casefold())
+    taken = {r["text"].casefold() for r in train}  # a text the pack trains on already, under any document
 
     records: list[Record] = []
     for name in names:
         records.extend(load_source(name, root=root, data_dir=data_dir))
     pools: dict[str, list[Record]] = defaultdict(list)
     for r in dedupe(records):
-        if r.doc not in held_docs and _fold(r.text) not in held_texts and _fold(r.text) not in taken:
+        if r.doc not in held_docs and r.text.casefold() not in held_texts and r.text.casefold() not in taken:
             pools[r.domain].append(r)
     rng = np.random.default_rng(seed)
     added: list[Record] = []
@@ -103,7 +90,7 @@ def grow_pack(out, *, train_tokens: int, pack=None, share: float | None = None, 
         if need <= 0:
             continue
         order = rng.permutation(len(pool))
-        added.extend(pool[i] for i in order[:_prefix(sizes[order], need)])
+        added.extend(pool[i] for i in order[:closest_prefix(sizes[order], need)])
     rows = list(train) + [r._asdict() for r in added]
     rows = [rows[i] for i in rng.permutation(len(rows))]
 

@@ -102,6 +102,16 @@ def select_probes(records: Sequence[Record], tasks: Sequence[ProbeTask], *, per_
     return items
 
 
+def closest_prefix(sizes: np.ndarray, target: float) -> int:
+    """How many of ``sizes``, taken in order, make the sum closest to ``target`` (the shorter
+    prefix on a tie)."""
+    cumulative = np.cumsum(sizes)
+    k = int(np.searchsorted(cumulative, target))
+    if k < len(sizes) and (k == 0 or abs(cumulative[k] - target) < abs(cumulative[k - 1] - target)):
+        k += 1
+    return k
+
+
 def mix(pools: dict[str, list[Record]], *, share: float, weights: dict[str, float],
         max_tokens: int | None, seed: int) -> list[Record]:
     """Sample records so that the domains in ``weights`` make up ``share`` of the tokens.
@@ -126,12 +136,7 @@ def mix(pools: dict[str, list[Record]], *, share: float, weights: dict[str, floa
         if targets.get(d, 0) <= 0:
             continue
         order = rng.permutation(len(pools[d]))
-        cumulative = np.cumsum(tokens[d][order])
-        # the prefix whose sum is closest to the target
-        k = int(np.searchsorted(cumulative, targets[d]))
-        if k < len(order) and (k == 0 or abs(cumulative[k] - targets[d]) < abs(cumulative[k - 1] - targets[d])):
-            k += 1
-        chosen.extend(pools[d][i] for i in order[:k])
+        chosen.extend(pools[d][i] for i in order[:closest_prefix(tokens[d][order], targets[d])])
     return [chosen[i] for i in rng.permutation(len(chosen))]
 
 
