@@ -75,9 +75,10 @@ def token_scores(model: torch.nn.Module, batch, groups: dict, *, output: str = "
 
     first = next(iter(theta.values()))
     count = kept.sum(1).to(first.dtype)
+    mask, ids, tgt = kept.cpu().numpy(), data["aux"]["targets"].cpu().numpy(), targets.cpu().numpy()
     was_training = model.training
     model.eval()
-    rows = []
+    tables = []
     try:
         for name, idx in members.items():
             w = torch.zeros(n, dtype=first.dtype, device=first.device)
@@ -87,14 +88,13 @@ def token_scores(model: torch.nn.Module, batch, groups: dict, *, output: str = "
             norm = torch.sqrt(sum((g.double() ** 2).sum() for g in u.values()))
             _, along = jvp(values, ({k: v.detach() for k, v in theta.items()},), (u,))
             scores = (along.double() / norm).cpu().numpy()
-            mask, ids, tgt = kept.cpu().numpy(), data["aux"]["targets"].cpu().numpy(), targets.cpu().numpy()
-            for i in idx:
-                for t in np.flatnonzero(mask[i]):
-                    rows.append({"group": name, "sample": int(i), "position": int(t), "token": int(ids[i, t]),
-                                 "target": int(tgt[i, t]), "score": float(scores[i, t])})
+            at, t = np.nonzero(mask[idx])  # the group's kept positions, sample by sample
+            i = idx[at]
+            tables.append(pd.DataFrame({"group": name, "sample": i, "position": t, "token": ids[i, t],
+                                        "target": tgt[i, t], "score": scores[i, t]}, columns=COLUMNS))
     finally:
         model.train(was_training)
-    return pd.DataFrame(rows, columns=COLUMNS)
+    return pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=COLUMNS)
 
 
 EXTREME_COLUMNS = ["group", "end", "rank", "score", "token_text", "target_text", "sample", "position"]
