@@ -115,7 +115,9 @@ def _kill_when(run: Path, unit: str, checkpoint: str, proc) -> int:
     raise AssertionError(f"{unit} never reached {checkpoint}")
 
 
-@pytest.mark.parametrize("executor", ["local", "submitit-local"])
+# the driver retries a killed worker's unit whatever the executor: this scenario runs through submitit's
+# in the default suite and through the local one's (which test_sigterm_... below also signals) in the slow one
+@pytest.mark.parametrize("executor", [pytest.param("local", marks=pytest.mark.slow), "submitit-local"])
 def test_a_unit_killed_mid_run_is_retried_and_the_tables_equal_an_uninterrupted_run(reference_seed0, tmp_path,
                                                                                     executor):
     """Real subprocesses: the trunk of seed 0 is killed after its step-20 checkpoint; the driver

@@ -399,6 +399,37 @@ def test_analysis_controls_match_on_length_and_the_outputs_own_loss(hf_bert, gpt
     assert set(res.controls) == {"homogeneous", "matched-length", "matched-loss"}
 
 
+@pytest.mark.parametrize("which", ["gpt", "hf_bert"])
+def test_the_loss_matched_null_reads_its_losses_from_the_kernels_own_forward(which, request, lm_batch):
+    """The structured kernel's forward keeps each sample's loss: equal to a forward of its own, so
+    the matched band is the same band; a method with no such forward (exact) runs that forward."""
+    from ntkscope.gc.groups import analysis_controls
+    from ntkscope.kernel.nulls import KernelLoss
+
+    model = request.getfixturevalue(which)
+    masked = dict(objective="masked", mask_token_id=1, mask_prob=0.3, seed=7)
+    output = "centred-true-logit" if which == "gpt" else ns.LMLoss(**masked, value="centred-true-logit")
+    loss = ns.sample_outputs(model, lm_batch, output="loss" if which == "gpt" else ns.LMLoss(**masked))
+    ntk = ns.empirical_ntk(model, lm_batch, output=output, method="structured", sample_loss=True)
+    np.testing.assert_allclose(ntk.sample_loss, loss.double().numpy(), rtol=1e-5)
+    assert ns.empirical_ntk(model, lm_batch, output=output, method="exact", sample_loss=True).sample_loss is None
+    assert ns.empirical_ntk(model, lm_batch, output=output, method="structured").sample_loss is None
+    lazy = analysis_controls(model, lm_batch, output=output, loss_from="kernel")
+    assert isinstance(lazy.matched["loss"], KernelLoss)
+    r = ns.Resampling(resamples=20, null_draws=30)
+    for method in ("structured", "exact"):
+        read = ns.gradient_consistency(model, lm_batch, [0, 2, 3, 6], output=output, method=method, resampling=r,
+                                       controls=lazy)
+        own = ns.gradient_consistency(model, lm_batch, [0, 2, 3, 6], output=output, method=method, resampling=r,
+                                      controls=analysis_controls(model, lm_batch, output=output))
+        assert read.controls["matched-loss"] == pytest.approx(own.controls["matched-loss"], abs=1e-9, nan_ok=True)
+        assert read.score == own.score
+    with pytest.raises(ValueError, match="kernel_gc: controls must give each covariate as values"):
+        ns.kernel_gc(ntk.matrix, [[0, 2, 3]], controls=lazy)
+    with pytest.raises(ValueError, match="analysis_controls: loss_from must be one of"):
+        analysis_controls(model, lm_batch, loss_from="probe")
+
+
 def test_planted_pools_refuse_bad_settings():
     with pytest.raises(ValueError, match=r"PlantedPool: shares must be positive and sum to 1"):
         ns.PlantedPool(shares=(0.5, 0.6), strength=(1.0, 1.0))
@@ -500,3 +531,30 @@ def test_the_real_kernel_calibration_draws_are_disjoint():
     whole = ns.load_analysis_data(str(pack.path), pack.tokenizer(), n=sizes[split], seq_len=48, seed=7, split=split)
     T = batch["input_ids"].shape[1]
     assert torch.equal(whole.batch["input_ids"][rows, :T], batch["input_ids"])
+
+
+def test_the_jackknife_reuses_a_subset_no_deletion_touches_with_the_same_numbers(monkeypatch):
+    """A deletion outside a subset leaves its block as it was: its direction is reused, and every
+    number of the jackknife is the one that solving it again gives."""
+    K, members = _planted_groups()
+    calls = []
+    top = R._top
+    monkeypatch.setattr(R, "_top", lambda block, counts: calls.append(1) or top(block, counts))
+    fast = R.jackknife(K, members, budget=200, halves=6, seed=3)
+    reused = len(calls)
+    calls.clear()
+    values = R.values
+    monkeypatch.setattr(R, "values", lambda K, counts, members, kept=None: values(K, counts, members))
+    slow = R.jackknife(K, members, budget=200, halves=6, seed=3)
+    assert len(calls) > reused
+    for a, b in zip(fast, slow):
+        np.testing.assert_array_equal(a, b)
+
+
+def _planted_groups(n=36, P=10, seed=4):
+    """A kernel of three disjoint groups of gradients with their own mean directions, and the groups."""
+    rng = np.random.default_rng(seed)
+    means = rng.normal(size=(3, P))
+    labels = np.repeat([0, 1, 2], n // 3)
+    G = means[labels] + 0.8 * rng.normal(size=(n, P))
+    return G @ G.T, [np.flatnonzero(labels == j) for j in range(3)]

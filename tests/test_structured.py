@@ -501,3 +501,45 @@ def test_the_probe_is_kept_across_calls_on_one_model_and_redone_when_it_changes(
     gpt.transformer.h[0].mlp = copy.deepcopy(gpt.transformer.h[0].mlp)
     structured, exact = both(lm_batch)
     assert len(plans) == 3 and close(structured, exact) < RTOL
+
+
+@pytest.mark.parametrize("which", ["gpt", "hf_gpt2"])
+def test_padding_trimmed_per_chunk_gives_the_untrimmed_kernel(which, request, monkeypatch):
+    """Samples ordered by length, each chunk cut at its longest: the forward and backward run on
+    shorter sequences, and the kernel (blocks, order, the kept losses) is the untrimmed one."""
+    import ntkscope.kernel.structured as structured
+
+    model = request.getfixturevalue(which)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, 50, (8, 10), generator=g)
+    lengths = torch.tensor([4, 10, 2, 7, 9, 3, 10, 5])  # out of order: the kernel comes back in the batch's order
+    mask = (torch.arange(10)[None, :] < lengths[:, None]).long()
+    batch = {"input_ids": ids * mask, "attention_mask": mask}
+    seen, capture = [], structured.capture
+
+    def spy(fm, plan, data, c, first_row=0, **kw):
+        seen.append(data["aux"]["mask"].shape[1])
+        return capture(fm, plan, data, c, first_row, **kw)
+
+    monkeypatch.setattr(structured, "capture", spy)
+    cut = ns.empirical_ntk(model, batch, method="structured", chunk_size=3, blocks="layer", sample_loss=True)
+    assert min(seen) < 10  # some chunk ran trimmed
+    monkeypatch.setattr(structured, "length_order", lambda *args: None)
+    monkeypatch.setattr(structured, "trimmed", lambda objective, data: (data, -1, -1))
+    whole = ns.empirical_ntk(model, batch, method="structured", chunk_size=3, blocks="layer", sample_loss=True)
+    assert close(cut.matrix, whole.matrix) < 1e-12
+    assert all(close(cut.blocks[b], whole.blocks[b]) < 1e-12 for b in whole.blocks)
+    torch.testing.assert_close(torch.as_tensor(cut.sample_loss), torch.as_tensor(whole.sample_loss), rtol=1e-12,
+                               atol=1e-12)
+    J = causal_jacobian(model, batch)
+    assert close(cut.matrix, J @ J.T) < RTOL
+
+
+def test_a_left_padded_batch_is_not_trimmed(gpt, lm_batch):
+    from ntkscope.kernel.padding import length_order
+
+    objective = resolve_output("loss", gpt)
+    left = {"input_ids": lm_batch["input_ids"], "attention_mask": lm_batch["attention_mask"].flip(1)}
+    assert length_order(objective, objective.prepare(gpt, left)) is None
+    assert length_order(objective, objective.prepare(gpt, lm_batch)) is not None
+    assert length_order(resolve_output("hidden-mean", gpt), objective.prepare(gpt, lm_batch)) is None

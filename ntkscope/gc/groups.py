@@ -20,7 +20,7 @@ import torch
 from ntkscope.core.checks import InputError, check_choice, entry
 from ntkscope.gc.options import GCOptions, given_once
 from ntkscope.kernel.consistency import gradient_consistency_groups
-from ntkscope.kernel.nulls import Controls
+from ntkscope.kernel.nulls import Controls, KernelLoss
 from ntkscope.kernel.objectives import SCALAR_OUTPUTS, LMLoss, sample_outputs
 from ntkscope.kernel.uncertainty import Resampling
 from ntkscope.text.frequency import bin_edges, bin_of, score_histogram
@@ -40,19 +40,26 @@ def _loss_of(output):
     return "loss" if output in SCALAR_OUTPUTS else None
 
 
-def analysis_controls(model, batch, *, pools=None, match=MATCHES, output="loss") -> Controls:
+@entry("analysis_controls")
+def analysis_controls(model, batch, *, pools=None, match=MATCHES, output="loss", loss_from="forward") -> Controls:
     """The nulls beside the random one for ``batch`` (a dict with ``attention_mask``, or a tensor):
     homogeneous ``pools`` (index arrays of ordinary text; None: gradient-space neighbours) and
     random subsets matched on each of ``match``: "length" (tokens; a dict batch only) and
-    "loss" (each sample's loss under ``model`` and ``output``'s objective, one forward pass;
-    not for outputs that are not a language model's)."""
+    "loss" (each sample's loss under ``model`` and ``output``'s objective; not for outputs that
+    are not a language model's). ``loss_from``: "forward" (one forward pass now) or "kernel" (a
+    :class:`~ntkscope.kernel.nulls.KernelLoss`: the GC functions read it from their kernel's own
+    forward, and run the forward only when their method has none)."""
+    check_choice("loss_from", loss_from, ("forward", "kernel"))
     covariates = {}
     if "length" in match and isinstance(batch, dict) and "attention_mask" in batch:
         covariates["length"] = batch["attention_mask"].sum(1).double().cpu().numpy()
     loss = _loss_of(output)
     if "loss" in match and loss is not None:
-        with torch.no_grad():
-            covariates["loss"] = sample_outputs(model, batch, output=loss).double().cpu().numpy()
+        if loss_from == "kernel":
+            covariates["loss"] = KernelLoss(loss)
+        else:
+            with torch.no_grad():
+                covariates["loss"] = sample_outputs(model, batch, output=loss).double().cpu().numpy()
     return Controls(homogeneous=pools, matched=covariates)
 
 
@@ -78,7 +85,8 @@ def homogeneous_pools(data, homogeneous) -> list | None:
 def _controls(controls, model, data, homogeneous, output):
     if controls != "auto":
         return controls
-    return analysis_controls(model, data.batch, pools=homogeneous_pools(data, homogeneous), output=output)
+    return analysis_controls(model, data.batch, pools=homogeneous_pools(data, homogeneous), output=output,
+                             loss_from="kernel")
 
 
 def group_labels(data, by: str, bins: int, binning: str) -> tuple[np.ndarray, pd.DataFrame]:

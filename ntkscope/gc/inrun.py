@@ -38,12 +38,14 @@ import torch.nn as nn
 
 from ntkscope.core.checks import InputError, check_positive_int, entry
 from ntkscope.core.files import write_table
+from ntkscope.gc.sketch import GradientSketch, SketchedGC
 from ntkscope.kernel.factors import Linear, is_conv1d, pair_kernel
 from ntkscope.kernel.uncertainty import GCResult, Resampling, kernel_gc
 
 log = logging.getLogger(__name__)
 WORK_ELEMENTS = 1 << 24  # elements a pair product's tiles may hold at once
 HALF = (torch.float16, torch.bfloat16)
+ESTIMATORS = ("exact", "sketch")  # InRunTracker's estimators
 
 
 def _common(use: Linear) -> torch.dtype:
@@ -183,19 +185,36 @@ class InRunGC:
         samples are left out; ``loss_terms``, ``dtype``: :meth:`kernel`'s. Returns one
         :class:`~ntkscope.GCResult` per group, labelled."""
         K = self.kernel(loss_terms, dtype=dtype)
-        labels = np.asarray(labels)
-        if labels.shape != (K.shape[0],):
-            raise InputError("labels", f"must give one label per sample of the batch, shape ({K.shape[0]},)",
-                             labels.shape)
-        groups = [(lab, np.flatnonzero(labels == lab)) for lab in sorted(set(labels.tolist()), key=str)]
-        groups = [(lab, idx) for lab, idx in groups if idx.size >= max(2, min_count)]
-        if len(groups) == 1 and groups[0][1].size == K.shape[0]:  # the whole batch: GC = 1 by construction
-            raise InputError("labels", "must hold two or more groups: one group is the whole batch, whose GC "
-                             "against the batch is 1 by construction", sorted(set(labels.tolist()), key=str))
-        if not groups:
-            raise InputError("labels", f"has no group of at least {max(2, min_count)} samples", labels.tolist())
+        groups = batch_groups(labels, K.shape[0], min_count)
         found = kernel_gc(K, [idx for _, idx in groups], resampling=resampling)
         return [dataclasses.replace(r, label=lab) for r, (lab, _) in zip(found, groups)]
+
+    def sketched_gc(self, labels, sketch: GradientSketch, directions: SketchedGC, *, loss_terms=None,
+                    min_count: int = 2) -> list[GCResult]:
+        """:meth:`gc`'s point values from the step's gradient sketches (:mod:`ntkscope.gc.sketch`):
+        ``sketch`` makes them, ``directions`` keeps the primary directions from one call to the next."""
+        layers = self.factors()
+        if not layers:
+            raise InputError("InRunGC.sketched_gc", "needs a training step first: no layer has both its inputs and "
+                             "its output gradients (call it after loss.backward(), inside the hooks' context)", None)
+        S = sketch.sketch(layers, loss_terms)
+        return directions.gc(S, batch_groups(labels, S.shape[0], min_count))
+
+
+def batch_groups(labels, n: int, min_count: int) -> list:
+    """(label, sorted indices) of each group of ``labels`` (n,) with at least ``max(2, min_count)``
+    samples; refused when none is, or when the only one is the whole batch (GC 1 by construction)."""
+    labels = np.asarray(labels)
+    if labels.shape != (n,):
+        raise InputError("labels", f"must give one label per sample of the batch, shape ({n},)", labels.shape)
+    groups = [(lab, np.flatnonzero(labels == lab)) for lab in sorted(set(labels.tolist()), key=str)]
+    groups = [(lab, idx) for lab, idx in groups if idx.size >= max(2, min_count)]
+    if len(groups) == 1 and groups[0][1].size == n:  # the whole batch: GC = 1 by construction
+        raise InputError("labels", "must hold two or more groups: one group is the whole batch, whose GC "
+                         "against the batch is 1 by construction", sorted(set(labels.tolist()), key=str))
+    if not groups:
+        raise InputError("labels", f"has no group of at least {max(2, min_count)} samples", labels.tolist())
+    return groups
 
 
 class InRunTracker:
@@ -215,6 +234,14 @@ class InRunTracker:
         A group of the batch with fewer samples is left out at that step.
     modules : None or list of nn.Module
         As for :class:`InRunGC`.
+    estimator : {"exact", "sketch"}
+        "exact": the kernel of the per-sample gradients (:meth:`InRunGC.gc`); "sketch": the same
+        point values from Gaussian sketches of width ``width`` of each sample's gradient, with the
+        primary directions kept from one measured step to the next (:mod:`ntkscope.gc.sketch`:
+        no per-sample gradient, no kernel matrix; its agreement with the exact rows is measured in
+        docs/tracking.md).
+    width, seed : int
+        The sketch's width and seed ("sketch" only).
 
     Notes
     -----
@@ -229,9 +256,14 @@ class InRunTracker:
 
     @entry("InRunTracker")
     def __init__(self, model: nn.Module | None = None, *, every: int = 1, out=None, min_count: int = 2,
-                 modules=None):
+                 modules=None, estimator: str = "exact", width: int = 16, seed: int = 0):
         check_positive_int("every", every)
         check_positive_int("min_count", min_count)
+        if estimator not in ESTIMATORS:
+            raise InputError("estimator", f"must be one of {ESTIMATORS}", estimator)
+        self.estimator = estimator
+        self.sketch = GradientSketch(width, seed) if estimator == "sketch" else None
+        self.directions = SketchedGC()
         if out is not None and not isinstance(out, (str, os.PathLike)):
             raise InputError("out", "must be a directory path or None", type(out).__name__)
         if out is not None and Path(out).exists() and not Path(out).is_dir():  # refused now, not after training
@@ -283,7 +315,11 @@ class InRunTracker:
             if len(counts) == 1:  # one group is the whole batch: GC = 1 by construction, never a row
                 self.one_group += 1
             elif (counts >= max(2, self.min_count)).any():
-                results = self.hooks.gc(labels, loss_terms=loss_terms, min_count=self.min_count)
+                if self.sketch is None:
+                    results = self.hooks.gc(labels, loss_terms=loss_terms, min_count=self.min_count)
+                else:
+                    results = self.hooks.sketched_gc(labels, self.sketch, self.directions, loss_terms=loss_terms,
+                                                     min_count=self.min_count)
             self.rows += [{"step": int(step), **r.row()} for r in results]
         self._arm(step)
         self._last = time.perf_counter()

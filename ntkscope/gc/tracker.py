@@ -46,9 +46,9 @@ from ntkscope.kernel import distributed
 from ntkscope.kernel.consistency import subset_indices
 from ntkscope.kernel.grads import functional_model, step_cost
 from ntkscope.kernel.methods import choose, method_names, workload
-from ntkscope.kernel.nulls import check_controls
+from ntkscope.kernel.nulls import check_controls, resolve_loss
 from ntkscope.kernel.ntk import empirical_ntk
-from ntkscope.kernel.objectives import batch_size, take
+from ntkscope.kernel.objectives import batch_size, sample_outputs, take
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.params import select_parameters
 from ntkscope.kernel.uncertainty import GCResult, Resampling, check_resampling, kernel_statistics
@@ -498,11 +498,15 @@ class GCTracker:
         start = time.perf_counter()
         probes = self.probes
         with _training_untouched(model):
-            ntk = empirical_ntk(model, probes.batch, blocks="layer" if self.per_layer else None, options=self.options)
+            wants = self.resampling is not None and self.controls == "auto"
+            ntk = empirical_ntk(model, probes.batch, blocks="layer" if self.per_layer else None, sample_loss=wants,
+                                options=self.options)
             controls = None
-            if self.resampling is not None and self.controls == "auto":
-                controls = check_controls(analysis_controls(model, probes.batch, pools=probes.pools,
-                                                            output=self.options.output), probes.n)
+            if wants:  # the loss-matched null's losses from the kernel's forward (a forward of their own otherwise)
+                controls = resolve_loss(check_controls(analysis_controls(
+                    model, probes.batch, pools=probes.pools, output=self.options.output, loss_from="kernel"),
+                    probes.n), probes.n, ntk.sample_loss,
+                    lambda loss: sample_outputs(model, probes.batch, output=loss).double().cpu().numpy())
         kernels = {"all": ntk.matrix}
         if self.per_layer:
             kernels.update(ntk.blocks)

@@ -33,9 +33,9 @@ from ntkscope.kernel.distributed import weighted_gradient
 from ntkscope.kernel.grads import functional_model
 from ntkscope.kernel.methods import solve_top
 from ntkscope.kernel.ntk import scalar_workload
-from ntkscope.kernel.objectives import batch_size, take
+from ntkscope.kernel.objectives import LossRecorder, batch_size, sample_outputs, take
 from ntkscope.kernel.options import KernelOptions
-from ntkscope.kernel.nulls import Controls, check_controls
+from ntkscope.kernel.nulls import Controls, check_controls, resolve_loss, wants_loss
 from ntkscope.kernel.uncertainty import (GCResult, Resampling, check_resampling, conditioning_flags,
                                          kernel_statistics)
 
@@ -158,9 +158,14 @@ def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptio
     with functional_model(model, opts) as fm:
         w = scalar_workload(fm, batch, opts)
         data, n, chunk = w.data1, w.n1, w.chunk
+        if wants_loss(controls):  # the loss-matched null's covariate from the kernel's own forward
+            fm.objective.recorder = LossRecorder(n)
         whole, kernel, used = solve_top(w)
         common = dict(method=used, dtype=fm.dtype, output=fm.objective.name)
         if kernel is not None:
+            recorded = fm.objective.recorder.values() if fm.objective.recorder is not None else None
+            controls = resolve_loss(controls, n, recorded,
+                                    lambda loss: sample_outputs(model, batch, output=loss).double().cpu().numpy())
             K = kernel.detach().double().cpu().numpy()  # (n, n)
             stats = kernel_statistics(K, list(subsets), resampling, controls)
             return [GCResult(label=label, **common, **fields) for fields, label in zip(stats, names)]

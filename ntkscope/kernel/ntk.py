@@ -25,6 +25,7 @@ from ntkscope.core.checks import InputError, check_choice, entry
 from ntkscope.kernel.eigen import EigenResult
 from ntkscope.kernel.grads import functional_model
 from ntkscope.kernel.methods import Workload, choose, method_names, solve_top, unsupported, workload
+from ntkscope.kernel.objectives import LossRecorder
 from ntkscope.kernel.options import KernelOptions
 
 REDUCTIONS = ("trace", "diagonal")
@@ -48,6 +49,10 @@ class NTKResult:
         for every i, j and every block (inf when k is too small to promise anything).
     gradient_passes : int
         The most times one sample's gradient was computed (1 unless exact ran in panels).
+    sample_loss : ndarray of shape (n,) or None
+        With ``sample_loss=True``: each sample's loss under the output's language-model objective,
+        read from the kernel's own forward (the structured method runs one over every sample);
+        None where the method ran none or the output is not a language model's.
     """
 
     matrix: torch.Tensor
@@ -65,13 +70,14 @@ class NTKResult:
     error_bound: float | None = None
     confidence: float | None = None
     memory_estimate: int = 0
+    sample_loss: np.ndarray | None = field(default=None, repr=False)
 
     def numpy(self) -> np.ndarray:
         return self.matrix.detach().cpu().numpy()
 
 
 @entry("empirical_ntk")
-def empirical_ntk(model, batch, batch2=None, *, reduction="trace", blocks=None,
+def empirical_ntk(model, batch, batch2=None, *, reduction="trace", blocks=None, sample_loss: bool = False,
                   options: KernelOptions | None = None, **fields) -> NTKResult:
     """Empirical NTK ``Theta(X1, X2) = J(X1) J(X2)^T`` of ``model`` (``X2 = X1`` when ``batch2`` is None).
 
@@ -85,6 +91,9 @@ def empirical_ntk(model, batch, batch2=None, *, reduction="trace", blocks=None,
     blocks : None, {"param", "layer", "expert"}, mapping or callable
         Grouping of the Jacobian's columns (:func:`ntkscope.select_parameters`); with blocks,
         ``NTKResult.blocks`` holds one kernel per block, summing to ``matrix``.
+    sample_loss : bool
+        Also keep each sample's loss from the kernel's forward (``NTKResult.sample_loss``; one
+        batch only): the loss-matched null's covariate with no forward of its own.
     options, **fields
         :class:`~ntkscope.KernelOptions`, or its fields as keywords (``output``, ``params``,
         ``method``, ``dtype``, ``chunk_size``, ``max_memory``, ``projection``,
@@ -98,13 +107,18 @@ def empirical_ntk(model, batch, batch2=None, *, reduction="trace", blocks=None,
     """
     opts = KernelOptions.build(options, methods=method_names("kernel"), **fields)
     check_choice("reduction", reduction, set(REDUCTIONS))
+    if not isinstance(sample_loss, bool):
+        raise InputError("sample_loss", "must be true or false", sample_loss)
     with functional_model(model, opts, blocks=blocks) as fm:
         why = unsupported("kernel", opts.method, scalar=fm.scalar)
         if why:
             raise InputError(*why, opts.method if why[0] == "method" else fm.objective.name)
         w = workload(fm, batch, batch2, opts=opts)
         choice = choose("kernel", w)
+        if sample_loss and batch2 is None:
+            fm.objective.recorder = LossRecorder(w.n1)
         parts = choice.spec.kernel(w, reduction)
+        recorder = fm.objective.recorder
         kernels = parts.kernels
         matrix = sum(kernels.values()) if len(kernels) > 1 else next(iter(kernels.values()))
         projected = parts.error_bound is not None
@@ -124,6 +138,7 @@ def empirical_ntk(model, batch, batch2=None, *, reduction="trace", blocks=None,
             error_bound=parts.error_bound,
             confidence=opts.confidence if projected else None,
             memory_estimate=choice.memory,
+            sample_loss=None if recorder is None else recorder.values(),
         )
 
 

@@ -64,6 +64,30 @@ class NullBand(NamedTuple):
 NO_BAND = NullBand(math.nan, math.nan, math.nan, 0)
 
 
+class KernelLoss(NamedTuple):
+    """A matched covariate still to be read: each sample's loss under ``objective`` (the kernel
+    output's language-model loss), taken from the kernel's own forward where its method runs one
+    over every sample (structured), else from one forward of its own (:func:`resolve_loss`)."""
+
+    objective: object
+
+
+def resolve_loss(controls: Controls | None, n: int, recorded, forward) -> Controls | None:
+    """``controls`` with each :class:`KernelLoss` covariate replaced by ``recorded`` (the (n,)
+    losses a kernel's forward kept, or None) or, failing that, by ``forward(objective)``; checked."""
+    if not wants_loss(controls):
+        return controls
+    matched = {name: (v if not isinstance(v, KernelLoss) else
+                      np.asarray(recorded if recorded is not None else forward(v.objective), dtype=np.float64))
+               for name, v in controls.matched.items()}
+    return check_controls(Controls(controls.homogeneous, controls.neighbours, matched, controls.quantiles), n)
+
+
+def wants_loss(controls: Controls | None) -> bool:
+    """Whether ``controls`` has a :class:`KernelLoss` covariate still to read."""
+    return controls is not None and any(isinstance(v, KernelLoss) for v in controls.matched.values())
+
+
 @dataclass(frozen=True)
 class Controls:
     """The nulls beside the random one.
@@ -77,7 +101,8 @@ class Controls:
         Without pools, draw the homogeneous null from nearest neighbours (False: no
         homogeneous null).
     matched : mapping of name to array of shape (n,)
-        Covariates (e.g. ``{"length": tokens, "loss": loss}``) to match random subsets on.
+        Covariates (e.g. ``{"length": tokens, "loss": loss}``) to match random subsets on; a
+        :class:`KernelLoss` is read from the kernel's own forward by the GC functions.
     quantiles : int
         Quantile bins of each covariate that a matched draw keeps the subset's counts in.
     """
@@ -121,6 +146,9 @@ def check_controls(controls, n: int) -> Controls | None:
             pools.append(idx)
     matched = {}
     for name, values in controls.matched.items():
+        if isinstance(values, KernelLoss):  # read with the kernel (resolve_loss), checked then
+            matched[name] = values
+            continue
         x = np.asarray(values, dtype=np.float64)
         if x.shape != (n,) or not np.isfinite(x).all():
             raise InputError(f"controls.matched[{name!r}]", f"must hold one finite value per sample, shape ({n},)",

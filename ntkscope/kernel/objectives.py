@@ -161,11 +161,39 @@ def hf_mask_4d(mask: torch.Tensor, causal: bool) -> torch.Tensor:
     return allowed | torch.eye(T, dtype=torch.bool, device=mask.device)
 
 
+class LossRecorder:
+    """Each sample's loss as a language-model objective evaluates it, kept by row: the covariate
+    of the loss-matched null, read from a kernel's own forward instead of a forward of its own.
+
+    While attached (``objective.recorder = LossRecorder(n)``), :class:`CausalLMLoss` and
+    :class:`MaskedLMLoss` keep the loss of the rows of each evaluation (under the same
+    objective and mask, the value ``"loss"``, no graph); whoever ran the evaluation on rows
+    ``first:first + c`` files it with :meth:`put` (the structured kernel's capture does)."""
+
+    def __init__(self, n: int):
+        self.loss = np.full(n, np.nan)
+        self.pending: torch.Tensor | None = None
+
+    def keep(self, loss: torch.Tensor) -> None:
+        self.pending = loss.detach()
+
+    def put(self, first: int, c: int) -> None:
+        """File the last evaluation's losses as rows ``first:first + c`` (nothing if it had none or other rows)."""
+        if self.pending is not None and self.pending.shape == (c,):
+            self.loss[first : first + c] = self.pending.double().cpu().numpy()
+        self.pending = None
+
+    def values(self) -> np.ndarray | None:
+        """The (n,) losses, or None while a row has none."""
+        return self.loss.copy() if np.isfinite(self.loss).all() else None
+
+
 class Objective(ABC):
     """Base: ``prepare(batch) -> data`` once, then ``evaluate(run, data) -> (m,) or (m, K)``."""
 
     name = "objective"
     scalar = True
+    recorder: LossRecorder | None = None  # language-model objectives keep each evaluation's loss there
 
     @abstractmethod
     def prepare(self, model: nn.Module, batch) -> dict:
@@ -231,7 +259,11 @@ class CausalLMLoss(Objective):
     def evaluate(self, run, data):
         logits = primary_output(run(data["inputs"]))  # (m, T, V)
         targets, keep = causal_targets(data["aux"]["targets"], data["aux"]["mask"])
-        return token_values(logits, targets, keep, value=self.name)  # (m,)
+        values = token_values(logits, targets, keep, value=self.name)  # (m,)
+        if self.recorder is not None:
+            with torch.no_grad():
+                self.recorder.keep(values if self.name == "loss" else token_values(logits, targets, keep, value="loss"))
+        return values
 
 
 class MaskedLMLoss(Objective):
@@ -262,7 +294,12 @@ class MaskedLMLoss(Objective):
 
     def evaluate(self, run, data):
         logits = primary_output(run(data["inputs"]))  # (m, T, V)
-        return token_values(logits, data["aux"]["targets"], data["aux"]["mask"], value=self.name)  # (m,)
+        targets, keep = data["aux"]["targets"], data["aux"]["mask"]
+        values = token_values(logits, targets, keep, value=self.name)  # (m,)
+        if self.recorder is not None:
+            with torch.no_grad():
+                self.recorder.keep(values if self.name == "loss" else token_values(logits, targets, keep, value="loss"))
+        return values
 
 
 class VectorOutput(Objective):

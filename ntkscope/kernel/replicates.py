@@ -83,9 +83,11 @@ def subset_gc(K: np.ndarray, along: np.ndarray, norm: float, rows: np.ndarray) -
     return _cosine(along[rows] @ sub.weights, norm, math.sqrt(max(sub.eigenvalue, 0)))
 
 
-def statistics(K: np.ndarray, counts: np.ndarray, members: list) -> tuple:
+def statistics(K: np.ndarray, counts: np.ndarray, members: list, kept: dict | None = None) -> tuple:
     """(whole direction, [(gc, subset direction, mean-gradient consistency)] per subset) for
-    sample ``counts`` (n,) and subsets given as sorted member index arrays."""
+    sample ``counts`` (n,) and subsets given as sorted member index arrays. ``kept``: a dict
+    shared by the replicates of one kernel; a subset whose counts a replicate leaves as they were
+    at the first call reuses its direction from there (the same numbers: its block is the same)."""
     rows = np.flatnonzero(counts)
     c = counts[rows].astype(np.float64)
     block = K[np.ix_(rows, rows)]  # the samples present, indexed once
@@ -93,21 +95,28 @@ def statistics(K: np.ndarray, counts: np.ndarray, members: list) -> tuple:
     along, mean_along = whole.weights @ block, c @ block  # the whole set's side of both cosines
     norm, whole_mean = math.sqrt(max(whole.eigenvalue, 0)), math.sqrt(max(float(mean_along @ c), 0.0))
     out = []
-    for idx in members:
+    for j, idx in enumerate(members):
         at = np.searchsorted(rows, idx[counts[idx] > 0])  # the subset's samples present, as positions in rows
         sc = c[at]
-        sub_block = block[np.ix_(at, at)]
-        sub = _top(sub_block, sc)
-        norm_sub, mean_sub = math.sqrt(max(sub.eigenvalue, 0)), math.sqrt(max(float(sc @ sub_block @ sc), 0.0))
+        own = counts[idx].tobytes()
+        if kept is not None and j in kept and kept[j][0] == own:
+            sub, norm_sub, mean_sub = kept[j][1:]
+        else:
+            sub_block = block[np.ix_(at, at)]
+            sub = _top(sub_block, sc)
+            norm_sub, mean_sub = math.sqrt(max(sub.eigenvalue, 0)), math.sqrt(max(float(sc @ sub_block @ sc), 0.0))
+            if kept is not None and j not in kept:  # the first call's (the point's) is the one kept
+                kept[j] = (own, sub, norm_sub, mean_sub)
         gc = _cosine(along[at] @ sub.weights, norm, norm_sub)
         mean = _cosine(mean_along[at] @ sc, whole_mean, mean_sub)
         out.append((gc, sub, mean))
     return whole, out
 
 
-def values(K: np.ndarray, counts: np.ndarray, members: list) -> np.ndarray:
-    """(3k,) [gc per subset, |gc| per subset, mean-gradient consistency per subset]."""
-    _, subs = statistics(K, counts, members)
+def values(K: np.ndarray, counts: np.ndarray, members: list, kept: dict | None = None) -> np.ndarray:
+    """(3k,) [gc per subset, |gc| per subset, mean-gradient consistency per subset]; ``kept`` as
+    for :func:`statistics`."""
+    _, subs = statistics(K, counts, members, kept)
     gc = np.array([s[0] for s in subs])
     return np.concatenate([gc, np.abs(gc), [s[2] for s in subs]])
 
@@ -166,7 +175,8 @@ def jackknife(K: np.ndarray, members: list, *, budget: int, halves: int, seed: i
     if not groups:
         return None
     ones = np.ones(n, dtype=np.int64)
-    point = values(K, ones, members)
+    kept: dict = {}  # a subset no deletion touches keeps the point's direction
+    point = values(K, ones, members, kept)
     deletions = sum(len(g) for g in groups)
     var, bias, shares = np.zeros_like(point), np.zeros_like(point), np.zeros_like(point)
     with progress_bar(deletions + halves, "GC jackknife", "replicate") as bar:
@@ -175,7 +185,7 @@ def jackknife(K: np.ndarray, members: list, *, budget: int, halves: int, seed: i
             for left_out in unit_groups:
                 counts = ones.copy()
                 counts[left_out] = 0
-                reps.append(values(K, counts, members))
+                reps.append(values(K, counts, members, kept))
                 bar.update(1)
             reps = np.array(reps)
             g = len(unit_groups)

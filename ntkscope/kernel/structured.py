@@ -54,6 +54,7 @@ from ntkscope.kernel.grads import (VMAP_FACTOR, FunctionalModel, Transient, chec
 from ntkscope.kernel.kept import keeps_model, kept
 from ntkscope.kernel.kernels import kernel_bytes
 from ntkscope.kernel.objectives import take
+from ntkscope.kernel.padding import length_order, padded, trimmed
 from ntkscope.kernel.params import ParameterSelection
 from ntkscope.kernel.structured_layout import MAX_CHUNK, Probe, layout, work_elements
 
@@ -166,6 +167,8 @@ def capture(fm: FunctionalModel, plan: FactorPlan, data: dict, c: int, first_row
         with torch.enable_grad():
             y = fm.outputs(params, data)
             check_finite(y.detach(), first_row)
+            if fm.objective.recorder is not None:  # the samples' losses from this forward (a loss-matched null)
+                fm.objective.recorder.put(first_row, c)
             outs = [r[2] for r in cap.records]
             wrt = outs + ([params[k] for k in plan.structured] if check else [])
             grads = torch.autograd.grad(y.sum(), wrt, allow_unused=True) if wrt else []
@@ -260,7 +263,10 @@ def _chunk(fm, plan, sub, data, rows: slice) -> Chunk:
     part = take(data, rows)
     uses = {}
     if plan.structured:
-        uses, _, _ = capture(fm, plan, part, c, rows.start)
+        short, L, T = trimmed(fm.objective, part)  # the chunk cut at its longest sample (kernel/padding.py)
+        uses = padded(capture(fm, plan, short, c, rows.start)[0], L, T) if L < T else None
+        if uses is None:  # nothing to trim, or a layer whose rows are not the chunk's positions
+            uses, _, _ = capture(fm, plan, part, c, rows.start)
     J = None
     if sub is not None:
         J = torch.empty(c, 1, sub.selection.n_params, dtype=fm.dtype, device=fm.device)
@@ -449,10 +455,20 @@ def accumulate(out: dict, st: Setup, A: Chunk, B: Chunk, rows: slice, cols: slic
 
 
 def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budget: int,
-                       chunk: int | None = None) -> tuple[dict, Costs]:
-    """Exact NTK blocks from layer factors; returns ({block: (n1, n2)}, Costs)."""
-    st = setup(fm, data1, n1, budget)
+                       chunk: int | None = None, _ordered: bool = False) -> tuple[dict, Costs]:
+    """Exact NTK blocks from layer factors; returns ({block: (n1, n2)}, Costs). A kernel of one
+    batch whose padding can be trimmed (:mod:`ntkscope.kernel.padding`) runs on its samples
+    ordered by length, and is put back in the batch's order."""
     symmetric = data2 is None
+    order = length_order(fm.objective, data1) if symmetric and not _ordered else None
+    if order is not None:
+        out, costs = structured_kernels(fm, take(data1, torch.as_tensor(order, device=fm.device)), None, n1, n2,
+                                        budget, chunk, _ordered=True)
+        back = torch.as_tensor(np.argsort(order), device=fm.device)
+        if fm.objective.recorder is not None:  # its rows were filed in length order
+            fm.objective.recorder.loss = fm.objective.recorder.loss[np.argsort(order)]
+        return {b: k[back][:, back] for b, k in out.items()}, costs
+    st = setup(fm, data1, n1, budget)
     panel, stream, chunk = layout(st.probe, n1, n2, budget, chunk, symmetric, kernel_bytes(fm, n1, n2))
     out = {b: torch.zeros(n1, n2, dtype=fm.dtype, device=fm.device) for b in fm.selection.blocks}
     passes = np.zeros(n1 + (0 if symmetric else n2), dtype=int)

@@ -37,7 +37,7 @@ import scipy.stats
 from ntkscope.core.checks import InputError, as_numbers, check_choice, check_fraction, entry
 from ntkscope.kernel import replicates
 from ntkscope.kernel.nulls import (NO_BAND, Controls, NullBand, check_controls, homogeneous_band, matched_band,
-                                   random_band)
+                                   random_band, wants_loss)
 
 INTERVALS = ("jackknife", "basic", "bca")
 
@@ -476,4 +476,8 @@ def kernel_gc(kernel, subsets, *, resampling: Resampling | None = Resampling(),
     if not members:
         raise InputError("subsets", "must hold at least one subset", [])
     controls = check_controls(controls, n)
+    if wants_loss(controls):
+        raise InputError("controls", "must give each covariate as values here (a kernel alone has no forward to "
+                         "read the loss from; analysis_controls(..., loss_from='forward') gives the losses)",
+                         sorted(controls.matched))
     return [GCResult(method="kernel", **fields) for fields in kernel_statistics(K, members, resampling, controls)]

@@ -197,7 +197,7 @@ def gc_analysis(batch: dict, subset, *, resampling: Resampling | None = Resampli
 
     def compute(model, step):
         controls = None if resampling is None else analysis_controls(model, batch, pools=pools, match=match,
-                                                                     output=opts.output)
+                                                                     output=opts.output, loss_from="kernel")
         res = gradient_consistency(model, batch, subset, resampling=resampling, controls=controls, options=opts)
         return [{"step": step, **res.row()}]
     return Analysis(digest(key, arrays=batch), compute)

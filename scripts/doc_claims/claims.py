@@ -26,8 +26,8 @@ from ntkscope.core.files import write_text
 from ntkscope.representation.plan import gc_peak, plan_step, stable_step
 from ntkscope.runs.dynamics import STABILITY_COLUMNS as STABILITY
 
-from doc_claims.experiments import (claim_budget, claim_gpu_gc, claim_inrun, claim_own_model, claim_p1, claim_p7,
-                                    claim_sweep, claim_tail_rule, claim_tracked, claim_tracker, claim_training_step)
+from doc_claims.experiments import (claim_budget, claim_gpu_gc, claim_inrun, claim_inrun_sketch, claim_own_model,
+                                    claim_p1, claim_p7, claim_sweep, claim_tail_rule, claim_tracked, claim_tracker, claim_training_step)
 from doc_claims.values import Tables, fmt, fmt_range, fmt_signed_range, fmt_steps
 from doc_claims.warmup_map import claim_warmup_map
 
@@ -498,6 +498,10 @@ def claims(root: str | Path) -> dict:
         out.update(claim_inrun(pd.read_csv(root / "benchmarks/inrun.csv")))
     if (root / "benchmarks/inrun_gpu.csv").is_file():
         out.update(claim_inrun(pd.read_csv(root / "benchmarks/inrun_gpu.csv"), "bench.inrun.gpu"))
+    if (root / "benchmarks/inrun_sketch_summary.csv").is_file():
+        tracker = root / "benchmarks/tracker.csv"
+        out.update(claim_inrun_sketch(pd.read_csv(root / "benchmarks/inrun_sketch_summary.csv"),
+                                      pd.read_csv(tracker) if tracker.is_file() else None))
     if (root / "benchmarks/tracker.csv").is_file():
         out.update(claim_tracker(pd.read_csv(root / "benchmarks/tracker.csv")))
     if (root / "figures/tail/tables/gc_tracked.csv").is_file():

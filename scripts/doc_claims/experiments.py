@@ -286,8 +286,8 @@ def claim_tracker(table: pd.DataFrame) -> dict:
                     "bench.tracker.train_over_again": f"{100 * (trained.min() / r.wall_s - 1):.0f}–"
                                                       f"{100 * (trained.max() / r.wall_s - 1):.0f} %"})
     for r in table[table["n"].notna()].itertuples():
-        if r.arm == "in-run GC":  # every step, the training batch's domains: no estimate, no interval for 5 %
-            key = "bench.tracker.inrun"
+        if r.arm.startswith("in-run GC"):  # every step, the training batch's domains: no estimate, no interval for 5 %
+            key = "bench.tracker.inrun" + ("" if r.arm == "in-run GC" else "." + r.arm.split(", ")[1].replace(" ", ""))
             out.update({f"{key}.overhead": f"{100 * r.overhead:.1f} %", f"{key}.probe_s": fmt(r.s_per_probe, 3),
                         f"{key}.same_losses": "identical" if r.same_losses else "different",
                         f"{key}.wall_excess": f"{100 * r.wall_excess:.1f} %"})
@@ -297,10 +297,40 @@ def claim_tracker(table: pd.DataFrame) -> dict:
                     f"{key}.estimate_s": fmt(r.estimate_s, 1), f"{key}.wall_excess": f"{100 * r.wall_excess:.1f} %",
                     f"{key}.same_losses": "identical" if r.same_losses else "different", f"{key}.method": r.method,
                     f"{key}.every_for_5pct": str(int(np.ceil(r.every_for_5pct)))})
+        if "floor_s" in table and not pd.isna(r.floor_s):  # the probe's forward and backward, timed in the run
+            out.update({f"{key}.floor_s": fmt(r.floor_s, 2), f"{key}.over_floor": fmt(r.probe_over_floor, 1)})
     layered, flat = (table[(table["n"] == 128) & (table["every"] == 100) & table["arm"].str.endswith(end)]
                      for end in ("per layer", "tracker"))
     if len(layered) and len(flat):  # the issue's "per_layer at most twice" the plain tracker's share
         out["bench.tracker.per_layer_ratio"] = fmt(layered["overhead"].iloc[0] / flat["overhead"].iloc[0], 2)
+    return out
+
+
+def claim_inrun_sketch(summary: pd.DataFrame, tracker: pd.DataFrame | None = None) -> dict:
+    """docs/tracking.md, benchmarks/README.md and README: the sketched in-run GC against the exact
+    one on the same steps (benchmarks/inrun_sketch_summary.csv), per width, on every row and on
+    the rows whose exact direction no flag marks; with its overhead every step from
+    benchmarks/tracker.csv where that has the width's arm."""
+    out, lines = {}, []
+    overhead = {}
+    if tracker is not None:
+        for r in tracker[tracker["arm"].str.startswith("in-run GC, sketch")].itertuples():
+            overhead[int(r.arm.rsplit(" ", 1)[1])] = f"{100 * r.overhead:.1f} %"
+    for _, r in summary.iterrows():
+        width, over, flagged = int(r["width"]), int(r["over_0.1"]), int(r["over_0.1_flagged"])
+        key = f"bench.sketch.k{width}.{'all' if r['rows'] == 'all' else 'defined'}"
+        out.update({f"{key}.n": str(int(r["n"])), f"{key}.pearson": fmt(r["pearson"], 3),
+                    f"{key}.pearson_abs": fmt(r["pearson_abs"], 3), f"{key}.max_diff": fmt(r["max_abs_diff"], 2),
+                    f"{key}.median_diff": f"{r['median_abs_diff']:.1e}",
+                    f"{key}.same_sign": f"{100 * r['same_sign']:.0f} %", f"{key}.over": str(over),
+                    f"{key}.over_flagged": str(flagged)})
+        rows = "every row" if r["rows"] == "all" else "not flagged"
+        lines.append(f"| {width} | {overhead.get(width, '—')} | {rows} ({int(r['n'])}) | {fmt(r['pearson'], 3)} | "
+                     f"{fmt(r['pearson_abs'], 3)} | {fmt(r['max_abs_diff'], 2)} | {100 * r['same_sign']:.0f} % | "
+                     f"{over} ({flagged} flagged) |")
+    out["bench.sketch.table"] = "\n".join(
+        ["| width | overhead every step | rows | Pearson r (GC) | r (\\|GC\\|) | largest difference | same sign | "
+         "rows off by more than 0.1 |", "|---|---|---|---|---|---|---|---|"] + lines)
     return out
 
 
