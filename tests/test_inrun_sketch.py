@@ -40,15 +40,23 @@ def _data(seed=0, B=12, T=5):
                                                                                   dtype=torch.float64)
 
 
-def test_sketched_inner_products_average_to_the_exact_kernel():
-    torch.manual_seed(0)
+def _stepped(seed=0) -> tuple:
+    """A float64 TwoLayer after one step's backward: (its factors, the exact in-run kernel)."""
+    torch.manual_seed(seed)
     model = TwoLayer().double()
-    x, y = _data()
     with InRunGC(model) as inrun:
-        _step(model, x, y)
-        K = inrun.kernel(dtype=torch.float64)
-        mean = np.mean([(lambda S: (S @ S.T).numpy())(GradientSketch(width=4, seed=s).sketch(
-            inrun.factors(), dtype=torch.float64)) for s in range(400)], axis=0)
+        _step(model, *_data(seed))
+        return inrun.factors(), inrun.kernel(dtype=torch.float64)
+
+
+def _sketched_kernel(factors, **kw) -> np.ndarray:
+    S = GradientSketch(**kw).sketch(factors, dtype=torch.float64)
+    return (S @ S.T).numpy()
+
+
+def test_sketched_inner_products_average_to_the_exact_kernel():
+    factors, K = _stepped()
+    mean = np.mean([_sketched_kernel(factors, width=4, seed=s) for s in range(400)], axis=0)
     scale = np.sqrt(np.outer(np.diag(K), np.diag(K)))
     # 400 seeds: each entry's relative error is about sqrt(2 / (4 * 400)) = 3.5 % of the diagonal scale
     assert np.abs(mean - K).max() / scale.max() < 0.12
@@ -56,13 +64,8 @@ def test_sketched_inner_products_average_to_the_exact_kernel():
 
 
 def test_a_side_no_wider_than_the_sketch_is_kept_whole_and_the_kernel_is_exact():
-    torch.manual_seed(0)
-    model = TwoLayer().double()
-    x, y = _data()
-    with InRunGC(model) as inrun:
-        _step(model, x, y)
-        S = GradientSketch(width=10).sketch(inrun.factors(), dtype=torch.float64)
-        np.testing.assert_allclose((S @ S.T).numpy(), inrun.kernel(dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    factors, K = _stepped()
+    np.testing.assert_allclose(_sketched_kernel(factors, width=10), K, rtol=1e-10, atol=1e-12)
 
 
 def test_the_projection_is_a_signed_sum_over_equal_blocks():
