@@ -543,3 +543,20 @@ def test_a_left_padded_batch_is_not_trimmed(gpt, lm_batch):
     assert length_order(objective, objective.prepare(gpt, left)) is None
     assert length_order(objective, objective.prepare(gpt, lm_batch)) is not None
     assert length_order(resolve_output("hidden-mean", gpt), objective.prepare(gpt, lm_batch)) is None
+
+
+def test_a_non_finite_sample_is_named_by_its_place_in_the_batch_when_the_rows_run_by_length(gpt):
+    """The kernel runs the samples longest first; an error still names the sample as the batch holds it."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, 40, (6, 10), generator=g)
+    lengths = torch.tensor([10, 3, 9, 4, 10, 8])
+    mask = (torch.arange(10)[None, :] < lengths[:, None]).long()
+    ids[3, 1] = 45  # sample 3 alone reads token 45, whose embedding comes out NaN (the tied head stays finite)
+    hook = gpt.transformer.wte.register_forward_hook(
+        lambda module, args, out: out.masked_fill((args[0] == 45)[..., None], float("nan")))
+    try:
+        with pytest.raises(ValueError, match=r"NaN/inf at samples \(got \[3\]\)"):
+            ns.empirical_ntk(gpt, {"input_ids": ids * mask, "attention_mask": mask}, method="structured",
+                             chunk_size=2)
+    finally:
+        hook.remove()

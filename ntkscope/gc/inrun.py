@@ -236,10 +236,10 @@ class InRunTracker:
         As for :class:`InRunGC`.
     estimator : {"exact", "sketch"}
         "exact": the kernel of the per-sample gradients (:meth:`InRunGC.gc`); "sketch": the same
-        point values from Gaussian sketches of width ``width`` of each sample's gradient, with the
-        primary directions kept from one measured step to the next (:mod:`ntkscope.gc.sketch`:
-        no per-sample gradient, no kernel matrix; its agreement with the exact rows is measured in
-        docs/tracking.md).
+        point values from CountSketches of width ``width`` of each sample's gradient
+        (:mod:`ntkscope.gc.sketch`: no per-sample gradient formed, a fraction of the exact
+        kernel's cost; its cost and its agreement with the exact rows, close where their direction
+        is defined, are measured in docs/tracking.md).
     width, seed : int
         The sketch's width and seed ("sketch" only).
 

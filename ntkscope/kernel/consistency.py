@@ -158,12 +158,15 @@ def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptio
     with functional_model(model, opts) as fm:
         w = scalar_workload(fm, batch, opts)
         data, n, chunk = w.data1, w.n1, w.chunk
-        if wants_loss(controls):  # the loss-matched null's covariate from the kernel's own forward
-            fm.objective.recorder = LossRecorder(n)
-        whole, kernel, used = solve_top(w)
+        recorder = LossRecorder(n) if wants_loss(controls) else None  # the loss-matched null's covariate
+        fm.objective.recorder = recorder  # kept from the kernel's own forward where it runs one
+        try:
+            whole, kernel, used = solve_top(w)
+        finally:
+            fm.objective.recorder = None
         common = dict(method=used, dtype=fm.dtype, output=fm.objective.name)
         if kernel is not None:
-            recorded = fm.objective.recorder.values() if fm.objective.recorder is not None else None
+            recorded = recorder.values() if recorder is not None else None
             controls = resolve_loss(controls, n, recorded,
                                     lambda loss: sample_outputs(model, batch, output=loss).double().cpu().numpy())
             K = kernel.detach().double().cpu().numpy()  # (n, n)

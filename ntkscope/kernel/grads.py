@@ -212,10 +212,13 @@ def step_cost(fm: FunctionalModel, data: dict, n: int) -> float:
     return 3.0 * n * tokens_per_sample(data) * fm.selection.n_params
 
 
-def check_finite(values: torch.Tensor, first_row: int) -> None:
+def check_finite(values: torch.Tensor, first_row: int, order=None) -> None:
+    """Refuse a non-finite output, naming the samples (``order``: the batch's index of each row,
+    where the rows run in another order)."""
     bad = ~torch.isfinite(values.reshape(values.shape[0], -1)).all(1)
     if bool(bad.any()):
         rows = (torch.nonzero(bad).flatten() + first_row).tolist()[:5]
+        rows = rows if order is None else [int(order[r]) for r in rows]
         raise InputError("batch", "must give a finite output for every sample; NaN/inf at samples", rows)
 
 
@@ -241,7 +244,7 @@ def jacobian_rows(fm: FunctionalModel, data: dict, out: torch.Tensor, first_row:
         rows = [transform(fm.params, take(data, i)) for i in range(out.shape[0])]
         grads = {k: torch.stack([r[0][k] for r in rows]) for k in fm.params}
         values = torch.stack([r[1] for r in rows])
-    check_finite(values, first_row)
+    check_finite(values, first_row, getattr(fm, "row_order", None))
     c, K = out.shape[0], out.shape[1]
     for (k, p), offset in zip(fm.params.items(), fm.selection.offsets):
         out[:, :, offset : offset + p.numel()] = grads[k].reshape(c, K, -1)

@@ -115,10 +115,12 @@ def empirical_ntk(model, batch, batch2=None, *, reduction="trace", blocks=None, 
             raise InputError(*why, opts.method if why[0] == "method" else fm.objective.name)
         w = workload(fm, batch, batch2, opts=opts)
         choice = choose("kernel", w)
-        if sample_loss and batch2 is None:
-            fm.objective.recorder = LossRecorder(w.n1)
-        parts = choice.spec.kernel(w, reduction)
-        recorder = fm.objective.recorder
+        recorder = LossRecorder(w.n1) if sample_loss and batch2 is None else None
+        fm.objective.recorder = recorder
+        try:
+            parts = choice.spec.kernel(w, reduction)
+        finally:
+            fm.objective.recorder = None
         kernels = parts.kernels
         matrix = sum(kernels.values()) if len(kernels) > 1 else next(iter(kernels.values()))
         projected = parts.error_bound is not None

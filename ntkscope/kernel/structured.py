@@ -166,7 +166,7 @@ def capture(fm: FunctionalModel, plan: FactorPlan, data: dict, c: int, first_row
     try:
         with torch.enable_grad():
             y = fm.outputs(params, data)
-            check_finite(y.detach(), first_row)
+            check_finite(y.detach(), first_row, getattr(fm, "row_order", None))
             if fm.objective.recorder is not None:  # the samples' losses from this forward (a loss-matched null)
                 fm.objective.recorder.put(first_row, c)
             outs = [r[2] for r in cap.records]
@@ -462,8 +462,12 @@ def structured_kernels(fm: FunctionalModel, data1, data2, n1: int, n2: int, budg
     symmetric = data2 is None
     order = length_order(fm.objective, data1) if symmetric and not _ordered else None
     if order is not None:
-        out, costs = structured_kernels(fm, take(data1, torch.as_tensor(order, device=fm.device)), None, n1, n2,
-                                        budget, chunk, _ordered=True)
+        fm.row_order = order  # the batch's index of each row, for the errors that name samples
+        try:
+            out, costs = structured_kernels(fm, take(data1, torch.as_tensor(order, device=fm.device)), None, n1, n2,
+                                            budget, chunk, _ordered=True)
+        finally:
+            del fm.row_order
         back = torch.as_tensor(np.argsort(order), device=fm.device)
         if fm.objective.recorder is not None:  # its rows were filed in length order
             fm.objective.recorder.loss = fm.objective.recorder.loss[np.argsort(order)]
