@@ -425,7 +425,9 @@ class GCTracker:
             pass_seconds = times[-1] * step_cost(fm, w.data1, probes.n) / step_cost(fm, w.data1, m)
             blocks = len(select_parameters(model, self.options.params, "layer").blocks) if self.per_layer else 0
         statistics = self._statistics_seconds() * (1 + blocks)
-        controls = pass_seconds / 3 if self.resampling is not None and self.controls == "auto" else 0.0
+        # the loss-matched null's forward: none where the structured kernel's own forward keeps the losses
+        wants = self.resampling is not None and self.controls == "auto" and choice.name != "structured"
+        controls = pass_seconds / 3 if wants else 0.0
         self.cost = ProbeCost(choice.name, choice.steps, pass_seconds, statistics,
                               choice.steps * pass_seconds + controls + statistics)
         return self.cost
