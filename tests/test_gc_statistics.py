@@ -544,7 +544,8 @@ def test_the_jackknife_reuses_a_subset_no_deletion_touches_with_the_same_numbers
     reused = len(calls)
     calls.clear()
     values = R.values
-    monkeypatch.setattr(R, "values", lambda K, counts, members, kept=None: values(K, counts, members))
+    monkeypatch.setattr(R, "values", lambda K, counts, members, kept=None, whole=None: values(K, counts, members,
+                                                                                              None, whole))
     slow = R.jackknife(K, members, budget=200, halves=6, seed=3)
     assert len(calls) > reused
     for a, b in zip(fast, slow):
@@ -558,3 +559,24 @@ def _planted_groups(n=36, P=10, seed=4):
     labels = np.repeat([0, 1, 2], n // 3)
     G = means[labels] + 0.8 * rng.normal(size=(n, P))
     return G @ G.T, [np.flatnonzero(labels == j) for j in range(3)]
+
+
+def test_the_jackknifes_batched_whole_set_directions_give_the_one_by_one_numbers(monkeypatch):
+    """The deletions' whole-set directions by one batched power iteration: the jackknife's numbers
+    equal solving each replicate by dsyevr, to float tolerance; one that does not converge in the
+    iterations allowed is solved by dsyevr."""
+    K, members = _planted_groups(n=45)
+    batched = R.jackknife(K, members, budget=200, halves=6, seed=3)
+    present = np.ones((3, len(K)), dtype=bool)
+    present[0, 4] = present[1, 20] = present[2, [7, 8]] = False
+    found = R.deletion_directions(K, present, R._top(K, np.ones(len(K))).weights)
+    for r, d in enumerate(found):
+        rows = np.flatnonzero(present[r])
+        ref = R._top(K[np.ix_(rows, rows)], np.ones(rows.size))
+        np.testing.assert_allclose(d.weights, ref.weights, atol=1e-9)
+        assert d.eigenvalue == pytest.approx(ref.eigenvalue, rel=1e-12)
+    monkeypatch.setattr(R, "MAX_POWER", 1)  # nothing converges in one product: every replicate by dsyevr
+    assert all(d is None for d in R.deletion_directions(K, present, np.ones(len(K))))
+    one_by_one = R.jackknife(K, members, budget=200, halves=6, seed=3)
+    for a, b in zip(batched, one_by_one):
+        np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)

@@ -67,6 +67,41 @@ def _top(block: np.ndarray, counts: np.ndarray) -> Direction:
     return Direction(w, lam1, gap, float(w.sum() / math.sqrt(counts.sum())))
 
 
+#: the jackknife's whole-set directions by one batched power iteration: a replicate is taken once its
+#: residual ``|K v - lambda v|`` is under RESIDUAL * lambda; one still above it after MAX_POWER products
+#: (close top eigenvalues) is solved by ``dsyevr`` as a single replicate is
+RESIDUAL, MAX_POWER = 1e-12, 300
+
+
+def deletion_directions(K: np.ndarray, present: np.ndarray, start: np.ndarray) -> list:
+    """The top eigenvector of the kernel of the samples ``present`` (R, n; bool) in each of R
+    replicates, all at once: a power iteration from ``start`` (n,: the whole set's direction) with
+    one (n, n) by (n, R) product a step. A :class:`Direction` per replicate (its eigengap not
+    computed: NaN), or None where it has not converged (:data:`RESIDUAL`, :data:`MAX_POWER`)."""
+    mask = present.T.astype(np.float64)  # (n, R)
+    X = start[:, None] * mask
+    X /= np.linalg.norm(X, axis=0)
+    for _ in range(MAX_POWER):
+        Y = (K @ X) * mask
+        lam = np.einsum("ir,ir->r", X, Y)
+        converged = np.linalg.norm(Y - lam * X, axis=0) <= RESIDUAL * np.abs(lam)
+        if converged.all():
+            break
+        X = Y / np.linalg.norm(Y, axis=0)
+    out = []
+    for r in range(present.shape[0]):
+        if not converged[r] or lam[r] <= 0:
+            out.append(None)
+            continue
+        w = X[present[r], r]
+        w = w / np.linalg.norm(w)
+        total = w.sum()
+        if total < 0 or (total == 0 and w[np.flatnonzero(w)[:1]].sum() < 0):
+            w = -w
+        out.append(Direction(w, float(lam[r]), math.nan, float(w.sum() / math.sqrt(w.size))))
+    return out
+
+
 def _cosine(product: float, norm_a: float, norm_b: float) -> float:
     """``product / (norm_a norm_b)`` clipped to [-1, 1]; NaN where a norm is 0."""
     if norm_a <= 0 or norm_b <= 0:
@@ -83,15 +118,17 @@ def subset_gc(K: np.ndarray, along: np.ndarray, norm: float, rows: np.ndarray) -
     return _cosine(along[rows] @ sub.weights, norm, math.sqrt(max(sub.eigenvalue, 0)))
 
 
-def statistics(K: np.ndarray, counts: np.ndarray, members: list, kept: dict | None = None) -> tuple:
+def statistics(K: np.ndarray, counts: np.ndarray, members: list, kept: dict | None = None,
+               whole: Direction | None = None) -> tuple:
     """(whole direction, [(gc, subset direction, mean-gradient consistency)] per subset) for
     sample ``counts`` (n,) and subsets given as sorted member index arrays. ``kept``: a dict
     shared by the replicates of one kernel; a subset whose counts a replicate leaves as they were
-    at the first call reuses its direction from there (the same numbers: its block is the same)."""
+    at the first call reuses its direction from there (the same numbers: its block is the same).
+    ``whole``: the whole set's direction when it is already known (:func:`deletion_directions`)."""
     rows = np.flatnonzero(counts)
     c = counts[rows].astype(np.float64)
     block = K[np.ix_(rows, rows)]  # the samples present, indexed once
-    whole = _top(block, c)
+    whole = _top(block, c) if whole is None else whole
     along, mean_along = whole.weights @ block, c @ block  # the whole set's side of both cosines
     norm, whole_mean = math.sqrt(max(whole.eigenvalue, 0)), math.sqrt(max(float(mean_along @ c), 0.0))
     out = []
@@ -113,10 +150,11 @@ def statistics(K: np.ndarray, counts: np.ndarray, members: list, kept: dict | No
     return whole, out
 
 
-def values(K: np.ndarray, counts: np.ndarray, members: list, kept: dict | None = None) -> np.ndarray:
-    """(3k,) [gc per subset, |gc| per subset, mean-gradient consistency per subset]; ``kept`` as
-    for :func:`statistics`."""
-    _, subs = statistics(K, counts, members, kept)
+def values(K: np.ndarray, counts: np.ndarray, members: list, kept: dict | None = None,
+           whole: Direction | None = None) -> np.ndarray:
+    """(3k,) [gc per subset, |gc| per subset, mean-gradient consistency per subset]; ``kept`` and
+    ``whole`` as for :func:`statistics`."""
+    _, subs = statistics(K, counts, members, kept, whole)
     gc = np.array([s[0] for s in subs])
     return np.concatenate([gc, np.abs(gc), [s[2] for s in subs]])
 
@@ -178,6 +216,11 @@ def jackknife(K: np.ndarray, members: list, *, budget: int, halves: int, seed: i
     kept: dict = {}  # a subset no deletion touches keeps the point's direction
     point = values(K, ones, members, kept)
     deletions = sum(len(g) for g in groups)
+    present = np.ones((deletions, n), dtype=bool)
+    for r, left_out in enumerate(g for unit_groups in groups for g in unit_groups):
+        present[r, left_out] = False
+    start = _top(K, ones.astype(np.float64)).weights
+    wholes = iter(deletion_directions(K, present, start))  # every deletion's whole set at once
     var, bias, shares = np.zeros_like(point), np.zeros_like(point), np.zeros_like(point)
     with progress_bar(deletions + halves, "GC jackknife", "replicate") as bar:
         for unit_groups in groups:
@@ -185,7 +228,7 @@ def jackknife(K: np.ndarray, members: list, *, budget: int, halves: int, seed: i
             for left_out in unit_groups:
                 counts = ones.copy()
                 counts[left_out] = 0
-                reps.append(values(K, counts, members, kept))
+                reps.append(values(K, counts, members, kept, next(wholes)))
                 bar.update(1)
             reps = np.array(reps)
             g = len(unit_groups)
