@@ -325,6 +325,11 @@ def _signals(folder) -> dict:
                 + f"; good in {probe['good']} of the {probe['judged']} trunks judged so far, of {probe['planned']}"
                 + (f"; on the half family's trunks, reported only (seed: its step, verdict): {half}" if half else ""))
             out["map.fresh.tail_expert.short"] = f"{probe['verdict']}, good in {probe['good']} of {probe['judged']}"
+        layers = json.loads(fresh.read_text()).get("layers", {})
+        judged = [(f.removeprefix("warmup-fresh-") if f != "warmup-fresh" else "main", e)
+                  for f, e in layers.items() if e.get("judged")]
+        out["map.fresh.layers"] = "; ".join(f"{name}: agrees in {e['agree']} of {e['judged']} trunks"
+                                            for name, e in judged) or "not yet judged"
         best = json.loads(fresh.read_text())["step_or_position"]["best_fraction"]
         steps = sorted(round(1200 * f) for f in best.values() if f is not None)  # the half family's 1200 steps
         if steps:
