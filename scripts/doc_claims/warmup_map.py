@@ -304,6 +304,7 @@ def _signals(folder) -> dict:
         decided = "".join(f"; {d}" for d in v.get("decided_by", []))
         out["map.fresh.verdict"] = (f"{v['verdict']}{decided} ({done} units done so far on the CPU build; the rule "
                                     f"good in {v['good']} of the {v['judged']} trunks judged, of {v['planned']})")
+        out["map.fresh.short"] = f"{v['verdict']}, good in {v['good']} of the {v['judged']} trunks judged"
         trunks = pd.read_csv(fresh.parent / "trunks.csv")
         rule_rows = trunks[trunks["signal"].str.startswith("rule") & trunks["verdict"].isin(["good", "not good"])]
         table = ["| family | seed | best step (tail gain) | the rule's step (tail gain) | share of the best | verdict |",
