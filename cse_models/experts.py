@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ntkscope.core.checks import UserError
 from ntkscope.core.lm import masked_mean
+from ntkscope.kernel.experts import MixtureKind, register_mixture
 
 
 def sequence_embedding(x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
@@ -237,20 +238,28 @@ class SwitchFFN(nn.Module):
             return torch.clamp(torch.ceil(self.capacity_factor * tokens / C), min=1)
         return max(1, math.ceil(self.capacity_factor * tokens / C))
 
-    def _masked(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """Every expert on every token; a token keeps its top-1 expert's output, gated, if it is among
-        the first ``ceil(capacity_factor * real tokens / C)`` of its sequence routed there."""
+    def sequence_routes(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's gate and expert as one sequence at a time routes them (the per-sample
+        function): (gate (B, T), expert (B, T) long), the expert -1 for padding and for a token
+        past its expert's capacity ``ceil(capacity_factor * real tokens / C)`` in its sequence."""
         B, T, _ = x.shape
         real = torch.ones(B, T, dtype=torch.bool, device=x.device) if key_mask is None else key_mask.bool()
         probs = F.softmax(self.router(x).to(torch.promote_types(x.dtype, torch.float32)), dim=-1)  # (B, T, C)
         gate, choice = probs.max(dim=-1)
-        gate = self._gate(gate)
         capacity = self._capacity(real.sum(1, keepdim=True))  # (B, 1)
+        kept = torch.full_like(choice, -1)
+        for j in range(len(self.experts)):
+            routed = (choice == j) & real
+            kept = torch.where(routed & (torch.cumsum(routed.long(), dim=1) <= capacity), j, kept)
+        return self._gate(gate), kept
+
+    def _masked(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """Every expert on every token; a token keeps its top-1 expert's output, gated, if it is among
+        the first ``ceil(capacity_factor * real tokens / C)`` of its sequence routed there."""
+        gate, kept = self.sequence_routes(x, key_mask)
         out = x.new_zeros(x.shape)
         for j, expert in enumerate(self.experts):
-            routed = (choice == j) & real
-            keep = routed & (torch.cumsum(routed.long(), dim=1) <= capacity)
-            out = out + (keep.to(x.dtype) * gate.to(x.dtype)).unsqueeze(-1) * expert(x)
+            out = out + ((kept == j).to(x.dtype) * gate.to(x.dtype)).unsqueeze(-1) * expert(x)
         return out
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -307,3 +316,37 @@ class DEMixLayer(nn.Module):
 
     def reset_load(self) -> None:
         self.load.zero_()
+
+
+def _sequence_routes(module, sink) -> list:
+    """A CSE or DEMix layer's expert per sequence, (B, E) one-hot, recorded in its forward."""
+    def hook(_m, args, _out):
+        x, key_mask = args[0], (args[1] if len(args) > 1 else None)
+        if isinstance(module, CSELayer):
+            assign = module.route(x, key_mask)[1]
+        else:
+            assign = args[2] if len(args) > 2 else None
+            if assign is None:
+                raise UserError("DEMixLayer: its per-expert kernel needs the batch's domains (a 'domains' entry)")
+        sink(F.one_hot(assign.long(), len(module.experts)).bool())
+    return [module.register_forward_hook(hook)]
+
+
+def _token_routes(module, sink) -> list:
+    """A Switch layer's expert per token under per-sequence capacity, (B, T, E), recorded in its forward."""
+    def hook(_m, args, _out):
+        x, key_mask = args[0], (args[1] if len(args) > 1 else None)
+        kept = module.sequence_routes(x, key_mask)[1]
+        sink(F.one_hot(kept + 1, len(module.experts) + 1)[..., 1:].bool())
+    return [module.register_forward_hook(hook)]
+
+
+def _own_experts(module, e: int) -> list:
+    return [(f"experts.{e}.{name}", None) for name, _ in module.experts[e].named_parameters()]
+
+
+for _name, _layer, _unit, _routes in (("cse", CSELayer, "sequence", _sequence_routes),
+                                      ("demix", DEMixLayer, "sequence", _sequence_routes),
+                                      ("switch", SwitchFFN, "token", _token_routes)):
+    register_mixture(MixtureKind(name=_name, unit=_unit, matches=lambda m, _layer=_layer: isinstance(m, _layer),
+                                 n_experts=lambda m: len(m.experts), expert_params=_own_experts, route_hook=_routes))

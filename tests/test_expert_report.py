@@ -129,12 +129,23 @@ def test_ntkscope_eval_reads_the_experts_of_a_transformers_moe_directory(tmp_pat
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     code = ntkscope(["-q", "eval", str(tmp_path / "moe"), "--data", str(tmp_path / "rows.jsonl"), "--label-column",
                      "domain", "--tokenizer", str(DEFAULT_PACK / "tokenizer.json"), "--n-boot", "10",
-                     "--out", str(tmp_path / "eval")])
+                     "--expert-kernels", "8", "--out", str(tmp_path / "eval")])
     assert code == 0, capsys.readouterr().err
     layers = pd.read_csv(tmp_path / "eval" / "expert_layers.csv")
     assert layers["layer"].tolist() == ["layer 0 (mlp)", "layer 1 (mlp)"] and (layers["experts"] == 3).all()
     ablation = pd.read_csv(tmp_path / "eval" / "ablation.csv")
     assert len(ablation) == 2 * 3 * 2  # layers x experts x domains
+    # the per-expert view on 8 of the 12 texts: token units, each expert's split-half |GC| in [0, 1]
+    kernels = pd.read_csv(tmp_path / "eval" / "expert_kernels.csv")
+    assert set(kernels["layer"]) <= {"model.layers.0.mlp", "model.layers.1.mlp"} and (kernels["unit"] == "token").all()
+    assert ((kernels["consistency_low"] <= kernels["consistency"]) & (kernels["consistency"] <= 1)).all()
+    assert (kernels["params"] == 2 * 32 * 16 + 16 * 32).all() and (kernels["units"] >= 4).all()
+    gc = pd.read_csv(tmp_path / "eval" / "expert_gc.csv")
+    assert set(gc["group"]) <= {"legal", "biomedical"} and gc["gc"].between(-1, 1).all()
+    assert "inside the experts" in capsys.readouterr().out
+    assert ntkscope(["-q", "report", str(tmp_path / "eval"), "--out", str(tmp_path / "report.html")]) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert "Inside the experts (" in page and "split-half |GC| of each expert" in page
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from ntkscope.gc.options import GCOptions
 from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.core.provenance import provenance
 from ntkscope.kernel.distributed import from_rank0, writes
+from ntkscope.kernel.experts import find_mixtures
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.objectives import CausalLMLoss, resolve_output
 from ntkscope.kernel.options import KernelOptions
@@ -41,6 +42,7 @@ from ntkscope.runs.embeddings import layer_embeddings
 from ntkscope.runs.families import family_of
 from ntkscope.runs.signals import warmup_record
 from ntkscope.gc.groups import GC_OUTPUT, gc_by_group, gc_sensitivity, group_labels, homogeneous_pools
+from ntkscope.gc.experts import expert_view
 from ntkscope.gc.tokens import extreme_tokens, token_scores
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.corpus.text import Record
@@ -309,12 +311,14 @@ def freq_command(data="default", *, tokenizer=None, normalisation: str = "max", 
 
 
 def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int = 16, n_boot: int = 1000,
-                 seed: int = 0, out=None, ablate: bool = True) -> dict:
+                 seed: int = 0, out=None, ablate: bool = True, expert_kernels: int = 0) -> dict:
     """Perplexity per domain of ``data``'s rows and, for a sparse model, where each domain is
     routed and what the experts learned (:func:`cse_models.expert_report.expert_report`: purity,
     NMI, each expert's shares, and with ``ablate`` each expert ablated), findings first
     (``ntkscope eval``): any causal checkpoint ``load_checkpoint`` reads (HF or ``cse_models``,
-    dense or sparse); a table's label column names the domains."""
+    dense or sparse); a table's label column names the domains. ``expert_kernels`` N > 0: the
+    per-expert view on N of the texts (:func:`ntkscope.gc.experts.expert_view`: each expert's
+    split-half |GC| and its labels' GC among its units)."""
     check_output("eval", out)
     source = as_source(data)
     model, tok = load_model_and_tokenizer(checkpoint, tokenizer, source)
@@ -324,6 +328,8 @@ def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int 
     result = evaluate_domains(model, encoded, labels, batch_size=batch_size, n_boot=n_boot, seed=seed)
     report = expert_report(model, encoded, labels, batch_size=batch_size, n_boot=min(n_boot, 500), seed=seed,
                            ablate=ablate) if has_experts(model) else None
+    view = expert_view(model, encoded, labels, texts=expert_kernels, context=result.context, seed=seed) \
+        if expert_kernels and find_mixtures(model) else None
     written = []
     if out is not None:
         with Staging(out) as files:
@@ -333,6 +339,9 @@ def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int 
                 write_table(report.experts, files.path("experts.csv"))
                 if len(report.ablation):
                     write_table(report.ablation, files.path("ablation.csv"))
+            if view is not None:
+                write_table(view[0], files.path("expert_kernels.csv"))
+                write_table(view[1], files.path("expert_gc.csv"))
             if len(result.routing):
                 write_table(result.routing, files.path("routing.csv"))
                 save_figure(routing_shares(result.routing, title=f"routing of {checkpoint}"),
@@ -347,7 +356,7 @@ def eval_command(checkpoint, data="default", *, tokenizer=None, batch_size: int 
                                          tokenizer=tok.name)})
         written = files.written
     return {"perplexity": result.perplexity, "routing": result.routing, "context": result.context,
-            "experts": report, "tokenizer": tok, "files": written}
+            "experts": report, "expert_kernels": view, "tokenizer": tok, "files": written}
 
 
 def clusters_command(target, data="default", *, sentences: Sentences = Sentences(), point: str = "block",

@@ -15,12 +15,16 @@ from ntkscope.app.parsing import (DATA_HELP, POSITIVE, POSITIVE_INT, add_column_
 
 def _eval(args) -> int:
     r = commands.eval_command(args.checkpoint, source(args), tokenizer=args.tokenizer, batch_size=args.batch_size,
-                              n_boot=args.n_boot, seed=args.seed, out=args.out, ablate=not args.no_ablation)
+                              n_boot=args.n_boot, seed=args.seed, out=args.out, ablate=not args.no_ablation,
+                              expert_kernels=args.expert_kernels)
     if r["experts"] is not None:
         print("what the experts learned:")
         for finding in r["experts"].findings:
             print(f"  - {finding}")
         print_table("per sparse layer (90% intervals over texts):", r["experts"].layers.drop(columns="name"))
+    if r["expert_kernels"] is not None:
+        print_table("inside the experts (split-half |GC| of each expert's kernel on its routed units, 90% of halves):",
+                    r["expert_kernels"][0])
     print_table(f"perplexity per domain (texts truncated to {r['context']} tokens; 95% intervals over texts):",
                 r["perplexity"])
     if len(r["routing"]):
@@ -68,9 +72,12 @@ def add_parsers(sub) -> None:
     ev.add_argument("--n-boot", type=POSITIVE_INT, default=1000, help="bootstrap resamples of the intervals")
     ev.add_argument("--seed", type=int, default=0)
     add_out(ev, kind="dir", help="directory for perplexity.csv, routing.csv, routing.png, result.json, and for a "
-                    "sparse model expert_layers.csv, experts.csv, ablation.csv")
+                    "sparse model expert_layers.csv, experts.csv, ablation.csv (and expert_kernels.csv, expert_gc.csv)")
     ev.add_argument("--no-ablation", action="store_true", help="skip ablating each expert (one pass over the data "
                     "per expert)")
+    ev.add_argument("--expert-kernels", type=POSITIVE_INT, default=0, metavar="N",
+                    help="the per-expert view on N texts: each expert's NTK over its own parameters and routed units, "
+                    "its split-half |GC| and each label's GC among its units (expert_kernels.csv, expert_gc.csv)")
     ev.set_defaults(run=_eval)
     cmp_ = sub.add_parser("compare", help="train dense, CSE and Switch from your warm-up checkpoint and compare "
                           "them per domain", description="Example: ntkscope compare myrun/step200 --plan plan.json "

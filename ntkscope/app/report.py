@@ -352,11 +352,32 @@ def _experts(files: _Files) -> Section | None:
                 f"shuffled; NMI {row['nmi']:.3f} against {row['nmi_null']:.3f} shuffled.")
     section.figures.append(_png(expert_layers(layers)))
     section.tables["expert layers"] = layers
-    for name, caption in (("experts.csv", "experts"), ("ablation.csv", "one expert ablated")):
+    for name, caption in (("experts.csv", "experts"), ("ablation.csv", "one expert ablated"),
+                          ("expert_kernels.csv", "inside the experts: split-half |GC| of each expert's kernel"),
+                          ("expert_gc.csv", "inside the experts: each label's GC among an expert's units")):
         table = files.csv(name)
         if table is not None:
             section.tables[caption] = table
+    kernels = files.csv("expert_kernels.csv")
+    if kernels is not None and len(kernels):
+        section.notes.append(_inside(kernels))
     return section
+
+
+def _inside(kernels: pd.DataFrame) -> str:
+    """One sentence on the per-expert kernels: the most and the least consistent expert."""
+    ranked = kernels.sort_values("consistency", ascending=False)
+    first, last = ranked.iloc[0], ranked.iloc[-1]
+    words = (f"Inside the experts ({len(kernels)} with 4 units or more; consistency is the median |GC| of random "
+             f"halves of an expert's routed units against all of them, 1 when every gradient is parallel): the most "
+             f"consistent is expert {first['expert']} of {first['layer']} ({first['consistency']:.3f} "
+             f"[{first['consistency_low']:.3f}, {first['consistency_high']:.3f}], {first['units']} "
+             f"{first['unit']}s, {first['top_share']:.0%} {first['top_label']})")
+    if len(ranked) > 1:
+        words += (f", the least expert {last['expert']} of {last['layer']} ({last['consistency']:.3f} "
+                  f"[{last['consistency_low']:.3f}, {last['consistency_high']:.3f}], {last['top_share']:.0%} "
+                  f"{last['top_label']})")
+    return words + "."
 
 
 def _results(files: _Files) -> Section | None:

@@ -145,6 +145,7 @@ def functional_model(model, opts: KernelOptions, *, blocks=None, train=False):
     target.train(train)
     for m in dispatch:
         m.per_sample_dispatch = True
+    experts = _eager_experts(target)
     try:
         with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
             objective = resolve_output(opts.output, target)
@@ -160,6 +161,20 @@ def functional_model(model, opts: KernelOptions, *, blocks=None, train=False):
             m.train(mode)
         for m, flag in dispatch.items():
             m.per_sample_dispatch = flag
+        for config, implementation in experts:
+            config._experts_implementation = implementation
+
+
+def _eager_experts(model: nn.Module) -> list:
+    """Set transformers' mixture experts to their eager loop (``config._experts_implementation``)
+    while the model is analysed: the fused kernels (``grouped_mm``) take no float64 and no
+    ``vmap``; the eager loop is the same function in any dtype. Returns (config, what it was) to restore."""
+    configs = {id(c): c for m in model.modules() for c in [getattr(m, "config", None)]
+               if c is not None and getattr(c, "_experts_implementation", None) not in (None, "eager")}
+    saved = [(c, c._experts_implementation) for c in configs.values()]
+    for c, _ in saved:
+        c._experts_implementation = "eager"
+    return saved
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -1,0 +1,430 @@
+"""Per-expert kernels: the empirical NTK of one expert's parameters over the units its router
+sends there (docs/design.md §1.5).
+
+A *mixture* is a module whose experts share an input and a router; its kind
+(:data:`MIXTURE_KINDS`) says which parameters are expert ``e``'s and how the router's choice is
+read from a forward. Expert ``e``'s kernel is ``J_e J_e^T`` with ``J_e`` the Jacobian of the
+units' outputs over expert ``e``'s parameters only, and the units are those routed to ``e``:
+
+- ``unit="sequence"``: a sample is a sequence with its output (``output``, e.g. its mean token
+  loss), and it is routed when the router sends it (a sequence router: CSE, DEMix) or any of its
+  real tokens (a token router: Switch, transformers' top-k mixtures) to ``e``;
+- ``unit="token"``: a sample is one position's token value (a causal language model: the value
+  of the token it predicts) at a position the router sends to ``e`` (every position of a routed
+  sequence, for a sequence router); a position that predicts nothing (padding, the last real
+  token) is not a unit.
+
+The router's choice is read once and held: the kernel differentiates the model's function at
+these routes, the gate's value (a token router's top-k weight) is part of that function, and the
+router's own parameters are not columns of ``J_e`` (they are not the expert's). A gradient of a
+unit the router never sends to ``e`` can be non-zero (through attention to earlier tokens that
+were), but such a unit is not a row.
+
+Two paths, one answer: when every parameter of the expert is a whole tensor (an expert that is
+its own module, as ours are) and the units are sequences, the kernel is
+:func:`~ntkscope.kernel.ntk.empirical_ntk` on the routed sequences over those tensors (the
+structured kernel where it applies). Otherwise (an expert that is a slice of fused tensors, as in
+transformers' Mixtral, OLMoE and Qwen-MoE, whose ``gate_up_proj`` is (E, 2I, H); or token units)
+each unit's gradient over the expert's slice is taken by one batched backward per chunk of units
+(``is_grads_batched``), the slice standing in for its row of the fused tensor.
+
+Adding a kind: :func:`register_mixture` a :class:`MixtureKind` whose ``matches`` recognises the
+module, ``n_experts`` counts its experts, ``expert_params`` names each expert's parameters
+(relative names, with the index along dim 0 of a fused tensor or None) and ``route_hook``
+records the router's choice in a forward (docs/architecture.md, "Extension points").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn as nn
+
+from ntkscope.core.checks import InputError, check_choice, entry
+from ntkscope.core.lm import causal_targets, token_values
+from ntkscope.core.memory import available_memory_bytes, format_bytes
+from ntkscope.core.registry import Registry
+from ntkscope.kernel.grads import functional_model
+from ntkscope.kernel.nulls import Controls, NullBand, random_band
+from ntkscope.kernel.ntk import empirical_ntk
+from ntkscope.kernel.objectives import CausalLMLoss, primary_output, take
+from ntkscope.kernel.options import KernelOptions
+from ntkscope.kernel.replicates import direction
+from ntkscope.kernel.uncertainty import Resampling, kernel_gc
+
+log = logging.getLogger(__name__)
+
+UNITS = ("auto", "sequence", "token")
+ROW_COLUMNS = ["sample", "position"]
+
+
+@dataclass(frozen=True)
+class MixtureKind:
+    """How the per-expert kernel reads one kind of mixture layer.
+
+    Attributes
+    ----------
+    name : str
+    unit : {"sequence", "token"}
+        What the router routes.
+    matches : callable module -> bool
+    n_experts : callable module -> int
+    expert_params : callable (module, e) -> list of (relative name, index or None)
+        Expert ``e``'s parameters, named relative to the module; ``index``: the expert's row
+        along dim 0 of a fused tensor (None: the whole tensor is the expert's).
+    route_hook : callable (module, sink) -> list of hook handles
+        Hooks that, in a forward, call ``sink(routed)`` with the router's choice: a (B, E) bool
+        (sequence routers) or (B, T, E) bool (token routers) tensor, True where the unit goes.
+    """
+
+    name: str
+    unit: str
+    matches: Callable
+    n_experts: Callable
+    expert_params: Callable
+    route_hook: Callable = field(repr=False)
+
+
+#: the kinds of mixture layer the per-expert kernel reads, by name
+MIXTURE_KINDS = Registry("mixture kind")
+
+
+def register_mixture(kind: MixtureKind) -> MixtureKind:
+    """Add a mixture kind (first match wins, in registration order)."""
+    check_choice("kind.unit", kind.unit, {"sequence", "token"})
+    MIXTURE_KINDS.add(kind.name, kind, func="register_mixture")
+    return kind
+
+
+def is_topk_router(module) -> bool:
+    """A transformers top-k router (``MixtralTopKRouter``, ``OlmoeTopKRouter``, ...): tokens (N, d)
+    -> (logits (N, E), top-k scores (N, k), top-k indices (N, k))."""
+    return type(module).__name__.endswith("TopKRouter") and hasattr(module, "num_experts") and hasattr(module, "top_k")
+
+
+def _fused(module) -> list:
+    """Names of the experts module's parameters with one row per expert along dim 0."""
+    experts, E = module.experts, int(module.gate.num_experts)
+    return [n for n, p in experts.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == E]
+
+
+def _topk_matches(module) -> bool:
+    gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+    return gate is not None and is_topk_router(gate) and isinstance(experts, nn.Module) and bool(_fused(module))
+
+
+def _topk_routes(module, sink) -> list:
+    shape = {}
+
+    def before(_m, args, kwargs):
+        hidden = args[0] if args else next(iter(kwargs.values()))
+        shape["bt"] = hidden.shape[:-1]
+
+    def after(_m, _args, out):
+        indices = out[-1]  # (N, k)
+        routed = torch.zeros(indices.shape[0], module.gate.num_experts, dtype=torch.bool, device=indices.device)
+        routed.scatter_(1, indices, True)
+        sink(routed.reshape(*shape["bt"], -1))
+
+    return [module.register_forward_pre_hook(before, with_kwargs=True), module.gate.register_forward_hook(after)]
+
+
+register_mixture(MixtureKind(
+    name="transformers-topk", unit="token", matches=_topk_matches,
+    n_experts=lambda m: int(m.gate.num_experts),
+    expert_params=lambda m, e: [(f"experts.{n}", e) for n in _fused(m)],
+    route_hook=_topk_routes))
+
+
+def find_mixtures(model: nn.Module) -> dict:
+    """The model's mixture layers: {module path: (MixtureKind, module)}, in module order (a
+    matched module's own submodules are not searched)."""
+    found, inside = {}, []
+    for path, module in model.named_modules():
+        if any(path.startswith(p + ".") for p in inside):
+            continue
+        kind = next((k for k in MIXTURE_KINDS.values() if k.matches(module)), None)
+        if kind is not None:
+            found[path] = (kind, module)
+            inside.append(path)
+    return found
+
+
+@dataclass(frozen=True)
+class ExpertKernel:
+    """One expert's kernel.
+
+    Attributes
+    ----------
+    layer : str
+        The mixture's module path.
+    expert : int
+    unit : {"sequence", "token"}
+    rows : DataFrame
+        ROW_COLUMNS, one row per unit in the kernel's order: the sample and, for token units, the
+        position whose value it is (-1 for sequence units).
+    matrix : Tensor (m, m)
+        ``J_e J_e^T`` over the units.
+    n_params : int
+        The expert's parameter count (columns of ``J_e``).
+    method : str
+        "engine: <method>" (:func:`empirical_ntk` on the routed sequences) or "batched-backward".
+    """
+
+    layer: str
+    expert: int
+    unit: str
+    rows: pd.DataFrame
+    matrix: torch.Tensor
+    n_params: int
+    method: str
+
+    def samples(self) -> np.ndarray:
+        return self.rows["sample"].to_numpy()
+
+
+def _routes(model, data: dict, run, layers: dict) -> dict:
+    """Each layer's routed units in one forward: {path: (B, E) or (B, T, E) bool on CPU}."""
+    got, handles = {}, []
+    for path, (kind, module) in layers.items():
+        def sink(routed, path=path):
+            got[path] = routed.detach().cpu()
+        handles += kind.route_hook(module, sink)
+    try:
+        with torch.no_grad():
+            run(data["inputs"])
+    finally:
+        for h in handles:
+            h.remove()
+    missing = sorted(set(layers) - set(got))
+    if missing:
+        raise InputError("layer", "names a mixture whose router did not run in the model's forward", missing)
+    return got
+
+
+def _units(routed: torch.Tensor, e: int, unit: str, mask: torch.Tensor, kept: torch.Tensor | None) -> pd.DataFrame:
+    """The units routed to expert ``e``: ROW_COLUMNS, in sample then position order."""
+    mask = mask.cpu().bool()
+    if routed.dim() == 2:  # a sequence router
+        to_e = routed[:, e][:, None] & mask
+    else:
+        to_e = routed[..., e] & mask
+    if unit == "sequence":
+        samples = torch.nonzero(to_e.any(1)).flatten().numpy()
+        return pd.DataFrame({"sample": samples, "position": -1}, columns=ROW_COLUMNS)
+    at = torch.nonzero(to_e & kept.cpu()).numpy()
+    return pd.DataFrame({"sample": at[:, 0], "position": at[:, 1]}, columns=ROW_COLUMNS)
+
+
+@entry("expert_ntk")
+def expert_ntk(model: nn.Module, batch, *, layer: str | None = None, experts=None, unit: str = "auto",
+               min_units: int = 1, options: KernelOptions | None = None, **fields) -> list:
+    """Each expert's empirical NTK over its own parameters and the units routed to it.
+
+    Parameters
+    ----------
+    model : a model with mixture layers (:func:`find_mixtures`; :data:`MIXTURE_KINDS`).
+    batch : (n, T) token ids or a dict with ``input_ids`` and ``attention_mask`` (and ``domains``
+        for a DEMix model).
+    layer : the mixture's module path; None: every mixture layer of the model.
+    experts : expert indices (default all).
+    unit : "auto" (what the router routes), "sequence" or "token" (a causal language model's
+        per-token value of ``output``).
+    min_units : experts with fewer routed units are left out.
+    options, **fields : :class:`~ntkscope.KernelOptions` or its fields (``output``, ``method``,
+        ``dtype``, ``device``, ``max_memory``, ...); ``params`` is set per expert.
+
+    Returns
+    -------
+    list of ExpertKernel, by layer then expert.
+    """
+    check_choice("unit", unit, set(UNITS))
+    if "params" in fields or (options is not None and options.params is not None):
+        raise InputError("params", "is set per expert by expert_ntk (each kernel is over its expert's parameters)",
+                         fields.get("params", options.params if options else None))
+    opts = KernelOptions.build(options, **fields)
+    if isinstance(min_units, bool) or not isinstance(min_units, int) or min_units < 1:
+        raise InputError("min_units", "must be a positive integer", min_units)
+    found = find_mixtures(model)
+    if not found:
+        raise InputError("model", f"has no mixture layer (kinds read: {', '.join(MIXTURE_KINDS)})",
+                         type(model).__name__)
+    if layer is not None:
+        if layer not in found:
+            raise InputError("layer", f"must be one of the model's mixture layers ({', '.join(found)})", layer)
+        found = {layer: found[layer]}
+    with functional_model(model, opts) as fm:
+        data = fm.prepare(batch)
+        mask, kept = _masks(fm, data)
+        routed = _routes(fm.module, data, lambda inputs: fm.run(fm.params, inputs), found)
+        out = []
+        for path, (kind, module) in found.items():
+            own = kind.unit if unit == "auto" else unit
+            if own == "token" and not isinstance(fm.objective, CausalLMLoss):
+                raise InputError("unit", "token units need a per-token value of a causal language model (output "
+                                 "'loss', 'true-logit', ...)", fm.objective.name)
+            E = kind.n_experts(module)
+            chosen = range(E) if experts is None else _check_experts(experts, E)
+            for e in chosen:
+                rows = _units(routed[path], e, own, mask, kept)
+                if len(rows) < min_units:
+                    continue
+                params = [(f"{path}.{name}" if path else name, index) for name, index in kind.expert_params(module, e)]
+                out.append(_kernel(model, batch, fm, data, path, e, own, rows, params, opts))
+    return out
+
+
+def _check_experts(experts, E: int) -> list:
+    chosen = [experts] if isinstance(experts, int) else list(experts)
+    bad = [e for e in chosen if isinstance(e, bool) or not isinstance(e, (int, np.integer)) or not 0 <= e < E]
+    if bad or not chosen:
+        raise InputError("experts", f"must be expert indices in [0, {E})", experts)
+    return [int(e) for e in chosen]
+
+
+def _masks(fm, data: dict) -> tuple:
+    aux = data["aux"]
+    if "mask" in aux:
+        mask = aux["mask"]
+    else:
+        inputs = data["inputs"]
+        ids = inputs if torch.is_tensor(inputs) else inputs["input_ids"]
+        mask = torch.ones(ids.shape[:2], dtype=torch.bool)
+    kept = None
+    if isinstance(fm.objective, CausalLMLoss):
+        _, kept = causal_targets(aux["targets"], aux["mask"])
+    return mask.bool(), kept
+
+
+def _kernel(model, batch, fm, data, path, e, unit, rows, params, opts) -> ExpertKernel:
+    whole = all(index is None for _, index in params)
+    names = [n for n, _ in params]
+    if whole and unit == "sequence":
+        idx = torch.tensor(rows["sample"].to_numpy())
+        sub = take(batch, idx) if isinstance(batch, dict) else batch[idx]
+        k = empirical_ntk(model, sub, options=dataclasses.replace(opts, params=names))
+        return ExpertKernel(path, e, unit, rows, k.matrix, k.n_params, f"engine: {k.method}")
+    G = expert_jacobian(fm, data, rows, params, unit, opts.max_memory)
+    K = G @ G.T
+    return ExpertKernel(path, e, unit, rows, K, G.shape[1], "batched-backward")
+
+
+def expert_jacobian(fm, data: dict, rows: pd.DataFrame, params: list, unit: str,
+                    max_memory: int | None = None) -> torch.Tensor:
+    """``J_e``: each unit's gradient over the expert's parameters (a fused tensor's row ``index``
+    standing in for that row), (m, P_e) in the model's dtype, by one batched backward per chunk of
+    units (one backward per unit where the model's backward cannot be batched)."""
+    named = dict(fm.module.named_parameters())
+    leaves, full = [], {}
+    for name, index in params:
+        tensor = named[name].detach()
+        leaf = (tensor if index is None else tensor[index]).clone().requires_grad_(True)
+        leaves.append(leaf)
+        full[name] = leaf if index is None else torch.cat([tensor[:index], leaf[None], tensor[index + 1:]])
+    P = sum(leaf.numel() for leaf in leaves)
+    m = len(rows)
+    budget = max_memory or available_memory_bytes(fm.device) // 2
+    need = m * P * fm.itemsize
+    if need > budget:
+        raise InputError("max_memory", f"is below the {format_bytes(need)} that expert_jacobian needs for {m} units x "
+                         f"{P} parameters; analyse fewer units (a smaller batch) or raise it", format_bytes(budget))
+    with torch.enable_grad():  # a caller's no_grad would leave nothing to differentiate
+        return _jacobian(fm, data, rows, full, leaves, unit, budget - need)
+
+
+def _jacobian(fm, data, rows, full, leaves, unit, spare) -> torch.Tensor:
+    m, P = len(rows), sum(leaf.numel() for leaf in leaves)
+    values = _values(fm, {**fm.params, **full}, data, unit)  # (n,) or (n, T)
+    flat = values.reshape(-1)
+    width = values.shape[1] if unit == "token" else 1
+    at = rows["sample"].to_numpy() * width + (rows["position"].to_numpy() if unit == "token" else 0)
+    chunk = max(1, min(m, spare // max(1, flat.numel() * fm.itemsize + P * fm.itemsize)))
+    G = torch.empty(m, P, dtype=fm.dtype, device=fm.device)
+    for start in range(0, m, chunk):
+        idx = torch.as_tensor(at[start:start + chunk], device=flat.device)
+        picks = torch.zeros(len(idx), flat.numel(), dtype=flat.dtype, device=flat.device)
+        picks[torch.arange(len(idx)), idx] = 1
+        try:
+            grads = torch.autograd.grad(flat, leaves, grad_outputs=picks, retain_graph=True, is_grads_batched=True,
+                                        allow_unused=True)
+        except RuntimeError as err:  # a backward vmap cannot batch: one backward per unit
+            log.debug("expert_jacobian: batched backward failed (%s); one backward per unit", err)
+            grads = [torch.stack(g) for g in zip(*(
+                torch.autograd.grad(flat, leaves, grad_outputs=p, retain_graph=True, allow_unused=True) for p in picks))]
+        G[start:start + len(idx)] = torch.cat([
+            (torch.zeros((len(idx), leaf.numel()), dtype=fm.dtype, device=fm.device) if g is None
+             else g.reshape(len(idx), -1)) for g, leaf in zip(grads, leaves)], 1)
+    return G
+
+
+def _values(fm, params: dict, data: dict, unit: str) -> torch.Tensor:
+    """The units' outputs: each sample's (n,), or each position's token value (n, T)."""
+    if unit == "sequence":
+        return fm.outputs(params, data)
+    logits = primary_output(fm.run(params, data["inputs"]))
+    targets, keep = causal_targets(data["aux"]["targets"], data["aux"]["mask"])
+    return token_values(logits, targets, keep, value=fm.objective.name, reduction="none")
+
+
+#: the columns of :func:`expert_gc`
+GC_COLUMNS = ["layer", "expert", "unit", "group", "n", "units", "gc", "gc_low", "gc_high", "abs_gc", "null_median",
+              "homogeneous_median", "flags"]
+
+
+def split_half_gc(kernel, *, draws: int = 200, confidence: float = 0.9, seed: int = 0) -> NullBand:
+    """How alike a set's gradients are: ``|GC|`` of random halves of its units against all of them,
+    from its kernel (m, m), as a band over ``draws`` halves (median, and the ``confidence``
+    quantiles). 1 when every gradient is parallel; near ``sqrt(1/2)`` and below when they share
+    no direction (the top direction of a half of isotropic gradients is the whole set's by chance
+    only). The expert's kernel and the dense layer's on the same units give two such bands."""
+    K = np.asarray(kernel.detach().cpu().double() if torch.is_tensor(kernel) else kernel, dtype=np.float64)
+    m = K.shape[0]
+    if K.ndim != 2 or K.shape != (m, m) or m < 4:
+        raise InputError("kernel", "must be a square (m, m) kernel with m >= 4 units", K.shape)
+    whole = direction(K, np.arange(m), np.ones(m))
+    return random_band(K, whole, m // 2, draws=draws, confidence=confidence, seed=seed)
+
+
+@entry("expert_gc")
+def expert_gc(kernels, labels, *, min_count: int = 2, resampling: Resampling | None = Resampling(),
+              controls: Controls | None = None) -> pd.DataFrame:
+    """GC of each label's units within each expert against all the expert's units, with intervals.
+
+    Parameters
+    ----------
+    kernels : ExpertKernel or list of them (:func:`expert_ntk`).
+    labels : (n,) a label per sample of the batch the kernels were computed on; a unit takes its
+        sample's.
+    min_count : groups with fewer units in an expert are left out.
+    resampling, controls : as :func:`~ntkscope.kernel.uncertainty.kernel_gc`.
+
+    Returns
+    -------
+    DataFrame of GC_COLUMNS: ``n`` the group's units, ``units`` the expert's.
+    """
+    kernels = [kernels] if isinstance(kernels, ExpertKernel) else list(kernels)
+    labels = np.asarray(labels)
+    rows = []
+    for k in kernels:
+        if labels.ndim != 1 or (len(k.rows) and k.samples().max() >= len(labels)):
+            raise InputError("labels", "must give one label per sample of the kernels' batch", labels.shape)
+        own = labels[k.samples()]
+        names = [g for g in dict.fromkeys(own.tolist()) if (own == g).sum() >= min_count]
+        if len(k.rows) < 2 or not names:
+            continue
+        subsets = [np.flatnonzero(own == g) for g in names]
+        for g, idx, r in zip(names, subsets, kernel_gc(k.matrix, subsets, resampling=resampling, controls=controls)):
+            homogeneous = r.controls.get("homogeneous")
+            rows.append({"layer": k.layer, "expert": k.expert, "unit": k.unit, "group": g, "n": len(idx),
+                         "units": len(k.rows), "gc": r.score, "gc_low": r.interval.low, "gc_high": r.interval.high,
+                         "abs_gc": abs(r.score), "null_median": r.null.median,
+                         "homogeneous_median": homogeneous.median if homogeneous else math.nan,
+                         "flags": ";".join(r.flags)})
+    return pd.DataFrame(rows, columns=GC_COLUMNS)

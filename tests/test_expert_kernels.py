@@ -1,0 +1,194 @@
+"""Per-expert kernels (ntkscope.kernel.experts): each expert's NTK over its own parameters and the
+units routed to it equals an explicit per-expert Jacobian in float64 (a per-unit autograd loop
+over the whole fused tensors, then the expert's row), for transformers' Mixtral, OLMoE and
+Qwen-MoE and for our CSE and Switch layers; the routed units are read from the experts' own call,
+so a token the router never sends (or padding, or the last token) is not a row; and on a planted
+mixture the expert serving a domain whose gradients agree is the more consistent one."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cse_models import SparseHF
+from cse_models.cse import convert_to_cse, upcycle
+from ntkscope.core.checks import InputError
+from ntkscope.kernel.experts import expert_gc, expert_ntk, find_mixtures, split_half_gc
+
+transformers = pytest.importorskip("transformers")
+from test_hf_sparse import dense, planted_domains  # noqa: E402
+
+MIXTURES = {
+    "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **_SIZES),
+    "olmoe": lambda: transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, **_SIZES),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+                                                     shared_expert_intermediate_size=8, decoder_sparse_step=1,
+                                                     mlp_only_layers=[], **_SIZES),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+                                                     decoder_sparse_step=1, mlp_only_layers=[], head_dim=8, **_SIZES),
+}
+_SIZES = dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, max_position_embeddings=32)
+
+
+def _mixture(kind: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(MIXTURES[kind]()).double().eval()
+    model.config._experts_implementation = "eager"  # the reference's own forward in float64
+    return model
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (4, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # right padding
+    mask[3, 4:] = 0
+    return ids, mask
+
+
+def _token_losses(logits, ids, mask):
+    """(n, T) next-token losses, 0 where nothing is predicted (padding, the last real token)."""
+    loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    kept = (mask[:, 1:] & mask[:, :-1]).bool()
+    return torch.cat([torch.where(kept, loss, 0.0), loss.new_zeros(len(ids), 1)], 1), \
+        torch.cat([kept, kept.new_zeros(len(ids), 1)], 1)
+
+
+def _reference(model, ids, mask, e, layer_module, params, unit):
+    """Units routed to expert ``e`` (read from the experts' own call: the top-k indices it is
+    given, or our layer's routing) and J_e J_e^T by a per-unit autograd loop over whole tensors."""
+    seen = {}
+
+    def record(key, value):
+        seen.setdefault(key, value)  # the first call only; a hook that returns None changes nothing
+
+    if hasattr(layer_module, "gate"):  # transformers: the experts module's (hidden, top_k_index, weights)
+        handle = layer_module.experts.register_forward_pre_hook(lambda m, a: record("topk", a[1]))
+    else:
+        handle = layer_module.register_forward_hook(lambda m, a, o: record("x", a))
+    out = model(input_ids=ids, attention_mask=mask)
+    logits = getattr(out, "logits", out)  # SparseHF returns the logits
+    handle.remove()
+    losses, kept = _token_losses(logits, ids, mask)
+    if "topk" in seen:
+        routed = (seen["topk"] == e).any(-1).reshape(ids.shape)
+    elif hasattr(layer_module, "route"):  # CSE: the sequence's expert
+        routed = (layer_module.route(*seen["x"][:2])[1] == e)[:, None].expand(ids.shape)
+    else:  # Switch: its per-sequence routes
+        routed = layer_module.sequence_routes(*seen["x"][:2])[1] == e
+    routed = routed & mask.bool()
+    if unit == "token":
+        units = [(i, t) for i, t in zip(*np.nonzero((routed & kept).numpy()))]
+        values = [losses[i, t] for i, t in units]
+    else:
+        units = [(i, -1) for i in np.flatnonzero(routed.any(1).numpy())]
+        values = [losses[i].sum() / kept[i].sum() for i, _ in units]
+    rows = []
+    for v in values:
+        grads = torch.autograd.grad(v, [p for p, _ in params], retain_graph=True, allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g)[index if index is not None else ...].reshape(-1)
+                               for g, (p, index) in zip(grads, params)]))
+    J = torch.stack(rows)
+    return units, J @ J.T
+
+
+@pytest.mark.parametrize("kind", sorted(MIXTURES))
+@pytest.mark.parametrize("unit", ["token", "sequence"])
+def test_a_transformers_mixture_s_expert_kernel_is_its_explicit_jacobian(kind, unit):
+    model = _mixture(kind)
+    ids, mask = _batch()
+    layer = "model.layers.1.mlp"
+    assert list(find_mixtures(model)) == ["model.layers.0.mlp", layer]
+    block = model.get_submodule(layer)
+    kernels = expert_ntk(model, {"input_ids": ids, "attention_mask": mask}, layer=layer, unit=unit)
+    assert [k.expert for k in kernels] == sorted({k.expert for k in kernels}) and len(kernels) >= 2
+    total = 0
+    for k in kernels:
+        fused = [(block.experts.gate_up_proj, k.expert), (block.experts.down_proj, k.expert)]
+        units, reference = _reference(model, ids, mask, k.expert, block, fused, unit)
+        assert [tuple(r) for r in k.rows[["sample", "position"]].to_numpy()] == units
+        assert k.n_params == 2 * 12 * 16 + 16 * 12 if kind.startswith("qwen") else 2 * 24 * 16 + 16 * 24
+        assert k.method == "batched-backward" and k.unit == unit
+        torch.testing.assert_close(k.matrix, reference, rtol=1e-10, atol=1e-12)
+        total += len(units)
+    if unit == "token":  # every predicting real token goes to its top 2: no other token is a row
+        kept = (mask[:, 1:] & mask[:, :-1]).sum()
+        assert total == 2 * kept
+
+
+@pytest.mark.parametrize("sparse", ["cse", "switch"])
+def test_our_layers_expert_kernels_are_their_explicit_jacobians(sparse):
+    torch.manual_seed(0)
+    hf = dense("gpt2").double()
+    model = SparseHF(hf, dict(kind=sparse, layers=[1], n_experts=[0])).eval()
+    ids, _ = planted_domains(n_per=10)
+    if sparse == "cse":
+        emb = hf.get_input_embeddings().weight
+        with torch.no_grad():  # two vocabularies apart: two clusters
+            u = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0), dtype=emb.dtype)
+            emb[:25] += u
+            emb[25:] -= u
+        convert_to_cse(model, ids, None, min_cluster_size=5, max_experts=4)
+    else:
+        upcycle(model, 3)
+        with torch.no_grad():
+            next(iter(model.sparse_layers().values())).router.weight.normal_(0, 1.0)
+    (path, layer), = model.sparse_layers().items()
+    ids, mask = _batch()
+    ids = ids % 50
+    kernels = expert_ntk(model, {"input_ids": ids, "attention_mask": mask})
+    assert {k.layer for k in kernels} == {path}
+    assert all(k.unit == ("sequence" if sparse == "cse" else "token") for k in kernels)
+    for k in kernels:
+        own = [(p, None) for p in layer.experts[k.expert].parameters()]
+        units, reference = _reference(model, ids, mask, k.expert, layer, own, k.unit)
+        assert [tuple(r) for r in k.rows[["sample", "position"]].to_numpy()] == units
+        assert k.method.startswith("engine") if sparse == "cse" else k.method == "batched-backward"
+        torch.testing.assert_close(k.matrix.double(), reference, rtol=1e-9, atol=1e-12)
+
+
+def test_the_expert_serving_agreeing_gradients_is_the_more_consistent():
+    """Planted: domain a is one sentence with a token changed here and there (its gradients
+    agree), domain b random text; CSE sends each to its own expert. The a expert's split-half
+    |GC| is near 1 and above b's band; GC groups inside an expert read each domain's units."""
+    torch.manual_seed(0)
+    hf = dense("gpt2").double()
+    emb = hf.get_input_embeddings().weight
+    with torch.no_grad():
+        u = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0), dtype=emb.dtype)
+        emb[:25] += u
+        emb[25:] -= u
+    model = SparseHF(hf, dict(kind="cse", layers=[1], n_experts=[0])).eval()
+    fit, _ = planted_domains(n_per=20)
+    convert_to_cse(model, fit, None, min_cluster_size=5, max_experts=4)
+    g = torch.Generator().manual_seed(7)
+    template = torch.randint(0, 25, (12,), generator=g)
+    a = template.repeat(16, 1)
+    a[torch.arange(16), torch.randint(0, 12, (16,), generator=g)] = torch.randint(0, 25, (16,), generator=g)
+    b = torch.randint(25, 50, (16, 12), generator=g)
+    ids = torch.cat([a, b])
+    kernels = {k.expert: k for k in expert_ntk(model, ids, min_units=4)}
+    domain = np.array(["a"] * 16 + ["b"] * 16)
+    served = {e: set(domain[k.samples()]) for e, k in kernels.items()}
+    (ea,), (eb,) = ([e for e, s in served.items() if s == {d}] for d in ("a", "b"))
+    band_a, band_b = split_half_gc(kernels[ea].matrix), split_half_gc(kernels[eb].matrix)
+    assert band_a.median > 0.95 and band_a.low > band_b.high
+    table = expert_gc(list(kernels.values()), domain, resampling=None)
+    assert set(table["group"]) == {"a", "b"} and (table["n"] == table["units"]).all()
+    assert np.allclose(table["gc"], 1.0)  # a pure expert: its group is its whole set
+
+
+def test_expert_ntk_refuses_what_it_cannot_read():
+    ids, mask = _batch()
+    with pytest.raises(InputError, match="expert_ntk: model has no mixture layer"):
+        expert_ntk(dense("gpt2"), ids)
+    model = _mixture("mixtral")
+    with pytest.raises(InputError, match="expert_ntk: layer must be one of the model's mixture layers"):
+        expert_ntk(model, ids, layer="model.layers.0.self_attn")
+    with pytest.raises(InputError, match=r"expert_ntk: experts must be expert indices in \[0, 4\)"):
+        expert_ntk(model, ids, experts=[4])
+    with pytest.raises(InputError, match="expert_ntk: params is set per expert"):
+        expert_ntk(model, ids, params="model.*")
+    with pytest.raises(InputError, match="expert_ntk: max_memory is below"):
+        expert_ntk(model, ids, max_memory=1000)
