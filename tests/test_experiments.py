@@ -579,3 +579,22 @@ def test_the_trunk_probe_measures_a_runs_trunk_at_every_checkpoint(reference_see
     assert table.lr.notna().all() and set(table.layer.dropna()) == {0, 1}
     before = path.stat().st_mtime_ns
     assert probe_trunks(spec, reference_seed0, out, per_domain=6) == [path] and path.stat().st_mtime_ns == before
+
+
+def test_first_moves_the_chosen_units_and_their_needs_ahead():
+    """``experiment run --first``: the criteria arm's units of every seed, with the trunks and plans
+    they need, come before the rest; every unit is still there, each after its needs."""
+    from ntkscope.experiments.runner import prioritised
+
+    todo = units(load_spec("warmup-fresh"), "v")
+    ordered = prioritised(todo, ["cse-at1200-*"])
+    names = [u.name for u in ordered]
+    assert sorted(names) == sorted(u.name for u in todo)
+    head = names[:15]  # 5 trunks, 5 plans, 5 criteria units
+    assert {n for n in head if n.startswith("cse-")} == {f"cse-at1200-seed{s}" for s in range(5, 10)}
+    assert {n.split("-seed")[0] for n in head} == {"dense", "plan", "cse-at1200"}
+    position = {n: i for i, n in enumerate(names)}
+    assert all(position[need] < position[u.name] for u in ordered for need in u.needs)
+    assert prioritised(todo, None) == todo
+    with pytest.raises(UserError, match="run_experiment: first must be globs that match units"):
+        prioritised(todo, ["nothing-*"])

@@ -71,7 +71,8 @@ def _run(args) -> int:
         raise InputError("--adopt", "must be a directory (an earlier run directory, or committed results such as "
                          "figures/sweep)", str(args.adopt), func="ntkscope experiment run")
     outcome = run_experiment(spec, out, executor=args.executor, workers=args.workers, threads=args.threads,
-                             retries=args.retries, adopt=args.adopt, pack=args.data, device=args.device, slurm=slurm)
+                             retries=args.retries, adopt=args.adopt, pack=args.data, device=args.device, slurm=slurm,
+                             first=args.first.split(",") if args.first else None)
     print(f"experiment {spec.name} in {out}: {len(outcome.done)} units done, {len(outcome.failed)} failed, "
           f"{len(outcome.blocked)} blocked; tables in {out}/tables" + (" (partial)" if outcome.partial else ""))
     for name, error in outcome.failed.items():
@@ -144,6 +145,8 @@ def add_parsers(sub) -> None:
     run.add_argument("--adopt", metavar="DIR", help="an earlier run directory (or committed results such as "
                      "figures/sweep) whose finished units count as done")
     run.add_argument("--seeds", help="comma-separated seeds in place of the spec's")
+    run.add_argument("--first", help="comma-separated unit-name globs (e.g. 'cse-at1200-*') whose units, and "
+                     "every unit they need, start before the others; every unit still runs")
     run.add_argument("--steps", type=POSITIVE_INT, help="the schedule's length in place of the spec's")
     run.add_argument("--device", help="where units train: cpu, cuda, auto (default: the spec's settings)")
     run.add_argument("--data", "--pack", dest="data", help="a corpus pack directory (default: the shipped one)")

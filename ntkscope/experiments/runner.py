@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import fcntl
+import fnmatch
 import json
 import logging
 import multiprocessing
@@ -222,12 +223,14 @@ class Outcome:
 
 def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int = 1, threads: int = 1,
                    retries: int | None = None, adopt=None, pack=None, device: str | None = None,
-                   slurm: SlurmSpec | None = None, poll: float = 0.5) -> Outcome:
+                   slurm: SlurmSpec | None = None, poll: float = 0.5, first=None) -> Outcome:
     """Run every unit of ``spec`` not yet done in ``run_dir`` through ``executor`` (EXECUTORS),
     at most ``workers`` at once with ``threads`` torch threads each, trying a failed unit again
     up to ``retries`` times (default: the spec's); then rebuild the tables from what finished.
     ``adopt``: an earlier run directory (or committed results) whose finished units count as done.
-    ``device``: where units train ("cpu", "cuda", "auto"; default: the spec's settings)."""
+    ``device``: where units train ("cpu", "cuda", "auto"; default: the spec's settings).
+    ``first``: unit-name globs whose units, and every unit they need, start before the others
+    (every unit still runs)."""
     if executor not in EXECUTORS:
         raise fail("run_experiment", "executor", f"must be one of {', '.join(EXECUTORS)}", executor)
     if workers < 1 or threads < 0:
@@ -242,7 +245,7 @@ def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int
     run_dir.mkdir(parents=True, exist_ok=True)
     pack = spec_pack(spec, run_dir, pack)
     version = load_pack(pack).manifest.get("version")
-    todo = units(spec, version)
+    todo = prioritised(units(spec, version), first)
     write_json(run_dir / "experiment.json", {"name": spec.name, "kind": spec.kind, "source": spec.source,
                                              "spec": json.loads(spec.text), "pack": version,
                                              "units": [{"name": u.name, "seed": u.seed, "needs": list(u.needs),
@@ -256,6 +259,28 @@ def run_experiment(spec: Spec, run_dir, *, executor: str = "local", workers: int
         if hasattr(pool, "interrupt"):
             pool.interrupt()
         raise
+
+
+def prioritised(todo: list, first) -> list:
+    """``todo`` with the units matching the globs ``first`` and all they need (transitively) moved
+    ahead, each part in its own order (a unit still after its needs); each glob must match a unit."""
+    if not first:
+        return todo
+    patterns = [first] if isinstance(first, str) else list(first)
+    names = [u.name for u in todo]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise fail("run_experiment", "first", f"must be globs that match units ({', '.join(names[:6])}, ...)",
+                       pattern)
+    by_name = {u.name: u for u in todo}
+    wanted = {n for p in patterns for n in fnmatch.filter(names, p)}
+    stack = list(wanted)
+    while stack:
+        for need in by_name[stack.pop()].needs:
+            if need not in wanted:
+                wanted.add(need)
+                stack.append(need)
+    return [u for u in todo if u.name in wanted] + [u for u in todo if u.name not in wanted]
 
 
 def _run_units(spec: Spec, run_dir: Path, todo: list, pool, workers: int, threads: int, retries: int, pack,
