@@ -598,3 +598,30 @@ def test_first_moves_the_chosen_units_and_their_needs_ahead():
     assert prioritised(todo, None) == todo
     with pytest.raises(UserError, match="run_experiment: first must be globs that match units"):
         prioritised(todo, ["nothing-*"])
+
+
+def test_the_expert_figure_measures_a_runs_cse_models_against_its_trunk(reference_seed0, tmp_path, capsys):
+    """`ntkscope experiment experts` over a finished toy run: a row per expert of each CSE layer,
+    split-half |GC| bands in [0, 1] with the paired difference between its ends; verdicts open
+    with 1 of 5 seeds; a second call keeps the seed's rows."""
+    from ntkscope.app.cli import main as ntkscope
+
+    spec = toy_file(tmp_path, seeds=[0], arms=KILL_ARMS)
+    out = tmp_path / "experts"
+    args = ["-q", "experiment", "experts", str(reference_seed0), "--spec", str(spec), "--arm", "cse-at20",
+            "--per-domain", "6", "--min-units", "4", "--draws", "20", "--out", str(out)]
+    assert ntkscope(args) == 0, capsys.readouterr().err
+    table = pd.read_csv(out / "experts.csv")
+    assert set(table["seed"]) == {0} and set(table["step"]) == {60} and set(table["layer"]) <= {0, 1}
+    assert table.groupby("layer")["units"].sum().eq(18).all()  # every probe block routed once per layer
+    measured = table[table["units"] >= 4]
+    for name in ("expert", "dense", "null"):
+        assert measured[f"{name}_low"].between(0, 1).all() and measured[f"{name}_high"].le(1 + 1e-9).all()
+        assert (measured[f"{name}_low"] <= measured[f"{name}_median"]).all()
+    assert (measured["diff_low"] <= measured["diff_high"]).all()
+    verdicts = json.loads((out / "verdicts.json").read_text())
+    assert verdicts["experts_more_consistent"]["seeds_ran"] == 1
+    assert verdicts["experts_more_consistent"]["verdict"] in {"open", "not shown"}
+    assert "experts more consistent than the dense FFN" in capsys.readouterr().out
+    before = (out / "experts.csv").stat().st_mtime_ns
+    assert ntkscope(args) == 0 and (out / "experts.csv").stat().st_mtime_ns == before

@@ -179,6 +179,40 @@ def test_the_expert_serving_agreeing_gradients_is_the_more_consistent():
     assert np.allclose(table["gc"], 1.0)  # a pure expert: its group is its whole set
 
 
+def test_a_float32_model_analysed_in_float64_routes_its_own_copy():
+    """dtype=float64 on a float32 model: the kernel is computed on a float64 copy, whose routers
+    are the ones read (the user's model is left as it was)."""
+    ids, mask = _batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    model = _mixture("olmoe")
+    reference = expert_ntk(model, batch, layer="model.layers.0.mlp", unit="token")
+    single = model.float()
+    copied = expert_ntk(single, batch, layer="model.layers.0.mlp", unit="token", dtype=torch.float64)
+    assert next(single.parameters()).dtype == torch.float32
+    for a, b in zip(reference, copied):
+        assert a.rows.equals(b.rows) and b.matrix.dtype == torch.float64
+        torch.testing.assert_close(a.matrix, b.matrix, rtol=1e-4, atol=1e-6)
+
+
+def test_split_half_gc_known_answers():
+    """Parallel gradients: every half's direction is the whole set's (1); each draw equals
+    kernel_gc's |GC| of that half; two kernels over the same units pair draw by draw."""
+    from ntkscope.kernel.experts import halves, subset_abs_gc
+    from ntkscope.kernel.uncertainty import kernel_gc
+
+    g = np.random.default_rng(0)
+    J = np.outer(g.uniform(0.5, 2.0, 12), g.normal(size=30))  # rank one, one sign
+    band = split_half_gc(J @ J.T, draws=50)
+    assert band.low == pytest.approx(1.0) and band.median == pytest.approx(1.0)
+    K = (lambda G: G @ G.T)(g.normal(size=(12, 40)))
+    H = halves(12, 5, seed=3)
+    assert all(len(h) == 6 and (np.diff(h) > 0).all() for h in H) and H[0].tolist() == halves(12, 5, seed=3)[0].tolist()
+    values = subset_abs_gc(K, H)
+    for h, v in zip(H, values):
+        assert v == pytest.approx(abs(kernel_gc(K, [h], resampling=None)[0].score), abs=1e-10)
+    assert split_half_gc(K, draws=200).median < 0.99
+
+
 def test_expert_ntk_refuses_what_it_cannot_read():
     ids, mask = _batch()
     with pytest.raises(InputError, match="expert_ntk: model has no mixture layer"):

@@ -11,6 +11,7 @@ from ntkscope.app.parsing import COUNT, POSITIVE_INT, add_out
 from ntkscope.core.checks import InputError, UserError
 from ntkscope.core.files import check_output, read_json_object
 from ntkscope.experiments import load_spec, parse_spec, run_experiment, shipped, status, summarise_experiment
+from ntkscope.experiments.experts import expert_figure
 from ntkscope.experiments.map import summarise_map
 from ntkscope.experiments.probe import probe_trunks
 from ntkscope.experiments.spec import EXECUTORS
@@ -115,6 +116,21 @@ def _probe(args) -> int:
     return 0
 
 
+def _experts(args) -> int:
+    if not (args.run_dir / "models").is_dir():
+        raise InputError("RUN", "must be a sweep's run directory with models/ (its units' checkpoints)",
+                         str(args.run_dir), func="ntkscope experiment experts")
+    found = expert_figure(load_spec(args.spec), args.run_dir, args.out, arm=args.arm, pack=args.data,
+                          seeds=_seeds(args.seeds) if args.seeds else None, per_domain=args.per_domain,
+                          min_units=args.min_units, draws=args.draws)
+    v = found["experts_more_consistent"]
+    print(f"experts more consistent than the dense FFN on their own blocks: {v['verdict']} "
+          f"({v['wins']} of {v['seeds_ran']} seeds measured)" + (f"; {v['why']}" if "why" in v else ""))
+    print(f"tail experts: {found['tail_experts']['verdict']}")
+    print(f"table {args.out / 'experts.csv'}, verdicts {args.out / 'verdicts.json'}")
+    return 0
+
+
 def _specs(args) -> int:
     for name, path in sorted(shipped().items()):
         spec = load_spec(path)
@@ -194,5 +210,20 @@ def add_parsers(sub) -> None:
     pr.add_argument("--null-draws", type=COUNT, default=0, help="GC's random-null draws per group size (default 0: "
                     "none; each draw costs about a kernel's statistics)")
     pr.set_defaults(run=_probe)
+    xp = ex.add_parser("experts", help="Figure 5(b, c) on a sweep's converted models: each expert's split-half "
+                       "|GC| on the probe blocks routed to it against the dense trunk's FFN on the same blocks at the "
+                       "same step, paired over the same halves, with a random-blocks null (OUT/experts.csv, "
+                       "OUT/verdicts.json; a seed already measured is kept)")
+    xp.add_argument("run_dir", metavar="RUN", type=Path, help="the sweep's run directory")
+    xp.add_argument("--spec", required=True, help="the spec the run ran (its seeds, settings and trunk)")
+    add_out(xp, kind="own", type=Path, required=True, help="where the table and verdicts go")
+    xp.add_argument("--arm", default="cse-at1200", help="the CSE arm measured (default cse-at1200)")
+    xp.add_argument("--data", "--pack", dest="data", help="the corpus pack the run used (default: the shipped one)")
+    xp.add_argument("--seeds", help="comma-separated seeds (default: the spec's)")
+    xp.add_argument("--per-domain", type=POSITIVE_INT, default=64,
+                    help="validation blocks of each domain in the probe (default 64)")
+    xp.add_argument("--min-units", type=POSITIVE_INT, default=8, help="blocks an expert needs to be judged (default 8)")
+    xp.add_argument("--draws", type=POSITIVE_INT, default=200, help="random halves per expert (default 200)")
+    xp.set_defaults(run=_experts)
     sp = ex.add_parser("specs", help="the specs that ship with ntkscope")
     sp.set_defaults(run=_specs)

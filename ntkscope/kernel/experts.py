@@ -52,11 +52,11 @@ from ntkscope.core.lm import causal_targets, token_values
 from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.core.registry import Registry
 from ntkscope.kernel.grads import functional_model
-from ntkscope.kernel.nulls import Controls, NullBand, random_band
+from ntkscope.kernel.nulls import Controls, NullBand
 from ntkscope.kernel.ntk import empirical_ntk
-from ntkscope.kernel.objectives import CausalLMLoss, primary_output, take
+from ntkscope.kernel.objectives import CallableModule, CausalLMLoss, primary_output, take
 from ntkscope.kernel.options import KernelOptions
-from ntkscope.kernel.replicates import direction
+from ntkscope.kernel.replicates import direction, subset_gc
 from ntkscope.kernel.uncertainty import Resampling, kernel_gc
 
 log = logging.getLogger(__name__)
@@ -263,7 +263,9 @@ def expert_ntk(model: nn.Module, batch, *, layer: str | None = None, experts=Non
     with functional_model(model, opts) as fm:
         data = fm.prepare(batch)
         mask, kept = _masks(fm, data)
-        routed = _routes(fm.module, data, lambda inputs: fm.run(fm.params, inputs), found)
+        inner = fm.module.model if isinstance(fm.module, CallableModule) else fm.module  # a copy in another dtype
+        found = {path: (kind, inner.get_submodule(path)) for path, (kind, _) in found.items()}
+        routed = _routes(inner, data, lambda inputs: fm.run(fm.params, inputs), found)
         out = []
         for path, (kind, module) in found.items():
             own = kind.unit if unit == "auto" else unit
@@ -378,18 +380,40 @@ GC_COLUMNS = ["layer", "expert", "unit", "group", "n", "units", "gc", "gc_low", 
               "homogeneous_median", "flags"]
 
 
+def halves(m: int, draws: int, seed: int = 0, size: int | None = None) -> list:
+    """``draws`` random subsets of ``size`` (default ``m // 2``) of ``range(m)``, each sorted: the
+    same draws for every kernel over the same units, so that two kernels' |GC| pair draw by draw."""
+    rng = np.random.default_rng([seed, 62, m])
+    k = m // 2 if size is None else size
+    return [np.sort(rng.choice(m, size=k, replace=False)) for _ in range(draws)]
+
+
+def subset_abs_gc(kernel, subsets: list, whole=None) -> np.ndarray:
+    """``|GC|`` of each subset (index arrays into the kernel's rows) against the rows ``whole``
+    (default all), from the kernel (m, m) alone: (len(subsets),)."""
+    K = np.asarray(kernel.detach().cpu().double() if torch.is_tensor(kernel) else kernel, dtype=np.float64)
+    if K.ndim != 2 or K.shape[0] != K.shape[1]:
+        raise InputError("kernel", "must be a square (m, m) kernel", K.shape)
+    rows = np.arange(K.shape[0]) if whole is None else np.asarray(whole)
+    block = K[np.ix_(rows, rows)]
+    top = direction(block, np.arange(len(rows)), np.ones(len(rows)))
+    along, norm = top.weights @ block, math.sqrt(max(top.eigenvalue, 0))
+    return np.array([abs(subset_gc(block, along, norm, np.asarray(idx))) for idx in subsets])
+
+
 def split_half_gc(kernel, *, draws: int = 200, confidence: float = 0.9, seed: int = 0) -> NullBand:
     """How alike a set's gradients are: ``|GC|`` of random halves of its units against all of them,
     from its kernel (m, m), as a band over ``draws`` halves (median, and the ``confidence``
-    quantiles). 1 when every gradient is parallel; near ``sqrt(1/2)`` and below when they share
-    no direction (the top direction of a half of isotropic gradients is the whole set's by chance
-    only). The expert's kernel and the dense layer's on the same units give two such bands."""
-    K = np.asarray(kernel.detach().cpu().double() if torch.is_tensor(kernel) else kernel, dtype=np.float64)
-    m = K.shape[0]
-    if K.ndim != 2 or K.shape != (m, m) or m < 4:
-        raise InputError("kernel", "must be a square (m, m) kernel with m >= 4 units", K.shape)
-    whole = direction(K, np.arange(m), np.ones(m))
-    return random_band(K, whole, m // 2, draws=draws, confidence=confidence, seed=seed)
+    quantiles). 1 when every gradient is parallel; well below when they share no direction (the
+    top direction of a half of isotropic gradients is the whole set's by chance only). Two kernels
+    over the same units pair draw by draw with :func:`halves` and :func:`subset_abs_gc`."""
+    m = kernel.shape[0]
+    if len(kernel.shape) != 2 or m < 4:
+        raise InputError("kernel", "must be a square (m, m) kernel with m >= 4 units", tuple(kernel.shape))
+    values = subset_abs_gc(kernel, halves(m, draws, seed))
+    tail = (1 - confidence) / 2
+    low, median, high = np.quantile(values, [tail, 0.5, 1 - tail])
+    return NullBand(float(low), float(median), float(high), len(values))
 
 
 @entry("expert_gc")
