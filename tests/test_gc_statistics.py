@@ -334,21 +334,22 @@ def test_a_matched_null_keeps_the_subsets_counts_per_covariate_bin():
     tail = np.flatnonzero(labels == 0)
     whole, _ = R.statistics(K, np.ones(120, dtype=np.int64), [tail])
     seen = []
-    real_gc = R.subset_gc
+    real_gcs = R.subset_abs_gcs
 
-    def spy(K_, along, norm, rows):
-        seen.append(rows)
-        gc = real_gc(K_, along, norm, rows)
-        _, ((direct, _, _),) = R.statistics(K_, np.ones(len(K_), dtype=np.int64), [rows])  # the band's shortcut
-        assert gc == pytest.approx(direct, abs=1e-12)
-        return gc
+    def spy(K_, along, norm, subsets):
+        seen.extend(subsets)
+        gcs = real_gcs(K_, along, norm, subsets)
+        for rows, gc in zip(subsets, gcs):  # the band's shortcut against the whole statistics
+            _, ((direct, _, _),) = R.statistics(K_, np.ones(len(K_), dtype=np.int64), [rows])
+            assert gc == pytest.approx(abs(direct), abs=1e-10)
+        return gcs
 
     import ntkscope.kernel.nulls as N
-    N.subset_gc, before = spy, N.subset_gc
+    N.subset_abs_gcs, before = spy, N.subset_abs_gcs
     try:
         band = matched_band(K, whole, tail, length.astype(float), 5, draws=20, confidence=0.9, seed=0)
     finally:
-        N.subset_gc = before
+        N.subset_abs_gcs = before
     bins = np.searchsorted(np.unique(np.quantile(length, np.linspace(0, 1, 6)[1:-1])), length, side="right")
     assert band.draws == 20 and len(seen) == 20
     for drawn in seen:
@@ -580,3 +581,24 @@ def test_the_jackknifes_batched_whole_set_directions_give_the_one_by_one_numbers
     one_by_one = R.jackknife(K, members, budget=200, halves=6, seed=3)
     for a, b in zip(batched, one_by_one):
         np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_a_null_bands_draws_solved_together_equal_them_one_by_one():
+    """subset_abs_gcs (one stacked eigh per size, up to STACKED_UP_TO) against subset_gc per draw:
+    the same |GC| to rounding, on a kernel with a near-double top eigenvalue, sizes mixed, a
+    degenerate subset (zero gradients) NaN in both, and a size above the stacked limit."""
+    g = np.random.default_rng(4)
+    G = g.normal(size=(150, 60))
+    G[:, 0] *= 6
+    G[:, 1] *= 5.9
+    G[7] = 0
+    G[11] = 0
+    K = G @ G.T
+    whole = R.direction(K, np.arange(150), np.ones(150))
+    along, norm = whole.weights @ K, np.sqrt(whole.eigenvalue)
+    subsets = [np.sort(g.choice(150, size=k, replace=False)) for k in (2, 5, 16, 16, 40) for _ in range(7)]
+    subsets.append(np.array([7, 11]))
+    stacked = R.subset_abs_gcs(K, along, norm, subsets)
+    single = np.array([abs(R.subset_gc(K, along, norm, s)) for s in subsets])
+    assert np.isnan(stacked[-1]) and np.isnan(single[-1])
+    np.testing.assert_allclose(stacked[:-1], single[:-1], rtol=0, atol=1e-10)

@@ -56,7 +56,7 @@ from ntkscope.kernel.nulls import Controls, NullBand
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.objectives import CallableModule, CausalLMLoss, primary_output, take
 from ntkscope.kernel.options import KernelOptions
-from ntkscope.kernel.replicates import direction, subset_gc
+from ntkscope.kernel.replicates import direction, subset_abs_gcs
 from ntkscope.kernel.uncertainty import Resampling, kernel_gc
 
 log = logging.getLogger(__name__)
@@ -398,7 +398,7 @@ def subset_abs_gc(kernel, subsets: list, whole=None) -> np.ndarray:
     block = K[np.ix_(rows, rows)]
     top = direction(block, np.arange(len(rows)), np.ones(len(rows)))
     along, norm = top.weights @ block, math.sqrt(max(top.eigenvalue, 0))
-    return np.array([abs(subset_gc(block, along, norm, np.asarray(idx))) for idx in subsets])
+    return subset_abs_gcs(block, along, norm, [np.sort(np.asarray(idx)) for idx in subsets])
 
 
 def split_half_gc(kernel, *, draws: int = 200, confidence: float = 0.9, seed: int = 0) -> NullBand:

@@ -26,8 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ntkscope.core.checks import InputError, entry
-from ntkscope.core.progress import progress_bar
-from ntkscope.kernel.replicates import Direction, subset_gc
+from ntkscope.kernel.replicates import Direction, subset_abs_gcs
 
 
 class NullBand(NamedTuple):
@@ -157,17 +156,18 @@ def check_controls(controls, n: int) -> Controls | None:
     return Controls(pools, controls.neighbours, matched, controls.quantiles)
 
 
-def _band(K: np.ndarray, whole: Direction, draw, draws: int, confidence: float, what: str) -> NullBand:
+def _band(K: np.ndarray, whole: Direction, draw, draws: int, confidence: float) -> NullBand:
     """|GC| of ``draws`` subsets ``draw(i) -> index array`` (None: cannot be drawn) against ``whole``."""
     along, norm = whole.weights @ K, math.sqrt(max(whole.eigenvalue, 0))  # the whole set's side, once
-    out = []
-    for i in progress_bar(draws, f"GC null ({what})", "draw", iterable=range(draws)):
+    subsets = []
+    for i in range(draws):  # every draw first, in order (the seeded stream), then solved together
         idx = draw(i)
         if idx is None:
             return NO_BAND
-        out.append(abs(subset_gc(K, along, norm, np.sort(idx))))
-    if not out:
+        subsets.append(np.sort(idx))
+    if not subsets:
         return NO_BAND
+    out = subset_abs_gcs(K, along, norm, subsets)
     tail = (1 - confidence) / 2
     low, median, high = np.quantile(out, [tail, 0.5, 1 - tail])
     return NullBand(float(low), float(median), float(high), len(out))
@@ -179,7 +179,7 @@ def random_band(K, whole, size: int, *, draws: int, confidence: float, seed: int
     if draws == 0 or size >= n:
         return NO_BAND
     rng = np.random.default_rng([seed, 1, size])
-    return _band(K, whole, lambda i: rng.choice(n, size=size, replace=False), draws, confidence, f"random, {size}")
+    return _band(K, whole, lambda i: rng.choice(n, size=size, replace=False), draws, confidence)
 
 
 def homogeneous_band(K, whole, members: np.ndarray, controls: Controls, *, draws: int, confidence: float,
@@ -197,14 +197,14 @@ def homogeneous_band(K, whole, members: np.ndarray, controls: Controls, *, draws
         if not pools:
             return NO_BAND
         return _band(K, whole, lambda i: rng.choice(pools[i % len(pools)], size=size, replace=False), draws,
-                     confidence, f"homogeneous, {size}")
+                     confidence)
     if not controls.neighbours:
         return NO_BAND
     diag = np.sqrt(np.clip(np.diag(K), 1e-300, None))
     similarity = K / diag[:, None] / diag[None, :]
     seeds = rng.permutation(np.setdiff1d(np.arange(n), members))[:draws]
     return _band(K, whole, lambda i: np.argsort(-similarity[seeds[i]], kind="stable")[:size], len(seeds),
-                 confidence, f"neighbours, {size}")
+                 confidence)
 
 
 def matched_band(K, whole, members: np.ndarray, covariate: np.ndarray, quantiles: int, *, draws: int,
@@ -222,4 +222,4 @@ def matched_band(K, whole, members: np.ndarray, covariate: np.ndarray, quantiles
     def draw(i):
         return np.concatenate([rng.choice(pool, size=k, replace=False) for pool, k in zip(bins, need) if k])
 
-    return _band(K, whole, draw, draws, confidence, f"matched, {members.size}")
+    return _band(K, whole, draw, draws, confidence)

@@ -118,6 +118,36 @@ def subset_gc(K: np.ndarray, along: np.ndarray, norm: float, rows: np.ndarray) -
     return _cosine(along[rows] @ sub.weights, norm, math.sqrt(max(sub.eigenvalue, 0)))
 
 
+#: subsets up to this size are solved as one stacked ``numpy.linalg.eigh`` per size (a null band's
+#: draws: a Python call and a LAPACK call each otherwise); larger ones by ``dsyevr``'s top pair alone
+STACKED_UP_TO, STACK_BYTES = 16, 64 * 2**20
+
+
+def subset_abs_gcs(K: np.ndarray, along: np.ndarray, norm: float, subsets: list) -> np.ndarray:
+    """``|subset_gc|`` of each subset (sorted index arrays) against the whole set of ``along`` and
+    ``norm``: (len(subsets),). Subsets of one size up to STACKED_UP_TO are solved together; equal
+    to :func:`subset_gc` one by one to float rounding (NaN where it is NaN)."""
+    out = np.empty(len(subsets))
+    by_size: dict = {}
+    for i, rows in enumerate(subsets):
+        by_size.setdefault(len(rows), []).append(i)
+    for size, which in by_size.items():
+        if size > STACKED_UP_TO or size < 2:
+            out[which] = [abs(subset_gc(K, along, norm, subsets[i])) for i in which]
+            continue
+        step = max(1, STACK_BYTES // (8 * size * size))
+        for start in range(0, len(which), step):
+            part = which[start:start + step]
+            idx = np.stack([subsets[i] for i in part])  # (d, k)
+            vals, vecs = np.linalg.eigh(K[idx[:, :, None], idx[:, None, :]])
+            lam = np.maximum(vals[:, -1], 0.0)
+            product = np.abs(np.einsum("dk,dk->d", along[idx], vecs[:, :, -1]))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                value = np.minimum(1.0, product / (norm * np.sqrt(lam)))
+            out[part] = np.where((lam > 0) & (norm > 0), value, np.nan)
+    return out
+
+
 def statistics(K: np.ndarray, counts: np.ndarray, members: list, kept: dict | None = None,
                whole: Direction | None = None) -> tuple:
     """(whole direction, [(gc, subset direction, mean-gradient consistency)] per subset) for
