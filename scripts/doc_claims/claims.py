@@ -26,8 +26,9 @@ from ntkscope.core.files import write_text
 from ntkscope.representation.plan import gc_peak, plan_step, stable_step
 from ntkscope.runs.dynamics import STABILITY_COLUMNS as STABILITY
 
-from doc_claims.experiments import (claim_budget, claim_gpu_gc, claim_inrun, claim_inrun_sketch, claim_own_model,
-                                    claim_p1, claim_p7, claim_sweep, claim_tail_rule, claim_tracked, claim_tracker, claim_training_step)
+from doc_claims.experiments import (claim_budget, claim_experts, claim_gpu_gc, claim_inrun, claim_inrun_sketch,
+                                    claim_own_model, claim_p1, claim_p7, claim_sweep, claim_tail_rule, claim_tracked,
+                                    claim_tracker, claim_training_step)
 from doc_claims.values import Tables, fmt, fmt_range, fmt_signed_range, fmt_steps
 from doc_claims.warmup_map import claim_warmup_map
 
@@ -482,6 +483,8 @@ def claims(root: str | Path) -> dict:
         out.update(claim_warmup_map(Tables(root / "figures/warmup-map")))
     if (root / "figures/tables-late/tables/table_gpt.csv").is_file():
         out.update(_late_tables(Tables(root / "figures/tables-late")))
+    if (root / "figures/warmup-map/fresh/experts/verdicts.json").is_file():
+        out.update(claim_experts(root / "figures/warmup-map/fresh/experts"))
     if (root / "figures/own-model/comparison.csv").is_file():
         out.update(claim_own_model(root / "figures/own-model"))
     if (root / "benchmarks/gpu_gc.csv").is_file():

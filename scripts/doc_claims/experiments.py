@@ -364,3 +364,33 @@ def claim_tracked(t) -> dict:
             "tracked.seconds": fmt(float(tracked["seconds"].median()), 1),
             "tracked.cka_min": fmt(float(tracked["kernel_cka"].min()), 3),
             "tracked.cka_min_step": str(int(tracked.loc[tracked["kernel_cka"].idxmin(), "step"]))}
+
+
+def claim_experts(folder: Path) -> dict:
+    """docs/figures.md: Figure 5(b, c) on the late-converted models (figures/warmup-map/fresh/experts:
+    experts.csv and verdicts.json of ``ntkscope experiment experts``), the registered verdicts and
+    a row per judged expert."""
+    table, verdicts = pd.read_csv(folder / "experts.csv"), json.loads((folder / "verdicts.json").read_text())
+    one, three = verdicts["experts_more_consistent"], verdicts["tail_experts"]
+    seeds = sorted(int(s) for s in table["seed"].unique())
+    out = {"experts.fresh.seeds": f"{len(seeds)} of 5 seeds ({', '.join(map(str, seeds))})",
+           "experts.fresh.verdict1": f"{one['verdict']}: {one['wins']} of {one['seeds_ran']} seeds measured have more "
+                                     "than half of their judged experts more consistent"
+                                     + (f" ({one['why']})" if "why" in one else ""),
+           "experts.fresh.verdict3": f"{three['verdict']}: {three['wins']} of {three['seeds_with_tail_expert']} seeds "
+                                     "with a tail expert have one more consistent"}
+    judged = table[table["judged"].astype(bool)]
+    more = int(judged["more_consistent"].astype(bool).sum())
+    coherent = int(judged["coherent_in_dense"].astype(bool).sum())
+    out["experts.fresh.counts"] = (f"{more} of {len(judged)} judged experts more consistent than the dense FFN; "
+                                   f"{coherent} of {len(judged)} clusters coherent in the dense model already")
+    lines = ["| seed | layer | expert | blocks | top domain | expert | dense, same blocks | expert − dense | "
+             "dense, random blocks |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in judged.sort_values(["seed", "layer", "expert"]).itertuples():
+        lines.append(f"| {r.seed} | {r.layer} | {r.expert} | {r.units} | {r.top_domain} ({100 * r.top_share:.0f} %) | "
+                     f"{r.expert_median:.2f} [{r.expert_low:.2f}, {r.expert_high:.2f}] | "
+                     f"{r.dense_median:.2f} [{r.dense_low:.2f}, {r.dense_high:.2f}] | "
+                     f"{r.diff_median:+.2f} [{r.diff_low:+.2f}, {r.diff_high:+.2f}] | "
+                     f"{r.null_median:.2f} [{r.null_low:.2f}, {r.null_high:.2f}] |")
+    out["experts.fresh.table"] = "\n".join(lines)
+    return out
