@@ -224,5 +224,19 @@ def test_expert_ntk_refuses_what_it_cannot_read():
         expert_ntk(model, ids, experts=[4])
     with pytest.raises(InputError, match="expert_ntk: params is set per expert"):
         expert_ntk(model, ids, params="model.*")
-    with pytest.raises(InputError, match="expert_ntk: max_memory is below"):
+    with pytest.raises(InputError, match="expert_ntk: max_memory is below the .* two units' gradients"):
         expert_ntk(model, ids, max_memory=1000)
+
+
+def test_a_kernel_above_max_memory_is_made_in_panels_with_the_same_numbers():
+    """J_e larger than max_memory: the units in panels, each panel against the later ones taken
+    again; the same kernel as one panel to rounding."""
+    model = _mixture("qwen3_moe")
+    ids, mask = _batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    whole = expert_ntk(model, batch, layer="model.layers.1.mlp", unit="token")
+    P = whole[0].n_params
+    tight = expert_ntk(model, batch, layer="model.layers.1.mlp", unit="token", max_memory=2 * 4 * 8 * (P + 36))
+    for a, b in zip(whole, tight):
+        assert a.method == "batched-backward" and b.method.endswith("panels") and int(b.method.split(", ")[1][0]) > 1
+        torch.testing.assert_close(a.matrix, b.matrix, rtol=1e-12, atol=1e-14)

@@ -313,57 +313,73 @@ def _kernel(model, batch, fm, data, path, e, unit, rows, params, opts) -> Expert
         sub = take(batch, idx) if isinstance(batch, dict) else batch[idx]
         k = empirical_ntk(model, sub, options=dataclasses.replace(opts, params=names))
         return ExpertKernel(path, e, unit, rows, k.matrix, k.n_params, f"engine: {k.method}")
-    G = expert_jacobian(fm, data, rows, params, unit, opts.max_memory)
-    K = G @ G.T
-    return ExpertKernel(path, e, unit, rows, K, G.shape[1], "batched-backward")
+    K, P, panels = expert_gram(fm, data, rows, params, unit, opts.max_memory)
+    return ExpertKernel(path, e, unit, rows, K, P, "batched-backward" + (f", {panels} panels" if panels > 1 else ""))
 
 
-def expert_jacobian(fm, data: dict, rows: pd.DataFrame, params: list, unit: str,
-                    max_memory: int | None = None) -> torch.Tensor:
-    """``J_e``: each unit's gradient over the expert's parameters (a fused tensor's row ``index``
-    standing in for that row), (m, P_e) in the model's dtype, by one batched backward per chunk of
-    units (one backward per unit where the model's backward cannot be batched)."""
-    named = dict(fm.module.named_parameters())
-    leaves, full = [], {}
-    for name, index in params:
-        tensor = named[name].detach()
-        leaf = (tensor if index is None else tensor[index]).clone().requires_grad_(True)
-        leaves.append(leaf)
-        full[name] = leaf if index is None else torch.cat([tensor[:index], leaf[None], tensor[index + 1:]])
-    P = sum(leaf.numel() for leaf in leaves)
-    m = len(rows)
-    budget = max_memory or available_memory_bytes(fm.device) // 2
-    need = m * P * fm.itemsize
-    if need > budget:
-        raise InputError("max_memory", f"is below the {format_bytes(need)} that expert_jacobian needs for {m} units x "
-                         f"{P} parameters; analyse fewer units (a smaller batch) or raise it", format_bytes(budget))
-    with torch.enable_grad():  # a caller's no_grad would leave nothing to differentiate
-        return _jacobian(fm, data, rows, full, leaves, unit, budget - need)
+class _UnitGradients:
+    """Each unit's gradient over the expert's parameters from one forward of the batch, a fused
+    tensor's row ``index`` standing in for that row: :meth:`rows` gives (c, P_e) for units
+    ``start:stop`` by one batched backward (one backward per unit where the model's backward
+    cannot be batched)."""
 
+    def __init__(self, fm, data: dict, rows: pd.DataFrame, params: list, unit: str):
+        named = dict(fm.module.named_parameters())
+        self.leaves, full = [], {}
+        for name, index in params:
+            tensor = named[name].detach()
+            leaf = (tensor if index is None else tensor[index]).clone().requires_grad_(True)
+            self.leaves.append(leaf)
+            full[name] = leaf if index is None else torch.cat([tensor[:index], leaf[None], tensor[index + 1:]])
+        self.fm, self.P = fm, sum(leaf.numel() for leaf in self.leaves)
+        values = _values(fm, {**fm.params, **full}, data, unit)  # (n,) or (n, T)
+        self.flat = values.reshape(-1)
+        width = values.shape[1] if unit == "token" else 1
+        self.at = rows["sample"].to_numpy() * width + (rows["position"].to_numpy() if unit == "token" else 0)
 
-def _jacobian(fm, data, rows, full, leaves, unit, spare) -> torch.Tensor:
-    m, P = len(rows), sum(leaf.numel() for leaf in leaves)
-    values = _values(fm, {**fm.params, **full}, data, unit)  # (n,) or (n, T)
-    flat = values.reshape(-1)
-    width = values.shape[1] if unit == "token" else 1
-    at = rows["sample"].to_numpy() * width + (rows["position"].to_numpy() if unit == "token" else 0)
-    chunk = max(1, min(m, spare // max(1, flat.numel() * fm.itemsize + P * fm.itemsize)))
-    G = torch.empty(m, P, dtype=fm.dtype, device=fm.device)
-    for start in range(0, m, chunk):
-        idx = torch.as_tensor(at[start:start + chunk], device=flat.device)
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        fm, flat, leaves = self.fm, self.flat, self.leaves
+        idx = torch.as_tensor(self.at[start:stop], device=flat.device)
         picks = torch.zeros(len(idx), flat.numel(), dtype=flat.dtype, device=flat.device)
         picks[torch.arange(len(idx)), idx] = 1
         try:
             grads = torch.autograd.grad(flat, leaves, grad_outputs=picks, retain_graph=True, is_grads_batched=True,
                                         allow_unused=True)
         except RuntimeError as err:  # a backward vmap cannot batch: one backward per unit
-            log.debug("expert_jacobian: batched backward failed (%s); one backward per unit", err)
+            log.debug("expert_gram: batched backward failed (%s); one backward per unit", err)
             grads = [torch.stack(g) for g in zip(*(
                 torch.autograd.grad(flat, leaves, grad_outputs=p, retain_graph=True, allow_unused=True) for p in picks))]
-        G[start:start + len(idx)] = torch.cat([
-            (torch.zeros((len(idx), leaf.numel()), dtype=fm.dtype, device=fm.device) if g is None
-             else g.reshape(len(idx), -1)) for g, leaf in zip(grads, leaves)], 1)
-    return G
+        return torch.cat([(torch.zeros((len(idx), leaf.numel()), dtype=fm.dtype, device=fm.device) if g is None
+                           else g.reshape(len(idx), -1)) for g, leaf in zip(grads, leaves)], 1)
+
+
+def expert_gram(fm, data: dict, rows: pd.DataFrame, params: list, unit: str,
+                max_memory: int | None = None) -> tuple[torch.Tensor, int, int]:
+    """``J_e J_e^T`` over the units ``rows`` without holding ``J_e`` when it does not fit: the
+    units in panels of at most half the budget each, a panel's gradients against every later
+    panel's, each later panel taken again (``q (q + 1) / 2`` panel backwards for q panels; one
+    panel, one backward per unit, when ``J_e`` fits). Returns (K (m, m), P_e, panels)."""
+    with torch.enable_grad():  # a caller's no_grad would leave nothing to differentiate
+        grads = _UnitGradients(fm, data, rows, params, unit)
+        m, P, item = len(rows), grads.P, fm.itemsize
+        budget = max_memory or available_memory_bytes(fm.device) // 2
+        unit_bytes = P * item + grads.flat.numel() * item  # a unit's gradient and its pick
+        if 2 * unit_bytes > budget:
+            raise InputError("max_memory", f"is below the {format_bytes(2 * unit_bytes)} that expert_gram needs for two "
+                             f"units' gradients over {P} parameters; raise it", format_bytes(budget))
+        panel = m if m * unit_bytes <= budget else max(1, budget // (2 * unit_bytes))
+        K = torch.empty(m, m, dtype=fm.dtype, device=fm.device)
+        starts = list(range(0, m, panel))
+        for i, a0 in enumerate(starts):
+            a1 = min(m, a0 + panel)
+            A = grads.rows(a0, a1)
+            K[a0:a1, a0:a1] = A @ A.T
+            for b0 in starts[i + 1:]:
+                b1 = min(m, b0 + panel)
+                block = A @ grads.rows(b0, b1).T
+                K[a0:a1, b0:b1] = block
+                K[b0:b1, a0:a1] = block.T
+    return K, P, len(starts)
 
 
 def _values(fm, params: dict, data: dict, unit: str) -> torch.Tensor:
