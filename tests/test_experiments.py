@@ -625,3 +625,4 @@ def test_the_expert_figure_measures_a_runs_cse_models_against_its_trunk(referenc
     assert "experts more consistent than the dense FFN" in capsys.readouterr().out
     before = (out / "experts.csv").stat().st_mtime_ns
     assert ntkscope(args) == 0 and (out / "experts.csv").stat().st_mtime_ns == before
+    assert (out / "experts.png").stat().st_size > 0 or not measured["judged"].any()

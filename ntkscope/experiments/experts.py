@@ -7,7 +7,8 @@ the probe of :mod:`ntkscope.experiments.probe` (the first ``per_domain`` validat
 each domain). Per expert of each CSE layer: the split-half |GC| of the expert's kernel and of the
 dense FFN's kernel on its blocks over the same halves (paired), and the dense kernel's split-half
 |GC| on random sets of as many blocks (the null). One table, ``OUT/experts.csv`` (EXPERT_COLUMNS),
-and the verdicts, ``OUT/verdicts.json``; a seed already in the table is not measured again.
+the verdicts, ``OUT/verdicts.json``, and the figure, ``OUT/experts.png``; a seed already in the
+table is not measured again.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ntkscope.experiments.runner import spec_pack
 from ntkscope.experiments.spec import Spec
 from ntkscope.kernel.experts import expert_ntk, halves, subset_abs_gc
 from ntkscope.kernel.ntk import empirical_ntk
+from ntkscope.plotting import expert_consistency, save_figure
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -141,4 +143,7 @@ def expert_figure(spec: Spec, run_dir, out, *, arm: str = "cse-at1200", pack=Non
     found.update({"arm": arm, "per_domain": per_domain, "min_units": min_units, "draws": draws})
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "verdicts.json", found)
+    judged = table[table["judged"].astype(bool)]
+    if len(judged):
+        save_figure(expert_consistency(judged), out / "experts.png")
     return found

@@ -11,6 +11,8 @@ writes it (PNG, and PDF on request) under a temporary name and renames it.
 - :func:`perplexity_vs_frequency` — Figure 1(b): perplexity of each sentence against its score.
 - :func:`cse_schematic` — Figure 4(a): the CSE layer, drawn.
 - :func:`expert_kernels` — Figure 5(b, c): each CSE expert's NTK beside the dense baseline's.
+- :func:`expert_consistency` — Figure 5(b, c) across seeds: each expert's split-half |GC| beside
+  the dense FFN's on the same blocks and a random-blocks null.
 
 One stage per module: :mod:`~ntkscope.plotting.corpus`, :mod:`~ntkscope.plotting.gc`,
 :mod:`~ntkscope.plotting.representations`, :mod:`~ntkscope.plotting.experts`, and what they
@@ -19,11 +21,13 @@ share in :mod:`~ntkscope.plotting.base`; every figure is importable from here.
 
 from ntkscope.plotting.base import DOMAIN_COLOURS, layer_name, save_figure
 from ntkscope.plotting.corpus import domain_sizes, perplexity_vs_frequency, score_histogram_bars, training_curve
-from ntkscope.plotting.experts import cse_schematic, expert_kernels, expert_layers, expert_loads, routing_shares
+from ntkscope.plotting.experts import (cse_schematic, expert_consistency, expert_kernels, expert_layers, expert_loads,
+                                       routing_shares)
 from ntkscope.plotting.gc import gc_by_label, gc_over_steps, gc_per_layer, gc_vs_frequency, inrun_series
 from ntkscope.plotting.representations import cluster_view, layer_dynamics, ntk_heatmap
 
-__all__ = ["DOMAIN_COLOURS", "cluster_view", "cse_schematic", "domain_sizes", "expert_kernels", "expert_layers",
+__all__ = ["DOMAIN_COLOURS", "cluster_view", "cse_schematic", "domain_sizes", "expert_consistency", "expert_kernels",
+           "expert_layers",
            "expert_loads", "gc_by_label", "gc_over_steps", "gc_per_layer", "gc_vs_frequency", "inrun_series",
            "layer_dynamics", "layer_name", "ntk_heatmap", "perplexity_vs_frequency", "routing_shares",
            "save_figure", "score_histogram_bars", "training_curve"]

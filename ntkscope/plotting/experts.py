@@ -77,6 +77,36 @@ def expert_kernels(summary):
     return fig
 
 
+def expert_consistency(table, *, title: str = ""):
+    """Figure 5(b, c) across seeds (``table``: the judged rows of ``ntkscope experiment experts``'
+    experts.csv): per expert, its kernel's split-half |GC| on its blocks (red) beside the dense
+    FFN's on the same blocks (dark), each the median with the 5 and 95 % quantiles over halves,
+    and the dense FFN's on random blocks as many (grey: the null's median and 95 % quantile);
+    experts grouped by seed, labelled by layer and expert, tail experts marked."""
+    plt = pyplot()
+    rows = table.sort_values(["seed", "layer", "expert"]).reset_index(drop=True)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.42 * len(rows) + 2), 3.8))
+    x = np.arange(len(rows))
+    for shift, name, colour, label in ((-0.15, "expert", "#c0392b", "expert's kernel, its blocks"),
+                                       (0.15, "dense", "#2c3e50", "dense FFN, same blocks")):
+        err = np.clip([rows[f"{name}_median"] - rows[f"{name}_low"], rows[f"{name}_high"] - rows[f"{name}_median"]],
+                      0, None)
+        ax.errorbar(x + shift, rows[f"{name}_median"], yerr=err, fmt="o", color=colour, capsize=2, ms=4, label=label)
+    ax.scatter(x, rows["null_median"], marker="_", s=120, color="#999999", label="dense FFN, random blocks (median)")
+    ax.scatter(x, rows["null_high"], marker="_", s=60, color="#cccccc", label="its 95 % quantile")
+    labels = [f"s{r.seed} L{r.layer} e{r.expert}" + ("*" if r.tail_share >= 0.5 else "") for r in rows.itertuples()]
+    ax.set_xticks(x, labels, rotation=90, fontsize=7)
+    for edge in np.flatnonzero(np.diff(rows["seed"].to_numpy())) + 0.5:
+        ax.axvline(edge, color="#dddddd", lw=0.8)
+    ax.set_ylim(0, 1.02)
+    ax.set_ylabel("split-half |GC|", fontsize=8)
+    ax.set_title(title or "(b, c) each expert's kernel against the dense FFN's on its blocks (* tail expert)",
+                 fontsize=9)
+    ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
 def expert_layers(layers, *, title: str = ""):
     """Each sparse layer's routing purity and NMI against the labels, with their intervals
     (``layers``: :func:`cse_models.expert_report.expert_report`'s layer table: name, purity,
