@@ -322,12 +322,7 @@ def _sequence_routes(module, sink) -> list:
     """A CSE or DEMix layer's expert per sequence, (B, E) one-hot, recorded in its forward."""
     def hook(_m, args, _out):
         x, key_mask = args[0], (args[1] if len(args) > 1 else None)
-        if isinstance(module, CSELayer):
-            assign = module.route(x, key_mask)[1]
-        else:
-            assign = args[2] if len(args) > 2 else None
-            if assign is None:
-                raise UserError("DEMixLayer: its per-expert kernel needs the batch's domains (a 'domains' entry)")
+        assign = module.route(x, key_mask)[1] if isinstance(module, CSELayer) else args[2]  # DEMix: its labels
         sink(F.one_hot(assign.long(), len(module.experts)).bool())
     return [module.register_forward_hook(hook)]
 

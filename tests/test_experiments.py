@@ -626,3 +626,29 @@ def test_the_expert_figure_measures_a_runs_cse_models_against_its_trunk(referenc
     before = (out / "experts.csv").stat().st_mtime_ns
     assert ntkscope(args) == 0 and (out / "experts.csv").stat().st_mtime_ns == before
     assert (out / "experts.png").stat().st_size > 0 or not measured["judged"].any()
+
+
+def test_the_expert_verdicts_follow_criteria_on_planted_tables():
+    """verdicts() on planted expert tables: 4 wins of 4 seeds measured is shown; a measured seed
+    with no judged expert counts as measured without a win; open while missing seeds could decide
+    it; the tail verdict counts seeds with a judged tail expert."""
+    from ntkscope.experiments.experts import EXPERT_COLUMNS, verdicts
+
+    def row(seed, more, judged=True, tail=0.0):
+        values = {c: 0.5 for c in EXPERT_COLUMNS}
+        values.update(seed=seed, step=2400, layer=2, expert=0, units=20, judged=judged, top_domain="general",
+                      top_share=0.6, tail_share=tail, draws=200, more_consistent=more, coherent_in_dense=False)
+        return values
+
+    seeds = [5, 6, 7, 8, 9]
+    four = pd.DataFrame([row(s, True, tail=0.9) for s in (5, 6, 7, 8)])
+    v = verdicts(four, seeds)
+    assert v["experts_more_consistent"]["verdict"] == "shown" and v["experts_more_consistent"]["seeds_ran"] == 4
+    assert v["tail_experts"]["verdict"] == "shown"
+    mixed = pd.DataFrame([row(5, True), row(6, False), row(7, True, judged=False)])
+    v = verdicts(mixed, seeds)
+    assert v["experts_more_consistent"]["seeds_ran"] == 3 and v["experts_more_consistent"]["wins"] == 1
+    assert v["experts_more_consistent"]["verdict"] == "not shown"  # 1 win + 2 seeds to come < 4
+    v = verdicts(pd.DataFrame([row(5, True), row(6, True)]), seeds)
+    assert v["experts_more_consistent"]["verdict"] == "open"
+    assert v["tail_experts"]["verdict"] == "not enough tail experts"  # 2 seeds without one: at most 3 can have one

@@ -82,7 +82,7 @@ def _reference(model, ids, mask, e, layer_module, params, unit):
         units = [(i, t) for i, t in zip(*np.nonzero((routed & kept).numpy()))]
         values = [losses[i, t] for i, t in units]
     else:
-        units = [(i, -1) for i in np.flatnonzero(routed.any(1).numpy())]
+        units = [(i, -1) for i in np.flatnonzero((routed & kept).any(1).numpy())]  # a position with a value
         values = [losses[i].sum() / kept[i].sum() for i, _ in units]
     rows = []
     for v in values:
@@ -240,3 +240,46 @@ def test_a_kernel_above_max_memory_is_made_in_panels_with_the_same_numbers():
     for a, b in zip(whole, tight):
         assert a.method == "batched-backward" and b.method.endswith("panels") and int(b.method.split(", ")[1][0]) > 1
         torch.testing.assert_close(a.matrix, b.matrix, rtol=1e-12, atol=1e-14)
+
+
+def test_a_sequence_routed_only_at_its_last_token_is_not_a_unit():
+    """Top-1 routing, two-token sequences: a sequence whose only predicting position goes elsewhere
+    has no gradient over the expert its last token went to, so it is not that expert's row (every
+    diagonal entry of every kernel positive)."""
+    config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=1, **_SIZES)
+    torch.manual_seed(1)
+    model = transformers.MixtralForCausalLM(config).double().eval()
+    ids = torch.randint(0, 50, (24, 2), generator=torch.Generator().manual_seed(2))
+    kernels = expert_ntk(model, ids, layer="model.layers.1.mlp", unit="sequence")
+    assert sum(len(k.rows) for k in kernels) == 24  # each sequence once: the expert of its first token
+    assert all((torch.diagonal(k.matrix) > 0).all() for k in kernels)
+
+
+def test_a_callable_output_frozen_experts_and_a_numpy_index_are_read():
+    """A callable output (the model wrapped, its names prefixed), an expert whose tensors do not
+    require grad, and experts=np.int64: the same kernel as the plain call."""
+    model = _mixture("mixtral")
+    ids, mask = _batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    plain = expert_ntk(model, batch, layer="model.layers.1.mlp", unit="sequence", experts=1)
+
+    def mean_loss(m, b):
+        logits = m(**b).logits
+        losses, kept = _token_losses(logits, b["input_ids"], b["attention_mask"])
+        return losses.sum(1) / kept.sum(1)
+
+    called = expert_ntk(model, batch, layer="model.layers.1.mlp", unit="sequence", experts=np.int64(1),
+                        output=mean_loss)
+    torch.testing.assert_close(called[0].matrix, plain[0].matrix, rtol=1e-9, atol=1e-12)
+    for p in model.model.layers[1].mlp.experts.parameters():
+        p.requires_grad_(False)
+    frozen = expert_ntk(model, batch, layer="model.layers.1.mlp", unit="sequence", experts=[1])
+    torch.testing.assert_close(frozen[0].matrix, plain[0].matrix, rtol=1e-12, atol=1e-14)
+
+
+def test_split_half_gc_skips_halves_without_gradient():
+    """Units with zero gradient: a half of only those has no |GC|; the band is over the others."""
+    K = np.diag([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    K[:3, :3] = 1.0  # three parallel gradients, three zero ones
+    band = split_half_gc(K, draws=100)
+    assert 0 < band.draws < 100 and band.median == pytest.approx(1.0)

@@ -73,7 +73,7 @@ def _run(args) -> int:
                          "figures/sweep)", str(args.adopt), func="ntkscope experiment run")
     outcome = run_experiment(spec, out, executor=args.executor, workers=args.workers, threads=args.threads,
                              retries=args.retries, adopt=args.adopt, pack=args.data, device=args.device, slurm=slurm,
-                             first=args.first.split(",") if args.first else None)
+                             first=[g.strip() for g in args.first.split(",") if g.strip()] if args.first else None)
     print(f"experiment {spec.name} in {out}: {len(outcome.done)} units done, {len(outcome.failed)} failed, "
           f"{len(outcome.blocked)} blocked; tables in {out}/tables" + (" (partial)" if outcome.partial else ""))
     for name, error in outcome.failed.items():

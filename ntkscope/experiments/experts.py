@@ -26,7 +26,7 @@ from ntkscope.core.files import write_json, write_table
 from ntkscope.experiments.kinds import make_sweep
 from ntkscope.experiments.runner import spec_pack
 from ntkscope.experiments.spec import Spec
-from ntkscope.kernel.experts import expert_ntk, halves, subset_abs_gc
+from ntkscope.kernel.experts import band, expert_ntk, halves, subset_abs_gc
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.plotting import expert_consistency, save_figure
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint
@@ -35,14 +35,16 @@ log = logging.getLogger(__name__)
 
 EXPERT_COLUMNS = ["seed", "step", "layer", "expert", "units", "judged", "top_domain", "top_share", "tail_share",
                   "expert_median", "expert_low", "expert_high", "dense_median", "dense_low", "dense_high",
-                  "diff_median", "diff_low", "diff_high", "null_median", "null_low", "null_high", "more_consistent",
-                  "coherent_in_dense"]
-QUANTILES = (0.05, 0.5, 0.95)
+                  "diff_median", "diff_low", "diff_high", "null_median", "null_low", "null_high", "draws",
+                  "more_consistent", "coherent_in_dense"]
+#: the columns' types (a table built here and one read back from its CSV alike)
+DTYPES = {"seed": "int64", "step": "int64", "layer": "int64", "expert": "int64", "units": "int64", "judged": "bool",
+          "top_domain": "object", "more_consistent": "boolean", "coherent_in_dense": "boolean", "draws": "Int64"}
 
 
-def _band(values: np.ndarray) -> tuple:
-    low, median, high = np.quantile(values, QUANTILES)
-    return float(median), float(low), float(high)
+def typed(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with EXPERT_COLUMNS' types (the statistics float64)."""
+    return table.astype({c: DTYPES.get(c, "float64") for c in EXPERT_COLUMNS})
 
 
 def measure_seed(cse, dense, blocks: torch.Tensor, domains: list, *, tail: tuple, min_units: int = 8,
@@ -74,39 +76,57 @@ def measure_seed(cse, dense, blocks: torch.Tensor, domains: list, *, tail: tuple
                 pick = np.sort(rng.choice(len(blocks), size=m, replace=False))
                 half = np.sort(rng.choice(m, size=m // 2, replace=False))
                 null.append(subset_abs_gc(dense_k[k.layer], [half], whole=pick)[0])
-            for name, values in (("expert", e), ("dense", d), ("diff", e - d), ("null", np.asarray(null))):
-                row[f"{name}_median"], row[f"{name}_low"], row[f"{name}_high"] = _band(values)
-            row["more_consistent"] = bool(row["diff_low"] > 0)
-            row["coherent_in_dense"] = bool(row["dense_median"] > row["null_high"])
+            bands = {name: band(values, 0.9) for name, values in
+                     (("expert", e), ("dense", d), ("diff", e - d), ("null", np.asarray(null)))}
+            for name, b in bands.items():
+                row[f"{name}_median"], row[f"{name}_low"], row[f"{name}_high"] = b.median, b.low, b.high
+            row["draws"] = min(b.draws for b in bands.values())  # halves with a |GC| in every kernel
+            row["judged"] = row["judged"] and row["draws"] > draws // 2  # no gradient in most halves: not judged
+            row["more_consistent"] = bool(row["diff_low"] > 0) if row["draws"] else None
+            row["coherent_in_dense"] = bool(row["dense_median"] > row["null_high"]) if row["draws"] else None
         rows.append(row)
     return rows
 
 
+#: seeds the verdicts are written for, and the wins each needs (CRITERIA.md)
+PLANNED, NEEDED = 5, 4
+
+
+def _state(wins: int, measured: int, planned: int = PLANNED, needed: int = NEEDED) -> str:
+    """"shown" once ``needed`` wins are in, "not shown" once they cannot be, "open" in between."""
+    return "shown" if wins >= needed else "not shown" if wins + (planned - measured) < needed else "open"
+
+
 def verdicts(table: pd.DataFrame, seeds: list) -> dict:
-    """CRITERIA.md's three verdicts from the expert table (judged experts only)."""
-    judged = table[table["judged"].astype(bool)]
+    """CRITERIA.md's verdicts from the expert table (judged experts only). A seed counts as
+    measured once it has rows; a measured seed with no judged expert is a seed without a win."""
+    table = typed(table)
+    measured = sorted(int(s) for s in set(table["seed"]) if int(s) in set(map(int, seeds)))
+    judged = table[table["judged"]]
     per_seed = {}
-    for s in seeds:
+    for s in measured:
         part = judged[judged["seed"] == s]
-        per_seed[int(s)] = {"judged": int(len(part)), "more_consistent": int(part["more_consistent"].sum()),
-                            "coherent_in_dense": int(part["coherent_in_dense"].sum()),
-                            "majority": bool(len(part) and part["more_consistent"].sum() > len(part) / 2)}
-    ran = [s for s in per_seed if per_seed[s]["judged"]]
-    wins = sum(per_seed[s]["majority"] for s in ran)
-    one = {"verdict": "shown" if wins >= 4 else "not shown", "seeds_ran": len(ran), "wins": wins,
-           "rule": "in at least 4 of the 5 seeds, more than half of the judged experts more consistent"}
-    if len(ran) < 5:
-        one["why"] = f"{len(ran)} of 5 seeds measured"
-        one["verdict"] = "not shown" if wins + (5 - len(ran)) < 4 else "open"
-    tail = judged[judged["tail_share"] >= 0.5]
-    tail_seeds = {int(s): bool(part["more_consistent"].any()) for s, part in tail.groupby("seed")}
-    three = {"seeds_with_tail_expert": len(tail_seeds), "wins": sum(tail_seeds.values()),
-             "rule": "a tail expert (>= 50 % legal or biomedical) more consistent in at least 4 of the seeds that "
-                     "have one (at least 3 such seeds)"}
-    three["verdict"] = ("not enough tail experts" if len(tail_seeds) < 3
-                        else "shown" if three["wins"] >= min(4, len(tail_seeds)) else "not shown")
+        more = int(part["more_consistent"].fillna(False).sum())
+        tail = part[part["tail_share"] >= 0.5]
+        per_seed[s] = {"judged": int(len(part)), "more_consistent": more,
+                       "coherent_in_dense": int(part["coherent_in_dense"].fillna(False).sum()),
+                       "majority": bool(len(part) and more > len(part) / 2), "tail_judged": int(len(tail)),
+                       "tail_more_consistent": bool(tail["more_consistent"].fillna(False).any())}
+    wins = sum(v["majority"] for v in per_seed.values())
+    one = {"verdict": _state(wins, len(measured)), "seeds_ran": len(measured), "wins": wins,
+           "rule": "in at least 4 of the 5 seeds, more than half of the seed's judged experts more consistent"}
+    if len(measured) < PLANNED:
+        one["why"] = f"{len(measured)} of {PLANNED} seeds measured"
+    with_tail = [s for s, v in per_seed.items() if v["tail_judged"]]
+    tail_wins = sum(per_seed[s]["tail_more_consistent"] for s in with_tail)
+    without = len(measured) - len(with_tail)  # seeds measured with no judged tail expert: out of the count
+    three = {"seeds_with_tail_expert": len(with_tail), "wins": tail_wins,
+             "rule": "at least 4 seeds with a judged tail expert (>= 50 % legal or biomedical blocks) in which one "
+                     "is more consistent; 'not enough tail experts' when fewer than 4 seeds can have one"}
+    three["verdict"] = ("not enough tail experts" if PLANNED - without < NEEDED
+                        else _state(tail_wins, len(with_tail), PLANNED - without))
     return {"experts_more_consistent": one, "per_seed": per_seed, "tail_experts": three,
-            "coherent_in_dense": {int(s): v["coherent_in_dense"] for s, v in per_seed.items()}}
+            "coherent_in_dense": {s: v["coherent_in_dense"] for s, v in per_seed.items()}}
 
 
 def expert_figure(spec: Spec, run_dir, out, *, arm: str = "cse-at1200", pack=None, seeds=None, per_domain: int = 64,
@@ -119,7 +139,7 @@ def expert_figure(spec: Spec, run_dir, out, *, arm: str = "cse-at1200", pack=Non
     domains = [probe.domain_names[int(d)] for d in probe.domains]
     tail = tuple(sweep.settings.finetune_domains)
     path = out / "experts.csv"
-    table = pd.read_csv(path) if path.is_file() else pd.DataFrame(columns=EXPERT_COLUMNS)
+    table = typed(pd.read_csv(path) if path.is_file() else pd.DataFrame(columns=EXPERT_COLUMNS))
     seeds = list(seeds or spec.seeds)
     for seed in seeds:
         if seed in set(table["seed"].astype(int)):
@@ -134,8 +154,8 @@ def expert_figure(spec: Spec, run_dir, out, *, arm: str = "cse-at1200", pack=Non
             raise MissingInput(f"expert_figure: the dense trunk of seed {seed} has no checkpoint at step {step}")
         rows = measure_seed(load_checkpoint(last).eval(), load_checkpoint(same).eval(), probe.input_ids, domains,
                             tail=tail, min_units=min_units, draws=draws, seed=seed)
-        table = pd.concat([table, pd.DataFrame([{"seed": seed, "step": step, **r} for r in rows],
-                                               columns=EXPERT_COLUMNS)], ignore_index=True)
+        found = typed(pd.DataFrame([{"seed": seed, "step": step, **r} for r in rows], columns=EXPERT_COLUMNS))
+        table = found if table.empty else pd.concat([table, found], ignore_index=True)
         out.mkdir(parents=True, exist_ok=True)
         write_table(table, path)  # seed by seed: an interrupted run resumes
         log.info("expert_figure: seed %d measured (%d experts)", seed, len(rows))
@@ -143,7 +163,7 @@ def expert_figure(spec: Spec, run_dir, out, *, arm: str = "cse-at1200", pack=Non
     found.update({"arm": arm, "per_domain": per_domain, "min_units": min_units, "draws": draws})
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "verdicts.json", found)
-    judged = table[table["judged"].astype(bool)]
+    judged = table[table["judged"]]
     if len(judged):
         save_figure(expert_consistency(judged), out / "experts.png")
     return found

@@ -47,7 +47,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from ntkscope.core.checks import InputError, check_choice, entry
+from ntkscope.core.checks import InputError, check_choice, entry, fail
 from ntkscope.core.lm import causal_targets, token_values
 from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.core.registry import Registry
@@ -98,7 +98,8 @@ MIXTURE_KINDS = Registry("mixture kind")
 
 def register_mixture(kind: MixtureKind) -> MixtureKind:
     """Add a mixture kind (first match wins, in registration order)."""
-    check_choice("kind.unit", kind.unit, {"sequence", "token"})
+    if kind.unit not in ("sequence", "token"):
+        raise fail("register_mixture", "kind.unit", "must be 'sequence' or 'token'", kind.unit)
     MIXTURE_KINDS.add(kind.name, kind, func="register_mixture")
     return kind
 
@@ -210,14 +211,15 @@ def _routes(model, data: dict, run, layers: dict) -> dict:
 
 
 def _units(routed: torch.Tensor, e: int, unit: str, mask: torch.Tensor, kept: torch.Tensor | None) -> pd.DataFrame:
-    """The units routed to expert ``e``: ROW_COLUMNS, in sample then position order."""
+    """The units routed to expert ``e``: ROW_COLUMNS, in sample then position order. A causal
+    language model's sequence is routed when a position with a value (``kept``) is."""
     mask = mask.cpu().bool()
     if routed.dim() == 2:  # a sequence router
         to_e = routed[:, e][:, None] & mask
     else:
         to_e = routed[..., e] & mask
-    if unit == "sequence":
-        samples = torch.nonzero(to_e.any(1)).flatten().numpy()
+    if unit == "sequence":  # a causal value never reads the last real token: routed there alone, no gradient
+        samples = torch.nonzero((to_e if kept is None else to_e & kept.cpu()).any(1)).flatten().numpy()
         return pd.DataFrame({"sample": samples, "position": -1}, columns=ROW_COLUMNS)
     at = torch.nonzero(to_e & kept.cpu()).numpy()
     return pd.DataFrame({"sample": at[:, 0], "position": at[:, 1]}, columns=ROW_COLUMNS)
@@ -284,7 +286,7 @@ def expert_ntk(model: nn.Module, batch, *, layer: str | None = None, experts=Non
 
 
 def _check_experts(experts, E: int) -> list:
-    chosen = [experts] if isinstance(experts, int) else list(experts)
+    chosen = [experts] if isinstance(experts, (int, np.integer)) else list(experts)
     bad = [e for e in chosen if isinstance(e, bool) or not isinstance(e, (int, np.integer)) or not 0 <= e < E]
     if bad or not chosen:
         raise InputError("experts", f"must be expert indices in [0, {E})", experts)
@@ -325,14 +327,17 @@ class _UnitGradients:
 
     def __init__(self, fm, data: dict, rows: pd.DataFrame, params: list, unit: str):
         named = dict(fm.module.named_parameters())
+        prefix = "model." if isinstance(fm.module, CallableModule) else ""  # a callable output's wrapper
         self.leaves, full = [], {}
         for name, index in params:
-            tensor = named[name].detach()
+            tensor = named[prefix + name].detach()
             leaf = (tensor if index is None else tensor[index]).clone().requires_grad_(True)
             self.leaves.append(leaf)
-            full[name] = leaf if index is None else torch.cat([tensor[:index], leaf[None], tensor[index + 1:]])
+            full[prefix + name] = leaf if index is None else torch.cat([tensor[:index], leaf[None], tensor[index + 1:]])
         self.fm, self.P = fm, sum(leaf.numel() for leaf in self.leaves)
-        values = _values(fm, {**fm.params, **full}, data, unit)  # (n,) or (n, T)
+        params = {**{k: v for k, v in fm.params.items() if k not in full}, **full}
+        frozen = {k: v for k, v in fm.frozen.items() if k not in full}  # an expert with requires_grad off
+        values = _values(fm, params, frozen, data, unit)  # (n,) or (n, T)
         self.flat = values.reshape(-1)
         width = values.shape[1] if unit == "token" else 1
         self.at = rows["sample"].to_numpy() * width + (rows["position"].to_numpy() if unit == "token" else 0)
@@ -382,11 +387,11 @@ def expert_gram(fm, data: dict, rows: pd.DataFrame, params: list, unit: str,
     return K, P, len(starts)
 
 
-def _values(fm, params: dict, data: dict, unit: str) -> torch.Tensor:
+def _values(fm, params: dict, frozen: dict, data: dict, unit: str) -> torch.Tensor:
     """The units' outputs: each sample's (n,), or each position's token value (n, T)."""
     if unit == "sequence":
-        return fm.outputs(params, data)
-    logits = primary_output(fm.run(params, data["inputs"]))
+        return fm.outputs(params, data, frozen)
+    logits = primary_output(fm.run(params, data["inputs"], frozen))
     targets, keep = causal_targets(data["aux"]["targets"], data["aux"]["mask"])
     return token_values(logits, targets, keep, value=fm.objective.name, reduction="none")
 
@@ -399,37 +404,57 @@ GC_COLUMNS = ["layer", "expert", "unit", "group", "n", "units", "gc", "gc_low", 
 def halves(m: int, draws: int, seed: int = 0, size: int | None = None) -> list:
     """``draws`` random subsets of ``size`` (default ``m // 2``) of ``range(m)``, each sorted: the
     same draws for every kernel over the same units, so that two kernels' |GC| pair draw by draw."""
-    rng = np.random.default_rng([seed, 62, m])
     k = m // 2 if size is None else size
+    if not 0 < k <= m:
+        raise fail("halves", "size", f"must be in [1, {m}] (the units drawn from)", size)
+    rng = np.random.default_rng([seed, 62, m])
     return [np.sort(rng.choice(m, size=k, replace=False)) for _ in range(draws)]
 
 
+@entry("subset_abs_gc")
 def subset_abs_gc(kernel, subsets: list, whole=None) -> np.ndarray:
-    """``|GC|`` of each subset (index arrays into the kernel's rows) against the rows ``whole``
-    (default all), from the kernel (m, m) alone: (len(subsets),)."""
+    """``|GC|`` of each subset against the set ``whole`` (rows of the kernel; default all), from the
+    kernel (m, m) alone: (len(subsets),). A subset indexes ``whole``'s rows (the kernel's when
+    ``whole`` is None). NaN where a subset's kernel is 0 (no gradient)."""
     K = np.asarray(kernel.detach().cpu().double() if torch.is_tensor(kernel) else kernel, dtype=np.float64)
     if K.ndim != 2 or K.shape[0] != K.shape[1]:
         raise InputError("kernel", "must be a square (m, m) kernel", K.shape)
     rows = np.arange(K.shape[0]) if whole is None else np.asarray(whole)
+    if rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= K.shape[0]:
+        raise InputError("whole", f"must be row indices in [0, {K.shape[0]})", whole)
+    bad = [list(idx) for idx in subsets if not len(idx) or min(idx) < 0 or max(idx) >= len(rows)][:1]
+    if bad:
+        raise InputError("subsets", f"must be non-empty index arrays into the {len(rows)} rows of the set", bad[0])
     block = K[np.ix_(rows, rows)]
     top = direction(block, np.arange(len(rows)), np.ones(len(rows)))
     along, norm = top.weights @ block, math.sqrt(max(top.eigenvalue, 0))
     return subset_abs_gcs(block, along, norm, [np.sort(np.asarray(idx)) for idx in subsets])
 
 
+@entry("split_half_gc")
 def split_half_gc(kernel, *, draws: int = 200, confidence: float = 0.9, seed: int = 0) -> NullBand:
     """How alike a set's gradients are: ``|GC|`` of random halves of its units against all of them,
     from its kernel (m, m), as a band over ``draws`` halves (median, and the ``confidence``
     quantiles). 1 when every gradient is parallel; well below when they share no direction (the
     top direction of a half of isotropic gradients is the whole set's by chance only). Two kernels
-    over the same units pair draw by draw with :func:`halves` and :func:`subset_abs_gc`."""
+    over the same units pair draw by draw with :func:`halves` and :func:`subset_abs_gc`. A half
+    whose gradients are all 0 has no |GC|: the band is over the other draws (``draws`` counts them)."""
     m = kernel.shape[0]
     if len(kernel.shape) != 2 or m < 4:
         raise InputError("kernel", "must be a square (m, m) kernel with m >= 4 units", tuple(kernel.shape))
     values = subset_abs_gc(kernel, halves(m, draws, seed))
+    return band(values, confidence)
+
+
+def band(values: np.ndarray, confidence: float = 0.9) -> NullBand:
+    """The (1 - c)/2, 1/2, (1 + c)/2 quantiles of the finite ``values`` and their count (NaN, 0 when none)."""
+    finite = np.asarray(values, dtype=np.float64)
+    finite = finite[np.isfinite(finite)]
+    if not finite.size:
+        return NullBand(math.nan, math.nan, math.nan, 0)
     tail = (1 - confidence) / 2
-    low, median, high = np.quantile(values, [tail, 0.5, 1 - tail])
-    return NullBand(float(low), float(median), float(high), len(values))
+    low, median, high = np.quantile(finite, [tail, 0.5, 1 - tail])
+    return NullBand(float(low), float(median), float(high), int(finite.size))
 
 
 @entry("expert_gc")

@@ -211,15 +211,26 @@ def _tensors(f) -> dict:
     return {k: v for k, v in vars(f).items() if torch.is_tensor(v)}
 
 
-def empty_rows(f, n: int):
-    """A factor like ``f`` with room for ``n`` samples (every tensor field has the samples first)."""
-    return dataclasses.replace(f, **{k: v.new_empty((n, *v.shape[1:])) for k, v in _tensors(f).items()})
+def empty_rows(f, n: int, length: int | None = None):
+    """A factor like ``f`` with room for ``n`` samples (every tensor field has the samples first)
+    and, for a factor by position (:class:`Linear`, :class:`Embed`), ``length`` positions (default
+    ``f``'s)."""
+    def shape(v):
+        positions = length if length is not None and isinstance(f, (Linear, Embed)) else v.shape[1]
+        return (n, positions, *v.shape[2:]) if v.dim() > 1 else (n,)
+    return dataclasses.replace(f, **{k: v.new_empty(shape(v)) for k, v in _tensors(f).items()})
 
 
 def put_rows(dst, src, start: int) -> None:
-    """Copy the samples of factor ``src`` into ``dst`` from row ``start`` on."""
+    """Copy the samples of factor ``src`` into ``dst`` from row ``start`` on; a factor by position
+    shorter than ``dst``'s goes in with zero rows after its own positions."""
     for k, v in _tensors(src).items():
-        getattr(dst, k)[start : start + v.shape[0]] = v
+        rows = getattr(dst, k)[start : start + v.shape[0]]
+        if isinstance(src, (Linear, Embed)) and v.shape[1] < rows.shape[1]:
+            rows[:, : v.shape[1]] = v
+            rows[:, v.shape[1]:] = 0
+        else:
+            rows[...] = v
 
 
 def rows_of(f, rows: slice):

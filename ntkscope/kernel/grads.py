@@ -94,14 +94,15 @@ class FunctionalModel:
                 self.n_outputs = int(self.outputs(self.params, take(data, slice(0, 1))).shape[-1])
         return data
 
-    def run(self, params: dict, inputs):
+    def run(self, params: dict, inputs, frozen: dict | None = None):
+        """The module's forward with ``params`` and the rest (``frozen``, default :attr:`frozen`)."""
         args = (inputs,) if torch.is_tensor(inputs) or isinstance(self.objective, CallableOutput) else ()
         kwargs = {} if args else inputs
-        return functional_call(self.module, (params, self.frozen), args, kwargs)
+        return functional_call(self.module, (params, self.frozen if frozen is None else frozen), args, kwargs)
 
-    def outputs(self, params: dict, data: dict) -> torch.Tensor:
+    def outputs(self, params: dict, data: dict, frozen: dict | None = None) -> torch.Tensor:
         """f on prepared rows: (m,) or (m, K)."""
-        return self.objective.evaluate(lambda inputs: self.run(params, inputs), data)
+        return self.objective.evaluate(lambda inputs: self.run(params, inputs, frozen), data)
 
     def sample_output(self, params: dict, sample: dict) -> torch.Tensor:
         """f of one sample (no leading dim): () or (K,)."""

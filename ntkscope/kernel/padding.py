@@ -5,9 +5,11 @@ a right-padded batch comes after every real token, so the padded positions' outp
 their output cotangents are exactly zero, and every pair product over them adds zero. The
 structured kernel (:mod:`ntkscope.kernel.structured`) therefore orders the samples by length
 (longest first, so that each chunk holds samples of similar length), cuts each chunk at its longest
-sample, runs the forward and backward on the shorter sequences, and puts the factors back at the
-batch's length with zero rows where the padding was. The kernel is the untrimmed one up to the
-rounding of shorter products (tested against it, ``tests/test_structured.py``).
+sample, runs the forward and backward on the shorter sequences, and keeps each chunk's factors at
+its own length: stacked with other chunks' (a run of samples held together), a shorter chunk's go
+in with zero rows after its length, up to the run's longest sample; runs of different lengths
+meet in products that sum over each one's own positions. The kernel is the untrimmed one up to
+the rounding of shorter products (tested against it, ``tests/test_structured.py``).
 
 Trimmed: the causal language-model objectives (``"loss"``, ``"true-logit"``, ...) on a dict batch
 whose inputs are ``(n, T)`` tensors and 4-D ``(n, 1, T, T)`` masks (transformers' expanded
@@ -69,26 +71,23 @@ def trimmed(objective, data: dict) -> tuple[dict, int, int]:
     return {**data, "inputs": inputs, "aux": aux}, L, T
 
 
-def _pad(t: torch.Tensor, T: int) -> torch.Tensor:
-    out = t.new_zeros((t.shape[0], T, *t.shape[2:]))
-    out[:, : t.shape[1]] = t
-    return out
+def longest(objective, data: dict, rows: slice) -> int | None:
+    """The longest real length (at least 2) among ``rows`` of ``data`` where it can be trimmed, else None."""
+    mask = _real(data) if isinstance(objective, CausalLMLoss) else None
+    return None if mask is None else max(int(mask[rows].sum(1).max()), 2)
 
 
-def padded(uses: dict, L: int, T: int) -> dict | None:
-    """The factors of a chunk cut at L put back at length T (zero rows after L); None when a
-    factor's positions are not the chunk's L (a layer that does not act position by position)."""
-    out = {}
-    for key, parts in uses.items():
-        back = []
+def positionwise(uses: dict, L: int) -> bool:
+    """Whether every factor of a chunk cut at L has the chunk's L positions (or none: summed over
+    them), so that it can stand beside other chunks' factors with zero rows after its L; False for
+    a layer that does not act position by position (the chunk is then captured uncut)."""
+    for parts in uses.values():
         for f in parts:
-            if f is None or isinstance(f, Dense):  # no position dimension (summed over positions)
-                back.append(f)
-            elif isinstance(f, Linear) and f.a.shape[1] == L and f.delta.shape[1] == L:
-                back.append(Linear(_pad(f.a, T), _pad(f.delta, T), f.io))
-            elif isinstance(f, Embed) and f.tokens.shape[1] == L and f.delta.shape[1] == L:
-                back.append(Embed(_pad(f.tokens, T), _pad(f.delta, T), f.vocab))
-            else:
-                return None
-        out[key] = back
-    return out
+            if f is None or isinstance(f, Dense):
+                continue
+            if isinstance(f, Linear) and f.a.shape[1] == L and f.delta.shape[1] == L:
+                continue
+            if isinstance(f, Embed) and f.tokens.shape[1] == L and f.delta.shape[1] == L:
+                continue
+            return False
+    return True

@@ -54,7 +54,7 @@ from ntkscope.kernel.grads import (VMAP_FACTOR, FunctionalModel, Transient, chec
 from ntkscope.kernel.kept import keeps_model, kept
 from ntkscope.kernel.kernels import kernel_bytes
 from ntkscope.kernel.objectives import take
-from ntkscope.kernel.padding import length_order, padded, trimmed
+from ntkscope.kernel.padding import length_order, longest, positionwise, trimmed
 from ntkscope.kernel.params import ParameterSelection
 from ntkscope.kernel.structured_layout import MAX_CHUNK, Probe, layout, work_elements
 
@@ -264,8 +264,8 @@ def _chunk(fm, plan, sub, data, rows: slice) -> Chunk:
     uses = {}
     if plan.structured:
         short, L, T = trimmed(fm.objective, part)  # the chunk cut at its longest sample (kernel/padding.py)
-        uses = padded(capture(fm, plan, short, c, rows.start)[0], L, T) if L < T else None
-        if uses is None:  # nothing to trim, or a layer whose rows are not the chunk's positions
+        uses = capture(fm, plan, short, c, rows.start)[0] if L < T else None
+        if uses is None or not positionwise(uses, L):  # nothing to trim, or a layer not by position
             uses, _, _ = capture(fm, plan, part, c, rows.start)
     J = None
     if sub is not None:
@@ -275,11 +275,19 @@ def _chunk(fm, plan, sub, data, rows: slice) -> Chunk:
     return Chunk(uses, J)
 
 
-def _empty(ch: Chunk, n: int) -> Chunk:
-    """Room for the factors (and fallback gradients) of ``n`` samples, shaped like ``ch``'s."""
-    uses = {k: [empty_rows(f, n) for f in parts] for k, parts in ch.uses.items()}
+def _empty(ch: Chunk, n: int, length: int | None = None) -> Chunk:
+    """Room for the factors (and fallback gradients) of ``n`` samples, shaped like ``ch``'s, with at
+    least ``length`` positions for its factors by position (at least ``ch``'s own)."""
+    def room(f):
+        own = _positions(f)
+        return empty_rows(f, n, None if own is None or length is None else max(own, length))
+    uses = {k: [room(f) for f in parts] for k, parts in ch.uses.items()}
     J = None if ch.fallback is None else ch.fallback.new_empty((n, *ch.fallback.shape[1:]))
     return Chunk(uses, J)
+
+
+def _positions(f) -> int | None:
+    return f.a.shape[1] if isinstance(f, Linear) else f.tokens.shape[1] if isinstance(f, Embed) else None
 
 
 def _put_chunk(dst: Chunk, src: Chunk, start: int) -> None:
@@ -409,13 +417,13 @@ def setup(fm: FunctionalModel, data, n: int, budget: int) -> Setup:
 def load_factors(fm: FunctionalModel, st: Setup, data, a0: int, a1: int, chunk: int, bar=None) -> Chunk:
     """The factors (and fallback gradients) of samples ``a0:a1`` of ``data``, ``chunk`` at a time,
     each chunk copied into room for all of them as soon as it is made."""
-    held = None
+    held, length = None, longest(fm.objective, data, slice(a0, a1))
     for c0 in range(a0, a1, chunk):
         part = _chunk(fm, st.probe.plan, st.sub, data, slice(c0, min(a1, c0 + chunk)))
         if held is None and c0 + chunk >= a1:
-            held = part  # one chunk: nothing to copy
-        else:
-            held = _empty(part, a1 - a0) if held is None else held
+            held = part  # one chunk: nothing to copy (its factors at its own length)
+        else:  # room at the run's longest sample (a chunk captured uncut: at the batch's length)
+            held = _empty(part, a1 - a0, length) if held is None else held
             _put_chunk(held, part, c0 - a0)
         del part
         if bar is not None:
