@@ -109,7 +109,7 @@ def test_a_transformers_mixture_s_expert_kernel_is_its_explicit_jacobian(kind, u
         units, reference = _reference(model, ids, mask, k.expert, block, fused, unit)
         assert [tuple(r) for r in k.rows[["sample", "position"]].to_numpy()] == units
         assert k.n_params == 2 * 12 * 16 + 16 * 12 if kind.startswith("qwen") else 2 * 24 * 16 + 16 * 24
-        assert k.method == "batched-backward" and k.unit == unit
+        assert k.method == "per-unit backward" and k.unit == unit
         torch.testing.assert_close(k.matrix, reference, rtol=1e-10, atol=1e-12)
         total += len(units)
     if unit == "token":  # every predicting real token goes to its top 2: no other token is a row
@@ -144,7 +144,7 @@ def test_our_layers_expert_kernels_are_their_explicit_jacobians(sparse):
         own = [(p, None) for p in layer.experts[k.expert].parameters()]
         units, reference = _reference(model, ids, mask, k.expert, layer, own, k.unit)
         assert [tuple(r) for r in k.rows[["sample", "position"]].to_numpy()] == units
-        assert k.method.startswith("engine") if sparse == "cse" else k.method == "batched-backward"
+        assert k.method.startswith("engine") if sparse == "cse" else k.method == "per-unit backward"
         torch.testing.assert_close(k.matrix.double(), reference, rtol=1e-9, atol=1e-12)
 
 
@@ -238,7 +238,7 @@ def test_a_kernel_above_max_memory_is_made_in_panels_with_the_same_numbers():
     P = whole[0].n_params
     tight = expert_ntk(model, batch, layer="model.layers.1.mlp", unit="token", max_memory=2 * 4 * 8 * (P + 36))
     for a, b in zip(whole, tight):
-        assert a.method == "batched-backward" and b.method.endswith("panels") and int(b.method.split(", ")[1][0]) > 1
+        assert a.method == "per-unit backward" and b.method.endswith("panels") and int(b.method.split(", ")[1][0]) > 1
         torch.testing.assert_close(a.matrix, b.matrix, rtol=1e-12, atol=1e-14)
 
 

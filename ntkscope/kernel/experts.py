@@ -25,8 +25,9 @@ its own module, as ours are) and the units are sequences, the kernel is
 :func:`~ntkscope.kernel.ntk.empirical_ntk` on the routed sequences over those tensors (the
 structured kernel where it applies). Otherwise (an expert that is a slice of fused tensors, as in
 transformers' Mixtral, OLMoE and Qwen-MoE, whose ``gate_up_proj`` is (E, 2I, H); or token units)
-each unit's gradient over the expert's slice is taken by one batched backward per chunk of units
-(``is_grads_batched``), the slice standing in for its row of the fused tensor.
+each unit's gradient over the expert's slice, the slice standing in for its row of the fused
+tensor, is taken by one backward on its own sample's graph (a unit reads its own sample only),
+all of a layer's experts in one pass over the samples.
 
 Adding a kind: :func:`register_mixture` a :class:`MixtureKind` whose ``matches`` recognises the
 module, ``n_experts`` counts its experts, ``expert_params`` names each expert's parameters
@@ -56,6 +57,7 @@ from ntkscope.kernel.nulls import Controls, NullBand
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.objectives import CallableModule, CausalLMLoss, primary_output, take
 from ntkscope.kernel.options import KernelOptions
+from ntkscope.kernel.padding import trimmed
 from ntkscope.kernel.replicates import direction, subset_abs_gcs
 from ntkscope.kernel.uncertainty import Resampling, kernel_gc
 
@@ -176,7 +178,8 @@ class ExpertKernel:
     n_params : int
         The expert's parameter count (columns of ``J_e``).
     method : str
-        "engine: <method>" (:func:`empirical_ntk` on the routed sequences) or "batched-backward".
+        "engine: <method>" (:func:`empirical_ntk` on the routed sequences) or "per-unit backward"
+        (", q panels" where ``J_e`` was made in panels).
     """
 
     layer: str
@@ -276,12 +279,13 @@ def expert_ntk(model: nn.Module, batch, *, layer: str | None = None, experts=Non
                                  "'loss', 'true-logit', ...)", fm.objective.name)
             E = kind.n_experts(module)
             chosen = range(E) if experts is None else _check_experts(experts, E)
+            todo = {}
             for e in chosen:
                 rows = _units(routed[path], e, own, mask, kept)
-                if len(rows) < min_units:
-                    continue
-                params = [(f"{path}.{name}" if path else name, index) for name, index in kind.expert_params(module, e)]
-                out.append(_kernel(model, batch, fm, data, path, e, own, rows, params, opts))
+                if len(rows) >= min_units:
+                    todo[e] = (rows, [(f"{path}.{name}" if path else name, index)
+                                      for name, index in kind.expert_params(module, e)])
+            out += _layer_kernels(model, batch, fm, data, path, own, todo, opts)
     return out
 
 
@@ -307,84 +311,139 @@ def _masks(fm, data: dict) -> tuple:
     return mask.bool(), kept
 
 
-def _kernel(model, batch, fm, data, path, e, unit, rows, params, opts) -> ExpertKernel:
-    whole = all(index is None for _, index in params)
-    names = [n for n, _ in params]
-    if whole and unit == "sequence":
-        idx = torch.tensor(rows["sample"].to_numpy())
-        sub = take(batch, idx) if isinstance(batch, dict) else batch[idx]
-        k = empirical_ntk(model, sub, options=dataclasses.replace(opts, params=names))
-        return ExpertKernel(path, e, unit, rows, k.matrix, k.n_params, f"engine: {k.method}")
-    K, P, panels = expert_gram(fm, data, rows, params, unit, opts.max_memory)
-    return ExpertKernel(path, e, unit, rows, K, P, "batched-backward" + (f", {panels} panels" if panels > 1 else ""))
+def _layer_kernels(model, batch, fm, data, path, unit, todo: dict, opts) -> list:
+    """The kernels of one layer's experts ``todo`` ({e: (rows, params)}): by the engine where every
+    parameter is a whole tensor and the units are sequences; else from each unit's gradient, all
+    the layer's experts in one pass over the samples when their Jacobians fit ``max_memory`` (a
+    sample's forward shared by its experts, a unit's one backward by the experts it goes to), or
+    expert by expert in panels."""
+    out, rest = {}, {}
+    for e, (rows, params) in todo.items():
+        if unit == "sequence" and all(index is None for _, index in params):
+            idx = torch.tensor(rows["sample"].to_numpy())
+            sub = take(batch, idx) if isinstance(batch, dict) else batch[idx]
+            k = empirical_ntk(model, sub, options=dataclasses.replace(opts, params=[n for n, _ in params]))
+            out[e] = ExpertKernel(path, e, unit, rows, k.matrix, k.n_params, f"engine: {k.method}")
+        else:
+            rest[e] = (rows, params)
+    if rest:
+        grads = _Gradients(fm, data, unit, rest)
+        budget = opts.max_memory or available_memory_bytes(fm.device) // 2
+        if sum(len(rows) * grads.P[e] for e, (rows, _) in rest.items()) * fm.itemsize * 2 <= budget:
+            with torch.enable_grad():  # a caller's no_grad would leave nothing to differentiate
+                J = grads.sweep()
+            for e, (rows, _) in rest.items():
+                out[e] = ExpertKernel(path, e, unit, rows, J[e] @ J[e].T, grads.P[e], "per-unit backward")
+        else:
+            for e, (rows, _) in rest.items():
+                K, panels = expert_gram(grads, e, budget)
+                out[e] = ExpertKernel(path, e, unit, rows, K, grads.P[e],
+                                      "per-unit backward" + (f", {panels} panels" if panels > 1 else ""))
+    return [out[e] for e in todo]
 
 
-class _UnitGradients:
-    """Each unit's gradient over the expert's parameters from one forward of the batch, a fused
-    tensor's row ``index`` standing in for that row: :meth:`rows` gives (c, P_e) for units
-    ``start:stop`` by one batched backward (one backward per unit where the model's backward
-    cannot be batched)."""
+class _Gradients:
+    """Each unit's gradient over its expert's parameters, for experts ``todo`` ({e: (rows,
+    params)}) of one layer; a fused tensor's row ``index`` stands in for that row of the tensor.
 
-    def __init__(self, fm, data: dict, rows: pd.DataFrame, params: list, unit: str):
+    A unit's value reads its own sample only (routes and values are per sample: no capacity
+    shared across a batch in eval), so each sample runs alone, cut at its last real token where
+    the objective allows (as the structured kernel cuts padding), and each unit takes one backward
+    on that sample's small graph (about 1/n of a backward through the whole batch's), over the
+    parameters of every expert it goes to. The last sample's forward is kept for its next units."""
+
+    def __init__(self, fm, data: dict, unit: str, todo: dict):
         named = dict(fm.module.named_parameters())
         prefix = "model." if isinstance(fm.module, CallableModule) else ""  # a callable output's wrapper
-        self.leaves, full = [], {}
-        for name, index in params:
-            tensor = named[prefix + name].detach()
-            leaf = (tensor if index is None else tensor[index]).clone().requires_grad_(True)
-            self.leaves.append(leaf)
-            full[prefix + name] = leaf if index is None else torch.cat([tensor[:index], leaf[None], tensor[index + 1:]])
-        self.fm, self.P = fm, sum(leaf.numel() for leaf in self.leaves)
-        params = {**{k: v for k, v in fm.params.items() if k not in full}, **full}
-        frozen = {k: v for k, v in fm.frozen.items() if k not in full}  # an expert with requires_grad off
-        values = _values(fm, params, frozen, data, unit)  # (n,) or (n, T)
-        self.flat = values.reshape(-1)
-        width = values.shape[1] if unit == "token" else 1
-        self.at = rows["sample"].to_numpy() * width + (rows["position"].to_numpy() if unit == "token" else 0)
+        self.leaves, pieces, full = {}, {}, {}
+        for e, (_, params) in todo.items():
+            self.leaves[e] = []
+            for name, index in params:
+                tensor = named[prefix + name].detach()
+                leaf = (tensor if index is None else tensor[index]).clone().requires_grad_(True)
+                self.leaves[e].append(leaf)
+                if index is None:
+                    full[prefix + name] = leaf
+                else:
+                    pieces.setdefault(prefix + name, {})[index] = leaf
+        for name, rows in pieces.items():  # a fused tensor: the chosen experts' rows are leaves
+            tensor = named[name].detach()
+            full[name] = torch.stack([rows.get(j, tensor[j]) for j in range(tensor.shape[0])])
+        self.fm, self.data, self.unit, self.todo = fm, data, unit, todo
+        self.P = {e: sum(leaf.numel() for leaf in leaves) for e, leaves in self.leaves.items()}
+        self.params = {**{k: v for k, v in fm.params.items() if k not in full}, **full}
+        self.frozen = {k: v for k, v in fm.frozen.items() if k not in full}  # an expert with requires_grad off
+        self.held = (None, None)  # (sample, its values with their graph)
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        fm, flat, leaves = self.fm, self.flat, self.leaves
-        idx = torch.as_tensor(self.at[start:stop], device=flat.device)
-        picks = torch.zeros(len(idx), flat.numel(), dtype=flat.dtype, device=flat.device)
-        picks[torch.arange(len(idx)), idx] = 1
-        try:
-            grads = torch.autograd.grad(flat, leaves, grad_outputs=picks, retain_graph=True, is_grads_batched=True,
-                                        allow_unused=True)
-        except RuntimeError as err:  # a backward vmap cannot batch: one backward per unit
-            log.debug("expert_gram: batched backward failed (%s); one backward per unit", err)
-            grads = [torch.stack(g) for g in zip(*(
-                torch.autograd.grad(flat, leaves, grad_outputs=p, retain_graph=True, allow_unused=True) for p in picks))]
-        return torch.cat([(torch.zeros((len(idx), leaf.numel()), dtype=fm.dtype, device=fm.device) if g is None
-                           else g.reshape(len(idx), -1)) for g, leaf in zip(grads, leaves)], 1)
+    def _values(self, i: int) -> torch.Tensor:
+        if self.held[0] != i:
+            self.held = (None, None)  # the previous sample's graph goes before the next is built
+            one = take(self.data, torch.tensor([i], device=self.fm.device))
+            one, _, _ = trimmed(self.fm.objective, one)
+            self.held = (i, _values(self.fm, self.params, self.frozen, one, self.unit)[0])  # () or (L,)
+        return self.held[1]
+
+    def _grad(self, sample: int, position: int, experts: list) -> list:
+        """One unit's gradient over each of ``experts``' parameters: [(P_e,)]."""
+        values = self._values(sample)
+        value = values if self.unit == "sequence" else values[position]
+        leaves = [leaf for e in experts for leaf in self.leaves[e]]
+        grads = torch.autograd.grad(value, leaves, retain_graph=True, allow_unused=True)
+        flat = [torch.zeros(leaf.numel(), dtype=leaf.dtype, device=leaf.device) if g is None else g.reshape(-1)
+                for g, leaf in zip(grads, leaves)]
+        out, at = [], 0
+        for e in experts:
+            k = len(self.leaves[e])
+            out.append(torch.cat(flat[at:at + k]))
+            at += k
+        return out
+
+    def sweep(self) -> dict:
+        """Every expert's ``J_e`` (m_e, P_e) in one pass over the samples."""
+        J = {e: torch.empty(len(rows), self.P[e], dtype=self.fm.dtype, device=self.fm.device)
+             for e, (rows, _) in self.todo.items()}
+        where: dict = {}
+        for e, (rows, _) in self.todo.items():
+            for r, (i, t) in enumerate(zip(rows["sample"].to_numpy(), rows["position"].to_numpy())):
+                where.setdefault((int(i), int(t)), []).append((e, r))
+        for (i, t), places in sorted(where.items()):
+            for (e, r), g in zip(places, self._grad(i, t, [e for e, _ in places])):
+                J[e][r] = g
+        return J
+
+    def rows(self, e: int, start: int, stop: int) -> torch.Tensor:
+        """Units ``start:stop`` of expert ``e``: (c, P_e)."""
+        rows = self.todo[e][0]
+        out = torch.empty(stop - start, self.P[e], dtype=self.fm.dtype, device=self.fm.device)
+        for r in range(start, stop):
+            out[r - start] = self._grad(int(rows["sample"].iloc[r]), int(rows["position"].iloc[r]), [e])[0]
+        return out
 
 
-def expert_gram(fm, data: dict, rows: pd.DataFrame, params: list, unit: str,
-                max_memory: int | None = None) -> tuple[torch.Tensor, int, int]:
-    """``J_e J_e^T`` over the units ``rows`` without holding ``J_e`` when it does not fit: the
-    units in panels of at most half the budget each, a panel's gradients against every later
-    panel's, each later panel taken again (``q (q + 1) / 2`` panel backwards for q panels; one
-    panel, one backward per unit, when ``J_e`` fits). Returns (K (m, m), P_e, panels)."""
+def expert_gram(grads: _Gradients, e: int, budget: int) -> tuple[torch.Tensor, int]:
+    """Expert ``e``'s ``J_e J_e^T`` without holding ``J_e``: its units in panels of at most half the
+    budget each, a panel's gradients against every later panel's, each later panel taken again
+    (``q (q + 1) / 2`` panels' backwards for q panels). Returns (K (m, m), panels)."""
+    fm = grads.fm
+    m, P, item = len(grads.todo[e][0]), grads.P[e], fm.itemsize
+    unit_bytes = 2 * P * item  # a unit's gradient, and its backward's own
+    if 2 * unit_bytes > budget:
+        raise InputError("max_memory", f"is below the {format_bytes(2 * unit_bytes)} that expert_gram needs for two "
+                         f"units' gradients over {P} parameters; raise it", format_bytes(budget))
+    panel = max(1, budget // (2 * unit_bytes))
+    K = torch.empty(m, m, dtype=fm.dtype, device=fm.device)
+    starts = list(range(0, m, panel))
     with torch.enable_grad():  # a caller's no_grad would leave nothing to differentiate
-        grads = _UnitGradients(fm, data, rows, params, unit)
-        m, P, item = len(rows), grads.P, fm.itemsize
-        budget = max_memory or available_memory_bytes(fm.device) // 2
-        unit_bytes = P * item + grads.flat.numel() * item  # a unit's gradient and its pick
-        if 2 * unit_bytes > budget:
-            raise InputError("max_memory", f"is below the {format_bytes(2 * unit_bytes)} that expert_gram needs for two "
-                             f"units' gradients over {P} parameters; raise it", format_bytes(budget))
-        panel = m if m * unit_bytes <= budget else max(1, budget // (2 * unit_bytes))
-        K = torch.empty(m, m, dtype=fm.dtype, device=fm.device)
-        starts = list(range(0, m, panel))
         for i, a0 in enumerate(starts):
             a1 = min(m, a0 + panel)
-            A = grads.rows(a0, a1)
+            A = grads.rows(e, a0, a1)
             K[a0:a1, a0:a1] = A @ A.T
             for b0 in starts[i + 1:]:
                 b1 = min(m, b0 + panel)
-                block = A @ grads.rows(b0, b1).T
+                block = A @ grads.rows(e, b0, b1).T
                 K[a0:a1, b0:b1] = block
                 K[b0:b1, a0:a1] = block.T
-    return K, P, len(starts)
+    return K, len(starts)
 
 
 def _values(fm, params: dict, frozen: dict, data: dict, unit: str) -> torch.Tensor:
