@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from cse_models import SparseHF
 from cse_models.cse import convert_to_cse, upcycle
 from ntkscope.core.checks import InputError
-from ntkscope.kernel.experts import expert_gc, expert_ntk, find_mixtures, split_half_gc
+from ntkscope.gc.experts import expert_gc, split_half_gc
+from ntkscope.kernel.experts import expert_ntk, find_mixtures
 
 transformers = pytest.importorskip("transformers")
 from test_hf_sparse import dense, planted_domains  # noqa: E402
@@ -197,7 +198,7 @@ def test_a_float32_model_analysed_in_float64_routes_its_own_copy():
 def test_split_half_gc_known_answers():
     """Parallel gradients: every half's direction is the whole set's (1); each draw equals
     kernel_gc's |GC| of that half; two kernels over the same units pair draw by draw."""
-    from ntkscope.kernel.experts import halves, subset_abs_gc
+    from ntkscope.gc.experts import halves, subset_abs_gc
     from ntkscope.kernel.uncertainty import kernel_gc
 
     g = np.random.default_rng(0)

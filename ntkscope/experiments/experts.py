@@ -26,7 +26,8 @@ from ntkscope.core.files import write_json, write_table
 from ntkscope.experiments.kinds import make_sweep
 from ntkscope.experiments.runner import spec_pack
 from ntkscope.experiments.spec import Spec
-from ntkscope.kernel.experts import band, expert_ntk, halves, subset_abs_gc
+from ntkscope.gc.experts import band, halves, subset_abs_gc
+from ntkscope.kernel.experts import expert_ntk
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.plotting import expert_consistency, save_figure
 from ntkscope.runs.checkpoints import list_checkpoints, load_checkpoint

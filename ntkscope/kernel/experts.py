@@ -29,6 +29,9 @@ each unit's gradient over the expert's slice, the slice standing in for its row 
 tensor, is taken by one backward on its own sample's graph (a unit reads its own sample only),
 all of a layer's experts in one pass over the samples.
 
+The statistics of an expert's kernel (split-half |GC|, GC of labels inside an expert) are in
+:mod:`ntkscope.gc.experts`.
+
 Adding a kind: :func:`register_mixture` a :class:`MixtureKind` whose ``matches`` recognises the
 module, ``n_experts`` counts its experts, ``expert_params`` names each expert's parameters
 (relative names, with the index along dim 0 of a fused tensor or None) and ``route_hook``
@@ -39,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,13 +55,10 @@ from ntkscope.core.lm import causal_targets, token_values
 from ntkscope.core.memory import available_memory_bytes, format_bytes
 from ntkscope.core.registry import Registry
 from ntkscope.kernel.grads import functional_model
-from ntkscope.kernel.nulls import Controls, NullBand
 from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.objectives import CallableModule, CausalLMLoss, primary_output, take
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.padding import trimmed
-from ntkscope.kernel.replicates import direction, subset_abs_gcs
-from ntkscope.kernel.uncertainty import Resampling, kernel_gc
 
 log = logging.getLogger(__name__)
 
@@ -453,102 +452,3 @@ def _values(fm, params: dict, frozen: dict, data: dict, unit: str) -> torch.Tens
     logits = primary_output(fm.run(params, data["inputs"], frozen))
     targets, keep = causal_targets(data["aux"]["targets"], data["aux"]["mask"])
     return token_values(logits, targets, keep, value=fm.objective.name, reduction="none")
-
-
-#: the columns of :func:`expert_gc`
-GC_COLUMNS = ["layer", "expert", "unit", "group", "n", "units", "gc", "gc_low", "gc_high", "abs_gc", "null_median",
-              "homogeneous_median", "flags"]
-
-
-def halves(m: int, draws: int, seed: int = 0, size: int | None = None) -> list:
-    """``draws`` random subsets of ``size`` (default ``m // 2``) of ``range(m)``, each sorted: the
-    same draws for every kernel over the same units, so that two kernels' |GC| pair draw by draw."""
-    k = m // 2 if size is None else size
-    if not 0 < k <= m:
-        raise fail("halves", "size", f"must be in [1, {m}] (the units drawn from)", size)
-    rng = np.random.default_rng([seed, 62, m])
-    return [np.sort(rng.choice(m, size=k, replace=False)) for _ in range(draws)]
-
-
-@entry("subset_abs_gc")
-def subset_abs_gc(kernel, subsets: list, whole=None) -> np.ndarray:
-    """``|GC|`` of each subset against the set ``whole`` (rows of the kernel; default all), from the
-    kernel (m, m) alone: (len(subsets),). A subset indexes ``whole``'s rows (the kernel's when
-    ``whole`` is None). NaN where a subset's kernel is 0 (no gradient)."""
-    K = np.asarray(kernel.detach().cpu().double() if torch.is_tensor(kernel) else kernel, dtype=np.float64)
-    if K.ndim != 2 or K.shape[0] != K.shape[1]:
-        raise InputError("kernel", "must be a square (m, m) kernel", K.shape)
-    rows = np.arange(K.shape[0]) if whole is None else np.asarray(whole)
-    if rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= K.shape[0]:
-        raise InputError("whole", f"must be row indices in [0, {K.shape[0]})", whole)
-    bad = [list(idx) for idx in subsets if not len(idx) or min(idx) < 0 or max(idx) >= len(rows)][:1]
-    if bad:
-        raise InputError("subsets", f"must be non-empty index arrays into the {len(rows)} rows of the set", bad[0])
-    block = K[np.ix_(rows, rows)]
-    top = direction(block, np.arange(len(rows)), np.ones(len(rows)))
-    along, norm = top.weights @ block, math.sqrt(max(top.eigenvalue, 0))
-    return subset_abs_gcs(block, along, norm, [np.sort(np.asarray(idx)) for idx in subsets])
-
-
-@entry("split_half_gc")
-def split_half_gc(kernel, *, draws: int = 200, confidence: float = 0.9, seed: int = 0) -> NullBand:
-    """How alike a set's gradients are: ``|GC|`` of random halves of its units against all of them,
-    from its kernel (m, m), as a band over ``draws`` halves (median, and the ``confidence``
-    quantiles). 1 when every gradient is parallel; well below when they share no direction (the
-    top direction of a half of isotropic gradients is the whole set's by chance only). Two kernels
-    over the same units pair draw by draw with :func:`halves` and :func:`subset_abs_gc`. A half
-    whose gradients are all 0 has no |GC|: the band is over the other draws (``draws`` counts them)."""
-    m = kernel.shape[0]
-    if len(kernel.shape) != 2 or m < 4:
-        raise InputError("kernel", "must be a square (m, m) kernel with m >= 4 units", tuple(kernel.shape))
-    values = subset_abs_gc(kernel, halves(m, draws, seed))
-    return band(values, confidence)
-
-
-def band(values: np.ndarray, confidence: float = 0.9) -> NullBand:
-    """The (1 - c)/2, 1/2, (1 + c)/2 quantiles of the finite ``values`` and their count (NaN, 0 when none)."""
-    finite = np.asarray(values, dtype=np.float64)
-    finite = finite[np.isfinite(finite)]
-    if not finite.size:
-        return NullBand(math.nan, math.nan, math.nan, 0)
-    tail = (1 - confidence) / 2
-    low, median, high = np.quantile(finite, [tail, 0.5, 1 - tail])
-    return NullBand(float(low), float(median), float(high), int(finite.size))
-
-
-@entry("expert_gc")
-def expert_gc(kernels, labels, *, min_count: int = 2, resampling: Resampling | None = Resampling(),
-              controls: Controls | None = None) -> pd.DataFrame:
-    """GC of each label's units within each expert against all the expert's units, with intervals.
-
-    Parameters
-    ----------
-    kernels : ExpertKernel or list of them (:func:`expert_ntk`).
-    labels : (n,) a label per sample of the batch the kernels were computed on; a unit takes its
-        sample's.
-    min_count : groups with fewer units in an expert are left out.
-    resampling, controls : as :func:`~ntkscope.kernel.uncertainty.kernel_gc`.
-
-    Returns
-    -------
-    DataFrame of GC_COLUMNS: ``n`` the group's units, ``units`` the expert's.
-    """
-    kernels = [kernels] if isinstance(kernels, ExpertKernel) else list(kernels)
-    labels = np.asarray(labels)
-    rows = []
-    for k in kernels:
-        if labels.ndim != 1 or (len(k.rows) and k.samples().max() >= len(labels)):
-            raise InputError("labels", "must give one label per sample of the kernels' batch", labels.shape)
-        own = labels[k.samples()]
-        names = [g for g in dict.fromkeys(own.tolist()) if (own == g).sum() >= min_count]
-        if len(k.rows) < 2 or not names:
-            continue
-        subsets = [np.flatnonzero(own == g) for g in names]
-        for g, idx, r in zip(names, subsets, kernel_gc(k.matrix, subsets, resampling=resampling, controls=controls)):
-            homogeneous = r.controls.get("homogeneous")
-            rows.append({"layer": k.layer, "expert": k.expert, "unit": k.unit, "group": g, "n": len(idx),
-                         "units": len(k.rows), "gc": r.score, "gc_low": r.interval.low, "gc_high": r.interval.high,
-                         "abs_gc": abs(r.score), "null_median": r.null.median,
-                         "homogeneous_median": homogeneous.median if homogeneous else math.nan,
-                         "flags": ";".join(r.flags)})
-    return pd.DataFrame(rows, columns=GC_COLUMNS)
