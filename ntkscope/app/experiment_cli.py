@@ -105,10 +105,26 @@ def _tables(args) -> int:
     return 0
 
 
-def _probe(args) -> int:
+def _run_probe_args(parser, out_help: str) -> None:
+    """What ``probe`` and ``experts`` both read: a sweep's run directory, its spec and pack, the
+    seeds, the probe's blocks per domain, and where the tables go."""
+    parser.add_argument("run_dir", metavar="RUN", type=Path, help="the sweep's run directory")
+    parser.add_argument("--spec", required=True, help="the spec the run ran (its layers, settings and seeds)")
+    add_out(parser, kind="own", type=Path, required=True, help=out_help)
+    parser.add_argument("--data", "--pack", dest="data", help="the corpus pack the run used (default: the shipped one)")
+    parser.add_argument("--seeds", help="comma-separated seeds (default: the spec's)")
+    parser.add_argument("--per-domain", type=POSITIVE_INT, default=64,
+                        help="validation blocks of each domain in the probe (default 64)")
+
+
+def _check_models(args, command: str) -> None:
     if not (args.run_dir / "models").is_dir():
-        raise InputError("RUN", "must be a sweep's run directory with models/ (its trunks' checkpoints)",
-                         str(args.run_dir), func="ntkscope experiment probe")
+        raise InputError("RUN", "must be a sweep's run directory with models/ (its units' checkpoints)",
+                         str(args.run_dir), func=f"ntkscope experiment {command}")
+
+
+def _probe(args) -> int:
+    _check_models(args, "probe")
     written = probe_trunks(load_spec(args.spec), args.run_dir, args.out, pack=args.data,
                            seeds=_seeds(args.seeds) if args.seeds else None, per_domain=args.per_domain,
                            resampling=Resampling(resamples=args.resamples, null_draws=args.null_draws))
@@ -117,9 +133,7 @@ def _probe(args) -> int:
 
 
 def _experts(args) -> int:
-    if not (args.run_dir / "models").is_dir():
-        raise InputError("RUN", "must be a sweep's run directory with models/ (its units' checkpoints)",
-                         str(args.run_dir), func="ntkscope experiment experts")
+    _check_models(args, "experts")
     found = expert_figure(load_spec(args.spec), args.run_dir, args.out, arm=args.arm, pack=args.data,
                           seeds=_seeds(args.seeds) if args.seeds else None, per_domain=args.per_domain,
                           min_units=args.min_units, draws=args.draws)
@@ -198,13 +212,7 @@ def add_parsers(sub) -> None:
                        "expert of the router CSE would fit there and for the small experts together, the validation "
                        "loss, GC against the whole probe (interval, null), tail share, expert count (one table per "
                        "trunk, OUT/trunk-seedK.csv)")
-    pr.add_argument("run_dir", metavar="RUN", type=Path, help="the sweep's run directory")
-    pr.add_argument("--spec", required=True, help="the spec the run ran (its layers, settings and seeds)")
-    add_out(pr, kind="own", type=Path, required=True, help="where the tables go")
-    pr.add_argument("--data", "--pack", dest="data", help="the corpus pack the run used (default: the shipped one)")
-    pr.add_argument("--seeds", help="comma-separated seeds (default: the spec's)")
-    pr.add_argument("--per-domain", type=POSITIVE_INT, default=64,
-                    help="validation blocks of each domain in the probe (default 64)")
+    _run_probe_args(pr, "where the tables go")
     pr.add_argument("--resamples", type=COUNT, default=100, help="GC's jackknife deletions at most (default 100; 0: "
                     "no interval)")
     pr.add_argument("--null-draws", type=COUNT, default=0, help="GC's random-null draws per group size (default 0: "
@@ -214,14 +222,8 @@ def add_parsers(sub) -> None:
                        "|GC| on the probe blocks routed to it against the dense trunk's FFN on the same blocks at the "
                        "same step, paired over the same halves, with a random-blocks null (OUT/experts.csv, "
                        "OUT/verdicts.json; a seed already measured is kept)")
-    xp.add_argument("run_dir", metavar="RUN", type=Path, help="the sweep's run directory")
-    xp.add_argument("--spec", required=True, help="the spec the run ran (its seeds, settings and trunk)")
-    add_out(xp, kind="own", type=Path, required=True, help="where the table and verdicts go")
+    _run_probe_args(xp, "where the table, the verdicts and the figure go")
     xp.add_argument("--arm", default="cse-at1200", help="the CSE arm measured (default cse-at1200)")
-    xp.add_argument("--data", "--pack", dest="data", help="the corpus pack the run used (default: the shipped one)")
-    xp.add_argument("--seeds", help="comma-separated seeds (default: the spec's)")
-    xp.add_argument("--per-domain", type=POSITIVE_INT, default=64,
-                    help="validation blocks of each domain in the probe (default 64)")
     xp.add_argument("--min-units", type=POSITIVE_INT, default=8, help="blocks an expert needs to be judged (default 8)")
     xp.add_argument("--draws", type=POSITIVE_INT, default=200, help="random halves per expert (default 200)")
     xp.set_defaults(run=_experts)
