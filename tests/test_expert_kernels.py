@@ -284,3 +284,20 @@ def test_split_half_gc_skips_halves_without_gradient():
     K[:3, :3] = 1.0  # three parallel gradients, three zero ones
     band = split_half_gc(K, draws=100)
     assert 0 < band.draws < 100 and band.median == pytest.approx(1.0)
+
+
+def test_the_eval_view_reads_a_masked_lm_s_switch_experts_by_sequence():
+    """expert_view on a BERT with a Switch layer: a masked LM has no per-token value, so its token
+    router's experts are read by sequence; consistency bands in [0, 1]; GC rows per label."""
+    from ntkscope.gc.experts import expert_view
+
+    hf = dense("bert")
+    hf.config.mask_token_id = 49
+    model = SparseHF(hf, dict(kind="switch", layers=[1], n_experts=[0])).eval()
+    upcycle(model, 2)
+    ids, domain = planted_domains(n_per=6)
+    summary, gc = expert_view(model, ids.tolist(), ["a" if d == 0 else "b" for d in domain.tolist()], texts=12,
+                              context=16)
+    assert len(summary) and (summary["unit"] == "sequence").all()
+    assert ((0 <= summary["consistency_low"]) & (summary["consistency_high"] <= 1)).all()
+    assert set(gc["group"]) <= {"a", "b"} and len(gc)

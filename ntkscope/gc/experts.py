@@ -15,6 +15,7 @@ import torch
 from ntkscope.core.checks import InputError, entry, fail
 from ntkscope.kernel.experts import ExpertKernel, expert_ntk
 from ntkscope.kernel.nulls import Controls, NullBand
+from ntkscope.kernel.objectives import is_causal
 from ntkscope.kernel.replicates import direction, subset_abs_gcs
 from ntkscope.kernel.uncertainty import Resampling, kernel_gc
 
@@ -107,7 +108,9 @@ def expert_gc(kernels, labels, *, min_count: int = 2, resampling: Resampling | N
         if len(k.rows) < 2 or not names:
             continue
         subsets = [np.flatnonzero(own == g) for g in names]
-        for g, idx, r in zip(names, subsets, kernel_gc(k.matrix, subsets, resampling=resampling, controls=controls)):
+        K = k.matrix.detach().double().cpu()
+        K = (K + K.T) / 2  # symmetric to its own rounding (a float32 kernel summed by blocks)
+        for g, idx, r in zip(names, subsets, kernel_gc(K, subsets, resampling=resampling, controls=controls)):
             homogeneous = r.controls.get("homogeneous")
             rows.append({"layer": k.layer, "expert": k.expert, "unit": k.unit, "group": g, "n": len(idx),
                          "units": len(k.rows), "gc": r.score, "gc_low": r.interval.low, "gc_high": r.interval.high,
@@ -141,7 +144,8 @@ def expert_view(model, token_ids: Sequence[Sequence[int]], labels: Sequence[str]
     two tokens or more, truncated to ``context`` tokens: (summary VIEW_COLUMNS, GC table of
     :data:`GC_COLUMNS`). ``consistency`` is the median split-half |GC| of
     the expert's units, with the 5 and 95 % quantiles over ``draws`` halves; experts with fewer
-    than 4 units are left out."""
+    than 4 units are left out. A masked language model's experts are read by sequence (its value
+    is over a seeded masked set, not one per token)."""
     if len(token_ids) != len(labels):
         raise InputError("labels", "must give one label per text", f"{len(labels)} labels for {len(token_ids)} texts")
     usable = np.flatnonzero([len(t) > 1 for t in token_ids])
@@ -152,12 +156,14 @@ def expert_view(model, token_ids: Sequence[Sequence[int]], labels: Sequence[str]
         raise InputError("token_ids", "must hold at least 4 texts of two tokens or more", len(rows))
     batch = text_batch(token_ids, rows, context)
     own = np.asarray(labels, dtype=object)[rows]
-    kernels = expert_ntk(model, batch, min_units=4)
+    unit = "auto" if is_causal(model) else "sequence"  # a masked LM has no per-token value to route
+    kernels = expert_ntk(model, batch, min_units=4, unit=unit)
     summary = []
     for k in kernels:
-        band = split_half_gc(k.matrix, draws=draws, confidence=0.9, seed=seed)
+        halves_band = split_half_gc(k.matrix, draws=draws, confidence=0.9, seed=seed)
         shares = pd.Series(own[k.samples()]).value_counts(normalize=True)
         summary.append({"layer": k.layer, "expert": k.expert, "unit": k.unit, "units": len(k.rows),
-                        "params": k.n_params, "consistency": band.median, "consistency_low": band.low,
-                        "consistency_high": band.high, "top_label": shares.index[0], "top_share": float(shares.iloc[0])})
+                        "params": k.n_params, "consistency": halves_band.median, "consistency_low": halves_band.low,
+                        "consistency_high": halves_band.high, "top_label": shares.index[0],
+                        "top_share": float(shares.iloc[0])})
     return pd.DataFrame(summary, columns=VIEW_COLUMNS), expert_gc(kernels, own)
