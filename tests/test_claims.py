@@ -38,7 +38,8 @@ def test_every_quoted_number_is_its_tables(values):
 
 
 def test_a_table_that_changes_is_caught(values, tmp_path):
-    for folder in ("figures/tail", "figures/tables", "figures/tables-late", "figures/sweep", "figures/own-model"):
+    for folder in ("figures/tail", "figures/tables", "figures/tables-late", "figures/sweep", "figures/own-model",
+                   "figures/warmup-map/fresh/experts"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("*.png", "*.pdf", "*.npz"))
     (tmp_path / "docs").mkdir()
     for name in ("router-table.csv", "gc-outputs-quick.csv"):
