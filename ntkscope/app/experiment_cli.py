@@ -139,7 +139,8 @@ def _experts(args) -> int:
                           min_units=args.min_units, draws=args.draws)
     v = found["experts_more_consistent"]
     print(f"experts more consistent than the dense FFN on their own blocks: {v['verdict']} "
-          f"({v['wins']} of {v['seeds_ran']} seeds measured)" + (f"; {v['why']}" if "why" in v else ""))
+          f"(a majority of them in {v['wins']} of the {v['seeds_ran']} seeds measured)"
+          + (f"; {v['why']}" if "why" in v else ""))
     print(f"tail experts: {found['tail_experts']['verdict']}")
     print(f"table {args.out / 'experts.csv'}, verdicts {args.out / 'verdicts.json'}")
     return 0
