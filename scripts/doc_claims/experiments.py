@@ -384,6 +384,9 @@ def claim_experts(folder: Path) -> dict:
     coherent = int(judged["coherent_in_dense"].astype(bool).sum())
     out["experts.fresh.counts"] = (f"{more} of {len(judged)} judged experts more consistent than the dense FFN; "
                                    f"{coherent} of {len(judged)} clusters coherent in the dense model already")
+    positive = int((judged["diff_median"] > 0).sum())
+    out["experts.fresh.positive"] = (f"{positive} of {len(judged)} judged experts have a positive median paired "
+                                     f"difference (mean {judged['diff_median'].mean():+.3f})")
     lines = ["| seed | layer | expert | blocks | top domain | expert | dense, same blocks | expert − dense | "
              "dense, random blocks |", "|---|---|---|---|---|---|---|---|---|"]
     for r in judged.sort_values(["seed", "layer", "expert"]).itertuples():
