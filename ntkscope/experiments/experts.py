@@ -6,9 +6,10 @@ For each seed, the CSE arm's last checkpoint and the dense trunk's checkpoint at
 the probe of :mod:`ntkscope.experiments.probe` (the first ``per_domain`` validation blocks of
 each domain). Per expert of each CSE layer: the split-half |GC| of the expert's kernel and of the
 dense FFN's kernel on its blocks over the same halves (paired), and the dense kernel's split-half
-|GC| on random sets of as many blocks (the null). One table, ``OUT/experts.csv`` (EXPERT_COLUMNS),
-the verdicts, ``OUT/verdicts.json``, and the figure, ``OUT/experts.png``; a seed already in the
-table is not measured again.
+|GC| on random sets of as many blocks (the null) and on sets of as many ordinary (non-tail) blocks
+(the homogeneous null, described beside them: not one of CRITERIA.md's verdicts). One table,
+``OUT/experts.csv`` (EXPERT_COLUMNS), the verdicts, ``OUT/verdicts.json``, and the figure,
+``OUT/experts.png``; a seed already in the table is not measured again.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ log = logging.getLogger(__name__)
 
 EXPERT_COLUMNS = ["seed", "step", "layer", "expert", "units", "judged", "top_domain", "top_share", "tail_share",
                   "expert_median", "expert_low", "expert_high", "dense_median", "dense_low", "dense_high",
-                  "diff_median", "diff_low", "diff_high", "null_median", "null_low", "null_high", "draws",
-                  "more_consistent", "coherent_in_dense"]
+                  "diff_median", "diff_low", "diff_high", "null_median", "null_low", "null_high", "homogeneous_median",
+                  "homogeneous_low", "homogeneous_high", "draws", "more_consistent", "coherent_in_dense"]
 #: the columns' types (a table built here and one read back from its CSV alike)
 DTYPES = {"seed": "int64", "step": "int64", "layer": "int64", "expert": "int64", "units": "int64", "judged": "bool",
           "top_domain": "object", "more_consistent": "boolean", "coherent_in_dense": "boolean", "draws": "Int64"}
@@ -72,13 +73,21 @@ def measure_seed(cse, dense, blocks: torch.Tensor, domains: list, *, tail: tuple
             e = subset_abs_gc(k.matrix, H)
             d = subset_abs_gc(dense_k[k.layer][np.ix_(idx, idx)], H)
             rng = np.random.default_rng([seed, 5, m])
-            null = []
+            null, homogeneous = [], []
             for _ in range(draws):  # a random set of m blocks of the probe, one random half of it
                 pick = np.sort(rng.choice(len(blocks), size=m, replace=False))
                 half = np.sort(rng.choice(m, size=m // 2, replace=False))
                 null.append(subset_abs_gc(dense_k[k.layer], [half], whole=pick)[0])
+            ordinary = np.flatnonzero(~np.isin(domains, tail))  # the homogeneous null's pool: no tail text
+            other = np.random.default_rng([seed, 6, m])  # its own stream: the registered null's draws unchanged
+            for _ in range(draws if m <= len(ordinary) else 0):  # the same from the ordinary blocks alone
+                pick = np.sort(other.choice(ordinary, size=m, replace=False))
+                half = np.sort(other.choice(m, size=m // 2, replace=False))
+                homogeneous.append(subset_abs_gc(dense_k[k.layer], [half], whole=pick)[0])
             bands = {name: band(values, 0.9) for name, values in
                      (("expert", e), ("dense", d), ("diff", e - d), ("null", np.asarray(null)))}
+            h = band(np.asarray(homogeneous), 0.9)  # described beside the registered statistics, not a verdict
+            row["homogeneous_median"], row["homogeneous_low"], row["homogeneous_high"] = h.median, h.low, h.high
             for name, b in bands.items():
                 row[f"{name}_median"], row[f"{name}_low"], row[f"{name}_high"] = b.median, b.low, b.high
             row["draws"] = min(b.draws for b in bands.values())  # halves with a |GC| in every kernel

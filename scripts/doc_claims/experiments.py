@@ -366,6 +366,13 @@ def claim_tracked(t) -> dict:
             "tracked.cka_min_step": str(int(tracked.loc[tracked["kernel_cka"].idxmin(), "step"]))}
 
 
+def _band_cell(row, name: str) -> str:
+    """"median [low, high]" of a band's columns, or "—" where it was not drawn (NaN)."""
+    median = getattr(row, f"{name}_median")
+    return "—" if median != median else f"{median:.2f} [{getattr(row, f'{name}_low'):.2f}, " \
+                                        f"{getattr(row, f'{name}_high'):.2f}]"
+
+
 def claim_experts(folder: Path) -> dict:
     """docs/figures.md: Figure 5(b, c) on the late-converted models (figures/warmup-map/fresh/experts:
     experts.csv and verdicts.json of ``ntkscope experiment experts``), the registered verdicts and
@@ -387,13 +394,16 @@ def claim_experts(folder: Path) -> dict:
     positive = int((judged["diff_median"] > 0).sum())
     out["experts.fresh.positive"] = (f"{positive} of {len(judged)} judged experts have a positive median paired "
                                      f"difference (mean {judged['diff_median'].mean():+.3f})")
+    homogeneous = "homogeneous_median" in judged
     lines = ["| seed | layer | expert | blocks | top domain | expert | dense, same blocks | expert − dense | "
-             "dense, random blocks |", "|---|---|---|---|---|---|---|---|---|"]
+             "dense, random blocks |" + (" dense, ordinary blocks |" if homogeneous else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if homogeneous else "")]
     for r in judged.sort_values(["seed", "layer", "expert"]).itertuples():
         lines.append(f"| {r.seed} | {r.layer} | {r.expert} | {r.units} | {r.top_domain} ({100 * r.top_share:.0f} %) | "
                      f"{r.expert_median:.2f} [{r.expert_low:.2f}, {r.expert_high:.2f}] | "
                      f"{r.dense_median:.2f} [{r.dense_low:.2f}, {r.dense_high:.2f}] | "
                      f"{r.diff_median:+.2f} [{r.diff_low:+.2f}, {r.diff_high:+.2f}] | "
-                     f"{r.null_median:.2f} [{r.null_low:.2f}, {r.null_high:.2f}] |")
+                     f"{r.null_median:.2f} [{r.null_low:.2f}, {r.null_high:.2f}] |"
+                     + (f" {_band_cell(r, 'homogeneous')} |" if homogeneous else ""))
     out["experts.fresh.table"] = "\n".join(lines)
     return out
