@@ -99,6 +99,23 @@ def test_embeddings_at_each_point_are_masked_means(lm_batch):
         layer_embeddings(model, lm_batch, point="mlp_hidden")
 
 
+def test_embeddings_stop_the_forward_after_the_last_layer_asked_for(lm_batch):
+    model = _tiny_gpt()
+    ran = []
+    hooks = [model.transformer.h[2].register_forward_hook(lambda m, i, o: ran.append("block 2")),
+             model.lm_head.register_forward_hook(lambda m, i, o: ran.append("head"))]
+    early = layer_embeddings(model, lm_batch, layers=[0, 1], batch_size=3)
+    assert ran == []  # neither the third block nor the output head ran
+    whole = layer_embeddings(model, lm_batch, batch_size=3)  # the last block: the head still never runs
+    chunks = -(-len(lm_batch["input_ids"]) // 3)
+    assert ran == ["block 2"] * chunks
+    for h in hooks:
+        h.remove()
+    for i in (0, 1):
+        np.testing.assert_array_equal(early.embeddings[i], whole.embeddings[i])
+    assert model(**lm_batch).shape[-1] == 50  # the model is left whole
+
+
 def test_hf_gpt2_block_embeddings_match_hidden_states(hf_gpt2, lm_batch):
     out = hf_gpt2(**lm_batch, output_hidden_states=True).hidden_states
     emb = layer_embeddings(hf_gpt2, lm_batch)

@@ -16,7 +16,9 @@ M (d', d) is a seeded Gaussian random projection (:func:`~ntkscope.representatio
 applied after centring when ``proj_dim`` < d, else the identity. The *rule* finds the clusters:
 
 - ``"hdbscan"`` (default): scikit-learn's :class:`~sklearn.cluster.HDBSCAN` with
-  ``min_cluster_size`` (no eps to choose);
+  ``min_cluster_size`` (no eps to choose); up to :data:`BRUTE_HDBSCAN_MAX` points from the whole
+  distance matrix (``algorithm="brute"``: about six times faster than a k-d tree at d' = 128,
+  n = 3000, the same labels), more from the tree;
 - ``"dbscan-percentile"``: DBSCAN with eps at the ``percentile``-th percentile of the
   distances to each point's ``min_samples``-th neighbour;
 - ``"dbscan-knee"``: DBSCAN with eps at the knee of those distances (turn 1's rule; the knee
@@ -100,12 +102,17 @@ class RouterFit:
         return (dist / self.radii.astype(np.float64)).argmin(axis=1)
 
 
+#: HDBSCAN on at most this many points takes the whole (n, n) distance matrix (134 MB at 4096).
+BRUTE_HDBSCAN_MAX = 4096
+
+
 def cluster_labels(Z, *, rule: str = "hdbscan", min_cluster_size: int = 15, min_samples: int = 5,
                    eps: float | None = None, percentile: float = 10.0, selection: str = "eom") -> tuple:
     """Labels (n,) of ``rule`` on points Z (n, d') (-1 = noise) and the eps used (NaN for HDBSCAN)."""
     if rule == "hdbscan":
         fit = HDBSCAN(min_cluster_size=min_cluster_size, min_samples=min_samples,
-                      cluster_selection_method=selection, copy=True).fit(Z)
+                      cluster_selection_method=selection, copy=True,
+                      algorithm="brute" if len(Z) <= BRUTE_HDBSCAN_MAX else "auto").fit(Z)
         return fit.labels_, float("nan")
     if rule == "dbscan-knee" or eps is not None:
         fit = AutoDBSCAN(eps, min_samples=min_samples).fit(Z)

@@ -11,7 +11,9 @@ hidden states at a named point of layer l:
 Works on the models of ``cse_models`` (GPT, BERT, with or without sparse layers) and on
 the HF families with a layer layout (GPT-2, BERT e.g. the pretrained MiniLM, GPT-NeoX/Pythia,
 Llama, Qwen2, OLMo; :mod:`ntkscope.runs.families`). Forward hooks pool each point as
-it is computed, so no activation is kept beyond the (n, d) means that were asked for.
+it is computed, so no activation is kept beyond the (n, d) means that were asked for, and the
+forward stops once the last asked-for point is pooled (the later blocks and the output head are
+never run).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from ntkscope.runs.families import POINTS, layer_points
 
 def _resolve(block: nn.Module, path: str | None) -> nn.Module:
     return block if path is None else block.get_submodule(path)
+
+
+class _Pooled(Exception):
+    """Raised by the hook of the last asked-for layer: the rest of the forward is not needed."""
 
 
 @dataclass(frozen=True)
@@ -75,12 +81,15 @@ def layer_embeddings(model: nn.Module, batch: dict, *, point: str = "block", lay
     model.eval()
     out: dict[int, list] = {i: [] for i in layers}
     current: dict = {}
+    last = max(layers) if layers else None
 
     def make_hook(i):
         def hook(_module, args, kwargs, output):
             h = (args[0] if args else kwargs["hidden_states"]) if use_input else output
             h = h[0] if isinstance(h, tuple) else h
             out[i].append(masked_mean(h.float(), current["mask"]).cpu())
+            if i == last:
+                raise _Pooled
         return hook
 
     hooks = [_resolve(blocks[i], path).register_forward_hook(make_hook(i), with_kwargs=True) for i in layers]
@@ -93,7 +102,10 @@ def layer_embeddings(model: nn.Module, batch: dict, *, point: str = "block", lay
             sparse = getattr(getattr(model, "config", None), "sparse", None)
             if getattr(sparse, "kind", None) == "demix":  # DEMix needs a domain: embed through expert 0
                 extra["domains"] = torch.zeros(len(chunk_ids), dtype=torch.long, device=device)
-            model(input_ids=chunk_ids, attention_mask=chunk_mask, **extra)
+            try:
+                model(input_ids=chunk_ids, attention_mask=chunk_mask, **extra)
+            except _Pooled:
+                pass
             bar.update(len(chunk_ids))
     finally:
         bar.close()
