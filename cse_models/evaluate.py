@@ -42,6 +42,7 @@ from cse_models.model import load_model
 from ntkscope.core.checks import UserError
 from ntkscope.core.files import Staging, write_table
 from ntkscope.core.lm import causal_pairs, lm_loss
+from ntkscope.core.memory import training_thresholds
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.inputs import DataSource
 from ntkscope.text.tokenization import load_tokenizer
@@ -86,6 +87,7 @@ def block_losses(model, blocks: Blocks, *, batch_size: int = 32, seed: int = 0, 
     label-free mixture under ``prior`` (its P(D), default uniform), or, given ``routes`` (N,), with
     each block sent to that expert (a fixed assignment, :mod:`cse_models.routes`)."""
     model.eval()
+    training_thresholds()  # forward passes, no budget: not under a kernel's 1 MiB malloc threshold
     device = next(model.parameters()).device
     masking = _masking(model, seed, "eval-mask", special_ids)
     routed = routes is not None and is_demix(model)
@@ -144,6 +146,7 @@ def embed_texts(model, tokenizer, texts, *, batch_size: int = 64, prior: DomainP
     """Mean-pooled final hidden states of each text (truncated to the block size): (n, d). A DEMix
     model embeds each text with the expert of its most probable domain (posterior from ``prior``)."""
     model.eval()
+    training_thresholds()  # forward passes, no budget: not under a kernel's 1 MiB malloc threshold
     device = next(model.parameters()).device
     texts = list(texts)
     out = []

@@ -40,7 +40,16 @@ class Probe:
 
 
 WORK_SHARE = 0.25  #: of the budget, for the tiles of pair products
-MAX_CHUNK = 64  #: samples per forward/backward
+MAX_CHUNK = 64  #: samples per forward/backward on an accelerator, and at most anywhere
+#: samples per forward/backward on a CPU: a chunk cut at its own longest sample trims more padding,
+#: and its activations stay nearer the cache (a probe of 128 GPT sentences: 1.2x its floor at 16,
+#: 1.5x at 64; benchmarks/README.md)
+CPU_CHUNK = 16
+
+
+def max_chunk(accelerator: bool) -> int:
+    """Samples per forward/backward at most: :data:`MAX_CHUNK` on an accelerator, :data:`CPU_CHUNK` on a CPU."""
+    return MAX_CHUNK if accelerator else CPU_CHUNK
 
 
 def work_elements(budget: int, itemsize: int) -> int:
@@ -96,8 +105,8 @@ def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
            symmetric: bool = True, kernels: int = 0) -> tuple[int, int, int]:
     """(panel, stream, chunk): samples whose factors are held, samples streamed past each panel at
     once, and samples per forward/backward. Everything at once when it fits; else the layout
-    of least :func:`layout_cost` among chunks of ``chunk`` (or 64, 32, ... 1 samples) and streams
-    of 1, 2, 4 ... chunks, each with the largest panel that then fits. What they hold, with the
+    of least :func:`layout_cost` among chunks of ``chunk`` (or :func:`max_chunk`, half that, ... 1
+    samples) and streams of 1, 2, 4 ... chunks, each with the largest panel that then fits. What they hold, with the
     ``kernels`` bytes and the tiles' share, stays within ``budget`` whenever it is at least
     :func:`minimum_budget`.
 
@@ -108,7 +117,7 @@ def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
     GC on a GPU)."""
     work = int(WORK_SHARE * budget)
     fixed, s = kernels + pr.sample_bytes, pr.sample_bytes  # the probe's sample, kept for the cost model
-    first = int(chunk or max(1, min(MAX_CHUNK, work // max(1, pr.transient.per_sample))))
+    first = int(chunk or max(1, min(max_chunk(pr.accelerator), work // max(1, pr.transient.per_sample))))
     chunks = [first] if chunk else sorted({max(1, first >> k) for k in range(7)}, reverse=True)
 
     def panel_room(c: int, stream: int) -> int:  # a stream of one chunk is that chunk's factors: no copy

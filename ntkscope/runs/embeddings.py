@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ntkscope.core.checks import InputError, check_choice, check_positive_int, entry
 from ntkscope.core.lm import masked_mean
+from ntkscope.core.memory import training_thresholds
 from ntkscope.core.progress import progress_bar
 from ntkscope.runs.families import POINTS, layer_points
 
@@ -79,6 +80,7 @@ def layer_embeddings(model: nn.Module, batch: dict, *, point: str = "block", lay
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    training_thresholds()  # forward passes, no budget: not under a kernel's 1 MiB malloc threshold
     out: dict[int, list] = {i: [] for i in layers}
     current: dict = {}
     last = max(layers) if layers else None
