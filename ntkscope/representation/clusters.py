@@ -17,6 +17,7 @@ from sklearn.cluster import DBSCAN, KMeans
 from sklearn.metrics import silhouette_score
 from sklearn.neighbors import NearestNeighbors
 from sklearn.random_projection import GaussianRandomProjection, johnson_lindenstrauss_min_dim
+from threadpoolctl import threadpool_limits
 
 from ntkscope.core.checks import InputError, check_positive_int, entry
 
@@ -195,6 +196,12 @@ LAYER_COLUMNS = ["layer", "n", "k", "knee_strength", "k_silhouette", "silhouette
                  "separation"]
 
 
+#: a layer of at most this many sequences is clustered on one thread (OpenMP's and BLAS's): there
+#: the threads' start-up costs more than they share (Figure 3's 28 checkpoints of 192 sentences:
+#: 12 s on two threads, 8 s on one; the same labels)
+ONE_THREAD_ROWS = 4096
+
+
 @entry("layer_separation")
 def layer_separation(embeddings, *, k_max: int = 10, projection_dim: int | None = 64, seed: int = 0) -> pd.DataFrame:
     """One row per layer: layer, n, k (elbow), knee_strength, k_silhouette (1: no clusters),
@@ -213,8 +220,9 @@ def layer_separation(embeddings, *, k_max: int = 10, projection_dim: int | None 
         if k_max > X.shape[0]:
             raise InputError("k_max", f"must be at most the number of samples ({X.shape[0]})", k_max)
         Z = random_projection(X, projection_dim, seed=seed) if projection_dim else X
-        elbow = ElbowKMeans(k_max, random_state=seed).fit(Z)
-        geo = cluster_geometry(Z, elbow.labels_)
+        with threadpool_limits(1 if len(Z) <= ONE_THREAD_ROWS else None):
+            elbow = ElbowKMeans(k_max, random_state=seed).fit(Z)
+            geo = cluster_geometry(Z, elbow.labels_)
         rows.append((layer, X.shape[0], elbow.k_, elbow.knee_strength_, elbow.k_silhouette_,
                      float(np.nanmax(elbow.silhouettes_)) if np.isfinite(elbow.silhouettes_).any() else np.nan,
                      geo.inter_distance, geo.mean_radius, geo.separation))
