@@ -101,6 +101,22 @@ def test_a_probe_leaves_training_as_it_was_and_equals_a_separate_call(gpt, lm_ba
     assert list(frame.columns[:3]) == ["step", "label", "layer"] and sorted(set(frame["step"])) == [2, 4]
 
 
+def test_a_probe_keeps_the_budgets_malloc_threshold_only_when_max_memory_is_asked(gpt, lm_batch, monkeypatch):
+    from ntkscope.core import memory
+
+    fixed = []
+    monkeypatch.setattr(memory, "_mallopt", lambda mmap, trim: fixed.append(mmap))  # no real mallopt calls
+    monkeypatch.setattr(memory, "_pinned", False)
+    probes = Probes(lm_batch, {"a": [0, 1, 2, 3]})
+    for max_memory, expected in ((None, []), (2 << 30, [memory._MMAP_THRESHOLD])):
+        monkeypatch.setattr(memory, "_threshold_fixed", False)  # as training leaves them
+        fixed.clear()
+        tracker = GCTracker(probes, every=1, resampling=None,
+                            options=KernelOptions(output=GC_OUTPUT, method="structured", max_memory=max_memory))
+        tracker.probe(gpt, 1)
+        assert fixed == expected, max_memory
+
+
 def test_the_tracker_resumes_and_refuses_other_options(gpt, lm_batch, tmp_path):
     probes = Probes(lm_batch, {"a": [0, 1, 2, 3, 4]})
     out = tmp_path / "track"

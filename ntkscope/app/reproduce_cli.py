@@ -102,7 +102,7 @@ SPECS = ("sweep", "tables", "tables-late")
 
 #: each mode's flag (``--MODE``) and what it runs, in the order ``--help`` lists them
 MODES = {
-    "quick": "2 CPU cores, about 20 minutes (the default)",
+    "quick": "2 CPU cores, about 6 minutes (the default)",
     "tail": "2 CPU cores, about an hour: the quick model trained until the long tail clusters, CSE against dense and "
             "Switch over 3 seeds (the committed run)",
     "tables": "the paper's Tables 1-2 and a general-tasks table: every row for BERT and GPT, 3 pretraining seeds, at "

@@ -31,7 +31,7 @@ import logging
 import os
 import random
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,7 @@ import torch
 
 from ntkscope.core.checks import check_choice, check_positive_int, entry, fail
 from ntkscope.core.files import digest, read_json_object, strict_json, write_json, write_table
-from ntkscope.core.memory import training_thresholds
+from ntkscope.core.memory import training_thresholds, training_thresholds_kept
 from ntkscope.core.provenance import provenance
 from ntkscope.kernel import distributed
 from ntkscope.kernel.consistency import subset_indices
@@ -255,7 +255,10 @@ class GCTracker:
         kernels, whole and per layer); None keeps the rows in memory only (:attr:`frame`).
     options : KernelOptions or None
         How the kernel is computed (default: output "centred-true-logit", method "auto"); a
-        method that forms the kernel ("auto", "exact", "structured", "projected").
+        method that forms the kernel ("auto", "exact", "structured", "projected"). With no
+        ``max_memory`` a probe leaves training's malloc thresholds as they are
+        (:func:`~ntkscope.core.memory.training_thresholds_kept`: faster, no budget kept for what
+        it frees); with one, it keeps that budget as every kernel computation does.
     resampling : Resampling or None
         The intervals and random null, as for :func:`ntkscope.gradient_consistency_groups`.
     controls : "auto" or None
@@ -499,7 +502,9 @@ class GCTracker:
                        "a data-parallel run's checkpoints afterwards with ntkscope gc RUN_DIR)", distributed.world()[1])
         start = time.perf_counter()
         probes = self.probes
-        with _training_untouched(model):
+        # no max_memory asked: the probe, small beside training, leaves training's malloc thresholds
+        kept = training_thresholds_kept() if self.options.max_memory is None else nullcontext()
+        with _training_untouched(model), kept:
             wants = self.resampling is not None and self.controls == "auto"
             ntk = empirical_ntk(model, probes.batch, blocks="layer" if self.per_layer else None, sample_loss=wants,
                                 options=self.options)

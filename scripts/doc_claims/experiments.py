@@ -298,11 +298,14 @@ def claim_tracker(table: pd.DataFrame) -> dict:
                     f"{key}.same_losses": "identical" if r.same_losses else "different", f"{key}.method": r.method,
                     f"{key}.every_for_5pct": str(int(np.ceil(r.every_for_5pct)))})
         if "floor_s" in table and not pd.isna(r.floor_s):  # the probe's forward and backward, timed in the run
-            out.update({f"{key}.floor_s": fmt(r.floor_s, 2), f"{key}.over_floor": fmt(r.probe_over_floor, 1)})
+            out.update({f"{key}.floor_s": fmt(r.floor_s, 2), f"{key}.over_floor": fmt(r.probe_over_floor, 2),
+                        f"{key}.floor_target": "met" if r.probe_over_floor <= 1.5 else "missed"})
     layered, flat = (table[(table["n"] == 128) & (table["every"] == 100) & table["arm"].str.endswith(end)]
                      for end in ("per layer", "tracker"))
     if len(layered) and len(flat):  # the "per_layer at most twice" the plain tracker's share
-        out["bench.tracker.per_layer_ratio"] = fmt(layered["overhead"].iloc[0] / flat["overhead"].iloc[0], 2)
+        ratio = layered["overhead"].iloc[0] / flat["overhead"].iloc[0]
+        out["bench.tracker.per_layer_ratio"] = fmt(ratio, 2)
+        out["bench.tracker.per_layer_twice"] = "held" if ratio <= 2 else "not held"
     return out
 
 
