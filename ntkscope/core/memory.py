@@ -209,8 +209,9 @@ def training_thresholds(*, force: bool = False) -> None:
     which every large block of a step is mapped and zeroed anew: 150 steps of the quick model took
     23.1-24.1 s after a kernel computation, 20.4-20.7 s before one and 19.8-20.5 s with these
     thresholds (2 cores, 2026-11-27); the router's layer embeddings of 12 checkpoints (3000
-    sequences each) after Figure 3's GC series 48 s, 36 s with them (2026-11-29). Nothing happens after :func:`hand_back_freed_memory` (the
-    caller asked for the budget's threshold for the whole process) or, unless ``force`` (a
+    sequences each) after Figure 3's GC series 48 s, 36 s with them (2026-11-29). Nothing happens
+    after :func:`hand_back_freed_memory` (the caller asked for the budget's threshold for the
+    whole process) or, unless ``force`` (a
     benchmark's training steps, all under one setting), before any kernel computation. Not
     thread-safe: a kernel computation in another thread keeps its budget only between such calls."""
     global _threshold_fixed

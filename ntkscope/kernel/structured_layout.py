@@ -106,9 +106,9 @@ def layout(pr: Probe, n1: int, n2: int, budget: int, chunk: int | None = None,
     """(panel, stream, chunk): samples whose factors are held, samples streamed past each panel at
     once, and samples per forward/backward. Everything at once when it fits; else the layout
     of least :func:`layout_cost` among chunks of ``chunk`` (or :func:`max_chunk`, half that, ... 1
-    samples) and streams of 1, 2, 4 ... chunks, each with the largest panel that then fits. What they hold, with the
-    ``kernels`` bytes and the tiles' share, stays within ``budget`` whenever it is at least
-    :func:`minimum_budget`.
+    samples) and streams of 1, 2, 4 ... chunks, each with the largest panel that then fits. What
+    they hold, with the ``kernels`` bytes and the tiles' share, stays within ``budget`` whenever
+    it is at least :func:`minimum_budget`.
 
     On an accelerator (``pr.accelerator``) only one chunk is considered, the largest that keeps a
     panel at least half as large as the smallest chunk would: there a forward and backward of a

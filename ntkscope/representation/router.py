@@ -18,7 +18,8 @@ applied after centring when ``proj_dim`` < d, else the identity. The *rule* find
 - ``"hdbscan"`` (default): scikit-learn's :class:`~sklearn.cluster.HDBSCAN` with
   ``min_cluster_size`` (no eps to choose); up to :data:`BRUTE_HDBSCAN_MAX` points from the whole
   distance matrix (``algorithm="brute"``: about six times faster than a k-d tree at d' = 128,
-  n = 3000, the same labels), more from the tree;
+  n = 3000, the same clusters; where mutual-reachability distances tie, a bulk point may fall on
+  the other side of a cluster's edge), more from the tree;
 - ``"dbscan-percentile"``: DBSCAN with eps at the ``percentile``-th percentile of the
   distances to each point's ``min_samples``-th neighbour;
 - ``"dbscan-knee"``: DBSCAN with eps at the knee of those distances (turn 1's rule; the knee
