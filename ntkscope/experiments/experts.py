@@ -49,11 +49,24 @@ def typed(table: pd.DataFrame) -> pd.DataFrame:
     return table.astype({c: DTYPES.get(c, "float64") for c in EXPERT_COLUMNS})
 
 
+def _random_sets(K: np.ndarray, pool: np.ndarray, m: int, draws: int, stream) -> np.ndarray:
+    """The split-half |GC| in ``K`` of ``draws`` random sets of ``m`` samples of ``pool``, one
+    random half of each, drawn from ``np.random.default_rng(stream)``."""
+    rng = np.random.default_rng(stream)
+    out = []
+    for _ in range(draws):
+        pick = np.sort(rng.choice(pool, size=m, replace=False))
+        half = np.sort(rng.choice(m, size=m // 2, replace=False))
+        out.append(subset_abs_gc(K, [half], whole=pick)[0])
+    return np.asarray(out)
+
+
 def measure_seed(cse, dense, blocks: torch.Tensor, domains: list, *, tail: tuple, min_units: int = 8,
                  draws: int = 200, seed: int = 0) -> list[dict]:
     """The rows of one seed (EXPERT_COLUMNS without seed and step): every expert of every CSE
     layer of ``cse`` on ``blocks`` (n, T), against the dense FFN of the same block index."""
     domains = np.asarray(domains)
+    ordinary = np.flatnonzero(~np.isin(domains, tail))  # the homogeneous null's pool: no tail text
     rows = []
     kernels = expert_ntk(cse, blocks, min_units=1, method="exact", dtype=torch.float64)
     dense_k = {}
@@ -72,23 +85,14 @@ def measure_seed(cse, dense, blocks: torch.Tensor, domains: list, *, tail: tuple
             H = halves(m, draws, seed)
             e = subset_abs_gc(k.matrix, H)
             d = subset_abs_gc(dense_k[k.layer][np.ix_(idx, idx)], H)
-            rng = np.random.default_rng([seed, 5, m])
-            null, homogeneous = [], []
-            for _ in range(draws):  # a random set of m blocks of the probe, one random half of it
-                pick = np.sort(rng.choice(len(blocks), size=m, replace=False))
-                half = np.sort(rng.choice(m, size=m // 2, replace=False))
-                null.append(subset_abs_gc(dense_k[k.layer], [half], whole=pick)[0])
-            ordinary = np.flatnonzero(~np.isin(domains, tail))  # the homogeneous null's pool: no tail text
-            other = np.random.default_rng([seed, 6, m])  # its own stream: the registered null's draws unchanged
-            for _ in range(draws if m <= len(ordinary) else 0):  # the same from the ordinary blocks alone
-                pick = np.sort(other.choice(ordinary, size=m, replace=False))
-                half = np.sort(other.choice(m, size=m // 2, replace=False))
-                homogeneous.append(subset_abs_gc(dense_k[k.layer], [half], whole=pick)[0])
+            null = _random_sets(dense_k[k.layer], np.arange(len(blocks)), m, draws, [seed, 5, m])
+            # the homogeneous null: the same from the ordinary blocks alone, on its own stream (the
+            # registered null's draws unchanged); described beside the registered statistics, not a verdict
+            homogeneous = _random_sets(dense_k[k.layer], ordinary, m, draws if m <= len(ordinary) else 0,
+                                       [seed, 6, m])
             bands = {name: band(values, 0.9) for name, values in
-                     (("expert", e), ("dense", d), ("diff", e - d), ("null", np.asarray(null)))}
-            h = band(np.asarray(homogeneous), 0.9)  # described beside the registered statistics, not a verdict
-            row["homogeneous_median"], row["homogeneous_low"], row["homogeneous_high"] = h.median, h.low, h.high
-            for name, b in bands.items():
+                     (("expert", e), ("dense", d), ("diff", e - d), ("null", null))}
+            for name, b in [*bands.items(), ("homogeneous", band(homogeneous, 0.9))]:
                 row[f"{name}_median"], row[f"{name}_low"], row[f"{name}_high"] = b.median, b.low, b.high
             row["draws"] = min(b.draws for b in bands.values())  # halves with a |GC| in every kernel
             row["judged"] = row["judged"] and row["draws"] > draws // 2  # no gradient in most halves: not judged

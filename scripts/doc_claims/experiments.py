@@ -403,10 +403,8 @@ def claim_experts(folder: Path) -> dict:
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if homogeneous else "")]
     for r in judged.sort_values(["seed", "layer", "expert"]).itertuples():
         lines.append(f"| {r.seed} | {r.layer} | {r.expert} | {r.units} | {r.top_domain} ({100 * r.top_share:.0f} %) | "
-                     f"{r.expert_median:.2f} [{r.expert_low:.2f}, {r.expert_high:.2f}] | "
-                     f"{r.dense_median:.2f} [{r.dense_low:.2f}, {r.dense_high:.2f}] | "
-                     f"{r.diff_median:+.2f} [{r.diff_low:+.2f}, {r.diff_high:+.2f}] | "
-                     f"{r.null_median:.2f} [{r.null_low:.2f}, {r.null_high:.2f}] |"
+                     f"{_band_cell(r, 'expert')} | {_band_cell(r, 'dense')} | "
+                     f"{r.diff_median:+.2f} [{r.diff_low:+.2f}, {r.diff_high:+.2f}] | {_band_cell(r, 'null')} |"
                      + (f" {_band_cell(r, 'homogeneous')} |" if homogeneous else ""))
     out["experts.fresh.table"] = "\n".join(lines)
     return out
