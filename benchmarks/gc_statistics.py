@@ -12,12 +12,16 @@ output ``centred-true-logit``:
                     flags; "+ controls" adds the homogeneous (gradient neighbours) and matched
                     nulls; the bootstrap's basic (200 resamples) and BCa (n more
                     eigendecompositions) for comparison
+- ``statistics (jackknife, batched torch)``  the same default statistics with the jackknife's
+                    replicates and the null draws solved as batched torch on ``--device``
+                    (:mod:`ntkscope.kernel.device_statistics`; the path a GPU kernel takes), with
+                    the largest difference from the host path's numbers
 - ``naive resample`` anchor: what a user without the kernel identity would do for one
                     bootstrap resample, the exact NTK of a resampled batch; x200 for an interval
 
 Target (issue 13): the statistics are a small fraction of the gradient time.
 
-Run: python benchmarks/gc_statistics.py [--checkpoint CKPT] [--n 192 512] [--out benchmarks/gc_statistics.csv]
+Run: python benchmarks/gc_statistics.py [--checkpoint CKPT] [--n 192 512] [--device cpu] [--out benchmarks/gc_statistics.csv]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 import ntkscope as ns
 from cse_models import GPT, GPTConfig
 from ntkscope.kernel.objectives import take
+from ntkscope.kernel.uncertainty import kernel_statistics
 from ntkscope.text.corpus.pack import load_pack
 from ntkscope.text.frequency import bin_edges, bin_of
 
@@ -50,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", help="a cse_models checkpoint (default: the quick shape at initialisation)")
     parser.add_argument("--n", type=int, nargs="+", default=[192, 512])
+    parser.add_argument("--device", default="cpu", help="where the batched-torch arm solves its replicates")
     parser.add_argument("--out", default="benchmarks/gc_statistics.csv")
     args = parser.parse_args()
     pack = load_pack()
@@ -67,7 +73,13 @@ def main() -> None:
         groups = [np.flatnonzero(which == b) for b in range(6)]
         ntk, t_kernel = timed(lambda: ns.empirical_ntk(model, data.batch, output=OUTPUT, method="exact"))
         K = ntk.matrix.double().numpy()
-        _, t_jack = timed(lambda: ns.kernel_gc(K, groups))
+        host, t_jack = timed(lambda: ns.kernel_gc(K, groups))
+        members = [np.sort(g) for g in groups]
+        batched, t_torch = timed(lambda: kernel_statistics(K, members, ns.Resampling(), device=args.device))
+        gap = np.nanmax(np.abs(np.concatenate([np.subtract(getattr(h, name), b[name], dtype=float).ravel()
+                                               for h, b in zip(host, batched)
+                                               for name in ("abs_se", "abs_bias", "sign_confidence",
+                                                            "abs_interval", "null")])))
         lengths = data.batch["attention_mask"].sum(1).double().numpy()
         _, t_controls = timed(lambda: ns.kernel_gc(K, groups, controls=ns.Controls(matched={"length": lengths})))
         _, t_basic = timed(lambda: ns.kernel_gc(K, groups, resampling=ns.Resampling(interval="basic")))
@@ -78,6 +90,8 @@ def main() -> None:
         for method, seconds, note in (
                 ("kernel", t_kernel, f"P={sum(p.numel() for p in model.parameters()):,}"),
                 ("statistics (jackknife, default)", t_jack, f"{t_jack / t_kernel:.1%} of the kernel"),
+                (f"statistics (jackknife, batched torch, {args.device})", t_torch,
+                 f"{t_torch / t_jack:.2f}x the host path; largest difference {gap:.1e}"),
                 ("statistics + controls", t_controls, f"{t_controls / t_kernel:.1%} of the kernel"),
                 ("statistics (basic)", t_basic, f"{t_basic / t_kernel:.1%} of the kernel"),
                 ("statistics (bca)", t_bca, f"{t_bca / t_kernel:.1%} of the kernel"),

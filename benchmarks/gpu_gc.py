@@ -10,6 +10,11 @@ the shipped pack's validation sentences, tokenized by its BPE (ids below 8192), 
 the lowest third by frequency score. Per method: wall seconds (after a CUDA synchronise), the peak
 of ``torch.cuda.max_memory_allocated`` above the model, GC and its interval. Writes
 ``DIR/gpu_gc.csv`` row by row (a method that fails records its error) and ``DIR/machine.json``.
+
+With ``--statistics``, two more rows on one structured kernel of the same sentences: the
+statistics alone (jackknife interval, random null band) on the host in NumPy, and as batched
+torch on the kernel's device (:mod:`ntkscope.kernel.device_statistics`, what ``device="cuda"``
+runs), side by side, with the largest difference between their numbers.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ import platform
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 import transformers
 
 import ntkscope as ns
+from ntkscope.kernel.uncertainty import kernel_statistics
 from ntkscope.text.frequency import long_tail_subset
 from ntkscope.text.sentences import load_analysis_data
 from ntkscope.text.corpus.pack import load_pack
@@ -43,6 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--methods", default="structured,projected,matrix-free")
     parser.add_argument("--max-memory-gb", type=float, default=16.0, help="budget passed as max_memory")
+    parser.add_argument("--statistics", action="store_true", help="time the statistics on the host and the device")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     out = Path(args.out)
@@ -85,7 +93,36 @@ def main(argv=None) -> int:
         rows.append(row)
         log.info("%s", row)
         pd.DataFrame(rows).to_csv(out / "gpu_gc.csv", index=False)
+    if args.statistics:
+        rows += statistics_rows(model, data.batch, tail, args)
+        pd.DataFrame(rows).to_csv(out / "gpu_gc.csv", index=False)
     return 0
+
+
+def statistics_rows(model, batch, tail, args) -> list:
+    """The statistics of one structured kernel on the host and on ``args.device``: two rows."""
+    start = time.perf_counter()
+    ntk = ns.empirical_ntk(model, batch, method="structured", device=args.device,
+                           max_memory=int(args.max_memory_gb * 2 ** 30))
+    kernel_s = time.perf_counter() - start
+    K = ntk.matrix.detach().double().cpu().numpy()
+    members = [np.sort(np.asarray(tail))]
+    rows, found = [], {}
+    for where, device in (("host", None), ("device", ntk.matrix.device)):
+        start = time.perf_counter()
+        [fields] = kernel_statistics(K, members, ns.Resampling(), device=device)
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize()
+        found[where] = fields
+        rows.append({"method": f"statistics on the {where}", "seconds": time.perf_counter() - start,
+                     "kernel_s": kernel_s, "gc": fields["score"], "abs_low": fields["abs_interval"].low,
+                     "abs_high": fields["abs_interval"].high, "null_low": fields["null"].low,
+                     "null_high": fields["null"].high, "flags": " ".join(fields["flags"])})
+        log.info("%s", rows[-1])
+    gap = max(float(np.nanmax(np.abs(np.subtract(found["host"][name], found["device"][name], dtype=float))))
+              for name in ("abs_interval", "null", "abs_se"))
+    rows[-1]["note"] = f"largest difference from the host: {gap:.1e}"
+    return rows
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from ntkscope.kernel.ntk import empirical_ntk
 from ntkscope.kernel.objectives import batch_size, sample_outputs, take
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.params import select_parameters
-from ntkscope.kernel.uncertainty import GCResult, Resampling, check_resampling, kernel_statistics
+from ntkscope.kernel.uncertainty import GCResult, Resampling, check_resampling, kernel_statistics, statistics_device
 from ntkscope.gc.groups import GC_OUTPUT, analysis_controls, group_labels, homogeneous_pools
 from ntkscope.gc.options import GCOptions, given_once
 from ntkscope.text.frequency import long_tail_subset
@@ -517,6 +517,7 @@ class GCTracker:
         kernels = {"all": ntk.matrix}
         if self.per_layer:
             kernels.update(ntk.blocks)
+        device = statistics_device(ntk.matrix)
         kernels = {name: k.detach().double().cpu().numpy() for name, k in kernels.items()}
         previous = self._previous_kernels(step)
         names, members = list(probes.groups), list(probes.groups.values())
@@ -524,7 +525,7 @@ class GCTracker:
         rows = []
         for layer, K in kernels.items():
             cka = kernel_cka(K, previous[layer]) if layer in previous else float("nan")
-            stats = kernel_statistics(K, members, self.resampling, controls)
+            stats = kernel_statistics(K, members, self.resampling, controls, device)
             for name, fields in zip(names, stats):
                 row = GCResult(label=name, **common, **fields).row()
                 rows.append({"step": int(step), **row, "layer": layer, "kernel_cka": cka})

@@ -37,7 +37,7 @@ from ntkscope.kernel.objectives import LossRecorder, batch_size, sample_outputs,
 from ntkscope.kernel.options import KernelOptions
 from ntkscope.kernel.nulls import Controls, check_controls, resolve_loss, wants_loss
 from ntkscope.kernel.uncertainty import (GCResult, Resampling, check_resampling, conditioning_flags,
-                                         kernel_statistics)
+                                         kernel_statistics, statistics_device)
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def _gc_many(model, batch, subsets: Sequence, names: Sequence, opts: KernelOptio
             controls = resolve_loss(controls, n, recorded,
                                     lambda loss: sample_outputs(model, batch, output=loss).double().cpu().numpy())
             K = kernel.detach().double().cpu().numpy()  # (n, n)
-            stats = kernel_statistics(K, list(subsets), resampling, controls)
+            stats = kernel_statistics(K, list(subsets), resampling, controls, device=statistics_device(kernel))
             return [GCResult(label=label, **common, **fields) for fields, label in zip(stats, names)]
         u = torch.as_tensor(whole.eigenvector, dtype=fm.dtype, device=fm.device)
         g = weighted_gradient(fm, data, u, chunk)  # (P,)

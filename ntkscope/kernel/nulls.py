@@ -156,8 +156,10 @@ def check_controls(controls, n: int) -> Controls | None:
     return Controls(pools, controls.neighbours, matched, controls.quantiles)
 
 
-def _band(K: np.ndarray, whole: Direction, draw, draws: int, confidence: float) -> NullBand:
-    """|GC| of ``draws`` subsets ``draw(i) -> index array`` (None: cannot be drawn) against ``whole``."""
+def _band(K: np.ndarray, whole: Direction, draw, draws: int, confidence: float, solve=None) -> NullBand:
+    """|GC| of ``draws`` subsets ``draw(i) -> index array`` (None: cannot be drawn) against ``whole``,
+    solved by ``solve(along, norm, subsets)`` (default: :func:`~ntkscope.kernel.replicates.subset_abs_gcs`
+    on the host; :meth:`~ntkscope.kernel.device_statistics.DeviceStatistics.abs_gcs` on a device)."""
     along, norm = whole.weights @ K, math.sqrt(max(whole.eigenvalue, 0))  # the whole set's side, once
     subsets = []
     for i in range(draws):  # every draw first, in order (the seeded stream), then solved together
@@ -167,23 +169,23 @@ def _band(K: np.ndarray, whole: Direction, draw, draws: int, confidence: float) 
         subsets.append(np.sort(idx))
     if not subsets:
         return NO_BAND
-    out = subset_abs_gcs(K, along, norm, subsets)
+    out = subset_abs_gcs(K, along, norm, subsets) if solve is None else solve(along, norm, subsets)
     tail = (1 - confidence) / 2
     low, median, high = np.quantile(out, [tail, 0.5, 1 - tail])
     return NullBand(float(low), float(median), float(high), len(out))
 
 
-def random_band(K, whole, size: int, *, draws: int, confidence: float, seed: int) -> NullBand:
+def random_band(K, whole, size: int, *, draws: int, confidence: float, seed: int, solve=None) -> NullBand:
     """|GC| of uniform random subsets of ``size`` samples."""
     n = K.shape[0]
     if draws == 0 or size >= n:
         return NO_BAND
     rng = np.random.default_rng([seed, 1, size])
-    return _band(K, whole, lambda i: rng.choice(n, size=size, replace=False), draws, confidence)
+    return _band(K, whole, lambda i: rng.choice(n, size=size, replace=False), draws, confidence, solve)
 
 
 def homogeneous_band(K, whole, members: np.ndarray, controls: Controls, *, draws: int, confidence: float,
-                     seed: int) -> NullBand:
+                     seed: int, solve=None) -> NullBand:
     """|GC| of subsets of ``members``' size from one ordinary source (a pool at a time, cycling
     over the pools large enough) or, without pools, of the nearest neighbours of random seed
     samples from outside ``members`` (so the subset's own cluster does not seed its null)."""
@@ -197,18 +199,18 @@ def homogeneous_band(K, whole, members: np.ndarray, controls: Controls, *, draws
         if not pools:
             return NO_BAND
         return _band(K, whole, lambda i: rng.choice(pools[i % len(pools)], size=size, replace=False), draws,
-                     confidence)
+                     confidence, solve)
     if not controls.neighbours:
         return NO_BAND
     diag = np.sqrt(np.clip(np.diag(K), 1e-300, None))
     similarity = K / diag[:, None] / diag[None, :]
     seeds = rng.permutation(np.setdiff1d(np.arange(n), members))[:draws]
     return _band(K, whole, lambda i: np.argsort(-similarity[seeds[i]], kind="stable")[:size], len(seeds),
-                 confidence)
+                 confidence, solve)
 
 
 def matched_band(K, whole, members: np.ndarray, covariate: np.ndarray, quantiles: int, *, draws: int,
-                 confidence: float, seed: int) -> NullBand:
+                 confidence: float, seed: int, solve=None) -> NullBand:
     """|GC| of random subsets with the same count as ``members`` in each quantile bin of ``covariate``."""
     n = K.shape[0]
     if draws == 0 or members.size >= n:
@@ -222,4 +224,4 @@ def matched_band(K, whole, members: np.ndarray, covariate: np.ndarray, quantiles
     def draw(i):
         return np.concatenate([rng.choice(pool, size=k, replace=False) for pool, k in zip(bins, need) if k])
 
-    return _band(K, whole, draw, draws, confidence)
+    return _band(K, whole, draw, draws, confidence, solve)

@@ -232,54 +232,80 @@ def _groups(units: list, budget: int, rng) -> list:
     return out
 
 
-def jackknife(K: np.ndarray, members: list, *, budget: int, halves: int, seed: int) -> Jackknife | None:
-    """The stratified delete-a-group jackknife of :func:`values` (module docstring), ``budget``
-    deletions at most (at least 2 per stratum), and ``halves`` stratified half-samples; None
-    when no stratum has 2 samples."""
-    n = K.shape[0]
+class JackknifePlan(NamedTuple):
+    """The replicates of :func:`jackknife`, drawn from its seed: ``sizes`` the number of groups of
+    each stratum, in order; ``present`` (D, n) bool, deletion r leaves its group out (the
+    strata's groups in order); ``halves`` (H, n) int64, the stratified half-samples' counts."""
+
+    sizes: tuple
+    present: np.ndarray
+    halves: np.ndarray
+
+
+def jackknife_plan(n: int, members: list, *, budget: int, halves: int, seed: int) -> JackknifePlan | None:
+    """The replicates :func:`jackknife` solves (its docstring), or None when no stratum has 2 samples."""
     units = strata(n, members)
     rng = np.random.default_rng([seed, 2])
     groups = _groups(units, budget, rng)
     if not groups:
         return None
-    ones = np.ones(n, dtype=np.int64)
-    kept: dict = {}  # a subset no deletion touches keeps the point's direction
-    point = values(K, ones, members, kept)
-    deletions = sum(len(g) for g in groups)
-    present = np.ones((deletions, n), dtype=bool)
-    for r, left_out in enumerate(g for unit_groups in groups for g in unit_groups):
-        present[r, left_out] = False
-    start = _top(K, ones.astype(np.float64)).weights
-    wholes = iter(deletion_directions(K, present, start))  # every deletion's whole set at once
+    left_out = [g for unit_groups in groups for g in unit_groups]
+    present = np.ones((len(left_out), n), dtype=bool)
+    for r, g in enumerate(left_out):
+        present[r, g] = False
+    half = np.zeros((halves, n), dtype=np.int64)
+    for h in range(halves):
+        for u in units:
+            half[h, rng.choice(u, max(1, u.size // 2), replace=False)] = 1
+    return JackknifePlan(tuple(len(g) for g in groups), present, half)
+
+
+def jackknife_summary(point: np.ndarray, plan: JackknifePlan, deleted: np.ndarray, half: np.ndarray) -> Jackknife:
+    """The :class:`Jackknife` of the statistics ``point`` (3k,) from the values of ``plan``'s
+    deletions ``deleted`` (D, 3k) and half-samples ``half`` (H, 3k): the strata's variances and
+    biases, Satterthwaite's degrees of freedom, the half-samples' bias and spread."""
     var, bias, shares = np.zeros_like(point), np.zeros_like(point), np.zeros_like(point)
-    with progress_bar(deletions + halves, "GC jackknife", "replicate") as bar:
-        for unit_groups in groups:
-            reps = []
-            for left_out in unit_groups:
-                counts = ones.copy()
-                counts[left_out] = 0
-                reps.append(values(K, counts, members, kept, next(wholes)))
-                bar.update(1)
-            reps = np.array(reps)
-            g = len(unit_groups)
-            mean = reps.mean(0)
-            part = (g - 1) / g * ((reps - mean) ** 2).sum(0)
-            var += part
-            shares += part ** 2 / (g - 1)
-            bias += (g - 1) * (mean - point)
-        half = []
-        for _ in range(halves):
-            counts = np.zeros(n, dtype=np.int64)
-            for u in units:
-                counts[rng.choice(u, max(1, u.size // 2), replace=False)] = 1
-            half.append(values(K, counts, members))
-            bar.update(1)
-    half = np.array(half) if halves else np.full((1, point.size), np.nan)
+    start = 0
+    for g in plan.sizes:
+        reps = deleted[start:start + g]
+        start += g
+        mean = reps.mean(0)
+        part = (g - 1) / g * ((reps - mean) ** 2).sum(0)
+        var += part
+        shares += part ** 2 / (g - 1)
+        bias += (g - 1) * (mean - point)
+    halves = len(half)
+    half = half if halves else np.full((1, point.size), np.nan)
     df = np.divide(var ** 2, shares, out=np.full_like(var, np.inf), where=shares > 0)  # Satterthwaite
     spread = half.std(0, ddof=1) if halves > 1 else np.full(point.size, np.nan)
     return Jackknife(point, np.sqrt(var), bias, half.mean(0) - point,
-                     spread / math.sqrt(len(half)) if halves > 1 else np.full(point.size, np.nan),
-                     deletions, df, spread)
+                     spread / math.sqrt(halves) if halves > 1 else np.full(point.size, np.nan),
+                     len(deleted), df, spread)
+
+
+def jackknife(K: np.ndarray, members: list, *, budget: int, halves: int, seed: int) -> Jackknife | None:
+    """The stratified delete-a-group jackknife of :func:`values` (module docstring), ``budget``
+    deletions at most (at least 2 per stratum), and ``halves`` stratified half-samples; None
+    when no stratum has 2 samples. On the host; :class:`ntkscope.kernel.device_statistics.DeviceStatistics`
+    solves the same plan as batched torch on a device."""
+    n = K.shape[0]
+    plan = jackknife_plan(n, members, budget=budget, halves=halves, seed=seed)
+    if plan is None:
+        return None
+    ones = np.ones(n, dtype=np.int64)
+    kept: dict = {}  # a subset no deletion touches keeps the point's direction
+    point = values(K, ones, members, kept)
+    start = _top(K, ones.astype(np.float64)).weights
+    wholes = deletion_directions(K, plan.present, start)  # every deletion's whole set at once
+    deleted, half = [], []
+    with progress_bar(len(plan.present) + halves, "GC jackknife", "replicate") as bar:
+        for present, whole in zip(plan.present, wholes):
+            deleted.append(values(K, present.astype(np.int64), members, kept, whole))
+            bar.update(1)
+        for counts in plan.halves:
+            half.append(values(K, counts, members))
+            bar.update(1)
+    return jackknife_summary(point, plan, np.array(deleted), np.array(half).reshape(halves, point.size))
 
 
 def bootstrap(K: np.ndarray, members: list, *, resamples: int, confidence: float, method: str, seed: int):

@@ -33,9 +33,11 @@ from typing import NamedTuple
 
 import numpy as np
 import scipy.stats
+import torch
 
 from ntkscope.core.checks import InputError, as_numbers, check_choice, check_fraction, entry
 from ntkscope.kernel import replicates
+from ntkscope.kernel.device_statistics import DeviceStatistics
 from ntkscope.kernel.nulls import (NO_BAND, Controls, NullBand, check_controls, homogeneous_band, matched_band,
                                    random_band, wants_loss)
 
@@ -362,11 +364,15 @@ def _from_jackknife(jk: replicates.Jackknife, k: int, j: int, r: Resampling) -> 
 
 
 def kernel_statistics(K: np.ndarray, members: list, resampling: Resampling | None,
-                      controls: Controls | None = None) -> list[dict]:
+                      controls: Controls | None = None, device=None) -> list[dict]:
     """The GCResult fields of each subset (member index arrays, sorted, >= 2 each) of a valid
     float64 kernel ``K`` (n, n), with checked ``controls`` (:func:`~ntkscope.kernel.nulls.check_controls`);
-    ``resampling=None``: the point values and conditioning only."""
+    ``resampling=None``: the point values and conditioning only. ``device``: None solves the
+    jackknife and the null draws on the host; a torch device (the kernel's, where it came from a
+    GPU) solves them there as batched torch (:mod:`ntkscope.kernel.device_statistics`: the same
+    numbers to float rounding)."""
     n = K.shape[0]
+    on = None if device is None or resampling is None else DeviceStatistics(K, device)
     whole, subs = replicates.statistics(K, np.ones(n, dtype=np.int64), members)
     k = len(members)
     points = np.concatenate([[s[0] for s in subs], [abs(s[0]) for s in subs], [s[2] for s in subs]])
@@ -374,7 +380,8 @@ def kernel_statistics(K: np.ndarray, members: list, resampling: Resampling | Non
     jk = boot = None
     if r is not None and r.resamples > 0:
         if r.interval == "jackknife":
-            jk = replicates.jackknife(K, members, budget=r.resamples, halves=r.half_samples, seed=r.seed)
+            plan = dict(budget=r.resamples, halves=r.half_samples, seed=r.seed)
+            jk = replicates.jackknife(K, members, **plan) if on is None else on.jackknife(members, **plan)
         else:
             boot = replicates.bootstrap(K, members, resamples=r.resamples, confidence=r.confidence,
                                         method=r.interval, seed=r.seed)
@@ -390,7 +397,8 @@ def kernel_statistics(K: np.ndarray, members: list, resampling: Resampling | Non
                 fields.update(_from_jackknife(jk, k, j, r))
             elif boot is not None:
                 fields.update(_from_bootstrap(points, k, j, boot, r))
-            options = dict(draws=r.null_draws, confidence=r.confidence, seed=r.seed)
+            options = dict(draws=r.null_draws, confidence=r.confidence, seed=r.seed,
+                           solve=None if on is None else on.abs_gcs)
             size = len(idx)
             if ("random", size) not in bands:
                 bands["random", size] = random_band(K, whole, size, **options)
@@ -413,6 +421,13 @@ def kernel_statistics(K: np.ndarray, members: list, resampling: Resampling | Non
         fields["flags"] = tuple(flags)
         out.append(fields)
     return out
+
+
+def statistics_device(kernel) -> torch.device | None:
+    """Where the statistics of ``kernel`` run: its device when it is a torch tensor on an
+    accelerator (:class:`~ntkscope.kernel.device_statistics.DeviceStatistics`), else None (the host)."""
+    device = getattr(kernel, "device", None)
+    return device if isinstance(device, torch.device) and device.type != "cpu" else None
 
 
 def conditioning_flags(eigengap: float, cos_ones: float, eigengap_subset: float, cos_ones_subset: float,
@@ -438,7 +453,9 @@ def kernel_gc(kernel, subsets, *, resampling: Resampling | None = Resampling(),
     Parameters
     ----------
     kernel : Tensor or ndarray of shape (n, n)
-        A symmetric PSD NTK (e.g. ``empirical_ntk(...).matrix``), used in float64.
+        A symmetric PSD NTK (e.g. ``empirical_ntk(...).matrix``), used in float64. A tensor on a
+        GPU has its jackknife and null draws solved there as batched torch (the same numbers to
+        float rounding as the host path, which a CPU tensor or an array takes).
     subsets : sequence of index sequences
         Each of at least 2 distinct indices in [0, n).
     resampling : Resampling or None
@@ -480,4 +497,5 @@ def kernel_gc(kernel, subsets, *, resampling: Resampling | None = Resampling(),
         raise InputError("controls", "must give each covariate as values here (a kernel alone has no forward to "
                          "read the loss from; analysis_controls(..., loss_from='forward') gives the losses)",
                          sorted(controls.matched))
-    return [GCResult(method="kernel", **fields) for fields in kernel_statistics(K, members, resampling, controls)]
+    return [GCResult(method="kernel", **fields)
+            for fields in kernel_statistics(K, members, resampling, controls, statistics_device(kernel))]
