@@ -15,7 +15,8 @@ output ``centred-true-logit``:
 - ``statistics (jackknife, batched torch)``  the same default statistics with the jackknife's
                     replicates and the null draws solved as batched torch on ``--device``
                     (:mod:`ntkscope.kernel.device_statistics`; the path a GPU kernel takes), with
-                    the largest difference from the host path's numbers
+                    the largest difference from the host path's numbers (``difference``: the
+                    |GC| se, bias, interval, sign confidence and null band of every bin)
 - ``naive resample`` anchor: what a user without the kernel identity would do for one
                     bootstrap resample, the exact NTK of a resampled batch; x200 for an interval
 
@@ -97,7 +98,8 @@ def main() -> None:
                 ("statistics (bca)", t_bca, f"{t_bca / t_kernel:.1%} of the kernel"),
                 ("naive resample", t_naive, f"one resample; x200 = {200 * t_naive:.0f} s, "
                                             f"{200 * t_naive / t_jack:.0f}x the default statistics")):
-            rows.append({"n": n, "method": method, "seconds": round(seconds, 2), "note": note})
+            rows.append({"n": n, "method": method, "seconds": round(seconds, 3), "note": note,
+                         "difference": gap if "batched" in method else None})
             print(rows[-1], flush=True)
     table = pd.DataFrame(rows)
     table.to_csv(args.out, index=False)

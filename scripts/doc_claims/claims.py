@@ -26,9 +26,9 @@ from ntkscope.core.files import write_text
 from ntkscope.representation.plan import gc_peak, plan_step, stable_step
 from ntkscope.runs.dynamics import STABILITY_COLUMNS as STABILITY
 
-from doc_claims.experiments import (claim_budget, claim_experts, claim_gpu_gc, claim_inrun, claim_inrun_sketch,
-                                    claim_own_model, claim_p1, claim_p7, claim_sweep, claim_tail_rule, claim_tracked,
-                                    claim_tracker, claim_training_step)
+from doc_claims.experiments import (claim_budget, claim_experts, claim_gc_statistics, claim_gpu_gc, claim_inrun,
+                                    claim_inrun_sketch, claim_own_model, claim_p1, claim_p7, claim_sweep, claim_tail_rule,
+                                    claim_tracked, claim_tracker, claim_training_step)
 from doc_claims.values import Tables, fmt, fmt_range, fmt_signed_range, fmt_steps
 from doc_claims.warmup_map import claim_warmup_map
 
@@ -487,6 +487,8 @@ def claims(root: str | Path) -> dict:
         out.update(claim_experts(root / "figures/warmup-map/fresh/experts"))
     if (root / "figures/own-model/comparison.csv").is_file():
         out.update(claim_own_model(root / "figures/own-model"))
+    if (root / "benchmarks/gc_statistics.csv").is_file():
+        out.update(claim_gc_statistics(pd.read_csv(root / "benchmarks/gc_statistics.csv")))
     if (root / "benchmarks/gpu_gc.csv").is_file():
         out.update(claim_gpu_gc(pd.read_csv(root / "benchmarks/gpu_gc.csv")))
     if (root / "benchmarks/training_step.csv").is_file():

@@ -34,6 +34,28 @@ def claim_training_step(table: pd.DataFrame) -> dict:
     return out
 
 
+def claim_gc_statistics(table: pd.DataFrame) -> dict:
+    """benchmarks/README.md: GC's statistics against the kernel, per n and method, with the
+    batched-torch path beside the host one."""
+    rows = ["| n | method | seconds | note |", "|--:|:--|--:|:--|"]
+    for _, r in table.iterrows():
+        note = str(r["note"]).replace("x200", "×200").replace("x the", "× the")
+        rows.append(f"| {int(r['n'])} | {r['method']} | {r['seconds']:.2f} | {note} |")
+
+    def share(method):
+        return [g.loc[g["method"] == method, "seconds"].iloc[0] / g.loc[g["method"] == "kernel", "seconds"].iloc[0]
+                for _, g in table.groupby("n")]
+
+    batched = table[table["method"].str.contains("batched")]
+    host = table[table["method"] == "statistics (jackknife, default)"].set_index("n")["seconds"]
+    ratio = [r["seconds"] / host[r["n"]] for _, r in batched.iterrows()]
+    return {"bench.stats.table": "\n".join(rows),
+            "bench.stats.jackknife.share": fmt_range(100 * np.array(share("statistics (jackknife, default)")), 1, " %"),
+            "bench.stats.controls.share": fmt_range(100 * np.array(share("statistics + controls")), 1, " %"),
+            "bench.stats.batched.ratio": fmt_range(ratio, 2, "×"),
+            "bench.stats.batched.difference": f"{batched['difference'].max():.0e}"}
+
+
 def claim_gpu_gc(table: pd.DataFrame) -> dict:
     """benchmarks/README.md: GC at GPT-2-small shape on one GPU, per method, budget and layout rule."""
     rows = ["| run | GPU | method | max_memory | seconds | kernel s | peak GB above the model | GC | \\|GC\\| interval "
