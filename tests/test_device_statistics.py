@@ -64,6 +64,31 @@ def test_jackknife_without_a_stratum_of_two_is_none():
     assert DeviceStatistics(K, "cpu").jackknife(members, budget=10, halves=2, seed=0) is None
 
 
+def test_half_samples_whose_top_direction_leaves_the_whole_sets_match_the_host():
+    """Two groups of gradients in orthogonal coordinates, of nearly equal strength: a half-sample's
+    top eigenvector can be the other group's, orthogonal to the whole set's, which a power iteration
+    started from the whole set's direction would never reach. The device solves half-samples exactly,
+    as the host does."""
+    rng = np.random.default_rng(0)
+    J = np.zeros((60, 20))
+    J[:30, :10] = rng.normal(size=(30, 10)) + 1.0
+    J[30:, 10:] = rng.normal(size=(30, 10)) + 0.97
+    K = J @ J.T
+    members = [np.arange(30, 60)]
+    host = replicates.jackknife(K, members, budget=100, halves=20, seed=0)
+    assert host.half_bias[0] > 0.1  # some half-samples' top direction is the subset's own group
+    same(host.half_bias, DeviceStatistics(K, "cpu").jackknife(members, budget=100, halves=20, seed=0).half_bias)
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.uint8, np.uint32, np.uint64])
+def test_subset_indices_of_any_integer_type(dtype):
+    K = planted_kernel(40, 4, tail=10)
+    members = [np.arange(10).astype(dtype), np.arange(5, 25).astype(dtype)]
+    r = Resampling(resamples=30, null_draws=20, half_samples=4)
+    for a, b in zip(kernel_statistics(K, members, r), kernel_statistics(K, members, r, device="cpu")):
+        same(a, b)
+
+
 def test_unconverged_power_iterations_fall_back_to_eigh(monkeypatch):
     """With one power step allowed no replicate converges: every whole set is solved by eigh,
     and the numbers stay the host's."""
@@ -153,10 +178,12 @@ def test_statistics_run_where_the_kernel_is():
     assert statistics_device(np.eye(3)) is None
     assert statistics_device(torch.eye(3)) is None  # a CPU tensor: the host path, the reference
 
-    class OnAccelerator:
-        device = torch.device("cuda", 0)
+    class On:
+        def __init__(self, device):
+            self.device = torch.device(device)
 
-    assert statistics_device(OnAccelerator()) == torch.device("cuda", 0)
+    assert statistics_device(On("cuda:0")) == torch.device("cuda", 0)
+    assert statistics_device(On("mps")) is None  # no float64 there: the host path
 
 
 @settings(max_examples=15, deadline=None)

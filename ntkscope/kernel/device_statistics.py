@@ -7,10 +7,11 @@ holding the GIL, most of the statistics' time when the kernel itself came from a
 (:func:`~ntkscope.kernel.replicates.jackknife_plan`, the bands' draws), as a few batched calls
 on the device that holds the kernel:
 
-- **the whole set of every replicate** (deletions and half-samples) by one power iteration on
-  the masked kernel, an (n, n) by (n, R) product a step, started from the whole set's
-  direction (the host's :func:`~ntkscope.kernel.replicates.deletion_directions`); a replicate
-  still unconverged after ``MAX_POWER`` products is solved by ``torch.linalg.eigh``;
+- **the whole set of every deletion** by one power iteration on the masked kernel, an (n, n) by
+  (n, D) product a step, started from the whole set's direction (the host's
+  :func:`~ntkscope.kernel.replicates.deletion_directions`); a deletion still unconverged after
+  ``MAX_POWER`` products, and every half-sample (solved exactly on the host too), by batched
+  ``torch.linalg.eigh`` of the kernel of the samples it keeps;
 - **each subset of every replicate that changes it** by one batched ``torch.linalg.eigh`` of
   its masked blocks (a left-out sample's row and column zeroed: its eigenvector entry is 0, the
   other eigenpairs those of the samples present); a replicate that leaves the subset as it was
@@ -55,12 +56,13 @@ def _cosine(product: torch.Tensor, norm_a: torch.Tensor, norm_b: torch.Tensor) -
 def _top_pairs(block, count: int, size: int) -> tuple:
     """(eigenvalue (count,), eigenvector (count, size)) of the top eigenpair of the symmetric
     blocks ``block(sl)`` (len(sl), size, size) of ``count``, built and solved BATCH_BYTES at a time."""
-    step = max(1, BATCH_BYTES // (2 * 8 * size * size))
+    step = max(1, BATCH_BYTES // (4 * 8 * size * size))  # the products that build a block, eigh's copy and vectors
     vals, vecs = [], []
     for start in range(0, count, step):
         v, e = torch.linalg.eigh(block(slice(start, start + step)))
-        vals.append(v[:, -1])
-        vecs.append(e[:, :, -1])
+        vals.append(v[:, -1].clone())  # copies: a view would keep the whole batch's eigenvectors alive
+        vecs.append(e[:, :, -1].clone())
+        del v, e
     return torch.cat(vals), torch.cat(vecs)
 
 
@@ -84,41 +86,52 @@ class DeviceStatistics:
         whole, subs = replicates.statistics(self.K, ones, members)
         point = np.concatenate([[s[0] for s in subs], [abs(s[0]) for s in subs], [s[2] for s in subs]])
         masks = np.concatenate([plan.present.astype(np.float64), plan.halves.astype(np.float64)])
-        reps = self._values(torch.as_tensor(masks, device=self.device), members, whole, subs)
+        reps = self._values(torch.as_tensor(masks, device=self.device), members, whole, subs, len(plan.present))
         return replicates.jackknife_summary(point, plan, reps[:len(plan.present)], reps[len(plan.present):])
 
-    def _wholes(self, C: torch.Tensor, start: np.ndarray) -> tuple:
-        """(weights (R, n), eigenvalue (R,)) of the top eigenpair of each masked kernel
-        ``diag(C_r) K diag(C_r)``: the power iteration, then ``eigh`` for the unconverged."""
+    def _wholes(self, C: torch.Tensor, start: np.ndarray, iterate: int) -> tuple:
+        """(weights (R, n), eigenvalue (R,)) of the top eigenpair of the kernel of the samples each
+        row of ``C`` (R, n; 0 or 1) keeps: its first ``iterate`` rows (the deletions) by the power
+        iteration from ``start`` as on the host, ``eigh`` for those unconverged and for the rest
+        (the half-samples, which the host solves exactly too: a half-sample's top eigenvector can
+        be far from the whole set's)."""
         K = self.Kt
-        X = torch.as_tensor(start, device=self.device)[:, None] * C.T  # (n, R)
-        X = X / X.norm(dim=0)
-        for _ in range(MAX_POWER):
-            Y = (K @ X) * C.T
-            lam = (X * Y).sum(0)
-            converged = (Y - lam * X).norm(dim=0) <= RESIDUAL * lam.abs()
-            if bool(converged.all()):
-                break
-            X = Y / Y.norm(dim=0)
-        X, lam = X.T.clone(), lam.clone()
-        bad = torch.nonzero(~converged | (lam <= 0)).flatten()
-        if len(bad):
-            c = C[bad]
-            lam[bad], X[bad] = _top_pairs(lambda sl: c[sl, :, None] * K * c[sl, None, :], len(bad), len(K))
+        X = torch.zeros_like(C)
+        lam = torch.zeros(len(C), dtype=torch.float64, device=self.device)
+        exact = torch.arange(iterate, len(C), device=self.device)
+        if iterate:
+            D = C[:iterate].T  # (n, D)
+            V = torch.as_tensor(start, device=self.device)[:, None] * D
+            V = V / V.norm(dim=0)
+            for _ in range(MAX_POWER):
+                Y = (K @ V) * D
+                value = (V * Y).sum(0)
+                converged = (Y - value * V).norm(dim=0) <= RESIDUAL * value.abs()
+                if bool(converged.all()):
+                    break
+                V = Y / Y.norm(dim=0)
+            X[:iterate], lam[:iterate] = V.T, value
+            exact = torch.cat([torch.nonzero(~converged | (value <= 0)).flatten(), exact])
+        for count in torch.unique(C[exact].sum(1)):  # the rows that keep the same number of samples at once
+            rows = exact[C[exact].sum(1) == count]
+            idx = torch.nonzero(C[rows])[:, 1].reshape(len(rows), -1)  # (r, k): each row's samples, ascending
+            lam[rows], vecs = _top_pairs(lambda sl: K[idx[sl, :, None], idx[sl, None, :]], len(rows), idx.shape[1])
+            X[rows] = torch.zeros_like(X[rows]).scatter_(1, idx, vecs)
         W = X * C  # a left-out sample's entry exactly 0
         return _oriented(W / W.norm(dim=1, keepdim=True)), lam
 
-    def _values(self, C: torch.Tensor, members: list, whole, subs) -> np.ndarray:
+    def _values(self, C: torch.Tensor, members: list, whole, subs, iterate: int) -> np.ndarray:
         """:func:`~ntkscope.kernel.replicates.values` (R, 3k) of the replicates whose counts are
-        the rows of ``C`` (R, n; 0 or 1), given the point's ``whole`` and ``subs``."""
+        the rows of ``C`` (R, n; 0 or 1), given the point's ``whole`` and ``subs``; the first
+        ``iterate`` rows' whole sets by the power iteration (:meth:`_wholes`)."""
         K = self.Kt
-        W, lam = self._wholes(C, whole.weights)
+        W, lam = self._wholes(C, whole.weights, iterate)
         along, mean_along = W @ K, C @ K  # (R, n): the whole set's side of both cosines
         norm = lam.clamp(min=0).sqrt()
         whole_mean = (mean_along * C).sum(1).clamp(min=0).sqrt()
         gcs, means = [], []
         for idx, (_, sub, _) in zip(members, subs):
-            at = torch.as_tensor(idx, device=self.device)
+            at = torch.as_tensor(np.asarray(idx, dtype=np.int64), device=self.device)
             c = C[:, at]  # (R, m)
             block = K[at][:, at]
             changed = torch.nonzero((c != 1).any(1)).flatten()
@@ -144,7 +157,7 @@ class DeviceStatistics:
             by_size.setdefault(len(rows), []).append(i)
         along_t = torch.as_tensor(along, device=self.device)
         for size, which in by_size.items():
-            idx = torch.as_tensor(np.stack([subsets[i] for i in which]), device=self.device)  # (d, m)
+            idx = torch.as_tensor(np.stack([subsets[i] for i in which]).astype(np.int64), device=self.device)  # (d, m)
             lam, vecs = _top_pairs(lambda sl: self.Kt[idx[sl, :, None], idx[sl, None, :]], len(idx), size)
             product = (along_t[idx] * vecs).sum(1).abs()
             value = _cosine(product, torch.tensor(norm, dtype=torch.float64, device=self.device),

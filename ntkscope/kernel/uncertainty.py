@@ -424,10 +424,11 @@ def kernel_statistics(K: np.ndarray, members: list, resampling: Resampling | Non
 
 
 def statistics_device(kernel) -> torch.device | None:
-    """Where the statistics of ``kernel`` run: its device when it is a torch tensor on an
-    accelerator (:class:`~ntkscope.kernel.device_statistics.DeviceStatistics`), else None (the host)."""
+    """Where the statistics of ``kernel`` run: its device when it is a torch tensor on a CUDA
+    device (:class:`~ntkscope.kernel.device_statistics.DeviceStatistics`, in float64), else None:
+    the host (a CPU tensor, an array, or a device without float64 such as Apple's MPS)."""
     device = getattr(kernel, "device", None)
-    return device if isinstance(device, torch.device) and device.type != "cpu" else None
+    return device if isinstance(device, torch.device) and device.type == "cuda" else None
 
 
 def conditioning_flags(eigengap: float, cos_ones: float, eigengap_subset: float, cos_ones_subset: float,
