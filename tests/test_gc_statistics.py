@@ -518,6 +518,29 @@ def test_the_jackknifes_batched_whole_set_directions_give_the_one_by_one_numbers
         np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
 
 
+def test_a_deletion_whose_top_direction_is_orthogonal_to_the_whole_sets_is_still_found():
+    """Two groups of gradients in orthogonal coordinates with nearly equal top eigenvalues: leaving
+    out a sample of the stronger group makes the other group's direction the top one, orthogonal
+    to the whole set's. From the nudged start (R.power_start) every deletion's whole-set direction
+    is the exact one; from the whole set's direction alone one of them was not."""
+    rng = np.random.default_rng(0)
+    J = np.zeros((60, 20))
+    J[:30, :10] = rng.normal(size=(30, 10)) + 1.0
+    J[30:, 10:] = rng.normal(size=(30, 10)) + 0.97
+    K = J @ J.T
+    plan = R.jackknife_plan(60, [np.arange(30, 60)], budget=100, halves=0, seed=0)
+    whole = R._top(K, np.ones(60)).weights
+    found = R.deletion_directions(K, plan.present, R.power_start(whole))
+    switched = 0
+    for present, d in zip(plan.present, found):
+        rows = np.flatnonzero(present)
+        ref = R._top(K[np.ix_(rows, rows)], np.ones(rows.size))
+        switched += abs(ref.weights[30:].sum()) > 0.5  # the top direction is the other group's
+        assert d is None or (np.allclose(d.weights, ref.weights, atol=1e-8)
+                             and d.eigenvalue == pytest.approx(ref.eigenvalue, rel=1e-10))
+    assert switched >= 1
+
+
 def test_a_null_bands_draws_solved_together_equal_them_one_by_one():
     """subset_abs_gcs (one stacked eigh per size, up to STACKED_UP_TO) against subset_gc per draw:
     the same |GC| to rounding, on a kernel with a near-double top eigenvalue, sizes mixed, a

@@ -8,7 +8,7 @@ holding the GIL, most of the statistics' time when the kernel itself came from a
 on the device that holds the kernel:
 
 - **the whole set of every deletion** by one power iteration on the masked kernel, an (n, n) by
-  (n, D) product a step, started from the whole set's direction (the host's
+  (n, D) product a step, started from the whole set's direction, nudged (the host's
   :func:`~ntkscope.kernel.replicates.deletion_directions`); a deletion still unconverged after
   ``MAX_POWER`` products, and every half-sample (solved exactly on the host too), by batched
   ``torch.linalg.eigh`` of the kernel of the samples it keeps;
@@ -101,7 +101,7 @@ class DeviceStatistics:
         exact = torch.arange(iterate, len(C), device=self.device)
         if iterate:
             D = C[:iterate].T  # (n, D)
-            V = torch.as_tensor(start, device=self.device)[:, None] * D
+            V = torch.as_tensor(replicates.power_start(start), device=self.device)[:, None] * D
             V = V / V.norm(dim=0)
             for _ in range(MAX_POWER):
                 Y = (K @ V) * D

@@ -71,6 +71,20 @@ def _top(block: np.ndarray, counts: np.ndarray) -> Direction:
 #: residual ``|K v - lambda v|`` is under RESIDUAL * lambda; one still above it after MAX_POWER products
 #: (close top eigenvalues) is solved by ``dsyevr`` as a single replicate is
 RESIDUAL, MAX_POWER = 1e-12, 300
+#: the share of a fixed positive random vector added to the power iteration's start (:func:`power_start`)
+NUDGE = 1e-6
+
+
+def power_start(weights: np.ndarray) -> np.ndarray:
+    """The power iteration's start for every deletion: the whole set's direction ``weights`` (n,)
+    plus NUDGE of a fixed positive random unit vector. A deletion can make another eigenvector the
+    top one; where the whole set's direction is exactly orthogonal to it (groups of gradients in
+    orthogonal coordinates) the iteration would never reach it and would stop, converged, on the
+    wrong one. With the nudge that eigenvector's share grows instead, and the replicate is either
+    solved or left unconverged (then by ``dsyevr``)."""
+    n = weights.size
+    nudge = np.random.default_rng(0).uniform(0.5, 1.5, n)
+    return weights / np.linalg.norm(weights) + NUDGE * nudge / np.linalg.norm(nudge)
 
 
 def deletion_directions(K: np.ndarray, present: np.ndarray, start: np.ndarray) -> list:
@@ -295,7 +309,7 @@ def jackknife(K: np.ndarray, members: list, *, budget: int, halves: int, seed: i
     ones = np.ones(n, dtype=np.int64)
     kept: dict = {}  # a subset no deletion touches keeps the point's direction
     point = values(K, ones, members, kept)
-    start = _top(K, ones.astype(np.float64)).weights
+    start = power_start(_top(K, ones.astype(np.float64)).weights)
     wholes = deletion_directions(K, plan.present, start)  # every deletion's whole set at once
     deleted, half = [], []
     with progress_bar(len(plan.present) + halves, "GC jackknife", "replicate") as bar:
