@@ -302,8 +302,11 @@ def _signals(folder) -> dict:
         v = json.loads(fresh.read_text())["rule_on_fresh_trunks"]
         done = sum(json.loads(p.read_text()).get("status") == "done" for p in fresh.parent.glob("*/units/*.json"))
         decided = "".join(f"; {d}" for d in v.get("decided_by", []))
-        out["map.fresh.verdict"] = (f"{v['verdict']}{decided} ({done} units done so far on the CPU build; the rule "
-                                    f"good in {v['good']} of the {v['judged']} trunks judged, of {v['planned']})")
+        of = f", of {v['planned']}" if v["judged"] < v["planned"] else ""
+        out["map.fresh.verdict"] = (f"{v['verdict']}{decided} ({done} units on the CPU build; the rule "
+                                    f"good in {v['good']} of the {v['judged']} trunks judged{of})")
+        for family, f in v["per_family"].items():  # e.g. map.fresh.family.warmup-fresh: "2 of 5"
+            out[f"map.fresh.family.{family}"] = f"{f['good']} of {f['judged']}"
         out["map.fresh.short"] = f"{v['verdict']}, good in {v['good']} of the {v['judged']} trunks judged"
         trunks = pd.read_csv(fresh.parent / "trunks.csv")
         rule_rows = trunks[trunks["signal"].str.startswith("rule") & trunks["verdict"].isin(["good", "not good"])]
