@@ -151,8 +151,12 @@ def test_the_plans_record_is_the_committed_cross_validation():
         assert CROSS_VALIDATED[key] == rule[key], key
     verdicts = ROOT / "figures" / "warmup-map" / "fresh" / "verdicts.json"
     if verdicts.is_file():  # the record says the registered verdict as the committed table has it
-        verdict = json.loads(verdicts.read_text())["rule_on_fresh_trunks"]["verdict"]
-        assert CROSS_VALIDATED["fresh"].startswith(verdict), (CROSS_VALIDATED["fresh"], verdict)
+        fresh = json.loads(verdicts.read_text())["rule_on_fresh_trunks"]
+        assert CROSS_VALIDATED["fresh_verdict"] == fresh["verdict"]
+        assert CROSS_VALIDATED["fresh"].startswith(fresh["verdict"]), (CROSS_VALIDATED["fresh"], fresh["verdict"])
+        assert CROSS_VALIDATED["fresh_good"] == {k: (f["good"], f["judged"]) for k, f in fresh["per_family"].items()}
+        good, judged = (sum(g[i] for g in CROSS_VALIDATED["fresh_good"].values()) for i in (0, 1))
+        assert f"good in {good} of the {judged} fresh trunks" in CROSS_VALIDATED["fresh"]
     else:
         assert CROSS_VALIDATED["fresh"].startswith("not yet run")
 

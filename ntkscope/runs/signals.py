@@ -223,8 +223,10 @@ CROSS_VALIDATED = {
     "cv_record": {"schedule-fraction": 6, "lr-fraction": 2, "loss-plateau": 2, "tail-slope-ratio": 1,
                   "consensus-structure": 2, "cluster-count": 0},
     "on": "leave-one-trunk-out over the warm-up map's 7 trunks (4 x 128 GPT, 2400-step cosine, one H200 build)",
-    "fresh": "not shown: on the CPU build's 1200-step schedule it was good in 1 of 3 trunks (2 needed), the gain "
-             "peaking at step 900 in 2 of them (figures/warmup-map/fresh)",
+    "fresh_verdict": "not shown",
+    "fresh_good": {"warmup-fresh": (2, 5), "warmup-fresh-half": (1, 3), "warmup-fresh-mix": (1, 3)},
+    "fresh": "not shown: good in 4 of the 11 fresh trunks, 9 needed (seeds 5-9 of the map's configuration: 2 of 5; "
+             "a 1200-step schedule: 1 of 3; a third mix: 1 of 3; CPU build, figures/warmup-map/fresh)",
 }
 
 

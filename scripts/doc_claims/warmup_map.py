@@ -316,6 +316,15 @@ def _signals(folder) -> dict:
             table.append(f"| `{r.family}` | {r.seed} | {int(r.best_step)} ({_pct(r.best_gain)}) | {int(r.step)} "
                          f"({_pct(r.gain)}) | {100 * r.gain / r.best_gain:.0f} % | {r.verdict} |")
         out["map.fresh.table"] = "\n".join(table)
+        for family, g in rule_rows.groupby("family"):  # e.g. map.fresh.best.warmup-fresh: "1800 in 3, ... of 5 trunks"
+            counts = g["best_step"].astype(int).value_counts()
+            counts = counts.sort_index(ascending=False).sort_values(ascending=False, kind="stable")
+            parts = [f"{s} in {n}" for s, n in counts.items()]
+            out[f"map.fresh.best.{family}"] = (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1
+                                               else parts[0]) + f" of {len(g)} trunks"
+        signals = json.loads(fresh.read_text()).get("signals", {})
+        out["map.fresh.signals"] = "; ".join(f"`{name.rsplit(' ', 1)[0]}` at {name.rsplit(' ', 1)[1]}: good in "
+                                             f"{e['good']} of {e['judged']}" for name, e in signals.items())
         short = sorted(100 * r.gain / r.best_gain for r in rule_rows.itertuples()  # the half schedule's trunks
                        if r.verdict == "not good" and r.family == "warmup-fresh-half")
         if short:
@@ -334,6 +343,9 @@ def _signals(folder) -> dict:
                   for f, e in layers.items() if e.get("judged")]
         out["map.fresh.layers"] = "; ".join(f"{name}: agrees in {e['agree']} of {e['judged']} trunks"
                                             for name, e in judged) or "not yet judged"
+        if judged:
+            out["map.fresh.layers.total"] = (f"{sum(e['agree'] for _, e in judged)} of "
+                                             f"{sum(e['judged'] for _, e in judged)}")
         best = json.loads(fresh.read_text())["step_or_position"]["best_fraction"]
         steps = sorted(round(1200 * f) for f in best.values() if f is not None)  # the half family's 1200 steps
         if steps:
