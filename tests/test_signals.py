@@ -157,6 +157,9 @@ def test_the_plans_record_is_the_committed_cross_validation():
         assert CROSS_VALIDATED["fresh_good"] == {k: (f["good"], f["judged"]) for k, f in fresh["per_family"].items()}
         good, judged = (sum(g[i] for g in CROSS_VALIDATED["fresh_good"].values()) for i in (0, 1))
         assert f"good in {good} of the {judged} fresh trunks" in CROSS_VALIDATED["fresh"]
+        trunks = pd.read_csv(verdicts.parent / "trunks.csv")
+        best = trunks.loc[trunks["signal"].str.startswith("rule"), "best_fraction"]
+        assert CROSS_VALIDATED["fresh_best_fraction"] == (best.min(), best.max(), int((best == best.max()).sum()))
     else:
         assert CROSS_VALIDATED["fresh"].startswith("not yet run")
 

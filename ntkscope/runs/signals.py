@@ -225,6 +225,9 @@ CROSS_VALIDATED = {
     "on": "leave-one-trunk-out over the warm-up map's 7 trunks (4 x 128 GPT, 2400-step cosine, one H200 build)",
     "fresh_verdict": "not shown",
     "fresh_good": {"warmup-fresh": (2, 5), "warmup-fresh-half": (1, 3), "warmup-fresh-mix": (1, 3)},
+    # the best conversion step's fraction of the schedule on the 11 fresh trunks: lowest, highest, and
+    # the trunks at the highest (the latest step tried, 0.75 of the schedule)
+    "fresh_best_fraction": (0.375, 0.75, 6),
     "fresh": "not shown: good in 4 of the 11 fresh trunks, 9 needed (seeds 5-9 of the map's configuration: 2 of 5; "
              "a 1200-step schedule: 1 of 3; a third mix: 1 of 3; CPU build, figures/warmup-map/fresh)",
 }
@@ -242,7 +245,10 @@ def warmup_record(measured_step: int | None, measured_rule: str | None, total_st
             "summary": (f"No measured signal chose the warm-up well on the map's trunks (the best was good in "
                         f"{best_measured} of {cv['trunks']} held out); a fixed fraction of the schedule, "
                         f"{cv['threshold']:g}, was good in {cv['cv_good']} of {cv['trunks']}, and reads no measurement "
-                        f"of the run. Fresh trunks: {cv['fresh']}. Here: "
+                        f"of the run. Fresh trunks: {cv['fresh']}; there the best step lay at "
+                        f"{cv['fresh_best_fraction'][0]:g}-{cv['fresh_best_fraction'][1]:g} of the schedule "
+                        f"({cv['fresh_best_fraction'][1]:g}, the latest step tried, in {cv['fresh_best_fraction'][2]} "
+                        f"of {sum(g[1] for g in cv['fresh_good'].values())}). Here: "
                         + (f"the measured rule '{measured_rule}' chose step {measured_step}" if measured_step is not None
                            else "the measured rules chose nothing") + "; half the schedule is "
                         + (f"step {fraction}." if fraction is not None else "unknown (the run does not say its "
