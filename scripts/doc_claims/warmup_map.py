@@ -322,6 +322,7 @@ def _signals(folder) -> dict:
             parts = [f"{s} in {n}" for s, n in counts.items()]
             out[f"map.fresh.best.{family}"] = (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1
                                                else parts[0]) + f" of {len(g)} trunks"
+        out["map.fresh.best_fraction"] = f"{rule_rows['best_fraction'].min():g}–{rule_rows['best_fraction'].max():g}"
         signals = json.loads(fresh.read_text()).get("signals", {})
         out["map.fresh.signals"] = "; ".join(f"`{name.rsplit(' ', 1)[0]}` at {name.rsplit(' ', 1)[1]}: good in "
                                              f"{e['good']} of {e['judged']}" for name, e in signals.items())
