@@ -334,9 +334,15 @@ def _signals(folder) -> dict:
         if probe:
             half = "; ".join(f"{k.split(' seed ')[1]}: step {v['step']}, {v['verdict']}"
                              for k, v in probe["reported"].items())
+            so_far = " so far" if probe["judged"] < probe["planned"] else ""
+            fired = trunks[(trunks["signal"] == probe["signal"]) & trunks["family"].isin(probe["judged_by"])]
+            out["map.fresh.tail_expert.steps"] = "; ".join(
+                f"{r.family.removeprefix('warmup-fresh-') if r.family != 'warmup-fresh' else 'main'} {r.seed}: "
+                f"{'nothing' if pd.isna(r.step) else int(r.step)} (best {int(r.best_step)})" for r in fired.itertuples())
             out["map.fresh.tail_expert"] = (
                 f"{probe['verdict']}" + (f" ({probe['decided_by']})" if "decided_by" in probe else "")
-                + f"; good in {probe['good']} of the {probe['judged']} trunks judged so far, of {probe['planned']}"
+                + f"; good in {probe['good']} of the {probe['judged']} trunks judged{so_far}"
+                + (f", of {probe['planned']}" if so_far else "")
                 + (f"; on the half family's trunks, reported only (seed: its step, verdict): {half}" if half else ""))
             out["map.fresh.tail_expert.short"] = f"{probe['verdict']}, good in {probe['good']} of {probe['judged']}"
         layers = json.loads(fresh.read_text()).get("layers", {})
