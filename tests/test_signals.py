@@ -154,12 +154,12 @@ def test_the_plans_record_is_the_committed_cross_validation():
         fresh = json.loads(verdicts.read_text())["rule_on_fresh_trunks"]
         assert CROSS_VALIDATED["fresh_verdict"] == fresh["verdict"]
         assert CROSS_VALIDATED["fresh"].startswith(fresh["verdict"]), (CROSS_VALIDATED["fresh"], fresh["verdict"])
-        assert CROSS_VALIDATED["fresh_good"] == {k: (f["good"], f["judged"]) for k, f in fresh["per_family"].items()}
+        assert CROSS_VALIDATED["fresh_good"] == {k: [f["good"], f["judged"]] for k, f in fresh["per_family"].items()}
         good, judged = (sum(g[i] for g in CROSS_VALIDATED["fresh_good"].values()) for i in (0, 1))
         assert f"good in {good} of the {judged} fresh trunks" in CROSS_VALIDATED["fresh"]
         trunks = pd.read_csv(verdicts.parent / "trunks.csv")
         best = trunks.loc[trunks["signal"].str.startswith("rule"), "best_fraction"]
-        assert CROSS_VALIDATED["fresh_best_fraction"] == (best.min(), best.max(), int((best == best.max()).sum()))
+        assert CROSS_VALIDATED["fresh_best_fraction"] == [best.min(), best.max(), int((best == best.max()).sum())]
     else:
         assert CROSS_VALIDATED["fresh"].startswith("not yet run")
 

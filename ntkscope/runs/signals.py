@@ -217,17 +217,18 @@ register(Signal("cluster-count", "the consensus's number of clusters, mean over 
 
 #: what cross-validation chose on the warm-up map's trunks (figures/warmup-map/signals/rule.json,
 #: checked equal by the tests) and what the fresh trunks registered in
-#: figures/warmup-map/fresh/CRITERIA.md have shown of it
+#: figures/warmup-map/fresh/CRITERIA.md have shown of it (lists, not tuples: a plan's JSON gives
+#: the same record back)
 CROSS_VALIDATED = {
     "signal": "schedule-fraction", "threshold": 0.5, "cv_good": 6, "trunks": 7,
     "cv_record": {"schedule-fraction": 6, "lr-fraction": 2, "loss-plateau": 2, "tail-slope-ratio": 1,
                   "consensus-structure": 2, "cluster-count": 0},
     "on": "leave-one-trunk-out over the warm-up map's 7 trunks (4 x 128 GPT, 2400-step cosine, one H200 build)",
     "fresh_verdict": "not shown",
-    "fresh_good": {"warmup-fresh": (2, 5), "warmup-fresh-half": (1, 3), "warmup-fresh-mix": (1, 3)},
+    "fresh_good": {"warmup-fresh": [2, 5], "warmup-fresh-half": [1, 3], "warmup-fresh-mix": [1, 3]},
     # the best conversion step's fraction of the schedule on the 11 fresh trunks: lowest, highest, and
     # the trunks at the highest (the latest step tried, 0.75 of the schedule)
-    "fresh_best_fraction": (0.375, 0.75, 6),
+    "fresh_best_fraction": [0.375, 0.75, 6],
     "fresh": "not shown: good in 4 of the 11 fresh trunks, 9 needed (seeds 5-9 of the map's configuration: 2 of 5; "
              "a 1200-step schedule: 1 of 3; a third mix: 1 of 3; CPU build, figures/warmup-map/fresh)",
 }
