@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import ntkscope as ns
 from ntkscope.kernel import device_statistics, replicates
-from ntkscope.kernel.device_statistics import DeviceStatistics, _oriented
+from ntkscope.kernel.device_statistics import DeviceStatistics, orient_rows
 from ntkscope.kernel.nulls import Controls, check_controls
 from ntkscope.kernel.uncertainty import Resampling, kernel_statistics, statistics_device
 
@@ -169,7 +169,7 @@ def test_bootstrap_and_no_resampling_ignore_the_device():
 
 def test_sign_convention_matches_the_host():
     w = torch.tensor([[1.0, -2.0, 0.5], [0.0, -1.0, 1.0], [0.0, 1.0, -1.0], [3.0, 0.0, 0.0]], dtype=torch.float64)
-    out = _oriented(w)
+    out = orient_rows(w)
     assert out.sum(1).ge(0).all()
     assert out[1].tolist() == [0.0, 1.0, -1.0] and out[2].tolist() == [0.0, 1.0, -1.0]  # a zero sum: first nonzero > 0
 

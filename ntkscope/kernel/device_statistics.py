@@ -38,7 +38,7 @@ from ntkscope.kernel.replicates import MAX_POWER, RESIDUAL, Jackknife
 BATCH_BYTES = 256 * 2**20
 
 
-def _oriented(w: torch.Tensor) -> torch.Tensor:
+def orient_rows(w: torch.Tensor) -> torch.Tensor:
     """Rows of ``w`` (R, n) flipped so that each sums to > 0 (a zero sum: its first nonzero entry
     > 0), the host's sign convention."""
     total = w.sum(-1)
@@ -76,14 +76,15 @@ class DeviceStatistics:
         self.device = torch.device(device)
         self.Kt = torch.as_tensor(K, dtype=torch.float64, device=self.device)
 
-    def jackknife(self, members: list, *, budget: int, halves: int, seed: int) -> Jackknife | None:
-        """:func:`ntkscope.kernel.replicates.jackknife` of the same plan, solved in batches."""
+    def jackknife(self, members: list, *, budget: int, halves: int, seed: int, point: tuple | None = None
+                  ) -> Jackknife | None:
+        """:func:`ntkscope.kernel.replicates.jackknife` of the same plan, solved in batches; ``point``:
+        :func:`~ntkscope.kernel.replicates.statistics` of the whole set when the caller has it."""
         n = self.K.shape[0]
         plan = replicates.jackknife_plan(n, members, budget=budget, halves=halves, seed=seed)
         if plan is None:
             return None
-        ones = np.ones(n, dtype=np.int64)
-        whole, subs = replicates.statistics(self.K, ones, members)
+        whole, subs = point or replicates.statistics(self.K, np.ones(n, dtype=np.int64), members)
         point = np.concatenate([[s[0] for s in subs], [abs(s[0]) for s in subs], [s[2] for s in subs]])
         masks = np.concatenate([plan.present.astype(np.float64), plan.halves.astype(np.float64)])
         reps = self._values(torch.as_tensor(masks, device=self.device), members, whole, subs, len(plan.present))
@@ -118,7 +119,7 @@ class DeviceStatistics:
             lam[rows], vecs = _top_pairs(lambda sl: K[idx[sl, :, None], idx[sl, None, :]], len(rows), idx.shape[1])
             X[rows] = torch.zeros_like(X[rows]).scatter_(1, idx, vecs)
         W = X * C  # a left-out sample's entry exactly 0
-        return _oriented(W / W.norm(dim=1, keepdim=True)), lam
+        return orient_rows(W / W.norm(dim=1, keepdim=True)), lam
 
     def _values(self, C: torch.Tensor, members: list, whole, subs, iterate: int) -> np.ndarray:
         """:func:`~ntkscope.kernel.replicates.values` (R, 3k) of the replicates whose counts are
@@ -141,7 +142,7 @@ class DeviceStatistics:
                 cc = c[changed]
                 lam_sub[changed], v = _top_pairs(lambda sl: cc[sl, :, None] * block * cc[sl, None, :], len(cc),
                                                  len(idx))
-                w[changed] = _oriented(v * cc)
+                w[changed] = orient_rows(v * cc)
             gcs.append(_cosine((along[:, at] * w).sum(1), norm, lam_sub.clamp(min=0).sqrt()))
             mean_sub = ((c @ block) * c).sum(1).clamp(min=0).sqrt()
             means.append(_cosine((mean_along[:, at] * c).sum(1), whole_mean, mean_sub))

@@ -381,7 +381,8 @@ def kernel_statistics(K: np.ndarray, members: list, resampling: Resampling | Non
     if r is not None and r.resamples > 0:
         if r.interval == "jackknife":
             plan = dict(budget=r.resamples, halves=r.half_samples, seed=r.seed)
-            jk = replicates.jackknife(K, members, **plan) if on is None else on.jackknife(members, **plan)
+            jk = (replicates.jackknife(K, members, **plan) if on is None
+                  else on.jackknife(members, **plan, point=(whole, subs)))
         else:
             boot = replicates.bootstrap(K, members, resamples=r.resamples, confidence=r.confidence,
                                         method=r.interval, seed=r.seed)

@@ -229,9 +229,16 @@ CROSS_VALIDATED = {
     # the best conversion step's fraction of the schedule on the 11 fresh trunks: lowest, highest, and
     # the trunks at the highest (the latest step tried, 0.75 of the schedule)
     "fresh_best_fraction": [0.375, 0.75, 6],
-    "fresh": "not shown: good in 4 of the 11 fresh trunks, 9 needed (seeds 5-9 of the map's configuration: 2 of 5; "
-             "a 1200-step schedule: 1 of 3; a third mix: 1 of 3; CPU build, figures/warmup-map/fresh)",
+    "fresh_needed": 9,
 }
+#: the fresh families (figures/warmup-map/fresh/README.md), in the words of the plan's record
+FRESH_FAMILIES = {"warmup-fresh": "seeds 5-9 of the map's configuration", "warmup-fresh-half": "a 1200-step schedule",
+                  "warmup-fresh-mix": "a third mix"}
+CROSS_VALIDATED["fresh"] = (
+    f"{CROSS_VALIDATED['fresh_verdict']}: good in {sum(g for g, _ in CROSS_VALIDATED['fresh_good'].values())} of the "
+    f"{sum(n for _, n in CROSS_VALIDATED['fresh_good'].values())} fresh trunks, {CROSS_VALIDATED['fresh_needed']} "
+    "needed (" + "; ".join(f"{FRESH_FAMILIES[f]}: {g} of {n}" for f, (g, n) in CROSS_VALIDATED["fresh_good"].items())
+    + "; CPU build, figures/warmup-map/fresh)")
 
 
 def warmup_record(measured_step: int | None, measured_rule: str | None, total_steps: int | None) -> dict:
